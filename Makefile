@@ -1,0 +1,50 @@
+# hpdl — the two commands a learner needs:
+#   make lab    install on first run, then start JupyterLab at notebooks/00_welcome.ipynb
+#   make test   install on first run, then run every test
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hpdl-installed
+LAB_PORT ?= 8888
+LAB_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: lab test setup horovod build check-build bench doctor clean-venv cleanup
+
+lab: setup
+	@echo "hpdl: starting JupyterLab (stop with Ctrl-C; ranks you started stop with it)"
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
+	  --ServerApp.root_dir="$(CURDIR)" $(LAB_ARGS) notebooks/00_welcome.ipynb
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml cluster/build/horovod.sh
+	@start=$$(date +%s); \
+	test -x $(PY) || $(PYTHON) -m venv $(VENV); \
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt && \
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e . && \
+	PYTHON=$(PY) bash cluster/build/horovod.sh && \
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (hpdl)" >/dev/null && \
+	touch $(STAMP) && \
+	echo "hpdl: installed in $$(( $$(date +%s) - start )) s"
+
+horovod: setup
+
+build: setup
+	$(VENV)/bin/hpdl build
+
+check-build: setup
+	$(VENV)/bin/hpdl build --check
+
+doctor: setup
+	$(VENV)/bin/hpdl doctor
+
+cleanup:
+	-$(VENV)/bin/hpdl cleanup
+
+clean-venv:
+	rm -rf $(VENV)

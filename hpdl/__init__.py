@@ -1,0 +1,44 @@
+"""hpdl: a hands-on kit for high-performance distributed deep learning.
+
+A notebook needs only these names:
+
+    import hpdl
+    hpdl.start(n=4)        # engines that are MPI ranks; %%px runs a cell on every rank
+    hpdl.check("ring_allreduce", ring_allreduce)   # autograded check on fresh ranks
+    hpdl.stop()
+
+and the helper modules hpdl.data, hpdl.models, hpdl.plots, hpdl.bench (imported on first use).
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_FUNCTIONS = {
+    "start": "hpdl.cluster",
+    "stop": "hpdl.cluster",
+    "restart": "hpdl.cluster",
+    "status": "hpdl.cluster",
+    "view": "hpdl.cluster",
+    "check": "hpdl.check",
+}
+_MODULES = {"data", "models", "plots", "bench", "dp", "timeline"}
+
+__all__ = sorted(_FUNCTIONS) + sorted(_MODULES)
+
+
+def __getattr__(name: str):
+    # Imported on first use so `import hpdl` stays quick and engines never pull in the client.
+    if name in _FUNCTIONS:
+        return getattr(importlib.import_module(_FUNCTIONS[name]), name)
+    if name in _MODULES:
+        return importlib.import_module(f"hpdl.{name}")
+    raise AttributeError(f"module 'hpdl' has no attribute {name!r}")
+
+
+def load_ipython_extension(ip) -> None:
+    """`%load_ext hpdl` registers the %hpdl magic (start/stop/status/check)."""
+    from hpdl.magics import register
+
+    register(ip)

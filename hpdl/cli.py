@@ -1,0 +1,41 @@
+"""The `hpdl` command: one verb per job, each handled by the module that owns it."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+VERBS = {
+    "doctor": ("hpdl.doctor", "report the environment and what to fix"),
+    "build": ("hpdl.build", "generate exercises/ from solutions/ (--check: fail on drift)"),
+    "exercises": ("hpdl.workspace", "copy the exercises into your workspace, never overwriting your edits"),
+    "grade": ("hpdl.grade", "grade a folder of submitted notebooks"),
+    "cleanup": ("hpdl.cluster", "stop clusters this kit started and left behind"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print("usage: hpdl VERB [options]\n")
+        for verb, (_, text) in VERBS.items():
+            print(f"  {verb:<10} {text}")
+        return 0
+    verb, rest = argv[0], argv[1:]
+    if verb not in VERBS:
+        print(f"hpdl: no verb {verb!r}; try one of: {', '.join(VERBS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(VERBS[verb][0])
+    from hpdl.errors import HpdlError
+
+    try:
+        return int(module.main(rest) or 0)
+    except HpdlError as exc:
+        print(f"hpdl {verb}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"hpdl {verb}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Shared test set-up: a private HPDL_HOME, the venv's tools on PATH, and no stray processes."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _environment(tmp_path_factory):
+    home = tmp_path_factory.mktemp("hpdl-home")
+    os.environ["HPDL_HOME"] = str(home)
+    os.environ["IPP_NONINTERACTIVE"] = "1"
+    os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    yield home
+
+
+def kit_processes() -> list[psutil.Process]:
+    """Live processes started under this test session's HPDL_HOME (engines, controllers,
+    MPI launchers, reapers, check workers); others on the machine are not ours to judge."""
+    home = os.environ.get("HPDL_HOME")
+    found = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if p.environ().get("HPDL_HOME") == home:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture
+def no_strays():
+    """Fail a test that leaves engines, controllers or MPI launchers behind."""
+    me = psutil.Process()
+    before = {p.pid for p in kit_processes()} | {c.pid for c in me.children(recursive=True)}
+    yield
+    deadline = psutil.time.time() + 10
+    while True:
+        left = [p for p in kit_processes() if p.pid not in before]
+        if not left or psutil.time.time() > deadline:
+            break
+        psutil.time.sleep(0.2)
+    names = [" ".join(p.cmdline()[:4]) for p in left if p.is_running()]
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    assert not names, f"processes left behind: {names}"

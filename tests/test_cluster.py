@@ -1,0 +1,214 @@
+"""The cluster's life: real MPI ranks start, run collectives, hang, die, and leave nothing behind."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+import hpdl
+from hpdl.errors import HpdlError, RankDied, RankHang
+
+
+@pytest.fixture
+def ip():
+    """An in-process IPython shell, so %%px runs through the same magics a notebook uses."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    yield shell
+
+
+def run(ip, cell: str):
+    result = ip.run_cell(cell)
+    return result
+
+
+def wait_gone(pids, timeout=15.0) -> list[int]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return []
+        time.sleep(0.2)
+    return alive
+
+
+def test_four_ranks_agree_on_three_allreduces(no_strays):
+    c = hpdl.start(n=4, quiet=True)
+    try:
+        assert [r["rank"] for r in c.ranks] == [0, 1, 2, 3]
+        assert len({r["pid"] for r in c.ranks}) == 4
+        view = hpdl.view()
+        view.execute(
+            textwrap.dedent(
+                """
+                import torch
+                from mpi4py import MPI
+                x = torch.tensor([rank + 1.0, 10.0 * rank])
+                a = x.clone(); comm.Allreduce(MPI.IN_PLACE, a.numpy(), op=MPI.SUM)
+                b = x.clone(); dist.all_reduce(b)
+                h = hvd.allreduce(x, op=hvd.Sum)
+                out = (a.tolist(), b.tolist(), h.tolist(), rank, world_size, torch.get_num_threads())
+                """
+            ),
+            block=True,
+        )
+        outs = view.pull("out", block=True)
+        for a, b, h, rank, size, threads in outs:
+            assert a == b == h == [10.0, 60.0]
+            assert size == 4
+            assert threads == max(1, len(os.sched_getaffinity(0)) // 4)
+        assert [o[3] for o in outs] == [0, 1, 2, 3]
+    finally:
+        hpdl.stop(quiet=True)
+    assert hpdl.status() == {"running": False}
+
+
+def test_start_again_reuses_healthy_ranks_and_restarts_on_change(no_strays):
+    c1 = hpdl.start(n=2, frameworks=(), quiet=True)
+    try:
+        pids1 = sorted(c1.engine_pids().values())
+        hpdl.view().execute("kept = rank * 7", block=True)
+        c2 = hpdl.start(n=2, frameworks=(), quiet=True)
+        assert c2 is c1 and sorted(c2.engine_pids().values()) == pids1
+        assert hpdl.view().pull("kept", block=True) == [0, 7]
+        c3 = hpdl.start(n=3, frameworks=(), quiet=True)
+        assert c3.n == 3 and not set(c3.engine_pids().values()) & set(pids1)
+        assert wait_gone(pids1) == []
+    finally:
+        hpdl.stop(quiet=True)
+
+
+def test_hang_names_stuck_rank_and_line_then_restart_recovers(ip, no_strays):
+    hpdl.start(n=3, frameworks=(), quiet=True)
+    try:
+        t0 = time.monotonic()
+        res = run(ip, "%%px --timeout 3\nimport numpy as np\nbuf = np.zeros(1)\nif rank == 0:\n    comm.Recv(buf, source=2)\nx = 1")
+        elapsed = time.monotonic() - t0
+        err = res.error_in_exec
+        assert isinstance(err, RankHang), err
+        msg = str(err)
+        assert "stuck:    rank 0 at line 4 of the cell: comm.Recv(buf, source=2)" in msg, msg
+        assert "finished: ranks 1, 2" in msg, msg
+        assert elapsed < 3 + 10  # reported after the limit, not never
+        assert "still stuck" in hpdl.status()["problem"]
+        # the next %%px is refused with advice instead of queueing behind the stuck rank
+        res = run(ip, "%%px\nprint(rank)")
+        assert isinstance(res.error_in_exec, HpdlError) and "hpdl.restart()" in str(res.error_in_exec)
+        old = sorted(hpdl.cluster.current().engine_pids().values())
+        hpdl.restart()
+        res = run(ip, "%%px\ny = comm.allreduce(rank)")
+        assert res.error_in_exec is None
+        assert hpdl.view().pull("y", block=True) == [3, 3, 3]
+        assert wait_gone(old) == []
+    finally:
+        hpdl.stop(quiet=True)
+
+
+def test_learner_error_on_one_rank_is_shown_per_rank(ip, no_strays):
+    hpdl.start(n=2, frameworks=(), quiet=True)
+    try:
+        res = run(ip, "%%px\nz = 1 / (rank - 1)")
+        from ipyparallel.error import AlreadyDisplayedError, CompositeError
+
+        assert isinstance(res.error_in_exec, (CompositeError, AlreadyDisplayedError))
+        assert "ZeroDivisionError" in str(res.error_in_exec.__cause__ or res.error_in_exec) or "1 errors" in str(res.error_in_exec)
+        assert hpdl.view().pull("z", targets=0, block=True) == -1.0
+    finally:
+        hpdl.stop(quiet=True)
+
+
+def test_killed_rank_is_named_and_next_start_recovers(ip, no_strays):
+    c = hpdl.start(n=3, frameworks=(), quiet=True)
+    try:
+        victim = c.engine_pids()[1]
+        others = [p for r, p in c.engine_pids().items() if r != 1]
+        killer = subprocess.Popen([sys.executable, "-c", f"import os,time,signal; time.sleep(1.5); os.kill({victim}, signal.SIGKILL)"])
+        res = run(ip, "%%px --timeout 60\nimport time\ntime.sleep(30)")
+        killer.wait()
+        err = res.error_in_exec
+        assert isinstance(err, RankDied), err
+        assert str(err).startswith(f"rank 1 (pid {victim}"), str(err)
+        assert "hpdl.start()" in str(err)
+        assert wait_gone(others) == []  # the MPI job ends with its rank
+        c2 = hpdl.start(n=3, frameworks=(), quiet=True)
+        assert c2 is not c and c2.problem() is None
+        assert sorted(hpdl.view().apply_sync(os.getpid)) == sorted(c2.engine_pids().values())
+    finally:
+        hpdl.stop(quiet=True)
+
+
+KERNEL_CODE = "import hpdl, json\nc = hpdl.start(n=2, frameworks=(), quiet=True)\nprint(json.dumps(sorted(c.engine_pids().values()) + [c.ipp.controller.pid]))"
+
+
+def _kernel_with_cluster():
+    from jupyter_client import KernelManager
+
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(env=dict(os.environ))
+    kc = km.client()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=60)
+    out = []
+    kc.execute_interactive(KERNEL_CODE, timeout=120, output_hook=lambda m: out.append(m["content"].get("text", "")) if m["msg_type"] == "stream" else None)
+    import json
+
+    pids = json.loads([line for line in "".join(out).splitlines() if line.startswith("[")][-1])
+    return km, kc, pids
+
+
+@pytest.mark.parametrize("how", ["restart", "kill"])
+def test_no_process_survives_a_kernel_restart_or_kill(how, no_strays):
+    km, kc, pids = _kernel_with_cluster()
+    assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+    try:
+        if how == "restart":
+            km.restart_kernel(now=False)  # a polite restart: the kernel shuts down, then starts again
+        else:
+            os.kill(km.provisioner.pid, signal.SIGKILL)  # no exit handlers run; the reaper acts
+        assert wait_gone(pids, timeout=20) == [], f"left running after kernel {how}"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"n": 0}, "whole number"),
+        ({"n": "4"}, "whole number"),
+        ({"n": 2, "frameworks": ("tensorflow",)}, "tensorflow unknown"),
+        ({"n": 2, "launcher": "kubernetes"}, "launcher='kubernetes'"),
+        ({"n": 2, "cell_timeout": -1}, "positive"),
+    ],
+)
+def test_bad_arguments_get_a_message_not_a_traceback(kwargs, words):
+    with pytest.raises(HpdlError) as info:
+        hpdl.start(**kwargs)
+    assert words in str(info.value)
+    assert hpdl.status() == {"running": False}
+
+
+def test_missing_mpiexec_says_what_to_do(tmp_path):
+    """A Python with no MPI launcher beside it and none on PATH."""
+    import sysconfig
+
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    os.symlink(os.path.realpath(sys.executable), fake_bin / "python")
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": os.pathsep.join([sysconfig.get_paths()["purelib"], str(hpdl.__path__[0].rsplit("/", 1)[0])]),
+        "HOME": str(tmp_path),
+        "HPDL_HOME": str(tmp_path / "home"),
+    }
+    code = "import hpdl\ntry:\n    hpdl.start(n=2)\nexcept hpdl.errors.HpdlError as e:\n    print('MESSAGE', e)\n"
+    p = subprocess.run([str(fake_bin / "python"), "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "MESSAGE No mpiexec found" in p.stdout, p.stdout + p.stderr
+    assert "make lab" in p.stdout
