@@ -212,3 +212,22 @@ def test_missing_mpiexec_says_what_to_do(tmp_path):
     p = subprocess.run([str(fake_bin / "python"), "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "MESSAGE No mpiexec found" in p.stdout, p.stdout + p.stderr
     assert "make lab" in p.stdout
+
+
+def test_magic_start_and_hang_inside_a_learner_function(ip, no_strays):
+    """%hpdl start works like hpdl.start; a hang inside a function names the function's line."""
+    from hpdl.magics import register
+
+    register(ip)
+    res = run(ip, "%hpdl start -n 2 --frameworks ''")
+    assert res.error_in_exec is None and hpdl.status()["n"] == 2
+    try:
+        assert run(ip, "%%px\ndef exchange(comm, x):\n    import numpy as np\n    got = np.empty_like(x)\n    comm.Recv(got, source=(comm.rank + 1) % comm.size)\n    comm.Send(x, dest=(comm.rank - 1) % comm.size)\n    return got").error_in_exec is None
+        res = run(ip, "%%px --timeout 2\nimport numpy as np\nexchange(comm, np.ones(4))")
+        msg = str(res.error_in_exec)
+        assert isinstance(res.error_in_exec, RankHang)
+        assert "stuck:    rank 0 at line 4 of exchange(): comm.Recv(got, source=(comm.rank + 1) % comm.size)" in msg, msg
+        assert "stuck:    rank 1 at line 4 of exchange()" in msg, msg
+    finally:
+        run(ip, "%hpdl stop")
+    assert hpdl.status() == {"running": False}

@@ -1,0 +1,113 @@
+"""Small pieces on their own: argument parsing, messages, the watchdog's stack reading, the reaper."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from hpdl import cluster, launchers, watchdog
+from hpdl.errors import HpdlError
+
+
+def test_ranks_text_compacts_runs():
+    assert cluster._ranks_text([3, 1, 2, 0]) == "0–3"
+    assert cluster._ranks_text([0, 2]) == "0, 2"
+    assert cluster._ranks_text([5]) == "5"
+
+
+def test_launcher_resolution(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("HPDL_LAUNCHER", raising=False)
+    assert launchers.resolve("auto") == "local"
+    monkeypatch.setenv("HPDL_LAUNCHER", "local")
+    assert launchers.resolve("auto") == "local"
+    with pytest.raises(HpdlError, match="not one we know"):
+        launchers.resolve("pbs")
+
+
+def test_mpiexec_found_beside_this_python():
+    path = launchers.find_mpiexec()
+    assert os.path.exists(path)
+    out = subprocess.run([path, "-n", "2", sys.executable, "-c", "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["2", "2"]
+
+
+def test_watchdog_reads_a_blocked_main_thread(tmp_path):
+    """The side thread sees where the main thread waits, with the source line."""
+    rank_dir = tmp_path
+    (rank_dir / "stacks").mkdir()
+    ready = threading.Event()
+    release = threading.Event()
+
+    def blocked():
+        ready.set()
+        release.wait(10)  # the line the snapshot must name
+
+    worker = threading.Thread(target=blocked)
+    worker.start()
+    ready.wait(5)
+    time.sleep(0.1)
+    snap = watchdog.snapshot(worker.ident)
+    release.set()
+    worker.join()
+    assert snap["where"]["func"] == "blocked"
+    assert snap["where"]["code"] == "release.wait(10)  # the line the snapshot must name"
+
+
+def test_reaper_kills_the_tree_when_the_watched_process_dies(tmp_path):
+    # a "kernel" (sleep) and a "cluster" (a process with a child) it is responsible for
+    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    tree = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"],
+                            start_new_session=True)
+    time.sleep(0.5)
+    child = psutil.Process(tree.pid).children()[0].pid
+    state = tmp_path / "reaper.json"
+    state.write_text(json.dumps({"watch_pid": kernel.pid, "pids": [tree.pid], "pgids": [tree.pid], "slurm_jobs": []}))
+    reaper = subprocess.Popen([sys.executable, "-m", "hpdl.reaper", str(state)])
+    time.sleep(1.0)
+    assert psutil.pid_exists(child) and reaper.poll() is None  # nothing happens while the kernel lives
+    kernel.kill()
+    kernel.wait()
+    assert reaper.wait(timeout=15) == 0
+    tree.wait(timeout=5)
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    assert not state.exists()
+
+
+def test_reaper_leaves_quietly_after_a_clean_stop(tmp_path):
+    state = tmp_path / "reaper.json"
+    state.write_text(json.dumps({"watch_pid": os.getpid(), "pids": [], "pgids": [], "slurm_jobs": []}))
+    reaper = subprocess.Popen([sys.executable, "-m", "hpdl.reaper", str(state)])
+    time.sleep(0.8)
+    assert reaper.poll() is None
+    state.unlink()
+    assert reaper.wait(timeout=5) == 0
+
+
+def test_px_timeout_option_is_validated():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from hpdl.magics import register
+
+    ip = InteractiveShell.instance()
+    register(ip)
+    res = ip.run_cell("%hpdl start -n two")
+    assert isinstance(res.error_in_exec, HpdlError) and "whole number" in str(res.error_in_exec)
+    res = ip.run_cell("%hpdl launch")
+    assert isinstance(res.error_in_exec, HpdlError) and "no verb 'launch'" in str(res.error_in_exec)
+
+
+def test_cli_lists_verbs_and_rejects_unknown(capsys):
+    from hpdl.cli import main
+
+    assert main([]) == 0
+    assert "doctor" in capsys.readouterr().out
+    assert main(["fly"]) == 2
+    assert "no verb 'fly'" in capsys.readouterr().err
