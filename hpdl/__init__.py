@@ -37,6 +37,33 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'hpdl' has no attribute {name!r}")
 
 
+def _hpdl_line_magic(line: str):
+    """%hpdl start [-n N] [--launcher L] [--frameworks torch,horovod] | stop | restart | status"""
+    from hpdl.magics import _hpdl_magic
+
+    return _hpdl_magic(line)
+
+
+def _register_magic() -> None:
+    # In a notebook, `import hpdl` is enough for `%hpdl start -n 4` to work.
+    import sys
+
+    if "IPython" not in sys.modules:
+        return
+    try:
+        ip = sys.modules["IPython"].get_ipython()
+        if ip is not None and "hpdl" not in ip.magics_manager.magics["line"]:
+            from hpdl.errors import install_handler
+
+            ip.register_magic_function(_hpdl_line_magic, "line", "hpdl")
+            install_handler(ip)
+    except Exception:
+        pass
+
+
+_register_magic()
+
+
 def load_ipython_extension(ip) -> None:
     """`%load_ext hpdl` registers the %hpdl magic (start/stop/status/check)."""
     from hpdl.magics import register

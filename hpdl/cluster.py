@@ -453,13 +453,13 @@ def _where_text(w: dict | None, code: str | None) -> str:
     return f"line {f['line']} of {place}: {text}" if text else f"line {f['line']} of {place}"
 
 
-def _hang_report(cluster: Cluster, ar, timeout: float, code: str | None) -> str:
+def _hang_report(cluster: Cluster, ar, timeout: float, code: str | None, headline: str | None = None) -> str:
     done, stuck = _pending_ranks(cluster, ar)
     where = ask_where(cluster, stuck)
     for msg_id, engine in zip(ar.msg_ids, getattr(ar, "_targets", []) or []):
         if msg_id in cluster.client.outstanding:
             cluster.wedged[msg_id] = _engine_to_rank(cluster).get(engine, engine)
-    lines = [f"the cell did not finish on every rank within {timeout:g} s."]
+    lines = [headline or f"the cell did not finish on every rank within {timeout:g} s."]
     if done:
         lines.append(f"  finished: rank{'s' if len(done) > 1 else ''} {_ranks_text(done)}")
     for r in stuck:

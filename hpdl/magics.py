@@ -78,7 +78,8 @@ class RankMagics(ParallelMagics):
             while not result.ready() and time.monotonic() < deadline:
                 result.wait(0.1)
             if not result.ready():
-                raise _cl.RankHang("interrupted, but " + _cl._hang_report(c, result, 0, cell).split(".", 1)[1].lstrip()) from None
+                headline = "interrupted, but some ranks did not stop (a rank inside an MPI call cannot be interrupted)."
+                raise _cl.RankHang(_cl._hang_report(c, result, 0, cell, headline)) from None
         finally:
             if not stream_output and result.ready():
                 result.wait_for_output(1)

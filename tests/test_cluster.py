@@ -231,3 +231,34 @@ def test_magic_start_and_hang_inside_a_learner_function(ip, no_strays):
     finally:
         run(ip, "%hpdl stop")
     assert hpdl.status() == {"running": False}
+
+
+def test_interrupting_a_stuck_cell_names_the_rank_that_cannot_stop(no_strays):
+    """The notebook's stop button: ranks in Python stop; a rank inside MPI is named."""
+    km, kc, pids = _kernel_with_cluster()
+    try:
+        errors = []
+        msg_id = kc.execute("%%px\nimport numpy as np, time\nif rank == 0:\n    comm.Recv(np.zeros(1), source=1)\nelse:\n    time.sleep(60)")
+        time.sleep(3)
+        km.interrupt_kernel()
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                m = kc.get_iopub_msg(timeout=1)
+            except Exception:
+                continue
+            if m["parent_header"].get("msg_id") != msg_id:
+                continue
+            if m["msg_type"] == "error":
+                errors.append(m["content"])
+            if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
+                break
+        assert errors and errors[-1]["ename"] == "RankHang", errors
+        text = errors[-1]["evalue"]
+        assert text.startswith("interrupted"), text
+        assert "stuck:    rank 0 at line 3 of the cell: comm.Recv(np.zeros(1), source=1)" in text, text
+        assert "rank 1" in text and "stuck:    rank 1" not in text, text
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+    assert wait_gone(pids, timeout=20) == []
