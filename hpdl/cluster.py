@@ -41,6 +41,7 @@ class Cluster:
     launcher: str
     frameworks: tuple[str, ...]
     cell_timeout: float
+    env: dict
     ipp: Any  # ipyparallel.Cluster
     client: Any  # ipyparallel.Client
     run_dir: Path
@@ -146,6 +147,7 @@ def start(
     frameworks: tuple[str, ...] | list[str] | str = DEFAULT_FRAMEWORKS,
     cell_timeout: float = DEFAULT_CELL_TIMEOUT,
     timeout: float | None = None,
+    env: dict[str, str] | None = None,
     quiet: bool = False,
 ) -> Cluster:
     """Start `n` engines as MPI ranks and make `%%px` run cells on all of them.
@@ -153,17 +155,23 @@ def start(
     Called again with the same settings while the ranks are healthy, it reuses them (your
     variables on the engines survive); if a rank died or is stuck, or settings differ, it
     stops the old ranks and starts fresh ones.
+
+    `env` sets environment variables on every rank before MPI, torch.distributed and Horovod
+    start — the way to try knobs such as HOROVOD_FUSION_THRESHOLD, NCCL_ALGO or MV2_USE_CUDA.
     """
     global _current
     launcher = launchers.resolve(launcher)
     if n is None:
         n = launchers.default_n(launcher)
     n, frameworks, cell_timeout = _check_args(n, frameworks, cell_timeout)
+    if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) for k in env)):
+        raise HpdlError(f"env is a dict of environment variables, e.g. {{'HOROVOD_CYCLE_TIME': '5'}}; got {env!r}.")
+    env = {k: str(v) for k, v in (env or {}).items()}
 
     if _current is not None:
         old = _current
         why = old.problem()
-        same = (old.n, old.launcher) == (n, launcher) and set(frameworks) <= set(old.frameworks)
+        same = (old.n, old.launcher, old.env) == (n, launcher, env) and set(frameworks) <= set(old.frameworks)
         if why is None and same:
             old.cell_timeout = cell_timeout
             _activate(old)
@@ -173,7 +181,7 @@ def start(
         stop(quiet=True)
 
     t0 = time.perf_counter()
-    cluster = _launch(n, launcher, frameworks, cell_timeout, timeout, quiet)
+    cluster = _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet)
     cluster.start_seconds = time.perf_counter() - t0
     _current = cluster
     _activate(cluster)
@@ -181,14 +189,14 @@ def start(
     return cluster
 
 
-def _launch(n, launcher, frameworks, cell_timeout, timeout, quiet) -> Cluster:
+def _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet) -> Cluster:
     import ipyparallel as ipp
     from traitlets.config import Config
 
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
     config = Config()
     kwargs = launchers.configure(launcher, config, n)
-    config.EngineLauncher.environment = launchers.engine_env()
+    config.EngineLauncher.environment = {**launchers.engine_env(), **env}
     cluster_id = f"hpdl-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     profile_dir = home() / "profile"
     run_dir = home() / "runs" / cluster_id
@@ -211,7 +219,7 @@ def _launch(n, launcher, frameworks, cell_timeout, timeout, quiet) -> Cluster:
     )
 
     state_file = run_dir / "reaper.json"
-    cluster = Cluster(n, launcher, frameworks, cell_timeout, ipp_cluster, None, run_dir, state_file, None)
+    cluster = Cluster(n, launcher, frameworks, cell_timeout, env, ipp_cluster, None, run_dir, state_file, None)
     try:
         bar = _progress(n + 1, quiet)
         ipp_cluster.start_controller_sync()
@@ -588,7 +596,7 @@ def _remove_tree(path: Path) -> None:
 def restart(**kwargs) -> Cluster:
     """Fresh ranks with the same settings (or new ones given as keyword arguments)."""
     old = _current
-    settings = dict(n=old.n, launcher=old.launcher, frameworks=old.frameworks, cell_timeout=old.cell_timeout) if old else {}
+    settings = dict(n=old.n, launcher=old.launcher, frameworks=old.frameworks, cell_timeout=old.cell_timeout, env=old.env) if old else {}
     settings.update(kwargs)
     stop(quiet=True)
     return start(**settings)
@@ -604,6 +612,7 @@ def status() -> dict:
         "n": c.n,
         "launcher": c.launcher,
         "frameworks": list(c.frameworks),
+        "env": dict(c.env),
         "problem": c.problem(),
         "ranks": [{k: r.get(k) for k in ("rank", "host", "pid", "device", "threads")} for r in c.ranks],
         "start_seconds": round(c.start_seconds, 2),

@@ -81,6 +81,9 @@ def test_start_again_reuses_healthy_ranks_and_restarts_on_change(no_strays):
         c3 = hpdl.start(n=3, frameworks=(), quiet=True)
         assert c3.n == 3 and not set(c3.engine_pids().values()) & set(pids1)
         assert wait_gone(pids1) == []
+        c4 = hpdl.start(n=3, frameworks=(), env={"HPDL_TEST_KNOB": "42"}, quiet=True)
+        assert c4 is not c3  # new settings, new ranks: the knob is set before MPI starts
+        assert hpdl.view().apply_sync(os.getenv, "HPDL_TEST_KNOB") == ["42"] * 3
     finally:
         hpdl.stop(quiet=True)
 

@@ -5,7 +5,7 @@
 # Horovod 0.28.1 is the last release and predates torch 2.1. We build it unchanged, with our
 # own compiler front (./cxx17) that raises the C++ standard to what torch's headers need.
 # The wheel is kept in a wheelhouse keyed by Python, torch, MPI and GPU flavour, so a second
-# set-up installs in seconds instead of rebuilding for ~8 minutes.
+# set-up installs in seconds instead of rebuilding (minutes).
 #
 #   PYTHON=.venv/bin/python cluster/build/horovod.sh            # CPU: MPI + Gloo
 #   HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_HOME=/opt/nccl \
@@ -36,7 +36,7 @@ mkdir -p "$dest"
 wheel=$(ls "$dest"/horovod-"$HOROVOD_VERSION"-*.whl 2>/dev/null | head -n1 || true)
 
 if [ -z "$wheel" ]; then
-  echo "horovod: building $HOROVOD_VERSION for $key (about 8 minutes on 2 cores; once only)"
+  echo "horovod: building $HOROVOD_VERSION for $key (1.5–8 minutes on 2 cores; once only, the wheel is kept)"
   "$PYTHON" -m pip install -q setuptools wheel packaging cloudpickle psutil pyyaml cmake
   export CXX="$here/cxx17"
   export HPDL_REAL_CXX="${HPDL_REAL_CXX:-${CXX_REAL:-g++}}"

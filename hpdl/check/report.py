@@ -1,0 +1,182 @@
+"""Client side: what a check found, per case, shown as a compact table in JupyterLab.
+
+A CheckResult is what hpdl.check() returns. Tests and the grader read `verdicts`, `score`,
+`cases` (CaseResult objects) or `to_dict()`; a notebook shows `_repr_html_()`; a terminal the
+plain-text repr. Passing rank counts fold into one row; anything else gets a row per case.
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import asdict, dataclass, field
+
+VERDICTS = ("PASS", "WRONG", "ERROR", "HANG", "SLOW")
+EARNS_POINTS = ("PASS", "SLOW")  # SLOW is advisory: the result was right
+_COLOURS = {"PASS": "#1a7f37", "SLOW": "#9a6700", "WRONG": "#cf222e", "ERROR": "#cf222e", "HANG": "#8250df"}
+
+
+def ranks_text(ranks) -> str:
+    """[0, 1, 2, 3] -> '0–3'; [0, 2] -> '0, 2'."""
+    ranks = sorted(set(ranks))
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}–{ranks[-1]}"
+    return ", ".join(str(r) for r in ranks)
+
+
+def rank_word(ranks) -> str:
+    return f"rank{'s' if len(set(ranks)) != 1 else ''} {ranks_text(ranks)}"
+
+
+@dataclass
+class CaseResult:
+    """One case on one rank count, and how it ended."""
+
+    exercise: str
+    name: str
+    ranks: int
+    verdict: str
+    points: float
+    max_points: float
+    hidden: bool = False
+    seconds: float = 0.0
+    message: str = ""
+    hint: str | None = None
+    wrong_ranks: list[int] = field(default_factory=list)
+    max_error: float | None = None
+    error_ranks: list[int] = field(default_factory=list)
+    line: dict | None = None  # the learner's line that raised (file, line, func, code)
+    stuck: dict[int, str] = field(default_factory=dict)  # rank -> where it was stuck
+    finished: list[int] = field(default_factory=list)
+    details: str = ""
+    params: dict = field(default_factory=dict)  # the case's parameters (n, dtype, root, ...)
+
+    @property
+    def key(self) -> str:
+        return f"{self.ranks} ranks · {self.name}"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["stuck"] = {str(k): v for k, v in self.stuck.items()}
+        d["key"] = self.key
+        return d
+
+
+@dataclass
+class CheckResult:
+    """Every case of one hpdl.check() call."""
+
+    exercise: str
+    cases: list[CaseResult]
+    grade: bool = False
+    hidden_not_run: int = 0
+    seconds: float = 0.0
+    hints: list[str] = field(default_factory=list)
+
+    @property
+    def score(self) -> float:
+        return sum(c.points for c in self.cases)
+
+    @property
+    def max_score(self) -> float:
+        return sum(c.max_points for c in self.cases)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.cases) and all(c.verdict in EARNS_POINTS for c in self.cases)
+
+    @property
+    def verdicts(self) -> dict[str, str]:
+        """'4 ranks · n=10 float64' -> 'PASS', for every case that ran."""
+        return {c.key: c.verdict for c in self.cases}
+
+    def find(self, ranks: int | None = None, name: str | None = None, verdict: str | None = None) -> list[CaseResult]:
+        """Cases by rank count, by (part of) their name, by verdict."""
+        return [
+            c for c in self.cases
+            if (ranks is None or c.ranks == ranks) and (name is None or name in c.name)
+            and (verdict is None or c.verdict == verdict)
+        ]
+
+    def counts(self) -> dict[str, int]:
+        out = {v: 0 for v in VERDICTS}
+        for c in self.cases:
+            out[c.verdict] += 1
+        return {k: v for k, v in out.items() if v}
+
+    def to_dict(self) -> dict:
+        return {
+            "exercise": self.exercise,
+            "grade": self.grade,
+            "score": self.score,
+            "max_score": self.max_score,
+            "passed": self.passed,
+            "counts": self.counts(),
+            "hidden_not_run": self.hidden_not_run,
+            "seconds": round(self.seconds, 3),
+            "hints": self.hints,
+            "cases": [c.to_dict() for c in self.cases],
+        }
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    # -- display --------------------------------------------------------------------------
+    def _headline(self) -> str:
+        counts = ", ".join(f"{n} {v}" for v, n in self.counts().items())
+        mark = "✔" if self.passed else "✘"
+        return f"{mark} {self.exercise}: {_num(self.score)}/{_num(self.max_score)} points ({counts}) in {self.seconds:.1f} s"
+
+    def _rows(self) -> list[tuple[str, str, str, str, str]]:
+        """(ranks, case, verdict, points, what happened) — passing rank counts folded."""
+        rows = []
+        for p in sorted({c.ranks for c in self.cases}):
+            group = [c for c in self.cases if c.ranks == p]
+            if all(c.verdict == "PASS" for c in group):
+                pts = sum(c.points for c in group)
+                rows.append((str(p), f"all {len(group)} cases", "PASS", _num(pts) + "/" + _num(pts), ""))
+                continue
+            for c in group:
+                text = c.message + (f" Hint: {c.hint}" if c.hint else "")
+                rows.append((str(p), c.name + (" (hidden)" if c.hidden else ""), c.verdict,
+                             f"{_num(c.points)}/{_num(c.max_points)}", text))
+        return rows
+
+    def _footer(self) -> list[str]:
+        notes = list(self.hints)
+        if self.hidden_not_run:
+            notes.append(f"{self.hidden_not_run} hidden case{'s' if self.hidden_not_run > 1 else ''} run only when grading.")
+        return notes
+
+    def __repr__(self) -> str:
+        lines = [self._headline()]
+        for ranks, name, verdict, pts, text in self._rows():
+            lines.append(f"  {ranks:>2} ranks  {verdict:<5}  {pts:>7}  {name}" + (f"\n      {text}" if text else ""))
+        lines += [f"  {n}" for n in self._footer()]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        e = html.escape
+        head = f"<div style='font-weight:600;margin:2px 0 4px'>{e(self._headline())}</div>"
+        cells = "padding:2px 8px;text-align:left;vertical-align:top;border-bottom:1px solid #d0d7de"
+        rows = []
+        for ranks, name, verdict, pts, text in self._rows():
+            colour = _COLOURS.get(verdict, "#57606a")
+            badge = (f"<span style='color:#fff;background:{colour};border-radius:3px;padding:0 5px;"
+                     f"font-size:11px;font-weight:600'>{verdict}</span>")
+            rows.append(
+                f"<tr><td style='{cells}'>{e(ranks)}</td><td style='{cells}'>{e(name)}</td>"
+                f"<td style='{cells}'>{badge}</td><td style='{cells};white-space:nowrap'>{e(pts)}</td>"
+                f"<td style='{cells};white-space:pre-wrap;font-family:var(--jp-code-font-family,monospace);"
+                f"font-size:11px'>{e(text)}</td></tr>"
+            )
+        table = (
+            "<table style='border-collapse:collapse;font-size:12px'>"
+            f"<thead><tr><th style='{cells}'>ranks</th><th style='{cells}'>case</th><th style='{cells}'>verdict</th>"
+            f"<th style='{cells}'>points</th><th style='{cells}'>what happened</th></tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>"
+        )
+        notes = "".join(f"<div style='font-size:12px;margin-top:4px'>{e(n)}</div>" for n in self._footer())
+        return f"<div class='hpdl-check'>{head}{table}{notes}</div>"
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
