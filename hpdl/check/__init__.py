@@ -8,9 +8,9 @@ runs on each rank), so a deadlock never touches the learner's engines. Every cas
 PASS, WRONG, ERROR, HANG or SLOW (see report.py); the cases of each exercise live in
 cases/<exercise>.py (API in cases/__init__.py), the checks on *how* in hooks.py.
 
-Grade mode (grade=True, or HPDL_GRADE=1) adds the hidden cases; with HPDL_GRADE_RESULTS set
+Grade mode (grade=True, or HPDL_GRADE=1) adds the hidden cases. With HPDL_GRADE_RESULTS set
 to a file, each result is also appended there as a JSON line (that is how `hpdl grade`
-collects checks from a notebook it runs).
+collects checks from a notebook it runs, and how the tests see that solutions score full marks).
 
 This package is imported by the check workers on every rank too, so it stays light: the
 client machinery is imported inside check().

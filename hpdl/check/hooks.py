@@ -65,7 +65,7 @@ def tolerance(dtype: np.dtype, scale: float) -> tuple[float, float]:
     return 200 * eps, 200 * eps * max(1.0, scale)
 
 
-def compare(got: Any, expected: Any, *, what: str = "the result", rtol: float | None = None,
+def compare(got: Any, expected: Any, *, what: str = "result", rtol: float | None = None,
             atol: float | None = None, check_dtype: bool = True) -> Wrong | None:
     """None when `got` matches `expected` (array, tensor, or list/tuple of them), else a Wrong."""
     if isinstance(expected, (list, tuple)):
@@ -148,32 +148,47 @@ def params_of(obj: Any) -> list[np.ndarray]:
     a = _as_array(obj)
     if a is not None:
         return [a]
-    return [np.asarray(obj)]
+    if obj is None:
+        raise TypeError("None holds no parameters")
+    a = np.asarray(obj)
+    if a.dtype == object:
+        raise TypeError(f"{type(obj).__name__} holds no numbers")
+    return [a]
 
 
-def _flat(obj: Any) -> np.ndarray:
-    arrays = params_of(obj)
-    if not arrays:
-        return np.zeros(0)
-    return np.concatenate([np.asarray(a, dtype=np.float64).ravel() for a in arrays])
+def _flat(obj: Any) -> np.ndarray | None:
+    """All values as one float64 vector; None when `obj` holds no numbers."""
+    try:
+        arrays = params_of(obj)
+        if not arrays:
+            return np.zeros(0)
+        return np.concatenate([np.asarray(a, dtype=np.float64).ravel() for a in arrays])
+    except (TypeError, ValueError):
+        return None
 
 
 def same_as_root(comm, obj: Any, *, root: int = 0, what: str = "parameters", atol: float = 0.0) -> Wrong | None:
     """Every rank's `obj` equals the root's (e.g. initial parameters after a broadcast).
 
-    Collective on `comm`: every rank must call it. Returns a Wrong on the ranks that differ.
+    Collective on `comm`: call it on every rank, before any check that may return early.
+    Returns a Wrong on the ranks that differ (or that hold no numbers at all).
     """
+    rank = comm.Get_rank()
     mine = _flat(obj)
-    sizes = comm.allgather(mine.size)
+    sizes = comm.allgather(-1 if mine is None else mine.size)
+    if mine is None:
+        return Wrong(f"rank {rank} holds no {what} (got {_describe(obj)})")
+    if min(sizes) < 0:  # those ranks report it; no rank goes on to the Bcast below
+        return None
     if len(set(sizes)) > 1:
         return Wrong(f"ranks hold different numbers of {what} values: {sizes}")
-    theirs = mine.copy() if comm.Get_rank() == root else np.empty_like(mine)
+    theirs = mine.copy() if rank == root else np.empty_like(mine)
     comm.Bcast(theirs, root=root)
     diff = float(np.max(np.abs(mine - theirs))) if mine.size else 0.0
     if np.isnan(mine).any() != np.isnan(theirs).any():
         diff = float("inf")
     if diff > atol:
-        return Wrong(f"rank {comm.Get_rank()}'s {what} differ from rank {root}'s by up to {diff:.3g}", max_error=diff)
+        return Wrong(f"rank {rank}'s {what} differ from rank {root}'s by up to {diff:.3g}", max_error=diff)
     return None
 
 

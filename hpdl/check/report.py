@@ -116,6 +116,19 @@ class CheckResult:
             "cases": [c.to_dict() for c in self.cases],
         }
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "CheckResult":
+        """Rebuild a result from to_dict() (the grader reads them back from JSON)."""
+        names = set(CaseResult.__dataclass_fields__)
+        cases = []
+        for c in data.get("cases", []):
+            c = {k: v for k, v in c.items() if k in names}
+            c["stuck"] = {int(k): v for k, v in (c.get("stuck") or {}).items()}
+            cases.append(CaseResult(**c))
+        return cls(data["exercise"], cases, grade=data.get("grade", False),
+                   hidden_not_run=data.get("hidden_not_run", 0), seconds=data.get("seconds", 0.0),
+                   hints=list(data.get("hints", [])))
+
     def __bool__(self) -> bool:
         return self.passed
 
@@ -126,22 +139,34 @@ class CheckResult:
         return f"{mark} {self.exercise}: {_num(self.score)}/{_num(self.max_score)} points ({counts}) in {self.seconds:.1f} s"
 
     def _rows(self) -> list[tuple[str, str, str, str, str]]:
-        """(ranks, case, verdict, points, what happened) — passing rank counts folded."""
+        """(ranks, case, verdict, points, what happened): cases that ended the same way share a row."""
+        groups: dict[tuple, list[CaseResult]] = {}
+        for c in self.cases:
+            groups.setdefault(_group_key(c), []).append(c)
         rows = []
-        for p in sorted({c.ranks for c in self.cases}):
-            group = [c for c in self.cases if c.ranks == p]
-            if all(c.verdict == "PASS" for c in group):
-                pts = sum(c.points for c in group)
-                rows.append((str(p), f"all {len(group)} cases", "PASS", _num(pts) + "/" + _num(pts), ""))
-                continue
-            for c in group:
-                text = c.message + (f" Hint: {c.hint}" if c.hint else "")
-                rows.append((str(p), c.name + (" (hidden)" if c.hidden else ""), c.verdict,
-                             f"{_num(c.points)}/{_num(c.max_points)}", text))
+        for key, group in groups.items():
+            verdict, message = group[0].verdict, group[0].message
+            if len({c.message for c in group}) > 1:
+                message = f"e.g. {group[0].name}: {message}"
+            sizes = sorted({c.ranks for c in group})
+            total = [c for c in self.cases if c.ranks in sizes]
+            if len(group) == 1:
+                label = group[0].name + (" (hidden)" if group[0].hidden else "")
+            elif len(group) == len(total):
+                label = f"all {len(group)} cases"
+            else:
+                label = f"{len(group)} cases" if len(group) > 3 else "; ".join(c.name for c in group)
+            points = f"{_num(sum(c.points for c in group))}/{_num(sum(c.max_points for c in group))}"
+            rows.append((ranks_text(sizes), label, verdict, points, message))
         return rows
 
     def _footer(self) -> list[str]:
-        notes = list(self.hints)
+        hints: dict[str, int] = {}
+        for c in self.cases:
+            if c.hint:
+                hints[c.hint] = hints.get(c.hint, 0) + 1
+        notes = [f"Hint{'' if n == 1 else f' ({n} cases)'}: {h}" for h, n in hints.items()]
+        notes += list(self.hints)
         if self.hidden_not_run:
             notes.append(f"{self.hidden_not_run} hidden case{'s' if self.hidden_not_run > 1 else ''} run only when grading.")
         return notes
@@ -149,7 +174,7 @@ class CheckResult:
     def __repr__(self) -> str:
         lines = [self._headline()]
         for ranks, name, verdict, pts, text in self._rows():
-            lines.append(f"  {ranks:>2} ranks  {verdict:<5}  {pts:>7}  {name}" + (f"\n      {text}" if text else ""))
+            lines.append(f"  {ranks:>5} ranks  {verdict:<5}  {pts:>7}  {name}" + (f"\n      {text}" if text else ""))
         lines += [f"  {n}" for n in self._footer()]
         return "\n".join(lines)
 
@@ -176,6 +201,14 @@ class CheckResult:
         )
         notes = "".join(f"<div style='font-size:12px;margin-top:4px'>{e(n)}</div>" for n in self._footer())
         return f"<div class='hpdl-check'>{head}{table}{notes}</div>"
+
+
+def _group_key(c: CaseResult) -> tuple:
+    """Cases that ended the same way: same verdict and message; for WRONG, the same ranks
+    wrong with the same hint at the same rank count (the values differ case by case)."""
+    if c.verdict == "WRONG" and c.wrong_ranks and not c.message.startswith("Rejected"):
+        return (c.verdict, c.ranks, tuple(c.wrong_ranks), c.hint)
+    return (c.verdict, c.message)
 
 
 def _num(x: float) -> str:

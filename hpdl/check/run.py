@@ -2,7 +2,7 @@
 
 Find the learner's function (given, on rank 0 of the running cluster, or in the notebook),
 read its source for forbidden calls, plan the cases per rank count, run them (runner.py),
-and gather a CheckResult. In grade mode the result is also appended to $HPDL_GRADE_RESULTS.
+and gather a CheckResult. With $HPDL_GRADE_RESULTS set, the result is also appended there.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def run_check(name: str, fn=None, *, ranks=None, grade: bool | None = None, time
     else:
         bar = _progress(sum(len(v) for v in plan.values()), name)
         try:
-            results = Runner(name, module, spec, plan, progress=bar).run()
+            results = Runner(name, module, spec, plan, progress=bar, every_case=grading).run()
         finally:
             if bar is not None:
                 bar.close()
@@ -56,8 +56,7 @@ def run_check(name: str, fn=None, *, ranks=None, grade: bool | None = None, time
             hints.append(f"Hint: {hint}")
     result = CheckResult(name, ordered, grade=grading, hidden_not_run=hidden_not_run,
                          seconds=time.perf_counter() - t0, hints=hints)
-    if grading:
-        _record(result, code)
+    _record(result, code)  # only where $HPDL_GRADE_RESULTS names a file (batch grading, tests)
     return result
 
 
@@ -116,6 +115,11 @@ def _from_rank0(c, name: str) -> dict | None:
         view.execute(code, silent=True, block=False).get(timeout=20)
         packed = view.pull("_hpdl_packed", block=False).get(timeout=20)
         view.execute("del _hpdl_packed, _hpdl_source", silent=True, block=False).get(timeout=10)
+        if packed is not None:
+            packed["from_engines"] = True  # rank, world_size, comm: the worker rebinds them per rank
+            packed["line_offset"] = 1  # %%px sends the cell without its first line
+            for entry in packed.get("sources", []):
+                entry["firstline"] += 1
     except Exception as exc:
         if "Timeout" in type(exc).__name__:
             raise HpdlError(
@@ -185,7 +189,7 @@ def _forbidden(module) -> dict[str, str]:
 
 
 def _rejected(name: str, plan, found: dict, forbidden: dict) -> dict[int, CaseResult]:
-    msg = (f"Rejected without running: your code calls {found['name']}() (line {found['line']} in "
+    msg = (f"Rejected without running: your code calls {found['call']} (line {found['line']} in "
            f"{found['func']}: {found['code']}); {forbidden[found['name']]}.")
     out = {}
     for size, todo in plan.items():

@@ -12,10 +12,11 @@ wedge them. This side polls the ranks' status files with deadlines:
   them) and the job is killed: HANG, naming stuck ranks, their lines, and the finished ones;
 - the job itself ended early (a rank crashed or exited): ERROR.
 
-A killed job is relaunched for the cases it had left; after a HANG at a rank count, later
-cases there get a short fuse, since correct code finishes these inputs in milliseconds.
-Every job's process tree is killed before returning, also on errors and interrupts, and the
-workers end themselves should this process die.
+A killed job is relaunched for the cases it had left. After a HANG at a rank count, the cases
+left there are reported as not run in a notebook (the learner fixes the hang first), and run
+with a short fuse when grading (correct code finishes these inputs in milliseconds). Every
+job's process tree is killed before returning, also on errors and interrupts, the /dev/shm
+segments of a killed job are removed, and the workers end themselves should this process die.
 """
 from __future__ import annotations
 
@@ -35,10 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpdl.check.cases import Case
-from hpdl.check.report import CaseResult, rank_word, ranks_text
+from hpdl.check.report import CaseResult, rank_word
+from hpdl.reaper import shared_memory_of
 
-GRACE_AFTER_ERROR = 0.3  # s: let the other ranks end the case on their own before aborting
-SHORT_FUSE = 2.0  # s: the time limit for the cases left at a rank count after one hung
+GRACE_AFTER_ERROR = 0.2  # s: let the other ranks end the case on their own before aborting
+SHORT_FUSE = 1.0  # s: the time limit for the cases left at a rank count after one hung
 START_TIMEOUT = 60.0  # s: for all ranks of a job to import and report ready
 POLL = 0.02
 
@@ -53,11 +55,39 @@ class Planned:
 
 
 def _kill_tree(proc: subprocess.Popen, grace: float = 1.0) -> None:
-    """End mpiexec and everything under it (proxies, ranks); reap mpiexec."""
-    from hpdl.reaper import kill_all
+    """End mpiexec and everything under it (proxies, ranks), and reap mpiexec.
 
-    if proc.poll() is None or _has_children(proc.pid):
-        kill_all({"pids": [proc.pid], "pgids": [proc.pid]}, grace=grace)
+    The ranks go first: MPI's process manager then sees them die, reaps them and exits by
+    itself, so nothing is left as a zombie. With grace > 0 (a finished job winding down) they
+    get SIGTERM first; an aborted job (a HANG, or ranks stuck after one raised) gets SIGKILL.
+    """
+    import psutil
+
+    try:
+        root = psutil.Process(proc.pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        tree = []
+    leaves = [p for p in tree if p.pid != proc.pid and not _children(p)]
+    steps = [(signal.SIGTERM, leaves, grace)] if grace > 0 else []
+    steps += [(signal.SIGKILL, leaves, 1.0), (signal.SIGKILL, tree, 5.0)]
+    for sig, targets, wait in steps:
+        for p in targets:
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                pass
+        if targets is tree:
+            try:
+                os.killpg(proc.pid, sig)
+            except OSError:
+                pass
+        deadline = time.time() + wait
+        while time.time() < deadline and any(_running(p) for p in tree):
+            proc.poll()  # reap mpiexec as soon as it goes
+            time.sleep(0.01)
+        if not any(_running(p) for p in tree):
+            break
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
@@ -65,11 +95,30 @@ def _kill_tree(proc: subprocess.Popen, grace: float = 1.0) -> None:
         proc.wait()
 
 
-def _has_children(pid: int) -> bool:
+def _children(p) -> list:
     import psutil
 
     try:
-        return bool(psutil.Process(pid).children())
+        return p.children()
+    except psutil.Error:
+        return []
+
+
+def _shared_memory(pid: int) -> set[str]:
+    """The /dev/shm segments mapped by the processes under `pid` (MPI's shared-memory transport)."""
+    import psutil
+
+    try:
+        return shared_memory_of([p.pid for p in psutil.Process(pid).children(recursive=True)])
+    except psutil.Error:
+        return set()
+
+
+def _running(p) -> bool:
+    import psutil
+
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 
@@ -249,11 +298,17 @@ class Job:
         return not self.todo or self.must_stop
 
     def kill(self) -> None:
+        segments = _shared_memory(self.proc.pid)
         try:
-            _kill_tree(self.proc, grace=0.5)
+            _kill_tree(self.proc, grace=0.0 if self.must_stop else 0.5)
         finally:
             self.output.close()
             _live_jobs.discard(self)
+            for path in segments:  # MPI unlinks these at MPI_Finalize, which a killed rank never reaches
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
 
     def wind_down(self, wait: float = 1.0) -> None:
         """All cases decided: let the ranks exit on their own briefly, then end the tree."""
@@ -278,6 +333,7 @@ def _parse_faulthandler(path: str, code: dict) -> dict:
     f, n, fn = ours[0]  # faulthandler lists the innermost frame first
     lines = code.get("lines", {}).get(f, [])
     text_line = lines[n - 1].strip() if 0 < n <= len(lines) else ""
+    n += int(code.get("line_offset", 0))
     return {"where": {"file": f, "line": n, "func": fn, "code": text_line}, "phase": "learner"}
 
 
@@ -296,13 +352,17 @@ def _group(where: dict[int, dict], with_call: bool = True) -> list[str]:
         phase = (info or {}).get("phase")
         if phase == "waiting":
             text = "(finished the case, waiting for the others)"
-        elif phase in ("reference", "inputs", "verify") and not (info or {}).get("where"):
-            text = f"(in the checker's {phase} step)"
+        elif phase == "verify" and not (info or {}).get("where"):
+            text = "(your function returned; the checker's comparison across ranks waits for the others)"
+        elif phase in ("reference", "inputs") and not (info or {}).get("where"):
+            text = f"(in the checker's {phase} step, before your function ran)"
         else:
-            text = where_text((info or {}).get("where"))
+            w = (info or {}).get("where")
+            text = where_text(w)
             call = (info or {}).get("call")
-            if with_call and call:
-                text += f"  [inside {call.split('(')[0]}()]"
+            name = call.split("(")[0] if call else ""
+            if with_call and name and name.split(".")[-1] not in ((w or {}).get("code") or ""):
+                text += f" (inside {name}())"
         groups.setdefault(text, []).append(r)
     return [f"{rank_word(rs)} at {text}" for text, rs in groups.items()]
 
@@ -310,7 +370,9 @@ def _group(where: dict[int, dict], with_call: bool = True) -> list[str]:
 class Runner:
     """Plans the jobs of one check, runs them side by side, and builds the case results."""
 
-    def __init__(self, exercise: str, module, spec: dict, plan: dict[int, list[Planned]], progress=None):
+    def __init__(self, exercise: str, module, spec: dict, plan: dict[int, list[Planned]], progress=None,
+                 every_case: bool = True):
+        self.every_case = every_case  # grading: run cases left after a HANG too (with a short fuse)
         self.exercise = exercise
         self.module = module
         self.spec = spec
@@ -332,8 +394,15 @@ class Runner:
                     if job.finished():
                         jobs.remove(job)
                         job.wind_down()
-                        if job.todo:
-                            todo = job.todo
+                        todo = job.todo
+                        if todo and job.hung and not self.every_case:
+                            hung = results[max(i for i in results if results[i].ranks == job.size and results[i].verdict == "HANG")]
+                            for p in todo:
+                                results[p.index] = self.not_run_after_hang(p, job.size, hung)
+                                if self.progress is not None:
+                                    self.progress.update(1)
+                            todo = []
+                        if todo:
                             if job.hung:
                                 todo = [Planned(p.index, p.case, min(p.timeout, SHORT_FUSE)) for p in todo]
                             jobs.append(Job(self.spec, job.size, todo, tmp))
@@ -382,7 +451,7 @@ class Runner:
             worst = max(by["wrong"], key=lambda r: (ends[r].get("max_error") is not None, ends[r].get("max_error") or 0))
             w = ends[worst]
             hint = w.get("hint") or next((ends[r].get("hint") for r in by["wrong"] if ends[r].get("hint")), None)
-            if size > 1 and by["ok"] == [0] and by["wrong"] == list(range(1, size)) and not hint:
+            if size > 1 and by["ok"] == [0] and by["wrong"] == list(range(1, size)):
                 hint = getattr(self.module, "HINT_ONLY_ROOT", None) or (
                     "only rank 0 ends with the right result; every rank must return it.")
             err = w.get("max_error")
@@ -408,10 +477,15 @@ class Runner:
         problems = [r for r, e in ends.items() if e.get("status") != "ok"]
         if problems:
             msg += f" ({rank_word(problems)} ended with: {ends[problems[0]].get('message')})"
-        hint = ("a rank waits for a message no one sends, or in a collective that not every rank calls; "
-                "check that every Send has a matching Recv (and that not all ranks send first with blocking sends).")
+        hint = ("a rank waits for a message no one sends, or in a collective that not every rank calls. "
+                "Check that every Send has a matching Recv, and that the ranks do not all wait to receive "
+                "(or all send large messages with blocking sends) at the same time: Sendrecv avoids both.")
         return self._result(planned, size, "HANG", msg, hint=hint, stuck=_stuck_text(where), finished=finished,
                             seconds=elapsed, line=next((w.get("where") for w in where.values() if w and w.get("where")), None))
+
+    def not_run_after_hang(self, planned: Planned, size: int, hung: CaseResult) -> CaseResult:
+        msg = (f"Not run: case {hung.name} already hung at {size} ranks (fix that first; grading runs every case).")
+        return self._result(planned, size, "HANG", msg)
 
     def died(self, planned: Planned, size: int, ends: dict, ready: dict, output: str) -> CaseResult:
         gone = sorted(set(range(size)) - set(ends))
@@ -440,4 +514,4 @@ def _stuck_text(where: dict | None) -> dict[int, str]:
     return {r: where_text((w or {}).get("where")) for r, w in where.items()}
 
 
-__all__ = ["Runner", "Planned", "Job", "mpiexec_command", "where_text", "ranks_text"]
+__all__ = ["Runner", "Planned", "Job", "mpiexec_command", "where_text"]

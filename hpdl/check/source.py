@@ -95,26 +95,31 @@ def package(fn) -> dict:
         "source": _source_of(fn),
         "sources": sources,
         "lines": lines,
-        "pickled": _pickle(fn),
+        "pickled": _pickle(fn, funcs),
     }
 
 
-def _pickle(fn) -> bytes | None:
-    """cloudpickle by value, also for functions that live in an importable module of the learner."""
+def _pickle(fn, funcs: list) -> bytes | None:
+    """cloudpickle by value, also for the learner's functions that live in importable modules
+    of theirs (a fresh rank may not find those modules on its path)."""
     try:
         import cloudpickle
     except ImportError:
         return None
-    module = sys.modules.get(fn.__module__)
-    by_value = module is not None and fn.__module__ != "__main__" and not _library_file(getattr(module, "__file__", "") or "")
+    modules = []
+    for f in funcs:
+        module = sys.modules.get(f.__module__)
+        if (module is not None and f.__module__ != "__main__" and module not in modules
+                and not _library_file(getattr(module, "__file__", "") or "")):
+            modules.append(module)
     try:
-        if by_value:
+        for module in modules:
             cloudpickle.register_pickle_by_value(module)
         return cloudpickle.dumps(fn)
     except Exception:
         return None
     finally:
-        if by_value:
+        for module in modules:
             try:
                 cloudpickle.unregister_pickle_by_value(module)
             except Exception:
@@ -145,12 +150,8 @@ def unpack(code: dict):
     if code.get("pickled"):
         import cloudpickle
 
-        try:
-            return cloudpickle.loads(code["pickled"])
-        except Exception:
-            if not code.get("source"):
-                raise
-    source = code.get("source")
+        return cloudpickle.loads(code["pickled"])
+    source = code.get("source")  # it could not be pickled: rebuild it from its source alone
     if not source:
         raise RuntimeError("neither the function nor its source could be sent")
     padded = "\n" * (code["firstline"] - 1) + source
@@ -202,5 +203,10 @@ def forbidden_calls(sources: list[dict], names: dict[str, str] | set[str]) -> li
             if attr[:1].islower() and isinstance(root, ast.Name) and root.id in local:
                 continue
             text = src_lines[node.lineno - 1].strip() if node.lineno <= len(src_lines) else ""
-            found.append({"name": attr, "func": entry["name"], "line": entry["firstline"] + node.lineno - 1, "code": text})
+            try:
+                call = f"{ast.unparse(node.func.value)}.{attr}()"
+            except Exception:
+                call = f"{attr}()"
+            found.append({"name": attr, "call": call, "func": entry["name"],
+                          "line": entry["firstline"] + node.lineno - 1, "code": text})
     return found

@@ -30,17 +30,20 @@ import traceback
 _state = {"case": None, "phase": "starting"}
 
 
+_offset = {"lines": 0}  # a %%px cell's body starts on the cell's line 2
+
+
 def _learner_where(frames, files: set[str]) -> dict | None:
     ours = [f for f in frames if f.filename in files]
     if not ours:
         return None
     f = ours[-1]
-    return {"file": f.filename, "line": f.lineno, "func": f.name, "code": (f.line or "").strip()}
+    return {"file": f.filename, "line": f.lineno + _offset["lines"], "func": f.name, "code": (f.line or "").strip()}
 
 
 def _learner_traceback(tb, files: set[str]) -> list[str]:
     frames = [f for f in traceback.extract_tb(tb) if f.filename in files]
-    return [f"line {f.lineno} in {f.name}: {(f.line or '').strip()}" for f in frames]
+    return [f"line {f.lineno + _offset['lines']} in {f.name}: {(f.line or '').strip()}" for f in frames]
 
 
 class Worker:
@@ -77,6 +80,11 @@ class Worker:
             time.sleep(0.05)
             tick += 1
             if tick % 10 == 0 and (time.time() > deadline or not _alive(client)):
+                _unlink_shared_memory()  # MPI_Finalize, which would, never comes
+                if self.rank == 0:  # nobody else will clean up the check's folder now
+                    import shutil
+
+                    shutil.rmtree(os.path.dirname(os.path.abspath(self.dir)), ignore_errors=True)
                 os._exit(70)
             try:
                 with open(request) as f:
@@ -114,6 +122,7 @@ class Worker:
         spec = self.spec
         code = spec["code"]
         self.files = set(code.get("lines", {})) | {code["filename"]}
+        _offset["lines"] = int(code.get("line_offset", 0))
         module = load_file(spec["module_path"])
         try:
             fn = unpack(code)
@@ -125,7 +134,8 @@ class Worker:
             _state["case"], _state["phase"] = index, "inputs"
             self.emit(ev="start", case=index)
             if fn is None:
-                result = {"status": "error", "message": f"your function could not be rebuilt on the rank: {unpack_error}"}
+                result = {"status": "error", "message": f"{unpack_error} (your function could not be rebuilt on a "
+                                                        "fresh rank: define what it uses in the notebook)"}
             else:
                 result = self.run_case(module, case, fn, hooks, recording)
             _state["phase"] = "waiting"
@@ -147,12 +157,16 @@ class Worker:
         ref_comm.Free()
 
         learner_comm = recording.RecordingComm(self.world.Dup())
+        if self.spec["code"].get("from_engines"):
+            self.rebind(fn, learner_comm)
         recorder = recording.recorder
         recorder.reset(spec_forbidden(self.spec))
         _state["phase"] = "learner"
         t0 = time.perf_counter()
         try:
-            got = fn(learner_comm, *copy.deepcopy(args))
+            call = getattr(module, "call", None)
+            got = (call(fn, learner_comm, copy.deepcopy(args)) if call
+                   else fn(learner_comm, *copy.deepcopy(args)))
         except recording.ForbiddenCall as exc:
             return {"status": "forbidden", "message": str(exc), "name": exc.name,
                     "where": _learner_where(traceback.extract_tb(exc.__traceback__), self.files)}
@@ -174,7 +188,7 @@ class Worker:
 
         _state["phase"] = "verify"
         ctx = Context(case, self.rank, self.size, args, got, expected, list(recorder.calls),
-                      self.world.Dup(), learner_s, ref_s)
+                      self.world, learner_s, ref_s)
         try:
             verify = getattr(module, "verify", None)
             wrong = verify(case, ctx) if verify else hooks.compare(got, expected)
@@ -195,6 +209,15 @@ class Worker:
         result.update(status="wrong", message=wrong.message, hint=hint, max_error=wrong.max_error)
         return result
 
+    def rebind(self, fn, comm) -> None:
+        """A function written under %%px may use the engines' own names (rank, world_size,
+        comm); here they must mean this rank's, not rank 0's values pickled with it."""
+        names = {"rank": self.rank, "world_size": self.size, "local_rank": self.rank, "comm": comm}
+        g = getattr(fn, "__globals__", {})
+        for name, value in names.items():
+            if name in g:
+                g[name] = value
+
     def barrier(self, index: int) -> None:
         """Wait for every rank to finish case `index`, sleeping, not spinning in MPI."""
         open(os.path.join(self.dir, f"done-{index}-{self.rank}"), "w").close()
@@ -212,6 +235,17 @@ def spec_forbidden(spec: dict) -> dict:
 def _short(text: str, limit: int = 400) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _unlink_shared_memory() -> None:
+    """Remove the /dev/shm segments this process maps (MPI's shared-memory transport)."""
+    from hpdl.reaper import shared_memory_of
+
+    for path in shared_memory_of([os.getpid()]):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def _alive(pid: int) -> bool:

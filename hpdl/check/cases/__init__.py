@@ -2,41 +2,47 @@
 
 `hpdl.check("ring_allreduce", fn)` loads `hpdl/check/cases/ring_allreduce.py` (or a module of
 that name in a folder listed in $HPDL_CASES_PATH) and runs `fn` on fresh MPI ranks, one job
-per rank count. A case module is plain Python; the worker imports it on every rank, so keep
-its imports light (import torch inside functions that need it).
+per rank count. The client imports the module too (for its cases and hints): keep imports
+light at module level and import torch or mpi4py.MPI inside the functions that run on ranks.
 
 A case module defines
 
     SIGNATURE = "scale(comm, x: np.ndarray) -> np.ndarray"   # quoted in messages
     RANKS = (1, 2, 3, 4)           # rank counts checked by default (optional)
     TIMEOUT = 5.0                  # seconds per case before it is a HANG (optional)
-    FORBIDDEN = {"Allreduce": "build it from Send/Recv"}   # calls rejected (optional)
+    FORBIDDEN = {"Allreduce": "build it from Send/Recv"}   # calls rejected (optional;
+                                   # hooks.DATA_COLLECTIVES and hooks.REDUCTIONS are ready lists)
 
-    def cases(size) -> list[Case]            # the cases for `size` ranks
+    def cases(size) -> list[Case]            # the cases for `size` ranks (hidden=True: grading only)
     def inputs(case, rank, size) -> tuple    # this rank's arguments after `comm`
-    def reference(comm, *args)               # the model solution; its result is expected
+    def reference(comm, *args)               # the model solution; its result is `expected`
 
 and may define
 
+    def call(fn, comm, args)                 # how to call the learner's fn (default:
+                                             # fn(comm, *args)); e.g. build a model first
     def verify(case, ctx) -> Wrong | None    # default: hooks.compare(ctx.got, ctx.expected)
     def diagnose(case, ctx) -> str | None    # a hint for a wrong result on one rank
-    def explain(results) -> str | None       # a hint from the pattern over all cases
+    def explain(results) -> str | None       # a hint from the pattern over all cases (client side)
+    HINT_ONLY_ROOT = "..."                   # shown when only rank 0 got it right
 
-`reference` runs first on its own communicator, then the learner's function on another one
-(a `hooks.RecordingComm`, so `ctx.calls` lists the MPI calls it made). Names in FORBIDDEN are
-rejected twice: by reading the learner's source (AST) before anything runs, and at run time
-when called on the communicator handed to the learner. `ctx` (a Context) holds the rank,
-size, the pristine inputs, `got`, `expected`, `calls`, timings and `comm`, a fresh
-communicator for checks that talk across ranks: hooks.same_on_all_ranks (parameters equal
-after a DDP or Horovod step), hooks.same_as_root (initial parameters broadcast),
-hooks.check_shards (a sampler's shards disjoint, covering, equal length). Every rank runs
-verify(); when it does collectives on ctx.comm, every rank must reach them.
+On each rank, `reference` runs first on a communicator of its own, then the learner's function
+on another, a recording.RecordingComm: `ctx.calls` lists the MPI calls it made (name, dest,
+source). FORBIDDEN names are rejected twice: by reading the learner's source (AST) before
+anything runs, and when called on that communicator. `ctx` holds rank, size, args (the
+pristine inputs), got, expected, calls, learner_seconds, reference_seconds, and comm: a fresh
+communicator for checks across ranks. Those are collectives, so call them on every rank and
+before anything that may return early (a rank that skips one leaves the others waiting):
+hooks.same_on_all_ranks (parameters identical after a DDP or Horovod step), hooks.same_as_root
+(initial parameters broadcast), hooks.check_shards (sampler shards disjoint, covering, equal).
+Per-rank helpers: hooks.compare, hooks.only_peers (e.g. ring neighbours), hooks.max_sends
+(e.g. a tree's fan-out), hooks.params_of (arrays from a torch module or a list).
 
 Example, `hpdl/check/cases/scale.py`:
 
     import numpy as np
     from hpdl.check import hooks
-    from hpdl.check.cases import Case, Wrong
+    from hpdl.check.cases import Case
 
     SIGNATURE = "scale(comm, x) -> np.ndarray   # x times the number of ranks"
 
@@ -50,11 +56,12 @@ Example, `hpdl/check/cases/scale.py`:
         return x * comm.Get_size()
 
     def verify(case, ctx):
-        return hooks.compare(ctx.got, ctx.expected) or hooks.forbid_peers(ctx, allowed=set())
+        return hooks.compare(ctx.got, ctx.expected) or hooks.only_peers(ctx, set(), "no messages needed")
 
-Results come back per case as PASS, WRONG (rank, largest error, hint), ERROR (rank and the
-learner's line that raised), HANG (stuck ranks and lines, finished ranks) or SLOW (learner
-took > slow_factor x the reference's time + 0.25 s; advisory, full points).
+Each case ends as PASS, WRONG (ranks, largest error, hint), ERROR (rank and the learner's line
+that raised), HANG (stuck ranks and their lines, finished ranks) or SLOW (right, but more than
+slow_factor x the reference's time + 0.25 s: advisory, full points). tests/fixtures/cases has
+two small modules of this kind, one with torch on the ranks.
 """
 from __future__ import annotations
 
@@ -106,20 +113,28 @@ class Call:
     source: int | None = None
 
 
-@dataclass
 class Context:
-    """What verify() and diagnose() see on one rank after the learner's function returned."""
+    """What verify() and diagnose() see on one rank after the learner's function returned.
 
-    case: Case
-    rank: int
-    size: int
-    args: tuple  # this rank's inputs, untouched by the learner
-    got: Any  # what the learner's function returned
-    expected: Any  # what reference() returned on this rank
-    calls: list[Call]
-    comm: Any  # a fresh communicator for checks across ranks
-    learner_seconds: float = 0.0
-    reference_seconds: float = 0.0
+    case, rank, size; args (this rank's inputs, untouched by the learner); got (what the
+    learner's function returned); expected (what reference() returned on this rank); calls
+    (the MPI calls the learner made); learner_seconds, reference_seconds; and comm, a fresh
+    communicator for checks across ranks (made on first use: collective, so when verify()
+    uses it on one rank it must use it on all).
+    """
+
+    def __init__(self, case: Case, rank: int, size: int, args: tuple, got: Any, expected: Any,
+                 calls: list[Call], world: Any = None, learner_seconds: float = 0.0, reference_seconds: float = 0.0):
+        self.case, self.rank, self.size, self.args = case, rank, size, args
+        self.got, self.expected, self.calls = got, expected, calls
+        self.learner_seconds, self.reference_seconds = learner_seconds, reference_seconds
+        self._world, self._comm = world, None
+
+    @property
+    def comm(self) -> Any:
+        if self._comm is None:
+            self._comm = self._world.Dup()
+        return self._comm
 
 
 def path_of(name: str) -> Path:

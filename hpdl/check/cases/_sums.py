@@ -50,8 +50,9 @@ def chunk_bounds(n: int, p: int) -> list[int]:
     return [i * n // p for i in range(p + 1)]
 
 
-def diagnose_sum(case: Case, ctx) -> str | None:
-    """Hints for a wrong sum on one rank, from what the result looks like."""
+def diagnose_sum(case: Case, ctx, chunks: bool = True) -> str | None:
+    """Hints for a wrong sum on one rank, from what the result looks like (`chunks`: the
+    algorithm cuts x into one chunk per rank, so uneven lengths are a likely culprit)."""
     got, expected, (x,) = ctx.got, ctx.expected, ctx.args[:1]
     if not isinstance(got, np.ndarray) or got.shape != expected.shape:
         return None
@@ -63,22 +64,21 @@ def diagnose_sum(case: Case, ctx) -> str | None:
     if got.dtype != expected.dtype:
         return None
     bad = ~np.isclose(got.astype(np.float64), expected.astype(np.float64))
-    if n % p and bad.any():
-        bounds = chunk_bounds(n, p)
-        return (f"n={n} does not divide by {p} ranks, so chunks differ in length; give every rank the same "
-                f"boundaries, e.g. bounds = [i * n // p for i in range(p + 1)] -> {bounds}.")
+    if chunks and n % p and bad.any():
+        return ("the length does not divide by the number of ranks here, so chunks differ in length: every rank "
+                "must use the same chunk boundaries, e.g. bounds = [i * n // p for i in range(p + 1)].")
     if np.isnan(got).any() or np.abs(got).max() > 1e6 * max(1.0, np.abs(expected).max()):
         return "these look like uninitialised memory: a receive buffer of the wrong dtype or length?"
     return None
 
 
-def explain_sums(results) -> str | None:
+def explain_sums(results, chunks: bool = True) -> str | None:
     """A pattern across cases: right when n divides by p, wrong otherwise; or short inputs."""
     failed = [r for r in results if r.verdict in ("WRONG", "ERROR")]
     if not failed or any(r.message.startswith("Rejected") for r in failed):
         return None
     passed = [r for r in results if r.verdict in ("PASS", "SLOW")]
-    if all(r.params.get("uneven") for r in failed) and any(not r.params.get("uneven") for r in passed):
+    if chunks and all(r.params.get("uneven") for r in failed) and any(not r.params.get("uneven") for r in passed):
         return ("right whenever the length divides evenly by the number of ranks, wrong otherwise: "
                 "check how you cut x into chunks (the last chunk, or every chunk, must absorb the remainder).")
     if all(r.params.get("short") for r in failed) and passed:

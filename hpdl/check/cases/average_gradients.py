@@ -25,7 +25,7 @@ _SHAPES = {
 
 def cases(size: int) -> list[Case]:
     return [
-        Case("small model: 3 float32 gradients", {"shapes": "small model", "seed": 1}),
+        Case("small model (3 float32 gradients)", {"shapes": "small model", "seed": 1}),
         Case("one gradient of 100000 float32", {"shapes": "one large gradient", "seed": 2}),
         Case("2 float64 gradients", {"shapes": "float64", "seed": 3}),
         Case("12 float32 gradients", {"shapes": "many tensors", "seed": 4}, hidden=True),
@@ -49,7 +49,7 @@ def reference(comm, grads):
 
 
 def verify(case, ctx):
-    return hooks.compare(ctx.got, ctx.expected, what="the gradients")
+    return hooks.compare(ctx.got, ctx.expected, what="gradients")
 
 
 def diagnose(case, ctx) -> str | None:

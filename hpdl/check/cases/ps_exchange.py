@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpdl.check import hooks
-from hpdl.check.cases import Case, Wrong
+from hpdl.check.cases import Case
 
 SIGNATURE = "ps_exchange(comm, grads, params, lr) -> np.ndarray   # rank 0 serves; grads is None there"
 RANKS = (2, 3, 4)

@@ -66,11 +66,12 @@ def verify(case, ctx):
         ctx, limit, "recursive doubling needs one exchange per round (lg p rounds, one more for ranks folded in)")
 
 
-diagnose = diagnose_sum
+def diagnose(case, ctx) -> str | None:
+    return diagnose_sum(case, ctx, chunks=False)
 
 
 def explain(results) -> str | None:
-    hint = explain_sums(results)
+    hint = explain_sums(results, chunks=False)
     if hint:
         return hint
     failed = {r.ranks for r in results if r.verdict in ("WRONG", "ERROR", "HANG")}

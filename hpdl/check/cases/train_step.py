@@ -97,7 +97,7 @@ def verify(case, ctx):
         if not np.isclose(g, e, rtol=1e-5, atol=1e-6):
             hint = "return the loss computed *before* optimizer.step(), on this batch." if i == 0 else None
             return Wrong(f"step {i + 1} returned loss {g:.6g}; expected {e:.6g}", hint=hint, max_error=abs(g - e))
-        w = hooks.compare(got["params"][i], expected["params"][i], what=f"the parameters after step {i + 1}",
+        w = hooks.compare(got["params"][i], expected["params"][i], what=f"after step {i + 1}, parameters",
                           rtol=1e-4, atol=1e-6)
         if w is not None:
             return w

@@ -1,0 +1,157 @@
+"""The checker's faces: arguments, messages, the result table, reading source, and the path
+that fetches a function defined under %%px from rank 0 of a real cluster."""
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import hpdl
+from hpdl.check import source
+from hpdl.check.report import CaseResult, CheckResult
+from hpdl.errors import HpdlError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+import learner_ring as L  # noqa: E402
+
+
+def _result() -> CheckResult:
+    cases = [CaseResult("ring_allreduce", f"n={n}", p, "PASS", 1, 1) for p in (1, 2) for n in (3, 4)]
+    cases += [
+        CaseResult("ring_allreduce", "n=7", 3, "WRONG", 0, 1, message="Wrong on ranks 1, 2: 3 of 7 values wrong.",
+                   wrong_ranks=[1, 2], hint="only rank 0 ends with the full sum", max_error=2.5),
+        CaseResult("ring_allreduce", "n=9", 3, "HANG", 0, 1, message="Not finished after 2 s: rank 0 at line 4.",
+                   stuck={0: "line 4 in f: comm.Recv(buf)"}, finished=[1, 2]),
+        CaseResult("ring_allreduce", "n=10", 3, "SLOW", 1, 1, message="Right result, but slow."),
+    ]
+    return CheckResult("ring_allreduce", cases, hidden_not_run=3, seconds=1.5, hints=["Hint: look at the chunks."])
+
+
+def test_result_counts_points_and_shows_a_compact_table():
+    r = _result()
+    assert r.score == 5 and r.max_score == 7 and not r.passed
+    assert r.verdicts["3 ranks · n=9"] == "HANG" and r.verdicts["1 ranks · n=3"] == "PASS"
+    assert [c.name for c in r.find(verdict="WRONG")] == ["n=7"]
+    html = r._repr_html_()
+    assert html.count("<tr>") == 1 + 4  # header, one folded PASS row (1, 2 ranks), WRONG, HANG, SLOW
+    for text in ("PASS", "WRONG", "HANG", "SLOW", "5/7 points", "only rank 0", "3 hidden cases", "look at the chunks"):
+        assert text in html
+    text = repr(r)
+    assert "ring_allreduce: 5/7 points" in text and "1, 2 ranks" in text and "HANG" in text
+
+
+def test_result_survives_json_for_the_grader():
+    r = _result()
+    back = CheckResult.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert back.verdicts == r.verdicts and back.score == r.score and back.cases[5].stuck == {0: "line 4 in f: comm.Recv(buf)"}
+
+
+def test_messages_are_escaped_in_html():
+    r = CheckResult("x", [CaseResult("x", "<b>case</b>", 1, "ERROR", 0, 1, message="raised <script>alert(1)</script>")])
+    html = r._repr_html_()
+    assert "<script>" not in html and "&lt;script&gt;" in html
+
+
+def test_hpdl_check_stays_callable_after_its_package_is_imported():
+    import hpdl.check.report  # noqa: F401  (binds hpdl.check to the package)
+
+    assert callable(hpdl.check)
+    with pytest.raises(HpdlError, match="No checks for an exercise named 'no_such_exercise'"):
+        hpdl.check("no_such_exercise", L.ring_ok)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"ranks": 0}, "between 1 and"), ({"ranks": "four"}, "rank count"), ({"timeout": -1}, "positive"),
+])
+def test_bad_arguments_get_a_clear_message(kwargs, match):
+    with pytest.raises(HpdlError, match=match):
+        hpdl.check("ring_allreduce", L.ring_ok, **kwargs)
+
+
+def test_not_a_function_and_no_function_found():
+    with pytest.raises(HpdlError, match="needs your function"):
+        hpdl.check("ring_allreduce", 42)
+    with pytest.raises(HpdlError, match="No function named 'ring_allreduce' found"):
+        hpdl.check("ring_allreduce")
+
+
+def test_missing_mpiexec_says_what_to_do(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    from hpdl.check import runner
+
+    runner._MPI_FLAVOUR.clear()
+    with pytest.raises(HpdlError, match="make lab"):
+        hpdl.check("ring_allreduce", L.ring_ok, ranks=[1])
+
+
+def test_source_scan_finds_collectives_but_not_local_numpy_reductions():
+    code = source.package(L.ring_uses_allreduce)
+    found = source.forbidden_calls(code["sources"], {"Allreduce", "reduce"})
+    assert [(f["name"], f["call"]) for f in found] == [("Allreduce", "comm.Allreduce()")]
+    line = next(i for i, s in enumerate((FIXTURES / "learner_ring.py").read_text().splitlines(), 1) if "# LIBRARY" in s)
+    assert found[0]["line"] == line
+    local = textwrap.dedent("""
+        def f(comm, chunks):
+            total = np.add.reduce(chunks)
+            return functools.reduce(lambda a, b: a + b, chunks) + total
+    """)
+    assert source.forbidden_calls([{"name": "f", "firstline": 1, "source": local}], {"reduce"}) == []
+    sneaky = [{"name": "g", "firstline": 10, "source": "def g(c, x):\n    return c.Dup().reduce(x)\n"}]
+    assert source.forbidden_calls(sneaky, {"reduce"})[0]["line"] == 11
+
+
+def test_package_carries_helpers_and_their_lines():
+    code = source.package(L.ring_collective_one_rank)  # calls ring_ok, defined elsewhere in the file
+    names = {s["name"] for s in code["sources"]}
+    assert names == {"ring_collective_one_rank", "ring_ok"}
+    assert str(FIXTURES / "learner_ring.py") in code["lines"] and code["pickled"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_function_defined_under_px_is_fetched_from_rank_0(no_strays):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    hpdl.start(n=2, frameworks=(), quiet=True)
+    try:
+        cell = textwrap.dedent("""\
+            %%px
+            import numpy as np
+            def ring_allreduce(comm, x):
+                p, r = comm.Get_size(), comm.Get_rank()
+                out = x.copy()
+                buf = np.empty_like(x)
+                for _ in range(p - 1):
+                    comm.Recv(buf, source=(r - 1) % p)
+                    comm.Send(x, dest=(r + 1) % p)
+                    out += buf
+                return out
+        """)
+        assert ip.run_cell(cell).success
+        result = hpdl.check("ring_allreduce", ranks=[1, 2], timeout=2)
+        assert all(c.verdict == "PASS" for c in result.find(ranks=1))
+        hang = result.find(ranks=2)[0]
+        assert hang.verdict == "HANG" and sorted(hang.stuck) == [0, 1]
+        # numbered as JupyterLab shows the cell: %%px is line 1, the Recv is line 8
+        assert hang.line["line"] == 8 and "comm.Recv(buf" in hang.line["code"]
+        # the engines' own names (rank, world_size) mean each check rank's own values
+        assert ip.run_cell(textwrap.dedent("""\
+            %%px
+            def average_gradients(c, grads):
+                for g in grads:
+                    c.Allreduce(MPI.IN_PLACE, g)
+                    g /= world_size
+                return grads if rank >= 0 else None
+        """)).success
+        assert ip.run_cell("%px from mpi4py import MPI").success
+        assert hpdl.check("average_gradients", ranks=[1, 3]).passed
+        with pytest.raises(HpdlError, match="No function named 'bcast_binomial' found on rank 0"):
+            hpdl.check("bcast_binomial")
+    finally:
+        hpdl.stop(quiet=True)

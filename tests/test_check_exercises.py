@@ -1,0 +1,143 @@
+"""Checking the checker on recursive doubling, binomial broadcast and gradient averaging, and the
+generic hooks (sampler shards; identical, broadcast parameters after a torch step) through
+small test exercises of our own in fixtures/cases. Real MPI ranks throughout."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import hpdl
+from hpdl.check.runner import mpiexec_command
+
+FIXTURES = Path(__file__).parent / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+import learner_collectives as C  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_references_agree_with_serial_sums_and_copies(size, tmp_path):
+    """The model solutions the checker compares against, checked against plain numpy."""
+    script = tmp_path / "refs.py"
+    script.write_text(textwrap.dedent("""
+        import copy
+        import numpy as np
+        from mpi4py import MPI
+        from hpdl.check.cases import load
+        comm = MPI.COMM_WORLD
+        rank, p = comm.Get_rank(), comm.Get_size()
+        checked = 0
+        for name in ("ring_allreduce", "recursive_doubling"):
+            m = load(name)
+            for case in m.cases(p):
+                got = m.reference(comm.Dup(), *copy.deepcopy(m.inputs(case, rank, p)))
+                want = sum(m.inputs(case, r, p)[0].astype(np.float64) for r in range(p))
+                assert got.dtype == np.dtype(case.params["dtype"]), (name, case)
+                assert np.array_equal(got.astype(np.float64), want), (name, case.name)
+                checked += 1
+        m = load("bcast_binomial")
+        for case in m.cases(p):
+            got = m.reference(comm.Dup(), *m.inputs(case, rank, p))
+            assert np.array_equal(got, m.inputs(case, case.params["root"], p)[0]), case.name
+            checked += 1
+        m = load("average_gradients")
+        for case in m.cases(p):
+            got = m.reference(comm.Dup(), *copy.deepcopy(m.inputs(case, rank, p)))
+            per_rank = [m.inputs(case, r, p)[0] for r in range(p)]
+            for i, g in enumerate(got):
+                mean = sum(x[i].astype(np.float64) for x in per_rank) / p
+                assert np.allclose(g, mean, rtol=1e-5, atol=1e-6), case.name
+            checked += 1
+        counts = comm.gather(checked)
+        if rank == 0:
+            print("checked", *counts, flush=True)
+    """))
+    out = subprocess.run([*mpiexec_command(size), sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    counts = [int(n) for line in out.stdout.splitlines() if line.startswith("checked") for n in line.split()[1:]]
+    assert len(counts) == size and len(set(counts)) == 1 and counts[0] >= 15
+
+
+def test_recursive_doubling_solution_full_marks_and_power_of_two_only_code(no_strays):
+    good = hpdl.check("recursive_doubling", C.recursive_doubling_ok, grade=True)
+    assert {c.ranks for c in good.cases} == {1, 2, 3, 4} and good.passed and good.score == good.max_score
+    bad = hpdl.check("recursive_doubling", C.recursive_doubling_pow2_only)
+    for c in bad.cases:
+        assert c.verdict == ("WRONG" if c.ranks == 3 else "PASS"), c
+    assert all(c.wrong_ranks == [1] for c in bad.find(ranks=3))
+    assert any("powers of two" in h for h in bad.hints)
+    assert not any("chunk" in (c.hint or "") for c in bad.cases)
+
+
+def test_binomial_broadcast_solution_and_typical_mistakes(no_strays):
+    good = hpdl.check("bcast_binomial", C.bcast_ok, grade=True)
+    assert {c.ranks for c in good.cases} == {1, 2, 3, 4} and good.passed
+    assert {c.params["root"] for c in good.find(ranks=4)} >= {0, 2, 3}
+
+    linear = hpdl.check("bcast_binomial", C.bcast_linear, ranks=[3, 4])
+    assert all(c.verdict == "PASS" for c in linear.find(ranks=3))  # with 3 ranks a linear one looks the same
+    four = linear.find(ranks=4)
+    assert four and all(c.verdict == "WRONG" and "linear broadcast" in c.message for c in four)
+    assert all(c.wrong_ranks == [c.params["root"]] for c in four)
+
+    root0 = hpdl.check("bcast_binomial", C.bcast_root0_only, ranks=[2, 4])
+    for c in root0.cases:
+        assert c.verdict == ("PASS" if c.params["root"] == 0 else "WRONG"), c
+    assert any("root 0 only" in h for h in root0.hints)
+
+    library = hpdl.check("bcast_binomial", C.bcast_uses_bcast, ranks=[2])
+    assert set(library.verdicts.values()) == {"WRONG"} and "comm.bcast()" in library.cases[0].message
+
+
+def test_average_gradients_solution_blank_and_summed(no_strays):
+    good = hpdl.check("average_gradients", C.average_ok, grade=True)
+    assert {c.ranks for c in good.cases} == {1, 2, 3, 4} and good.passed
+
+    blank = hpdl.check("average_gradients", C.average_blank, timeout=60)
+    assert set(blank.verdicts.values()) == {"ERROR"} and blank.seconds < 60
+
+    summed = hpdl.check("average_gradients", C.average_summed, ranks=[1, 3])
+    assert all(c.verdict == "PASS" for c in summed.find(ranks=1))  # one rank: the sum is the average
+    three = summed.find(ranks=3)
+    assert all(c.verdict == "WRONG" and c.wrong_ranks == [0, 1, 2] for c in three)
+    assert all("summed but not averaged" in c.hint for c in three)
+
+
+# -- generic hooks, through test exercises of our own ----------------------------------------
+
+@pytest.fixture
+def fixture_cases(monkeypatch):
+    monkeypatch.setenv("HPDL_CASES_PATH", str(FIXTURES / "cases"))
+    import learner_dp
+
+    return learner_dp
+
+
+def test_sampler_shards_must_be_disjoint_covering_and_equal(fixture_cases, no_strays):
+    L = fixture_cases
+    good = hpdl.check("fixture_shards", L.shards_ok, ranks=[1, 2, 3], grade=True)
+    assert good.passed and len(good.cases) == 6
+    overlap = hpdl.check("fixture_shards", L.shards_overlap, ranks=[3])
+    assert all(c.verdict == "WRONG" and c.wrong_ranks == [0, 1, 2] for c in overlap.cases)
+    assert "shares" in overlap.cases[0].message and "no rank has" in overlap.cases[0].message
+    uneven = hpdl.check("fixture_shards", L.shards_uneven, ranks=[3])
+    assert all(c.verdict == "WRONG" for c in uneven.cases)
+
+
+def test_parameters_identical_and_broadcast_after_a_torch_step(fixture_cases, no_strays):
+    L = fixture_cases
+    good = hpdl.check("fixture_sync_step", L.sync_step_ok)
+    assert good.passed and {c.ranks for c in good.cases} == {1, 2}
+    skipped = hpdl.check("fixture_sync_step", L.sync_step_no_broadcast, ranks=[2])
+    case = skipped.cases[0]
+    assert case.verdict == "WRONG" and 1 in case.wrong_ranks
+    assert "differ from rank 0's" in case.message
+    # one rank returning nothing must not leave the others waiting in the collective check
+    none = hpdl.check("fixture_sync_step", L.sync_step_returns_none_on_rank1, ranks=[2])
+    assert none.cases[0].verdict == "WRONG" and none.cases[0].wrong_ranks == [1]

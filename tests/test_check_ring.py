@@ -1,0 +1,178 @@
+"""Checking the checker on the ring allreduce: real MPI ranks, right and wrong learner code.
+
+Each known-bad implementation in fixtures/learner_ring.py must get the verdict a teacher
+would give it, naming the ranks and the learner's own line; nothing may be left running.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import hpdl
+from hpdl.check.runner import shared_memory_of
+
+FIXTURES = Path(__file__).parent / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+import learner_ring as L  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def line_of(marker: str) -> int:
+    """The line number in learner_ring.py of the line carrying `marker`."""
+    for number, line in enumerate((FIXTURES / "learner_ring.py").read_text().splitlines(), 1):
+        if marker in line:
+            return number
+    raise AssertionError(marker)
+
+
+def test_solution_scores_full_marks_on_1_to_4_ranks_hidden_cases_included(no_strays):
+    result = hpdl.check("ring_allreduce", L.ring_ok, grade=True)
+    assert {c.ranks for c in result.cases} == {1, 2, 3, 4}
+    assert any(c.hidden for c in result.cases)
+    assert set(result.verdicts.values()) == {"PASS"}, result
+    assert result.score == result.max_score > 0 and result.passed
+    # lengths not divisible by p and shorter than p, float32 and float64, are all among them
+    params = [c.params for c in result.cases]
+    assert any(p["uneven"] for p in params) and any(p["short"] for p in params)
+    assert {p["dtype"] for p in params} == {"float32", "float64"}
+
+
+def test_blank_exercise_fails_fast_and_never_hangs(no_strays):
+    result = hpdl.check("ring_allreduce", L.ring_blank, timeout=60)
+    assert set(result.verdicts.values()) == {"ERROR"}
+    assert all("NotImplementedError" in c.message for c in result.cases)
+    assert result.score == 0
+    assert result.seconds < 60  # every case ended by itself; none waited for its time limit
+
+
+def test_deadlocking_ring_is_a_hang_naming_every_stuck_rank_and_the_line(no_strays):
+    result = hpdl.check("ring_allreduce", L.ring_deadlock, ranks=[1, 3], timeout=2)
+    assert all(c.verdict == "PASS" for c in result.find(ranks=1))  # one rank: no partner to wait for
+    first = result.find(ranks=3)[0]
+    assert first.verdict == "HANG"
+    assert sorted(first.stuck) == [0, 1, 2] and first.finished == []
+    line = line_of("# DEADLOCK")
+    assert first.line["line"] == line and "comm.Recv(buf, source=left)" in first.line["code"]
+    assert f"line {line} in ring_deadlock" in first.message
+    rest = result.find(ranks=3)[1:]
+    assert rest and all(c.verdict == "HANG" and c.message.startswith("Not run") for c in rest)
+
+
+def test_grade_mode_runs_every_case_after_a_hang(no_strays):
+    result = hpdl.check("ring_allreduce", L.ring_deadlock, ranks=[2], timeout=2, grade=True)
+    cases = result.find(ranks=2)
+    assert len(cases) > 3 and all(c.verdict == "HANG" for c in cases)
+    assert not any(c.message.startswith("Not run") for c in cases)
+    assert all(sorted(c.stuck) == [0, 1] for c in cases)
+
+
+def test_wrong_chunk_boundaries_are_wrong_only_for_uneven_lengths(no_strays):
+    result = hpdl.check("ring_allreduce", L.ring_bad_chunks, ranks=[3, 4])
+    for c in result.cases:
+        assert c.verdict == ("WRONG" if c.params["uneven"] else "PASS"), c
+    uneven = [c for c in result.cases if c.params["uneven"] and not c.params["short"]]
+    assert all("same chunk boundaries" in (c.hint or "") for c in uneven)
+    assert any("divides evenly" in h for h in result.hints)
+
+
+def test_result_left_on_rank_0_only_is_wrong_naming_the_other_ranks(no_strays):
+    result = hpdl.check("ring_allreduce", L.ring_root_only, ranks=[2, 4])
+    for c in result.cases:
+        assert c.verdict == "WRONG"
+        assert c.wrong_ranks == list(range(1, c.ranks))
+        assert "only rank 0" in c.hint
+        assert c.max_error and c.max_error > 0
+
+
+def test_collective_called_on_one_rank_hangs_that_rank_only(no_strays):
+    result = hpdl.check("ring_allreduce", L.ring_collective_one_rank, ranks=[3], timeout=2)
+    first = result.cases[0]
+    assert first.verdict == "HANG"
+    assert list(first.stuck) == [0] and first.finished == [1, 2]
+    assert first.line["line"] == line_of("# COLLECTIVE ON ONE RANK")
+    assert "Finished: ranks 1, 2" in first.message
+
+
+def test_exception_on_one_rank_is_an_error_naming_rank_and_line_without_waiting(no_strays):
+    result = hpdl.check("ring_allreduce", L.ring_raises_on_one_rank, ranks=[3], timeout=60)
+    for c in result.cases:
+        assert c.verdict == "ERROR"
+        assert c.error_ranks == [2]
+        assert c.line["line"] == line_of("# RAISES") and "ValueError" in c.message
+        assert "Left waiting for it: ranks 0, 1" in c.message
+    assert result.seconds < 60  # the job was aborted at once, not after the time limit
+
+
+def test_library_allreduce_is_rejected_by_reading_the_source(no_strays):
+    result = hpdl.check("ring_allreduce", L.ring_uses_allreduce)
+    assert set(result.verdicts.values()) == {"WRONG"}
+    msg = result.cases[0].message
+    assert "comm.Allreduce()" in msg and f"line {line_of('# LIBRARY ALLREDUCE')}" in msg
+    assert "point-to-point" in msg
+
+
+def test_allreduce_hidden_from_the_source_is_rejected_when_called(no_strays):
+    result = hpdl.check("ring_allreduce", L.ring_sneaky_allreduce, ranks=[2])
+    assert set(result.verdicts.values()) == {"WRONG"}
+    assert all("Allreduce() is not allowed" in c.message for c in result.cases)
+    assert result.cases[0].line["line"] == line_of("# HIDDEN FROM THE AST")
+
+
+def test_right_sum_by_the_wrong_pattern_is_not_a_ring(no_strays):
+    result = hpdl.check("ring_allreduce", L.ring_gather_to_root, ranks=[3, 4])
+    assert all(c.verdict == "PASS" for c in result.find(ranks=3))  # with 3 ranks everyone is a neighbour
+    four = result.find(ranks=4)
+    assert four and all(c.verdict == "WRONG" and "neighbours" in c.message for c in four)
+
+
+def test_killing_the_notebook_mid_check_leaves_no_ranks_behind(tmp_path, no_strays):
+    """A kernel killed while its check hangs: the workers notice and end themselves."""
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(FIXTURES)!r})
+        import hpdl, learner_ring
+        hpdl.check("ring_allreduce", learner_ring.ring_deadlock, ranks=[3], timeout=120)
+    """))
+    client = subprocess.Popen([sys.executable, str(script)])
+    workers, launcher = [], []
+    try:
+        workers = []
+        deadline = time.time() + 60
+        while time.time() < deadline and len(workers) < 3:
+            workers = [p for p in psutil.Process(client.pid).children(recursive=True)
+                       if p.name().startswith("python") and "hpdl.check.worker" in " ".join(p.cmdline())]
+            time.sleep(0.2)
+        assert len(workers) == 3, "the check's three ranks did not start"
+        launcher = [p for p in psutil.Process(client.pid).children() if "mpiexec" in p.name()]
+        segments = shared_memory_of([p.pid for p in workers])
+        assert any("mpich" in s or "ucx" in s for s in segments)  # MPI's shared memory, in RAM
+        client.send_signal(signal.SIGKILL)
+        client.wait()
+        gone, alive = psutil.wait_procs(workers + launcher, timeout=20)
+        assert not alive, f"left behind: {[p.pid for p in alive]}"
+        assert not [s for s in segments if Path(s).exists()], "shared memory left in /dev/shm"
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+        for p in workers + launcher:  # should the assertion fail, still leave nothing behind
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
+def test_right_but_slow_is_advisory_and_keeps_the_points(no_strays):
+    result = hpdl.check("ring_allreduce", L.ring_slow, ranks=[2])
+    assert set(result.verdicts.values()) == {"SLOW"}
+    assert result.score == result.max_score and result.passed
+    assert "slow" in result.cases[0].message and "no points lost" in result.cases[0].message

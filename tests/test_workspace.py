@@ -1,0 +1,60 @@
+"""`hpdl exercises`: a learner's workspace gets new and updated exercises, never loses an edit."""
+from __future__ import annotations
+
+import json
+
+from hpdl import workspace
+
+
+def test_copy_update_and_never_overwrite_the_learners_changes(tmp_path, monkeypatch, capsys):
+    kit = tmp_path / "kit"
+    (kit / "sub").mkdir(parents=True)
+    (kit / "01.ipynb").write_text("v1 of 01")
+    (kit / "02.ipynb").write_text("v1 of 02")
+    (kit / "sub" / "03.ipynb").write_text("v1 of 03")
+    (kit / ".ipynb_checkpoints").mkdir()
+    (kit / ".ipynb_checkpoints" / "01-checkpoint.ipynb").write_text("junk")
+    monkeypatch.setenv("HPDL_WORKSPACE", str(tmp_path / "ws"))
+    monkeypatch.chdir(tmp_path)
+
+    assert workspace.main(["--source", str(kit)]) == 0  # the default destination: $HPDL_WORKSPACE
+    ws = tmp_path / "ws"
+    assert sorted(p.relative_to(ws).as_posix() for p in ws.rglob("*.ipynb")) == ["01.ipynb", "02.ipynb", "sub/03.ipynb"]
+    assert set(json.loads((ws / ".hpdl-manifest.json").read_text())) == {"01.ipynb", "02.ipynb", "sub/03.ipynb"}
+
+    (ws / "01.ipynb").write_text("my work on 01")  # the learner edits 01
+    (kit / "01.ipynb").write_text("v2 of 01")  # the kit updates 01 and 02, and adds 04
+    (kit / "02.ipynb").write_text("v2 of 02")
+    (kit / "04.ipynb").write_text("v1 of 04")
+    capsys.readouterr()
+    result = workspace.sync(kit, ws)
+    assert result.added == ["04.ipynb"] and result.updated == ["02.ipynb"]
+    assert result.kept == ["01.ipynb"] and result.unchanged == ["sub/03.ipynb"]
+    assert (ws / "01.ipynb").read_text() == "my work on 01"
+    assert (ws / "02.ipynb").read_text() == "v2 of 02" and (ws / "04.ipynb").read_text() == "v1 of 04"
+    assert "01.ipynb" in result.summary(ws) and "not touched" in result.summary(ws)
+
+    # still the learner's after another run; a deleted file comes back; nothing else moves
+    (ws / "sub" / "03.ipynb").unlink()
+    again = workspace.sync(kit, ws)
+    assert again.kept == ["01.ipynb"] and again.added == ["sub/03.ipynb"] and again.updated == []
+    assert (ws / "01.ipynb").read_text() == "my work on 01"
+
+
+def test_a_file_already_there_that_we_did_not_copy_is_kept(tmp_path):
+    kit, ws = tmp_path / "kit", tmp_path / "ws"
+    kit.mkdir()
+    ws.mkdir()
+    (kit / "01.ipynb").write_text("kit")
+    (ws / "01.ipynb").write_text("mine, from before")
+    result = workspace.sync(kit, ws)
+    assert result.kept == ["01.ipynb"] and (ws / "01.ipynb").read_text() == "mine, from before"
+
+
+def test_no_exercises_is_a_clear_error(tmp_path):
+    import pytest
+
+    from hpdl.errors import HpdlError
+
+    with pytest.raises(HpdlError, match="hpdl build"):
+        workspace.sync(tmp_path / "nothing", tmp_path / "ws")
