@@ -104,7 +104,7 @@ def pingpong(comm, sizes: Sequence[int] = (), *, budget: float = 0.1) -> dict:
     """
     from mpi4py import MPI
 
-    sizes = list(sizes) or message_sizes(8, 16 << 20)
+    sizes = list(sizes) or message_sizes(8, 16 << 20, 4)
     pair = first_ranks(comm, 2)
     result = None
     if pair != MPI.COMM_NULL:
@@ -130,7 +130,7 @@ def pingpong(comm, sizes: Sequence[int] = (), *, budget: float = 0.1) -> dict:
 
 def local_reduce(sizes: Sequence[int] = (), *, dtype=np.float32, repeats: int = 5) -> dict:
     """Seconds to add one array of each size into another on this core (the γ of the model)."""
-    sizes = list(sizes) or message_sizes(8, 16 << 20)
+    sizes = list(sizes) or message_sizes(8, 16 << 20, 4)
     itemsize = np.dtype(dtype).itemsize
     seconds = []
     for nbytes in sizes:
@@ -231,9 +231,11 @@ def idle_wait(comm, poll: float = 0.0005) -> None:
 
 
 def scaling(fn: Callable, comm, nbytes: int, ranks: Sequence[int] | None = None, *,
-            name: str | None = None, dtype=np.float32, budget: float = 0.3) -> dict:
+            name: str | None = None, dtype=np.float32, budget: float = 0.3, repeats: int = 1) -> dict:
     """Time `fn(sub, x)` on the first k ranks for each k in `ranks`, others waiting quietly.
 
+    With `repeats` > 1 each point is the best of that many timings: on a shared machine a
+    burst of someone else's work then spoils one timing, not the curve.
     Returns {"name", "ranks": [k...], "nbytes", "seconds": [...]} on every rank.
     """
     from mpi4py import MPI
@@ -246,7 +248,7 @@ def scaling(fn: Callable, comm, nbytes: int, ranks: Sequence[int] | None = None,
         sub = first_ranks(comm, k)
         t = None
         if sub != MPI.COMM_NULL:
-            t = timeit(lambda: fn(sub, x), sub, budget=budget)
+            t = min(timeit(lambda: fn(sub, x), sub, budget=budget) for _ in range(max(1, repeats)))
             sub.Free()
         idle_wait(comm)
         seconds.append(comm.bcast(t, root=0))

@@ -66,7 +66,7 @@ class SyntheticImageNet(Dataset):
         if rng.random() < 0.5:
             crop = crop[:, ::-1]
         x = torch.from_numpy(np.ascontiguousarray(crop)).permute(2, 0, 1).float().div_(255.0)
-        x = (x - self.mean) / self.std
+        x = ((x - self.mean) / self.std).contiguous()  # NCHW, as a real decoder's output would be
         return x, int(rng.integers(self.classes))
 
 

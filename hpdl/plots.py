@@ -43,13 +43,16 @@ def size_label(nbytes: float) -> str:
 
 
 def _size_axis(ax, sizes: Sequence[float]) -> None:
+    from matplotlib.ticker import NullLocator
+
     ax.set_xscale("log", base=2)
-    lo, hi = min(sizes), max(sizes)
-    ticks = [s for s in (2.0**k for k in range(0, 41, 2)) if lo <= s <= hi * 1.01] or list(sizes)
-    if len(ticks) > 9:
-        ticks = ticks[:: int(np.ceil(len(ticks) / 9))]
+    ticks = sorted(set(sizes))
+    if len(ticks) > 9:  # every k-th measured size, always including the largest
+        k = int(np.ceil(len(ticks) / 9))
+        ticks = ticks[::-1][::k][::-1]
     ax.set_xticks(ticks)
     ax.set_xticklabels([size_label(t) for t in ticks], rotation=45, ha="right")
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xlabel("message size")
     ax.grid(True, which="major", alpha=0.3)
 
@@ -126,7 +129,7 @@ def time_breakdown(phases: Mapping[str, Mapping[str, float]] | Mapping[str, floa
         raise ValueError("phases: give at least one {phase: seconds}")
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6}[unit]
     names = list(dict.fromkeys(k for d in phases.values() for k in d))
-    fig, (ax,) = _figure(1, width=7.5, height=1.2 + 0.55 * len(phases))
+    fig, (ax,) = _figure(1, width=8.0, height=1.4 + 0.55 * len(phases))
     configs = list(phases)
     left = np.zeros(len(configs))
     for i, name in enumerate(names):
@@ -139,18 +142,20 @@ def time_breakdown(phases: Mapping[str, Mapping[str, float]] | Mapping[str, floa
         left += vals
     ax.invert_yaxis()
     ax.set_xlabel(f"time per step ({unit})")
-    ax.legend(fontsize=8, ncol=len(names), loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(phases) < 3 else -0.15))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     if title:
         ax.set_title(title)
     return _done(fig)
 
 
 def lines(x: Sequence[float], series: Mapping[str, Sequence[float]], *, xlabel: str, ylabel: str,
-          logx: bool = False, title: str | None = None):
+          logx: bool = False, logy: bool = False, markers: bool = True, title: str | None = None):
     """A few named series against one variable."""
     fig, (ax,) = _figure(1)
     for i, (name, ys) in enumerate(series.items()):
-        ax.plot(x, ys, "o-", color=_COLORS[i % len(_COLORS)], label=name)
+        ax.plot(x, ys, "o-" if markers else "-", color=_COLORS[i % len(_COLORS)], label=name)
+    if logy:
+        ax.set_yscale("log")
     if logx:
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(x))

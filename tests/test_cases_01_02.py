@@ -1,0 +1,278 @@
+"""The checks of lessons 01 and 02 on real ranks: the solution passes (hidden cases included),
+and each known-bad implementation is rejected with the hint that names its mistake.
+
+The solutions are taken from solutions/*.ipynb, executed as written there, so what is checked
+is what learners are shown.
+"""
+from __future__ import annotations
+
+import linecache
+import time
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import pytest
+import torch
+
+import hpdl
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def solution(notebook: str, name: str):
+    """The function `name` as defined in solutions/<notebook>, with its source lines known."""
+    nb = nbformat.read(ROOT / "solutions" / notebook, as_version=4)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and f"def {name}(" in cell.source:
+            filename = f"<{notebook} cell {i}>"
+            linecache.cache[filename] = (len(cell.source), None, cell.source.splitlines(True), filename)
+            namespace = {"np": np, "torch": torch, "time": time, "__name__": "solution"}
+            exec(compile(cell.source, filename, "exec"), namespace)
+            return namespace[name]
+    raise LookupError(f"no cell defines {name} in {notebook}")
+
+
+def hints(result) -> str:
+    return " ".join(f"{c.message} {c.hint or ''}" for c in result.cases) + " ".join(result.hints)
+
+
+# -- lesson 01: train_step ---------------------------------------------------------------------
+
+def no_zero_grad(model, batch, loss_fn, optimizer):
+    loss = loss_fn(model(batch[0]), batch[1])
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def no_optimizer_step(model, batch, loss_fn, optimizer):
+    optimizer.zero_grad()
+    loss = loss_fn(model(batch[0]), batch[1])
+    loss.backward()
+    return loss.item()
+
+
+def returns_tensor(model, batch, loss_fn, optimizer):
+    optimizer.zero_grad()
+    loss = loss_fn(model(batch[0]), batch[1])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def loss_after_update(model, batch, loss_fn, optimizer):
+    optimizer.zero_grad()
+    loss_fn(model(batch[0]), batch[1]).backward()
+    optimizer.step()
+    with torch.no_grad():
+        return loss_fn(model(batch[0]), batch[1]).item()
+
+
+def zero_grad_before_step(model, batch, loss_fn, optimizer):
+    loss = loss_fn(model(batch[0]), batch[1])
+    loss.backward()
+    optimizer.zero_grad()
+    optimizer.step()
+    return loss.item()
+
+
+def test_train_step_solution_passes(no_strays):
+    result = hpdl.check("train_step", solution("01_one_device.ipynb", "train_step"), grade=True)
+    assert result.passed, result
+    assert len(result.cases) == 4
+
+
+@pytest.mark.parametrize("bad, words", [
+    (no_zero_grad, "zero_grad() in every step"),
+    (no_optimizer_step, "did not change"),
+    (returns_tensor, "loss.item()"),
+    (loss_after_update, "before* optimizer.step()"),
+    (zero_grad_before_step, "did not change"),
+], ids=lambda v: getattr(v, "__name__", "hint"))
+def test_train_step_rejects(bad, words, no_strays):
+    result = hpdl.check("train_step", bad)
+    assert {c.verdict for c in result.cases} == {"WRONG"}, result
+    assert words in hints(result)
+
+
+# -- lesson 01: throughput ---------------------------------------------------------------------
+
+def times_the_warmup(step, batches, warmup=1):
+    start, samples = time.perf_counter(), 0
+    for batch in batches:
+        step(batch)
+        samples += len(batch[0])
+    return samples / (time.perf_counter() - start)
+
+
+def batches_per_second(step, batches, warmup=1):
+    batches = list(batches)
+    for batch in batches[:warmup]:
+        step(batch)
+    start = time.perf_counter()
+    for batch in batches[warmup:]:
+        step(batch)
+    return (len(batches) - warmup) / (time.perf_counter() - start)
+
+
+def first_batch_size_for_all(step, batches, warmup=1):
+    batches = list(batches)
+    for batch in batches[:warmup]:
+        step(batch)
+    start = time.perf_counter()
+    for batch in batches[warmup:]:
+        step(batch)
+    return len(batches[0][0]) * (len(batches) - warmup) / (time.perf_counter() - start)
+
+
+def counts_warmup_samples(step, batches, warmup=1):
+    batches = list(batches)
+    for batch in batches[:warmup]:
+        step(batch)
+    start = time.perf_counter()
+    for batch in batches[warmup:]:
+        step(batch)
+    return sum(len(b[0]) for b in batches) / (time.perf_counter() - start)
+
+
+def seconds_per_sample(step, batches, warmup=1):
+    batches = list(batches)
+    for batch in batches[:warmup]:
+        step(batch)
+    start = time.perf_counter()
+    for batch in batches[warmup:]:
+        step(batch)
+    return (time.perf_counter() - start) / sum(len(b[0]) for b in batches[warmup:])
+
+
+def skips_the_warmup_batches(step, batches, warmup=1):
+    timed = list(batches)[warmup:]
+    start = time.perf_counter()
+    for batch in timed:
+        step(batch)
+    return sum(len(b[0]) for b in timed) / (time.perf_counter() - start)
+
+
+def needs_a_list(step, batches, warmup=1):
+    n = len(batches)  # a generator has no len()
+    start = None
+    for i, batch in enumerate(batches):
+        if i == warmup:
+            start = time.perf_counter()
+        step(batch)
+    return sum(len(b[0]) for b in batches[warmup:]) / (time.perf_counter() - start) + 0 * n
+
+
+def test_throughput_solution_passes(no_strays):
+    result = hpdl.check("throughput", solution("01_one_device.ipynb", "throughput"), grade=True)
+    assert result.passed, result
+    assert len(result.cases) == 5
+
+
+@pytest.mark.parametrize("bad, words", [
+    (times_the_warmup, "start the clock after"),
+    (batches_per_second, "batches per second"),
+    (first_batch_size_for_all, "as large as the first"),
+    (counts_warmup_samples, "count only the timed batches"),
+    (seconds_per_sample, "seconds per sample"),
+    (skips_the_warmup_batches, "warm-up ones included"),
+], ids=lambda v: getattr(v, "__name__", "hint"))
+def test_throughput_rejects(bad, words, no_strays):
+    result = hpdl.check("throughput", bad)
+    assert not result.passed, result
+    assert words in hints(result)
+
+
+def test_throughput_wants_any_iterable(no_strays):
+    result = hpdl.check("throughput", needs_a_list)
+    assert [c.name for c in result.cases if c.verdict != "PASS"] == ["batches from a generator"]
+    assert "len()" in hints(result)
+
+
+# -- lesson 02: ps_exchange --------------------------------------------------------------------
+
+def sums_instead_of_averaging(comm, grads, params, lr):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if rank == 0:
+        total, buf = np.zeros_like(params), np.empty_like(params)
+        for w in range(1, size):
+            comm.Recv(buf, source=w)
+            total += buf
+        new = params - lr * total
+        for w in range(1, size):
+            comm.Send(new, dest=w)
+        return new
+    comm.Send(grads, dest=0)
+    new = np.empty_like(params)
+    comm.Recv(new, source=0)
+    return new
+
+
+def averages_over_all_ranks(comm, grads, params, lr):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if rank == 0:
+        total, buf = np.zeros_like(params), np.empty_like(params)
+        for w in range(1, size):
+            comm.Recv(buf, source=w)
+            total += buf
+        new = params - lr * total / size
+        for w in range(1, size):
+            comm.Send(new, dest=w)
+        return new
+    comm.Send(grads, dest=0)
+    new = np.empty_like(params)
+    comm.Recv(new, source=0)
+    return new
+
+
+def workers_keep_old_params(comm, grads, params, lr):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if rank == 0:
+        total, buf = np.zeros_like(params), np.empty_like(params)
+        for w in range(1, size):
+            comm.Recv(buf, source=w)
+            total += buf
+        return params - lr * total / (size - 1)
+    comm.Send(grads, dest=0)
+    return params
+
+
+def with_collectives(comm, grads, params, lr):
+    everyone = comm.gather(grads, root=0)
+    if comm.Get_rank() == 0:
+        params = params - lr * sum(everyone[1:]) / (comm.Get_size() - 1)
+    return comm.bcast(params, root=0)
+
+
+def everyone_receives_first(comm, grads, params, lr):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    new = np.empty_like(params)
+    if rank == 0:
+        comm.Recv(new, source=1)  # waits for a worker that is itself waiting for the server
+        return new
+    comm.Recv(new, source=0)
+    comm.Send(grads, dest=0)
+    return new
+
+
+def test_ps_exchange_solution_passes(no_strays):
+    result = hpdl.check("ps_exchange", solution("02_ways_to_parallelise.ipynb", "ps_exchange"), grade=True)
+    assert result.passed, result
+    assert {c.ranks for c in result.cases} == {2, 3, 4}
+
+
+@pytest.mark.parametrize("bad, verdict, words", [
+    (sums_instead_of_averaging, "WRONG", "you summed the gradients"),
+    (averages_over_all_ranks, "WRONG", "average over the size - 1 workers"),
+    (workers_keep_old_params, "WRONG", ("must receive the new ones", "every rank must return it")),
+    (with_collectives, "WRONG", "Rejected"),
+    (everyone_receives_first, "HANG", "comm.Recv(new, source=0)"),
+], ids=lambda v: getattr(v, "__name__", str(v)))
+def test_ps_exchange_rejects(bad, verdict, words, no_strays):
+    result = hpdl.check("ps_exchange", bad)
+    assert not result.passed, result
+    assert verdict in {c.verdict for c in result.cases}
+    said = hints(result) + " ".join(str(c.stuck) for c in result.cases)
+    assert any(w in said for w in ((words,) if isinstance(words, str) else words)), said
