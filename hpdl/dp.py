@@ -7,6 +7,7 @@ notebooks. This module holds what would only distract there:
 * `use_mpi_allreduce`: let DDP reduce its buckets with MPI (mpi4py) instead of Gloo.
 * `step_times`, `throughput`: time training steps fairly across ranks.
 * `plot_scaling`: images/s and scaling efficiency against the number of ranks.
+* `restart_horovod`: start Horovod again with other HOROVOD_* settings (fusion, timeline).
 
 Runs on the engines (ranks) and imports nothing from the client side.
 """
@@ -95,6 +96,38 @@ def use_mpi_allreduce(ddp_model, comm=None) -> None:
     from mpi4py import MPI
 
     ddp_model.register_comm_hook(comm or MPI.COMM_WORLD, _mpi_allreduce_hook)
+
+
+# -- Horovod ------------------------------------------------------------------------------
+
+# Horovod 0.28.1's defaults, for settings a restart must put back explicitly
+HOROVOD_DEFAULTS = {"HOROVOD_FUSION_THRESHOLD": str(128 * 1024 * 1024)}
+
+
+def restart_horovod(**env: str | None) -> None:
+    """Shut Horovod down on this rank and start it again with other HOROVOD_* settings.
+
+    Horovod reads its settings (HOROVOD_FUSION_THRESHOLD, HOROVOD_TIMELINE, ...) only in
+    hvd.init(). Call on every rank (it is collective). MPI stays up because mpi4py started it
+    before Horovod did. A value of None means Horovod's default. (Horovod keeps a tuned value
+    across a restart unless told otherwise, so the default is written out where we know it.)
+    Horovod 0.28.1 may crash in this restart when HOROVOD_CYCLE_TIME was set in the first
+    start and fusion is now turned off; set the cycle time only when launching a job.
+    """
+    import os
+
+    import horovod.torch as hvd
+
+    if hvd.is_initialized():
+        hvd.shutdown()
+    for key, value in env.items():
+        if value is None and key in HOROVOD_DEFAULTS:
+            os.environ[key] = HOROVOD_DEFAULTS[key]
+        elif value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = str(value)
+    hvd.init()
 
 
 # -- timing ---------------------------------------------------------------------------------

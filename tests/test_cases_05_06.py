@@ -1,0 +1,292 @@
+"""The checks of lessons 05 and 06 on real ranks: each solution passes (hidden cases included),
+and each known-bad implementation — gradients summed but not averaged, no parameter broadcast,
+overlapping sampler shards, and the other usual slips — is rejected with a hint naming it.
+
+The solutions are taken from solutions/*.ipynb as written there, so what is checked is what
+learners are shown. Every check runs the learner's function on fresh MPI ranks (mpiexec jobs).
+"""
+from __future__ import annotations
+
+import linecache
+import math
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+import hpdl
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def solution(notebook: str, name: str):
+    """The function `name` from its %%px cell in solutions/<notebook>, with its lines known."""
+    import horovod.torch as hvd
+
+    nb = nbformat.read(ROOT / "solutions" / notebook, as_version=4)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and f"def {name}(" in cell.source:
+            source = "\n" + cell.source.split("\n", 1)[1] if cell.source.startswith("%%px") else cell.source
+            filename = f"<{notebook} cell {i}>"
+            linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+            namespace = {"torch": torch, "dist": dist, "F": F, "math": math, "hvd": hvd, "DataLoader": DataLoader,
+                         "DistributedSampler": DistributedSampler, "__name__": "solution"}
+            exec(compile(source, filename, "exec"), namespace)
+            return namespace[name]
+    raise LookupError(f"no cell defines {name} in {notebook}")
+
+
+def passed(result) -> bool:
+    return all(c.verdict == "PASS" for c in result.cases)
+
+
+def hints(result) -> str:
+    return " ".join(f"{c.message} {c.hint or ''}" for c in result.cases) + " ".join(result.hints)
+
+
+def rejected(result, *words: str) -> None:
+    assert not passed(result), f"{result.exercise}: a known-bad implementation passed"
+    text = hints(result).lower()
+    for w in words:
+        assert w.lower() in text, f"{result.exercise}: expected {w!r} in: {text[:600]}"
+
+
+# -- 05, exercise 1: shard_indices ---------------------------------------------------------------
+
+def _order(n, epoch, seed):
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def shards_rank_seeded(comm, n, epoch, seed=0):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch + rank)).tolist()
+    total = math.ceil(n / size) * size
+    return (order + order[: total - n])[rank:total:size]
+
+
+def shards_ignore_epoch(comm, n, epoch, seed=0):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    order = _order(n, 0, seed)
+    total = math.ceil(n / size) * size
+    return (order + order[: total - n])[rank:total:size]
+
+
+def shards_unpadded(comm, n, epoch, seed=0):
+    return _order(n, epoch, seed)[comm.Get_rank()::comm.Get_size()]
+
+
+def shards_unshuffled(comm, n, epoch, seed=0):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    total = math.ceil(n / size) * size
+    order = list(range(n))
+    return (order + order[: total - n])[rank:total:size]
+
+
+def shards_drop_last(comm, n, epoch, seed=0):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    per = n // size
+    return _order(n, epoch, seed)[rank * per:(rank + 1) * per]
+
+
+def test_shard_indices_solution_passes():
+    result = hpdl.check("shard_indices", solution("05_data_parallel.ipynb", "shard_indices"), grade=True)
+    assert passed(result), hints(result)
+    assert {c.ranks for c in result.cases} == {1, 2, 3}
+
+
+def test_shard_indices_drop_last_is_also_right():
+    assert passed(hpdl.check("shard_indices", shards_drop_last, ranks=[3]))
+
+
+@pytest.mark.parametrize("bad, words", [
+    (shards_rank_seeded, ["more than one rank", "same seed"]),
+    (shards_ignore_epoch, ["same order", "set_epoch"]),
+    (shards_unpadded, ["different numbers", "pad"]),
+    (shards_unshuffled, ["not shuffled"]),
+])
+def test_shard_indices_known_bad_rejected(bad, words):
+    rejected(hpdl.check("shard_indices", bad, ranks=[3]), *words)
+
+
+# -- 05, exercise 2: allreduce_gradients ---------------------------------------------------------
+
+def _flat_average(comm, model, divide=True):
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    if divide:
+        flat /= comm.Get_size()
+    return grads, flat
+
+
+def grads_summed(comm, model):
+    grads, flat = _flat_average(comm, model, divide=False)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def grads_per_tensor(comm, model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= comm.Get_size()
+
+
+def grads_not_written_back(comm, model):
+    _flat_average(comm, model)
+
+
+def grads_over_mpi(comm, model):
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+    flat /= comm.Get_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def test_allreduce_gradients_solution_passes():
+    result = hpdl.check("allreduce_gradients", solution("05_data_parallel.ipynb", "allreduce_gradients"), grade=True)
+    assert passed(result), hints(result)
+
+
+def test_allreduce_gradients_over_mpi_is_also_right():
+    assert passed(hpdl.check("allreduce_gradients", grads_over_mpi, ranks=[2]))
+
+
+@pytest.mark.parametrize("bad, words", [
+    (grads_summed, ["summed, not averaged"]),
+    (grads_per_tensor, ["all-reduces for", "one flat buffer"]),
+    (grads_not_written_back, ["own gradients"]),
+])
+def test_allreduce_gradients_known_bad_rejected(bad, words):
+    rejected(hpdl.check("allreduce_gradients", bad, ranks=[2]), *words)
+
+
+# -- 05, exercise 3: overlap_allreduce -----------------------------------------------------------
+
+def _overlap(broadcast=True, average=True, during_backward=True, bucketed=True):
+    """A family of learner versions of the exercise, each with one thing left out."""
+
+    def overlap_allreduce(comm, model, bucket_mb):
+        size = comm.Get_size()
+        if broadcast:
+            with torch.no_grad():
+                for p in model.parameters():
+                    dist.broadcast(p, src=0)
+        params = list(reversed(list(model.parameters())))
+        buckets, current, used = [], [], 0
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            if bucketed and current and used + nbytes > bucket_mb * 2**20 or not bucketed and current:
+                buckets.append(current)
+                current, used = [], 0
+            current.append(p)
+            used += nbytes
+        buckets.append(current)
+        home = {id(p): i for i, b in enumerate(buckets) for p in b}
+        left, pending = [len(b) for b in buckets], []
+
+        def launch(i):
+            flat = torch.cat([q.grad.reshape(-1) for q in buckets[i]])
+            pending.append((i, flat, dist.all_reduce(flat, async_op=True)))
+
+        def ready(p):
+            i = home[id(p)]
+            left[i] -= 1
+            if left[i] == 0 and during_backward:
+                launch(i)
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(ready)
+
+        def finish():
+            if not during_backward:
+                for i in range(len(buckets)):
+                    launch(i)
+            for i, flat, work in pending:
+                work.wait()
+                if average:
+                    flat /= size
+                offset = 0
+                for q in buckets[i]:
+                    q.grad.copy_(flat[offset:offset + q.numel()].view_as(q.grad))
+                    offset += q.numel()
+            pending.clear()
+            left[:] = [len(b) for b in buckets]
+
+        return finish
+
+    return overlap_allreduce
+
+
+def test_overlap_allreduce_solution_passes():
+    result = hpdl.check("overlap_allreduce", solution("05_data_parallel.ipynb", "overlap_allreduce"), grade=True)
+    assert passed(result), hints(result)
+
+
+@pytest.mark.parametrize("bad, words", [
+    (_overlap(average=False), ["summed, not averaged"]),
+    (_overlap(broadcast=False), ["differ from rank 0", "broadcast"]),
+    (_overlap(during_backward=False), ["while backward ran"]),
+    (_overlap(bucketed=False), ["all-reduces in a step", "one flat buffer"]),
+])
+def test_overlap_allreduce_known_bad_rejected(bad, words):
+    rejected(hpdl.check("overlap_allreduce", bad, ranks=[2]), *words)
+
+
+# -- 06: train_horovod ---------------------------------------------------------------------------
+
+def _horovod(broadcast=True, op=None, shard=True, set_epoch=True):
+    def train_horovod(comm, model, dataset, epochs, lr, batch_size):
+        import horovod.torch as hvd
+
+        if broadcast:
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        extra = {} if op is None else {"op": getattr(hvd, op)}
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **extra)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        replicas, rank = (hvd.size(), hvd.rank()) if shard else (1, 0)
+        sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=0)
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+        losses = []
+        for epoch in range(epochs):
+            if set_epoch:
+                sampler.set_epoch(epoch)
+            total, batches = 0.0, 0
+            for x, y in loader:
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                total, batches = total + loss.item(), batches + 1
+            losses.append(hvd.allreduce(torch.tensor([total / batches]), name=f"loss.{epoch}").item())
+        return losses
+
+    return train_horovod
+
+
+def test_train_horovod_solution_passes():
+    result = hpdl.check("train_horovod", solution("06_horovod.ipynb", "train_horovod"), grade=True)
+    assert passed(result), hints(result)
+
+
+@pytest.mark.parametrize("bad, words", [
+    (_horovod(op="Sum"), ["summed over the ranks"]),
+    (_horovod(broadcast=False), ["different parameters", "broadcast_parameters"]),
+    (_horovod(shard=False), ["more than one rank", "distributedsampler"]),
+    (_horovod(set_epoch=False), ["set_epoch"]),
+])
+def test_train_horovod_known_bad_rejected(bad, words):
+    rejected(hpdl.check("train_horovod", bad, ranks=[2]), *words)
