@@ -1,0 +1,354 @@
+"""`hpdl doctor`: one screen on whether this environment can run the kit, and the fix when not.
+
+It answers the questions an instructor asks first on a new machine or cluster: which torch
+(CUDA? NCCL?), which MPI library mpi4py really loads, whether that MPI is CUDA-aware, whether
+`mpiexec` belongs to that same MPI (if not, `mpiexec -n 2` starts two unrelated one-rank jobs),
+whether Horovod imports and with which controllers, and which launcher `hpdl.start()` would use.
+
+Anything that could crash on import (torch, the MPI library, Horovod) is probed in its own Python
+subprocess, so a broken install becomes a line in the report rather than a crash of the doctor.
+
+    hpdl doctor            # the report; exit 1 when something needed is missing or mismatched
+    hpdl doctor --json     # the same as JSON (report() in Python)
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+VENV_BIN = Path(sys.executable).parent
+
+# Each probe prints one JSON object on its last line of output.
+_PROBE_TORCH = r"""
+import json, torch, torch.distributed as dist
+d = {"version": torch.__version__, "cuda_build": torch.version.cuda,
+     "cuda_available": torch.cuda.is_available(), "gpus": 0, "gpu_names": [], "nccl": None,
+     "gloo": dist.is_gloo_available(), "nccl_backend": dist.is_nccl_available(),
+     "mpi_backend": dist.is_mpi_available()}
+if d["cuda_available"]:
+    d["gpus"] = torch.cuda.device_count()
+    d["gpu_names"] = [torch.cuda.get_device_name(i) for i in range(d["gpus"])]
+if torch.version.cuda:
+    try:
+        v = torch.cuda.nccl.version()
+        d["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception:
+        pass
+print(json.dumps(d))
+"""
+
+_PROBE_MPI = r"""
+import ctypes, json, os
+import mpi4py
+from mpi4py import MPI
+name, ver = MPI.get_vendor()
+libs = []
+with open("/proc/self/maps") as f:
+    for line in f:
+        path = line.split()[-1]
+        if path.startswith("/") and "libmpi" in os.path.basename(path) and path not in libs:
+            libs.append(path)
+cuda, how = None, ""
+for path in libs:
+    try:
+        lib = ctypes.CDLL(path)
+        query = lib.MPIX_Query_cuda_support
+    except (OSError, AttributeError):
+        continue
+    query.restype = ctypes.c_int
+    cuda, how = bool(query()), "MPIX_Query_cuda_support()"
+    break
+levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+          MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+print(json.dumps({"mpi4py": mpi4py.__version__, "vendor": name, "vendor_version": ".".join(map(str, ver)),
+                  "library_version": MPI.Get_library_version().strip(), "standard": "%d.%d" % MPI.Get_version(),
+                  "thread_level": levels.get(MPI.Query_thread(), "?"), "library_files": libs,
+                  "cuda_aware": cuda, "cuda_aware_how": how}))
+"""
+
+_PROBE_HOROVOD = r"""
+import json, os
+import horovod, horovod.torch as hvd
+libs = []
+with open("/proc/self/maps") as f:
+    for line in f:
+        path = line.split()[-1]
+        if path.startswith("/") and "libmpi" in os.path.basename(path) and path not in libs:
+            libs.append(path)
+print(json.dumps({"version": horovod.__version__, "mpi_built": bool(hvd.mpi_built()),
+                  "gloo_built": bool(hvd.gloo_built()), "nccl_built": bool(hvd.nccl_built()),
+                  "cuda_built": bool(hvd.cuda_built()), "library_files": libs}))
+"""
+
+# one write() per rank: lines from two ranks sharing a pipe must not interleave
+_PROBE_RANKS = ("import os; from mpi4py import MPI; c = MPI.COMM_WORLD; "
+                "os.write(1, f'{c.Get_rank()} {c.Get_size()}\\n'.encode())")
+
+MPICH_FAMILY = ("MPICH", "MVAPICH", "Intel", "Cray")  # one ABI: Hydra/mpirun_rsh/srun launch any of them
+
+
+def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, str]:
+    """Run a command in its own session; on timeout kill the whole group (mpiexec has children)."""
+    try:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                             text=True, env=env, start_new_session=True)
+    except OSError as exc:
+        return 127, "", str(exc)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        return -1, out, (err or "") + f"\n(timed out after {timeout:.0f} s)"
+    return p.returncode, out, err
+
+
+def _probe(code: str, timeout: float = 120) -> tuple[dict | None, str]:
+    """Run a probe in a fresh Python; (its JSON, '') or (None, the last lines of its error)."""
+    rc, out, err = _run([sys.executable, "-c", code], timeout)
+    if rc == 0:
+        try:
+            return json.loads(out.strip().splitlines()[-1]), ""
+        except (ValueError, IndexError):
+            pass
+    lines = [s.strip() for s in (err or out).strip().splitlines() if s.strip()]
+    starts = [i for i, s in enumerate(lines) if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b", s)]
+    tail = lines[starts[-1]:] if starts else lines[-2:]
+    return None, " — ".join(tail[:4]) or f"exit code {rc}"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _family(vendor: str) -> str:
+    v = vendor.lower()
+    if "open mpi" in v or "openrte" in v or "open-mpi" in v:
+        return "Open MPI"
+    if "hydra" in v or any(f.lower() in v for f in MPICH_FAMILY):
+        return "MPICH"
+    return "unknown"
+
+
+def mpiexec_vendor(path: str) -> tuple[str, str]:
+    """(family, first informative line) from `mpiexec --version`."""
+    rc, out, err = _run([path, "--version"], 30)
+    text = (out + err).strip()
+    first = next((s.strip() for s in text.splitlines() if s.strip() and "build details" not in s), "")
+    if "HYDRA" in text:
+        m = re.search(r"Version:\s*(\S+)", text)
+        intel = "Intel" in text
+        return "MPICH", f"{'Intel MPI ' if intel else ''}Hydra {m.group(1) if m else ''}".strip()
+    return _family(text), first or f"no version output (exit code {rc})"
+
+
+def _mpi_fix(mpi_error: str) -> str:
+    lib = os.environ.get("MPI4PY_LIBMPI")
+    if lib and not Path(lib).exists():
+        return (f"MPI4PY_LIBMPI={lib} does not exist: `unset MPI4PY_LIBMPI`, or point it at your MPI's "
+                "libmpi.so (e.g. `export MPI4PY_LIBMPI=$MPI_HOME/lib/libmpi.so`).")
+    return (f"{sys.executable} -m pip install mpich==5.0.2   # MPI from PyPI (laptops, CI)\n"
+            "      or on a cluster: `module load <your MPI>` before starting Python, or "
+            "`export MPI4PY_LIBMPI=/path/to/libmpi.so`")
+
+
+def report() -> dict:
+    """Everything the doctor looks at, plus `checks`: [{name, status ok|warn|fail, detail, fix}]."""
+    from hpdl import launchers
+
+    checks: list[dict] = []
+
+    def check(name: str, status: str, detail: str, fix: str = "") -> None:
+        checks.append({"name": name, "status": status, "detail": detail, "fix": fix})
+
+    # Run the three import probes side by side; they are independent.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:
+        f_torch, f_mpi, f_hvd = (pool.submit(_probe, c) for c in (_PROBE_TORCH, _PROBE_MPI, _PROBE_HOROVOD))
+        (torch, torch_err), (mpi, mpi_err), (hvd, hvd_err) = f_torch.result(), f_mpi.result(), f_hvd.result()
+
+    info: dict = {"python": {"version": sys.version.split()[0], "executable": sys.executable}}
+    py_ok = sys.version_info >= (3, 10)
+    check("Python", "ok" if py_ok else "fail", f"{info['python']['version']} ({sys.executable})",
+          "" if py_ok else "use Python 3.10 or newer (3.11 recommended)")
+
+    # torch
+    info["torch"] = torch or {"error": torch_err}
+    if torch:
+        gpu = (f"CUDA {torch['cuda_build']}, {torch['gpus']} GPU(s)" + (f", NCCL {torch['nccl']}" if torch["nccl"] else "")
+               if torch["cuda_build"] else "CPU build")
+        backends = ", ".join(b for b, k in (("gloo", "gloo"), ("nccl", "nccl_backend"), ("mpi", "mpi_backend")) if torch[k])
+        status, fix = "ok", ""
+        if torch["cuda_build"] and not torch["cuda_available"]:
+            status, fix = "warn", "a CUDA build of torch sees no GPU here: fine on a login node; on a GPU node check `nvidia-smi` and CUDA_VISIBLE_DEVICES"
+        check("torch", status, f"{torch['version']} · {gpu} · torch.distributed: {backends or 'none'}", fix)
+    else:
+        check("torch", "fail", f"cannot import: {torch_err}",
+              f"{sys.executable} -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu   "
+              "# CPU; on GPU clusters use the site's torch module")
+
+    # MPI behind mpi4py
+    info["mpi"] = mpi or {"error": mpi_err}
+    if mpi:
+        cuda, how = mpi["cuda_aware"], mpi["cuda_aware_how"]
+        lib = mpi["library_version"]
+        if cuda is None and "MVAPICH2-GDR" in lib.upper().replace(" ", "-"):
+            cuda, how = os.environ.get("MV2_USE_CUDA") == "1", "MVAPICH2-GDR with MV2_USE_CUDA=" + os.environ.get("MV2_USE_CUDA", "(unset)")
+        if cuda is None and _family(mpi["vendor"]) == "Open MPI" and shutil.which("ompi_info"):
+            _, out, _ = _run(["ompi_info", "--parsable", "--all"], 60)
+            cuda, how = "mpi_built_with_cuda_support:value:true" in out, "ompi_info"
+        mpi["cuda_aware"], mpi["cuda_aware_how"] = cuda, how
+        first = " ".join(lib.splitlines()[0].split()) if lib else ""
+        first = "" if first.startswith(mpi["vendor"]) else f" ({first})"  # e.g. MVAPICH2-GDR, Intel MPI
+        where = mpi["library_files"][0] if mpi["library_files"] else "?"
+        aware = "unknown" if cuda is None else ("yes" if cuda else "no")
+        status, fix = "ok", ""
+        gpus = (torch or {}).get("gpus", 0)
+        if gpus and "MVAPICH2-GDR" in lib.upper().replace(" ", "-") and not cuda:
+            status, fix = "warn", "export MV2_USE_CUDA=1   # MVAPICH2-GDR moves GPU buffers only with it"
+        check("MPI", status, f"{mpi['vendor']} {mpi['vendor_version']}{first} via mpi4py {mpi['mpi4py']} · "
+              f"{where} · thread level {mpi['thread_level']} · CUDA-aware: {aware}{f' ({how})' if how else ''}", fix)
+    else:
+        check("MPI", "fail", f"mpi4py cannot load its MPI library: {mpi_err}", _mpi_fix(mpi_err))
+
+    # mpiexec: the one the kit uses, and the one a learner's terminal finds, must be mpi4py's MPI
+    info["mpiexec"] = {}
+    try:
+        kit_mpiexec = launchers.find_mpiexec()
+    except Exception as exc:
+        kit_mpiexec = None
+        check("mpiexec", "fail", str(exc).splitlines()[0], f"{sys.executable} -m pip install mpich==5.0.2")
+    on_path = shutil.which("mpiexec")
+    for label, path in (("mpiexec", kit_mpiexec), ("mpiexec on PATH", on_path)):
+        if not path or (label != "mpiexec" and kit_mpiexec and os.path.realpath(path) == os.path.realpath(kit_mpiexec)):
+            continue
+        family, text = mpiexec_vendor(path)
+        info["mpiexec"][label] = {"path": path, "family": family, "version": text}
+        if mpi and family != "unknown" and family != _family(mpi["vendor"]):
+            fix = (f"export PATH={VENV_BIN}:$PATH   # mpiexec beside this Python first"
+                   if (VENV_BIN / "mpiexec").exists() else
+                   f"`module load` the MPI mpi4py was built with ({mpi['vendor']}), or rebuild mpi4py against "
+                   f"this one: {sys.executable} -m pip install --force-reinstall --no-binary mpi4py mpi4py")
+            check(label, "fail", f"{path} is {family} ({text}) but mpi4py uses {mpi['vendor']}: "
+                  "`mpiexec -n 2` would start 2 separate one-rank jobs", fix)
+        elif label == "mpiexec" and mpi:
+            rc, out, err = _run([path, "-n", "2", sys.executable, "-c", _PROBE_RANKS], 90)
+            seen = sorted(tuple(map(int, s.split())) for s in out.split("\n") if re.fullmatch(r"\d+ \d+", s.strip()))
+            info["mpiexec"][label]["two_ranks"] = seen
+            if seen == [(0, 2), (1, 2)]:
+                check(label, "ok", f"{path} ({text}) · 2 ranks see a world of 2")
+            else:
+                tail = (err or out).strip().splitlines()[-2:]
+                check(label, "fail", f"{path} ({text}) · `mpiexec -n 2` gave ranks {seen or 'none'} "
+                      f"{' '.join(tail)}", "mpiexec and mpi4py disagree: use the mpiexec of mpi4py's MPI "
+                      f"(export PATH={VENV_BIN}:$PATH, or `module load` it)")
+        else:
+            check(label, "ok", f"{path} ({text})")
+
+    # Python packages the kit needs (versions without importing)
+    need = {"ipyparallel": (9, 10), "jupyterlab": None, "ipykernel": None, "mpi4py": (4, 99)}
+    info["packages"] = {}
+    missing = []
+    for dist, span in need.items():
+        v = _version(dist)
+        info["packages"][dist] = v
+        major = int(v.split(".")[0]) if v and v.split(".")[0].isdigit() else None
+        if v is None or (span and major is not None and not span[0] <= major < span[1]):
+            missing.append(f"{dist} ({v or 'missing'})")
+    detail = " · ".join(f"{d} {info['packages'][d] or '—'}" for d in need)
+    check("packages", "fail" if missing else "ok", detail + (f" · wrong/missing: {', '.join(missing)}" if missing else ""),
+          f"{sys.executable} -m pip install -r requirements.txt   # from the kit's folder" if missing else "")
+
+    # Horovod
+    info["horovod"] = hvd or {"error": hvd_err}
+    if hvd:
+        built = ", ".join(f"{k} {'yes' if hvd[f'{k.lower()}_built'] else 'no'}" for k in ("MPI", "Gloo", "NCCL"))
+        status, fix = "ok", ""
+        hlibs = {os.path.realpath(p) for p in hvd["library_files"]}
+        mlibs = {os.path.realpath(p) for p in (mpi or {}).get("library_files", [])}
+        if hvd["mpi_built"] and hlibs and mlibs and not (hlibs & mlibs):
+            status, fix = "fail", "Horovod was built against another MPI than mpi4py loads: rebuild it: " \
+                f"rm -rf ~/.cache/hpdl/wheels; {sys.executable} -m pip uninstall -y horovod; PYTHON={sys.executable} bash cluster/build/horovod.sh"
+        if torch and torch.get("gpus") and not hvd["nccl_built"] and not (mpi or {}).get("cuda_aware"):
+            status, fix = "warn", ("GPUs but Horovod has no NCCL and MPI is not CUDA-aware: rebuild with "
+                                   "HOROVOD_GPU_OPERATIONS=NCCL bash cluster/build/horovod.sh")
+        check("Horovod", status, f"{hvd['version']} · {built}" + (f" · MPI lib {sorted(hlibs)[0]}" if hlibs and status == "fail" else ""), fix)
+    else:
+        check("Horovod", "fail", f"cannot import horovod.torch: {hvd_err}",
+              f"PYTHON={sys.executable} bash cluster/build/horovod.sh   # from the kit's folder (`make horovod`)")
+
+    # Hardware
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    gpus = (torch or {}).get("gpus", 0)
+    names = sorted(set((torch or {}).get("gpu_names", [])))
+    info["hardware"] = {"cores": cores, "cpu_count": os.cpu_count(), "gpus": gpus, "gpu_names": names}
+    check("hardware", "ok", f"{cores} core{'s' if cores != 1 else ''} usable (of {os.cpu_count()}) · "
+          f"{gpus} GPU{'s' if gpus != 1 else ''}{': ' + ', '.join(names) if names else ''}")
+
+    # Launcher
+    try:
+        chosen = launchers.resolve("auto")
+        n = launchers.default_n(chosen)
+        detail = f"auto → {chosen} ({'mpiexec on this machine' if chosen == 'local' else 'srun in Slurm job ' + os.environ.get('SLURM_JOB_ID', '')}), {n} ranks by default"
+        info["launcher"] = {"auto": chosen, "default_n": n, "slurm_commands": bool(shutil.which("srun"))}
+        status, fix = "ok", ""
+        if os.environ.get("HPDL_SITE") or any(k.startswith("HPDL_SLURM_") for k in os.environ):
+            site = launchers.load_site()
+            info["launcher"]["site"] = {"name": site.name, "source": site.source, "partition": site.partition, "pmi": site.pmi}
+            detail += f" · site profile {site.name} (partition {site.partition or 'default'}, --mpi={site.pmi})"
+        if shutil.which("sbatch") and chosen == "local":
+            detail += " · Slurm here: hpdl.start(launcher='slurm') submits the ranks as a job"
+        check("launcher", status, detail, fix)
+    except Exception as exc:
+        info["launcher"] = {"error": str(exc)}
+        check("launcher", "fail", str(exc), "fix the setting named above (HPDL_LAUNCHER, HPDL_SITE or HPDL_SLURM_*)")
+
+    info["checks"] = checks
+    info["ok"] = all(c["status"] != "fail" for c in checks)
+    return info
+
+
+_MARK = {"ok": "  ok  ", "warn": " warn ", "fail": " FAIL "}
+
+
+def render(info: dict) -> str:
+    lines = [f"hpdl doctor — {info['python']['executable']}"]
+    for c in info["checks"]:
+        lines.append(f"{_MARK[c['status']]} {c['name']:<16} {c['detail']}")
+    fixes = [c for c in info["checks"] if c["fix"] and c["status"] != "ok"]
+    if fixes:
+        lines.append("")
+        for c in fixes:
+            lines.append(f"fix {c['name']}:\n      {c['fix']}")
+    lines.append("")
+    lines.append("everything the kit needs is here." if info["ok"] else
+                 "something the kit needs is missing or mismatched: run the fix above, then `hpdl doctor` again.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: hpdl doctor [--json]\n\nReport Python, torch, MPI, mpiexec, Horovod, cores/GPUs and the "
+              "launcher; exit 1 with the fix when something needed is missing or mismatched.")
+        return 0
+    info = report()
+    print(json.dumps(info, indent=2) if "--json" in argv else render(info))
+    return 0 if info["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

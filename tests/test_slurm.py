@@ -1,0 +1,406 @@
+"""The Slurm launcher on a real Slurm: engines are ranks of one Slurm job, collectives work across
+them, and stopping (or a killed kernel) leaves no job and no process behind.
+
+A private single-node Slurm is started by cluster/slurm/local-slurm.sh (installing Debian's
+slurm-wlm and munge when missing, as root). Where that is impossible the script says why and
+these tests skip with its words. Site-profile tests at the end need no Slurm.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+from IPython.utils.text import EvalFormatter
+
+import hpdl
+from hpdl import launchers
+from hpdl.errors import HpdlError
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "cluster" / "slurm" / "local-slurm.sh"
+UNAVAILABLE = 3  # local-slurm.sh's exit code for "Slurm cannot run here"
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_NTASKS", "SLURM_STEP_ID", "HPDL_SITE", "HPDL_LAUNCHER")
+
+
+def _local_slurm(verb: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), verb], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A running single-node Slurm; stopped at the end if this session started it."""
+    was_running = _local_slurm("status", 60).returncode == 0
+    if not was_running:
+        p = _local_slurm("start", 900)
+        if p.returncode == UNAVAILABLE:
+            pytest.skip(p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "Slurm unavailable")
+        assert p.returncode == 0, f"local-slurm.sh start failed:\n{p.stdout}{p.stderr}"
+    yield
+    if not was_running:
+        p = _local_slurm("stop", 120)
+        assert p.returncode == 0, p.stderr
+
+
+@pytest.fixture
+def outside_slurm(monkeypatch):
+    """The kernel on a 'login node': no allocation in the environment, no site profile."""
+    for var in SLURM_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for var in list(os.environ):
+        if var.startswith("HPDL_SLURM_"):
+            monkeypatch.delenv(var)
+
+
+def squeue(*args: str) -> str:
+    return subprocess.run(["squeue", "-h", *args], capture_output=True, text=True, timeout=30).stdout.strip()
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"{what} within {timeout:.0f} s")
+
+
+def security_modes(home: Path) -> dict[str, int]:
+    sec = home / "profile" / "security"
+    modes = {"security/": stat.S_IMODE(sec.stat().st_mode)}
+    for f in sec.iterdir():
+        modes[f.name] = stat.S_IMODE(f.stat().st_mode)
+    return modes
+
+
+RANK_REPORT = textwrap.dedent(
+    """
+    import os
+    import numpy as np
+    from mpi4py import MPI
+    x = np.array([rank + 1.0, 10.0 * rank])
+    comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+    report = dict(rank=comm.Get_rank(), size=comm.Get_size(), allreduce=x.tolist(),
+                  job=os.environ.get("SLURM_JOB_ID"), step=os.environ.get("SLURM_STEP_ID"),
+                  procid=os.environ.get("SLURM_PROCID"))
+    """
+)
+
+
+def rank_reports() -> list[dict]:
+    view = hpdl.view()
+    view.execute(RANK_REPORT, block=True)
+    return sorted(view.pull("report", block=True), key=lambda r: r["rank"])
+
+
+SITE = """
+description = "a test site: its set-up lines and variables must reach the ranks"
+setup = '''
+export HPDL_T_SETUP="ran${HPDL_T_UNSET:-}"
+'''
+[slurm]
+time = "00:10:00"
+[env]
+HPDL_T_SITE = "from site"
+HPDL_T_BOTH = "site"
+"""
+
+
+@pytest.mark.slurm
+def test_submitted_job_ranks_allreduce_and_stop_leaves_nothing(slurm, outside_slurm, monkeypatch, tmp_path, no_strays):
+    (tmp_path / "site.toml").write_text(SITE)
+    monkeypatch.setenv("HPDL_SITE", str(tmp_path / "site.toml"))
+    c = hpdl.start(n=2, launcher="slurm", frameworks=("torch",), env={"HPDL_T_BOTH": "learner"}, quiet=True)
+    try:
+        view = hpdl.view()
+        view.execute("import os; seen = [os.environ.get(k) for k in ('HPDL_T_SETUP', 'HPDL_T_SITE', 'HPDL_T_BOTH')]", block=True)
+        assert view.pull("seen", block=True) == [["ran", "from site", "learner"]] * 2
+        reports = rank_reports()
+        assert [r["rank"] for r in reports] == [0, 1]
+        assert [r["procid"] for r in reports] == ["0", "1"]  # MPI rank = Slurm task id
+        assert {r["size"] for r in reports} == {2}
+        assert [r["allreduce"] for r in reports] == [[3.0, 10.0], [3.0, 10.0]]
+        jobs = {r["job"] for r in reports}
+        assert len(jobs) == 1 and None not in jobs, f"engines are not one Slurm job: {jobs}"
+        job = jobs.pop()
+        assert squeue("-j", job, "-o", "%T") == "RUNNING"
+        assert squeue("-j", job, "-o", "%j") == c.ipp.cluster_id
+        # torch.distributed (gloo) across the same ranks
+        view = hpdl.view()
+        view.execute("t = torch.tensor([float(rank + 1)]); dist.all_reduce(t); tsum = t.item()", block=True)
+        assert view.pull("tsum", block=True) == [3.0, 3.0]
+        # the reaper knows the job, so a killed kernel cancels it
+        assert json.loads(c.state_file.read_text())["slurm_jobs"] == [job]
+        # connection files: only the user may read them
+        modes = security_modes(Path(os.environ["HPDL_HOME"]))
+        assert modes.pop("security/") == 0o700
+        assert modes and set(modes.values()) == {0o600}, modes
+    finally:
+        hpdl.stop(quiet=True)
+    assert squeue("-j", job, "-o", "%i") == ""
+    assert hpdl.status() == {"running": False}
+
+
+@pytest.mark.slurm
+def test_inside_an_allocation_engines_are_one_srun_step(slurm, outside_slurm, monkeypatch, no_strays):
+    alloc = subprocess.run(["salloc", "--no-shell", "-n", "2", "-J", "hpdl-test-alloc"],
+                           capture_output=True, text=True, timeout=60)
+    m = re.search(r"Granted job allocation (\d+)", alloc.stderr + alloc.stdout)
+    assert m, alloc.stderr
+    job = m.group(1)
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        monkeypatch.setenv("SLURM_NTASKS", "2")
+        assert launchers.resolve("auto") == "slurm"
+        with pytest.raises(HpdlError, match=r"has 2 tasks, fewer than n=3"):
+            hpdl.start(n=3, frameworks=(), quiet=True)
+        c = hpdl.start(frameworks=(), quiet=True)  # n from SLURM_NTASKS
+        try:
+            reports = rank_reports()
+            assert [r["rank"] for r in reports] == [0, 1]
+            assert [r["allreduce"] for r in reports] == [[3.0, 10.0], [3.0, 10.0]]
+            assert {r["job"] for r in reports} == {job}
+            steps = {r["step"] for r in reports}
+            assert len(steps) == 1 and None not in steps
+            step = f"{job}.{steps.pop()}"
+            assert squeue("-s", "-j", job, "-o", "%i %j").splitlines() == [f"{step} {c.ipp.cluster_id}"]
+            assert json.loads(c.state_file.read_text())["slurm_jobs"] == [step]
+        finally:
+            hpdl.stop(quiet=True)
+        wait_until(lambda: squeue("-s", "-j", job, "-o", "%i") == "", 30, "the engines' step did not end")
+        assert squeue("-j", job, "-o", "%T") == "RUNNING"  # the allocation itself is not ours to end
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    wait_until(lambda: squeue("-j", job, "-o", "%i") == "", 60, "the allocation was not cancelled")
+
+
+KERNEL = textwrap.dedent(
+    """
+    import json, sys, time, hpdl
+    c = hpdl.start(n=2, launcher="slurm", frameworks=(), quiet=True)
+    print(json.dumps({"job": json.load(open(c.state_file))["slurm_jobs"][0],
+                      "pids": [r["pid"] for r in c.ranks]}), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.slurm
+def test_killed_kernel_gets_its_slurm_job_cancelled(slurm, outside_slurm, no_strays):
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL], stdout=subprocess.PIPE, text=True,
+                              stdin=subprocess.DEVNULL)
+    try:
+        line = kernel.stdout.readline()
+        assert line, "the kernel stand-in did not start its ranks"
+        job = json.loads(line)["job"]
+        assert squeue("-j", job, "-o", "%T") == "RUNNING"
+        kernel.send_signal(signal.SIGKILL)  # no exit handlers run: only the reaper can clean up
+        kernel.wait(timeout=10)
+        wait_until(lambda: squeue("-j", job, "-o", "%i") == "", 60, f"job {job} still queued after the kernel died")
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()
+            kernel.wait()
+
+
+@pytest.mark.slurm
+def test_a_job_that_dies_before_its_ranks_register_is_reported(slurm, outside_slurm, monkeypatch, no_strays):
+    monkeypatch.setenv("HPDL_SLURM_SRUN", "--no-such-srun-option")
+    with pytest.raises(HpdlError) as err:
+        hpdl.start(n=2, launcher="slurm", frameworks=(), quiet=True, timeout=120)
+    assert "ended before all 2 ranks registered" in str(err.value)
+    assert "no-such-srun-option" in str(err.value)  # srun's own complaint, from the job's output
+    assert not [j for j in squeue("-o", "%j").splitlines() if j.startswith("hpdl-")], "a job was left queued"
+
+
+@pytest.mark.slurm
+def test_sbatch_refusal_says_why_and_what_was_asked(slurm, outside_slurm, monkeypatch, no_strays):
+    monkeypatch.setenv("HPDL_SLURM_PARTITION", "no_such_partition")
+    with pytest.raises(HpdlError) as err:
+        hpdl.start(n=2, launcher="slurm", frameworks=(), quiet=True)
+    assert "invalid partition" in str(err.value).lower()
+    assert "#SBATCH --partition=no_such_partition" in str(err.value)
+
+
+def _submit(args: list[str], cwd: Path) -> str:
+    p = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, cwd=cwd, timeout=60,
+                       env={**os.environ, "HPDL_DIR": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip().split(";")[0]
+
+
+@pytest.mark.slurm
+def test_run_sbatch_runs_a_script_and_a_notebook_on_the_jobs_ranks(slurm, outside_slurm, tmp_path, no_strays):
+    (tmp_path / "ranks.py").write_text(
+        "import os, sys\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
+        "print('RANK', c.rank, c.size, c.allreduce(c.rank + 1), os.environ['SLURM_JOB_ID'], *sys.argv[1:])\n"
+    )
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_code_cell("import hpdl\nc = hpdl.start(n=2, frameworks=(), quiet=True)\nprint(c.launcher)"),
+        nbformat.v4.new_code_cell("%%px\nimport os\ntotal = comm.allreduce(rank + 1)\njob = os.environ['SLURM_JOB_ID']"),
+        nbformat.v4.new_code_cell("print(hpdl.view().pull(['rank', 'total', 'job'], block=True))\nhpdl.stop(quiet=True)"),
+    ]
+    nbformat.write(nb, tmp_path / "lesson.ipynb")
+    script_job = _submit(["-n", "2", "-o", "script-%j.out", str(ROOT / "cluster/slurm/run.sbatch"), "ranks.py", "--flag"], tmp_path)
+    nb_job = _submit(["-n", "2", "-o", "nb-%j.out", str(ROOT / "cluster/slurm/run.sbatch"), "lesson.ipynb"], tmp_path)
+    for job in (script_job, nb_job):
+        wait_until(lambda: squeue("-j", job, "-o", "%i") == "", 240, f"job {job} did not finish")
+    lines = sorted(s for s in (tmp_path / f"script-{script_job}.out").read_text().splitlines() if s.startswith("RANK"))
+    assert lines == [f"RANK 0 2 3 {script_job} --flag", f"RANK 1 2 3 {script_job} --flag"]
+    out = tmp_path / f"lesson-run-{nb_job}.ipynb"
+    assert out.exists(), (tmp_path / f"nb-{nb_job}.out").read_text()
+    texts = ["".join(o.get("text", "") for o in cell.outputs) for cell in nbformat.read(out, 4).cells]
+    assert texts[0].strip() == "slurm"
+    assert texts[2].strip() == str([[0, 3, nb_job], [1, 3, nb_job]])
+
+
+@pytest.mark.slurm
+def test_jupyter_sbatch_serves_jupyterlab_inside_the_job(slurm, outside_slurm, tmp_path, no_strays):
+    home = Path(os.environ["HPDL_HOME"])
+    job = _submit(["-n", "2", "-o", "lab-%j.out", str(ROOT / "cluster/slurm/jupyter.sbatch")], tmp_path)
+    info = home / f"jupyter-{job}.txt"
+    try:
+        wait_until(info.exists, 120, "jupyter.sbatch wrote no connection file")
+        assert stat.S_IMODE(info.stat().st_mode) == 0o600  # it holds the token
+        url = re.search(r"http://127\.0\.0\.1:(\d+)/lab\?token=(\w+)", info.read_text())
+        assert url, info.read_text()
+        port, token = url.groups()
+        assert token not in (tmp_path / f"lab-{job}.out").read_text()
+
+        def status():
+            if squeue("-j", job, "-o", "%i") == "":
+                raise AssertionError("the job ended:\n" + (tmp_path / f"lab-{job}.out").read_text()[-2000:])
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=5) as r:
+                    return json.loads(r.read())
+            except OSError:
+                return None
+
+        assert "started" in wait_until(status, 120, "JupyterLab did not answer")
+        with pytest.raises(urllib.error.HTTPError) as denied:  # without the token: refused
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=5)
+        assert denied.value.code == 403
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+        wait_until(lambda: squeue("-j", job, "-o", "%i") == "", 60, f"job {job} did not end")
+    assert not info.exists()
+
+
+# -- site profiles (no Slurm needed) ------------------------------------------------------------
+
+def _render(site: launchers.SlurmSite, n: int = 4) -> str:
+    return EvalFormatter().format(launchers.sbatch_template(site), n=n, cluster_id="hpdl-x",
+                                  output_file="/tmp/o.log", program="/venv/bin/python -m ipyparallel.engine",
+                                  program_args="--profile-dir=/p", hpdl_exports="export HOROVOD_CYCLE_TIME=5")
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in launchers.SITES_DIR.glob("*.toml")))
+def test_example_site_profiles_load_and_render(name, outside_slurm):
+    site = launchers.load_site(name)
+    script = _render(site)
+    assert f"#SBATCH --partition={site.partition}" in script
+    assert "#SBATCH --ntasks=4" in script
+    assert f"srun --mpi={site.pmi} --kill-on-bad-exit=1" in script
+    assert script.rstrip().endswith("/venv/bin/python -m ipyparallel.engine --mpi --profile-dir=/p")
+    for key, value in site.env.items():
+        assert f"export {key}={value}" in script
+    if site.setup:  # shell text, braces included, reaches the script as written
+        assert site.setup.strip() in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_environment_overrides_the_site_profile(outside_slurm, monkeypatch):
+    monkeypatch.setenv("HPDL_SITE", "generic")
+    monkeypatch.setenv("HPDL_SLURM_PARTITION", "short")
+    monkeypatch.setenv("HPDL_SLURM_SBATCH", "--constraint=avx512 --mem=0")
+    monkeypatch.setenv("HPDL_SLURM_RANKS_PER_NODE", "2")
+    site = launchers.load_site()
+    assert (site.partition, site.ranks_per_node, site.sbatch) == ("short", 2, ["--constraint=avx512", "--mem=0"])
+    script = _render(site)
+    assert "#SBATCH --partition=short" in script and "#SBATCH --constraint=avx512" in script
+    assert "#SBATCH --ntasks-per-node=2" in script
+    monkeypatch.setenv("HPDL_SLURM_RANKS_PER_NODE", "two")
+    with pytest.raises(HpdlError, match="HPDL_SLURM_RANKS_PER_NODE"):
+        launchers.load_site()
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ('[slurm]\npartiton = "gpu"\n', "slurm.partiton"),
+        ('[slurm]\nranks_per_node = "4"\n', "slurm.ranks_per_node"),
+        ('[slurm]\nsbatch = "--exclusive"\n', "slurm.sbatch"),
+        ('modules = "cuda"\n', "modules"),
+        ('[env]\nMV2_USE_CUDA = true\n', "env.MV2_USE_CUDA"),
+        ('colour = "blue"\n', "'colour'"),
+        ('[slurm]\npmi = "pmi2; rm -rf ~"\n', "slurm.pmi"),
+        ('[slurm\npartition = "gpu"\n', "not valid TOML"),
+    ],
+)
+def test_invalid_site_profile_names_the_key(text, named, tmp_path, outside_slurm):
+    path = tmp_path / "site.toml"
+    path.write_text(text)
+    with pytest.raises(HpdlError) as err:
+        launchers.load_site(str(path))
+    assert named in str(err.value) and str(path) in str(err.value)
+
+
+def test_unknown_site_name_lists_the_known_ones(outside_slurm):
+    with pytest.raises(HpdlError, match="generic"):
+        launchers.load_site("no-such-site")
+
+
+# -- cluster files (no Slurm needed) ------------------------------------------------------------
+
+def _pins(lines) -> dict[str, str]:
+    pins = {}
+    for line in lines:
+        line = line.split("#")[0].strip().lstrip("- ").strip()
+        m = re.fullmatch(r"([A-Za-z0-9_.\-]+)\s*(==\s*[\w.+]+)?", line)
+        if m and not line.startswith("-"):
+            pins[m.group(1).lower()] = (m.group(2) or "").replace(" ", "")
+    return pins
+
+
+def test_environment_yml_pins_what_requirements_txt_pins():
+    import yaml
+
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    conda = _pins(pip_section)
+    pip = _pins((ROOT / "requirements.txt").read_text().splitlines())
+    not_for_clusters = {"mpich", "pytest", "pytest-timeout", "playwright"}  # site MPI; tests run on CI
+    assert {k: v for k, v in pip.items() if k not in not_for_clusters} == conda
+    assert "-e ." in pip_section and "mpich" not in conda
+
+
+def _strip_erb(text: str) -> str:
+    text = re.sub(r"^\s*<%-.*?-%>\n", "", text, flags=re.M)
+    return re.sub(r"<%=.*?%>", "x", text)
+
+
+def test_cluster_shell_files_parse():
+    scripts = {p: p.read_text() for p in (ROOT / "cluster" / "slurm").glob("*.s*")}
+    for p in (ROOT / "cluster" / "ood").rglob("*.sh.erb"):
+        scripts[p] = _strip_erb(p.read_text())
+    definition = (ROOT / "cluster" / "apptainer" / "hpdl.def").read_text()
+    scripts["hpdl.def %post"] = re.search(r"^%post\n(.*?)^%", definition, flags=re.S | re.M).group(1)
+    assert len(scripts) >= 6
+    for name, text in scripts.items():
+        p = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+        assert p.returncode == 0, f"{name}: {p.stderr}"
