@@ -9,13 +9,15 @@ STAMP := $(VENV)/.hpdl-installed
 LAB_PORT ?= 8888
 LAB_ARGS ?=
 PYTEST_ARGS ?=
+# JupyterLab refuses to run as root (containers, CI) unless told
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: lab test setup horovod build check-build bench doctor clean-venv cleanup
 
 lab: setup
 	@echo "hpdl: starting JupyterLab (stop with Ctrl-C; ranks you started stop with it)"
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
-	  --ServerApp.root_dir="$(CURDIR)" $(LAB_ARGS) notebooks/00_welcome.ipynb
+	  --ServerApp.root_dir="$(CURDIR)" $(ALLOW_ROOT) $(LAB_ARGS) notebooks/00_welcome.ipynb
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

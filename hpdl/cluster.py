@@ -223,6 +223,7 @@ def _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet) -> Clust
     try:
         bar = _progress(n + 1, quiet)
         ipp_cluster.start_controller_sync()
+        launchers.secure_profile(profile_dir)  # the connection files are keys to run code as you
         _record(cluster)
         cluster.reaper = subprocess.Popen(
             [sys.executable, "-m", "hpdl.reaper", str(state_file)],

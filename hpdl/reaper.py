@@ -49,6 +49,7 @@ def kill_all(state: dict, grace: float = 2.0) -> None:
                 procs[c.pid] = c
         except psutil.Error:
             pass
+    shm = shared_memory_of(procs)  # read before the kill: a killed MPI rank leaves these in RAM
     for pgid in state.get("pgids", []):
         try:
             os.killpg(pgid, signal.SIGTERM)
@@ -73,6 +74,27 @@ def kill_all(state: dict, grace: float = 2.0) -> None:
         except OSError:
             pass
     psutil.wait_procs(left, timeout=grace)
+    for path in shm:
+        try:
+            if os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+        except OSError:
+            pass
+
+
+def shared_memory_of(pids) -> set[str]:
+    """The /dev/shm files these processes map (MPICH's shared-memory segments between ranks)."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    i = line.find("/dev/shm/")
+                    if i >= 0 and not line.rstrip().endswith("(deleted)"):
+                        found.add(line[i:].strip())
+        except OSError:
+            continue
+    return found
 
 
 def watch(state_file: str, poll: float = 0.5) -> int:

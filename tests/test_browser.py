@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import re
 import shlex
 import shutil
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import kit_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -80,7 +82,7 @@ def lab_env(tmp: Path) -> dict[str, str]:
 
 
 def lab_settings(tmp: Path) -> list[str]:
-    """Lab flags for a fresh user: settings and workspaces in `tmp`. Autosave is off so running
+    """Lab flags for a fresh user: settings, workspaces and checkpoints in `tmp`. Autosave is off so running
     notebook 00 never writes its outputs into the repository; no news is fetched from the web."""
     settings, workspaces = tmp / "lab-settings", tmp / "lab-workspaces"
     for plugin, values in {
@@ -91,7 +93,17 @@ def lab_settings(tmp: Path) -> list[str]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
     workspaces.mkdir(parents=True, exist_ok=True)
-    return [f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={workspaces}"]
+    return [
+        f"--LabApp.user_settings_dir={settings}",
+        f"--LabApp.workspaces_dir={workspaces}",
+        # opening a notebook makes a checkpoint of it: keep that out of the repository too
+        f"--FileCheckpoints.checkpoint_dir={tmp / 'checkpoints'}",
+    ]
+
+
+def as_root() -> list[str]:
+    """Jupyter refuses to run as root without --allow-root (containers and CI often are root)."""
+    return ["--allow-root"] if os.geteuid() == 0 else []
 
 
 def log_tail(log: Path, chars: int = 3000) -> str:
@@ -117,6 +129,15 @@ def wait_until_served(proc: subprocess.Popen, base: str, token: str, log: Path, 
             last = str(e)
         time.sleep(0.25)
     pytest.fail(f"JupyterLab did not serve {base}/lab with its token within {timeout} s (last: {last}); its log ends:\n{log_tail(log)}")
+
+
+def wait_for_log(log: Path, words: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if words in log.read_text(errors="replace"):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def family(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -189,6 +210,13 @@ def chromium_or_skip() -> str:
 
 
 @pytest.fixture
+def chromium() -> str:
+    """The browser and its driver, checked before any server starts."""
+    pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed (pip install playwright)")
+    return chromium_or_skip()
+
+
+@pytest.fixture
 def lab(tmp_path, no_strays):
     """JupyterLab started with `make lab`'s flags (no browser), serving the repository on a
     free port with our token. Yields (base_url, token, server process, log path); afterwards
@@ -200,8 +228,8 @@ def lab(tmp_path, no_strays):
         # the flags of `make lab`
         "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", f"--ServerApp.root_dir={ROOT}",
         # ours: no browser of its own, our token, this port or fail, a fresh user
-        "--no-browser", f"--ServerApp.token={token}", "--ServerApp.port_retries=0",
-        *lab_settings(tmp_path),
+        "--no-browser", f"--IdentityProvider.token={token}", "--ServerApp.port_retries=0",
+        *as_root(), *lab_settings(tmp_path),
     ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=lab_env(tmp_path), stdin=subprocess.DEVNULL,
@@ -242,15 +270,16 @@ def test_make_lab_serves_the_notebooks_and_stops_on_ctrl_c(tmp_path, no_strays):
     """`make lab` (already installed) serves /lab with the token and lists notebook 00; Ctrl-C
     stops it together with its kernels."""
     token, port = uuid.uuid4().hex, free_port()
-    lab_args = ["--no-browser", f"--ServerApp.token={token}", "--ServerApp.port_retries=0", *lab_settings(tmp_path)]
+    lab_args = ["--no-browser", f"--IdentityProvider.token={token}", "--ServerApp.port_retries=0", *lab_settings(tmp_path)]
     cmd = ["make", "--no-print-directory", "lab", f"LAB_PORT={port}", "LAB_ARGS=" + shlex.join(lab_args)]
     log = tmp_path / "make-lab.log"
     base = f"http://127.0.0.1:{port}"
     notebook_before = (ROOT / NOTEBOOK).read_bytes()
-    t0 = time.monotonic()
+    terminal, terminal_side = pty.openpty()  # stdin is a terminal, as when a learner types it
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=lab_env(tmp_path), stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=lab_env(tmp_path), stdin=terminal_side,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    os.close(terminal_side)
     seen: list[psutil.Process] = []
     try:
         served = wait_until_served(proc, base, token, log)
@@ -276,17 +305,19 @@ def test_make_lab_serves_the_notebooks_and_stops_on_ctrl_c(tmp_path, no_strays):
         seen = family(proc)
 
         # Ctrl-C in the terminal: SIGINT to the foreground process group (make, the shell, the
-        # server; kernels run in sessions of their own). Jupyter on a terminal asks for
-        # confirmation, so a second Ctrl-C follows if the first did not end it.
+        # server; kernels run in sessions of their own). On a terminal Jupyter first asks
+        # "Shut down this Jupyter server (y/[n])?" for 5 s; a second Ctrl-C in that time confirms.
+        os.killpg(proc.pid, signal.SIGINT)
+        asked = wait_for_log(log, "Jupyter server (y/[n])?", 10)
         os.killpg(proc.pid, signal.SIGINT)
         try:
-            proc.wait(15)
+            proc.wait(STOP_TIMEOUT)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"make lab still running {STOP_TIMEOUT} s after two Ctrl-C; its log ends:\n{log_tail(log)}")
+            pytest.fail(f"make lab still running {STOP_TIMEOUT} s after two Ctrl-C; its log ends:\n{log_tail(log)}")
+        assert asked, f"no confirmation asked after the first Ctrl-C; log ends:\n{log_tail(log)}"
+        # the server itself shut its kernel down (so the kernel's exit handlers stop its ranks),
+        # rather than the kernel noticing later that its parent had gone
+        assert "Shutting down 1 kernel" in log.read_text(errors="replace"), log_tail(log)
         left = wait_gone(seen, 15)
         assert not left, f"left running after Ctrl-C on make lab: {describe(left)}\n{log_tail(log)}"
         assert (ROOT / NOTEBOOK).read_bytes() == notebook_before, f"make lab changed {NOTEBOOK}"
@@ -302,34 +333,33 @@ def test_make_lab_serves_the_notebooks_and_stops_on_ctrl_c(tmp_path, no_strays):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        os.close(terminal)
     print(f"make lab exited with code {proc.returncode} after Ctrl-C")
 
 
 RANK_LINE = "rank {r} of 4 on "
 ALLREDUCE_LINE = r"rank {r}: mpi4py 10\s+torch\.distributed 10\s+Horovod 10\b"
 AGREEMENT = "all 4 ranks agree: 10 three times over"
-ENGINE_WORDS = ("ipengine", "ipyparallel.engine", "ipyparallel.controller", "ipcontroller", "mpiexec", "hydra_pmi_proxy", "hpdl.rank")
+ENGINE_WORDS = ("ipengine", "ipyparallel.engine", "ipyparallel.controller", "ipcontroller", "mpiexec", "hydra_pmi_proxy", "hpdl.reaper")
 
 
 @pytest.mark.browser
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_notebook_00_runs_in_a_real_browser(lab, tmp_path, record_property):
+def test_notebook_00_runs_in_a_real_browser(chromium, lab, tmp_path, record_property):
     """Open notebook 00 in JupyterLab in headless Chromium, Run All Cells, and read on the page
     each rank's line, each rank's three allreduce results and the agreement line; after the last
     cell (hpdl.stop()) no engine remains."""
-    executable = chromium_or_skip()
-    sync_api = pytest.importorskip("playwright.sync_api")
-    from playwright.sync_api import TimeoutError as PageTimeout, expect
+    from playwright.sync_api import TimeoutError as PageTimeout, expect, sync_playwright
 
     base, token, server, log = lab
     notebook_before = (ROOT / NOTEBOOK).read_bytes()
     shot = tmp_path / "notebook-00.png"
     t0 = time.monotonic()
-    with sync_api.sync_playwright() as p:
+    with sync_playwright() as p:
         browser = p.chromium.launch_persistent_context(
             str(tmp_path / "chromium-profile"),  # a fresh user-data dir
-            executable_path=executable,
+            executable_path=chromium,
             args=CHROMIUM_ARGS,
             headless=True,
             viewport={"width": 1400, "height": 1600},
@@ -342,27 +372,34 @@ def test_notebook_00_runs_in_a_real_browser(lab, tmp_path, record_property):
             """Wait until `locator` is on the page; otherwise fail naming what was not seen."""
             try:
                 expect(locator.first).to_be_attached(timeout=timeout_s * 1000)
+                return
             except (AssertionError, PageTimeout):
-                try:
-                    page.screenshot(path=str(shot))
-                except Exception:  # the page itself may be what broke
-                    pass
-                texts = "\n".join(outputs.all_text_contents())[-3000:] if not page.is_closed() else "(page closed)"
-                pytest.fail(
-                    f"not seen within {timeout_s:.0f} s: {what}\nscreenshot: {shot}\n"
-                    f"outputs on the page:\n{texts or '(none)'}\nJupyterLab log ends:\n{log_tail(log)}"
-                )
+                pass  # fail below, outside the handler, without Playwright's page dump
+            try:
+                page.screenshot(path=str(shot))
+                texts = "\n".join(outputs.all_text_contents())[-3000:]
+            except Exception as e:  # the page itself may be what broke
+                texts = f"(page unreadable: {e})"
+            pytest.fail(
+                f"not seen within {timeout_s:.0f} s: {what}\nscreenshot: {shot}\n"
+                f"outputs on the page:\n{texts or '(none)'}\nJupyterLab log ends:\n{log_tail(log)}"
+            )
 
         try:
             page.goto(f"{base}/lab/tree/{NOTEBOOK}?token={token}", wait_until="domcontentloaded")
             cells = page.locator(".jp-NotebookPanel .jp-Cell")
-            see(cells.nth(12), f"the 13 cells of {NOTEBOOK} in the notebook panel", 120)
+            n_cells = len(json.loads(notebook_before)["cells"])
+            see(cells.nth(n_cells - 1), f"the {n_cells} cells of {NOTEBOOK} in the notebook panel", 120)
             see(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']"), "the kernel idle, ready to run", 120)
             cells.first.click()  # the notebook has the focus, so the Run menu acts on it
 
             # Run → Run All Cells, as a learner does
-            page.locator("#jp-MainMenu .lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
-            page.locator(".lm-Menu-item[data-command='notebook:run-all-cells']").click()
+            run_menu = page.locator("#jp-MainMenu .lm-MenuBar-item", has_text=re.compile(r"^Run$"))
+            see(run_menu, "the Run menu in the menu bar", 30)
+            run_menu.click()
+            run_all = page.locator("#jp-mainmenu-run .lm-Menu-item[data-command='runmenu:run-all']:not(.lm-mod-disabled)")
+            see(run_all, "Run All Cells, enabled, in the Run menu", 30)
+            run_all.click()
 
             see(outputs.filter(has_text=AGREEMENT), f"the agreement line {AGREEMENT!r}", RUN_TIMEOUT)
             last_prompt = page.locator(".jp-NotebookPanel .jp-CodeCell").last.locator(".jp-InputPrompt")
@@ -387,14 +424,19 @@ def test_notebook_00_runs_in_a_real_browser(lab, tmp_path, record_property):
             expect(agreement, "the agreement line is not visible").to_be_visible(timeout=10_000)
             page.screenshot(path=str(shot))
         finally:
+            if not shot.exists():  # a failure above: show the page as it was
+                try:
+                    page.screenshot(path=str(shot))
+                except Exception:
+                    pass
+            print(f"screenshot: {shot}")
+            record_property("screenshot", str(shot))
             browser.close()
 
-    print(f"screenshot: {shot}")
     print(f"notebook 00 in the browser: {ran_in:.1f} s from opening the page to the last cell done")
-    record_property("screenshot", str(shot))
 
-    # The notebook's last cell stopped the cluster: no engine, controller or launcher remains
-    # under the server (its kernel is still running at this point).
-    engines = [q for q in family(server) if any(w in cmdline(q) for w in ENGINE_WORDS)]
+    # The notebook's last cell stopped the cluster: no engine, controller, launcher or reaper
+    # remains, under the server or anywhere in this session (its kernel is still running now).
+    engines = [q for q in family(server) + kit_processes() if any(w in cmdline(q) for w in ENGINE_WORDS)]
     assert not wait_gone(engines, 20), f"engines still running after hpdl.stop(): {describe(still_running(engines))}"
     assert (ROOT / NOTEBOOK).read_bytes() == notebook_before, f"running it in the browser changed {NOTEBOOK}"

@@ -1,6 +1,7 @@
 """Every lesson and every solution runs top to bottom, headless, on real local MPI ranks."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -17,10 +18,13 @@ CELL_TIMEOUT = int(os.environ.get("HPDL_TEST_CELL_TIMEOUT", "300"))
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
-def test_notebook_runs_headless(path: Path, tmp_path, no_strays):
+def test_notebook_runs_headless(path: Path, tmp_path, monkeypatch, no_strays):
     nb = nbformat.read(path, as_version=4)
-    env_ws = tmp_path / "workspace"
-    os.environ["HPDL_WORKSPACE"] = str(env_ws)  # `hpdl exercises` in a notebook writes here, not into the repo
+    # `hpdl exercises` in a notebook writes here, not into the repository
+    monkeypatch.setenv("HPDL_WORKSPACE", str(tmp_path / "workspace"))
+    # every hpdl.check() in the notebook appends its result here (the kernel inherits our env)
+    checks = tmp_path / "checks.jsonl"
+    monkeypatch.setenv("HPDL_GRADE_RESULTS", str(checks))
     client = NotebookClient(
         nb,
         timeout=CELL_TIMEOUT,
@@ -40,3 +44,10 @@ def test_notebook_runs_headless(path: Path, tmp_path, no_strays):
     for cell in nb.cells:
         for out in cell.get("outputs", []):
             assert out.get("output_type") != "error" or "raises-exception" in cell.metadata.get("tags", []), cell.source
+    # A check that fails only displays its table; in a solution that is a broken exercise.
+    if path.parent.name == "solutions":
+        results = [json.loads(line) for line in checks.read_text().splitlines()] if checks.exists() else []
+        assert results, f"{path.name} ran no hpdl.check()"
+        for r in results:
+            assert r["passed"] and r["score"] == r["max_score"], (
+                f"{path.name}: the solution of {r['exercise']} scored {r['score']}/{r['max_score']}: {r['counts']}")
