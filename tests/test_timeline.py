@@ -55,7 +55,8 @@ def test_fusion_shows_as_fewer_collective_calls(recorded):
     for tl in (fused, unfused):
         assert sorted(tl.tensors) == sorted(f"allreduce.grad.{i}" for i in range(TENSORS))
         assert tl.collective_tensors() == TENSORS
-        assert {s.activity for s in tl.spans} >= {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "MPI_ALLREDUCE"}
+        # NEGOTIATE_ALLREDUCE shows only when a rank had to wait for another: timing, not asserted
+        assert {s.activity for s in tl.spans} >= {"ALLREDUCE", "MPI_ALLREDUCE"}
         assert {rank for _, rank, _ in tl.ready} == {0, 1}        # both ranks reported every tensor
         assert 0 < tl.busy_ms("ALLREDUCE") <= tl.duration_ms()
     assert unfused.collective_calls() == TENSORS
