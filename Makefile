@@ -24,7 +24,7 @@ test: setup
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml cluster/build/horovod.sh
+$(STAMP): requirements.txt pyproject.toml cluster/build/horovod.sh cluster/build/relocate_wheel.py
 	@start=$$(date +%s); \
 	test -x $(PY) || $(PYTHON) -m venv $(VENV); \
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt && \

