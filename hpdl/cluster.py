@@ -256,6 +256,8 @@ def _progress(total: int, quiet: bool):
 
 def _record(cluster: Cluster) -> None:
     """Tell the reaper what to kill should the kernel die: process trees and Slurm jobs."""
+    from hpdl.reaper import shared_memory_of
+
     pids, jobs = [], []
     ctl = getattr(cluster.ipp, "controller", None)
     if ctl is not None and getattr(ctl, "pid", None):
@@ -266,8 +268,12 @@ def _record(cluster: Cluster) -> None:
         job = getattr(es, "job_id", None)
         if job:
             jobs.append(job)
-    pids += [r["pid"] for r in cluster.ranks if cluster.launcher == "local"]
-    state = {"watch_pid": os.getpid(), "pids": pids, "pgids": pids[:2], "slurm_jobs": jobs}
+    ranks = [r["pid"] for r in cluster.ranks if cluster.launcher == "local"]
+    pids += ranks
+    # MPI's shared-memory segments between ranks: a killed job leaves them in RAM (/dev/shm),
+    # and once its ranks are gone nothing maps them any more, so remember them now.
+    shm = sorted(shared_memory_of(ranks))
+    state = {"watch_pid": os.getpid(), "pids": pids, "pgids": pids[:2], "slurm_jobs": jobs, "shm": shm}
     tmp = cluster.state_file.with_suffix(".tmp")
     tmp.write_text(json.dumps(state))
     os.replace(tmp, cluster.state_file)
@@ -345,12 +351,11 @@ def _first_remote_error(exc: Exception) -> str:
 
 
 def _summary(c: Cluster) -> str:
-    import mpi4py.MPI as MPI
-
-    name, ver = MPI.get_vendor()
+    # the ranks report their MPI: importing mpi4py.MPI here would start MPI in the kernel too
+    mpi = c.ranks[0].get("mpi", "MPI") if c.ranks else "MPI"
     lines = [
         f"hpdl: {c.n} rank{'s' if c.n > 1 else ''} ready in {c.start_seconds:.1f} s "
-        f"({'mpiexec' if c.launcher == 'local' else 'Slurm'}, {name} {'.'.join(map(str, ver))}); "
+        f"({'mpiexec' if c.launcher == 'local' else 'Slurm'}, {mpi}); "
         "%%px runs a cell on every rank."
     ]
     hosts = sorted({r["host"] for r in c.ranks})

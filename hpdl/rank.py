@@ -38,6 +38,7 @@ def world() -> dict[str, Any]:
         "local_size": node.Get_size(),
         "host": socket.gethostname(),
         "pid": os.getpid(),
+        "mpi": "{} {}".format(MPI.get_vendor()[0], ".".join(map(str, MPI.get_vendor()[1]))),
     }
     node.Free()
     return info

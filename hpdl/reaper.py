@@ -49,7 +49,10 @@ def kill_all(state: dict, grace: float = 2.0) -> None:
                 procs[c.pid] = c
         except psutil.Error:
             pass
-    shm = shared_memory_of(procs)  # read before the kill: a killed MPI rank leaves these in RAM
+    # read before the kill (a killed MPI rank leaves these in RAM), with those recorded earlier
+    shm = shared_memory_of(procs) | set(state.get("shm", []))
+    if "watch_pid" in state and not _alive(int(state["watch_pid"])):
+        shm |= singleton_shared_memory(int(state["watch_pid"]))
     for pgid in state.get("pgids", []):
         try:
             os.killpg(pgid, signal.SIGTERM)
@@ -80,6 +83,13 @@ def kill_all(state: dict, grace: float = 2.0) -> None:
                 os.unlink(path)
         except OSError:
             pass
+
+
+def singleton_shared_memory(pid: int) -> set[str]:
+    """The segment MPICH makes for a process that started MPI by itself (a notebook's kernel
+    that imported mpi4py.MPI): named after its pid, and left behind when that process is killed."""
+    path = f"/dev/shm/mpich_shm_{pid:x}_0"
+    return {path} if os.path.exists(path) else set()
 
 
 def shared_memory_of(pids) -> set[str]:

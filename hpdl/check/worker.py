@@ -80,7 +80,7 @@ class Worker:
             time.sleep(0.05)
             tick += 1
             if tick % 10 == 0 and (time.time() > deadline or not _alive(client)):
-                _unlink_shared_memory()  # MPI_Finalize, which would, never comes
+                _unlink_shared_memory(client)  # MPI_Finalize, which would, never comes
                 if self.rank == 0:  # nobody else will clean up the check's folder now
                     import shutil
 
@@ -237,11 +237,13 @@ def _short(text: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _unlink_shared_memory() -> None:
-    """Remove the /dev/shm segments this process maps (MPI's shared-memory transport)."""
-    from hpdl.reaper import shared_memory_of
+def _unlink_shared_memory(client: int) -> None:
+    """Remove the /dev/shm segments this process maps (MPI's shared-memory transport), and the
+    one of a client that started MPI itself and is gone (a killed kernel that imported mpi4py.MPI)."""
+    from hpdl.reaper import _alive, shared_memory_of, singleton_shared_memory
 
-    for path in shared_memory_of([os.getpid()]):
+    gone = set() if _alive(client) else singleton_shared_memory(client)
+    for path in shared_memory_of([os.getpid()]) | gone:
         try:
             os.unlink(path)
         except OSError:
