@@ -173,6 +173,7 @@ class Job:
         self.offsets = [0] * size
         self.partial = [""] * size
         self.ready: dict[int, int] = {}  # rank -> pid
+        self.segments: set[str] = set()  # /dev/shm files of its ranks, removed when it is killed
         self.starts: dict[int, float] = {}  # case index -> earliest start (wall clock)
         self.ends: dict[int, dict[int, dict]] = {}  # case index -> rank -> end event
         self.problem_at: dict[int, float] = {}  # case index -> when the first rank raised
@@ -201,6 +202,9 @@ class Job:
         kind = ev.get("ev")
         if kind == "ready":
             self.ready[rank] = ev["pid"]
+            # remembered now: should the job die before kill() (MPI aborting every rank when
+            # one fails), nothing would map them any more by then
+            self.segments |= shared_memory_of([ev["pid"]])
         elif kind == "start":
             self.starts[ev["case"]] = min(ev["t"], self.starts.get(ev["case"], ev["t"]))
         elif kind == "end":
@@ -298,7 +302,7 @@ class Job:
         return not self.todo or self.must_stop
 
     def kill(self) -> None:
-        segments = _shared_memory(self.proc.pid)
+        segments = _shared_memory(self.proc.pid) | self.segments
         try:
             _kill_tree(self.proc, grace=0.0 if self.must_stop else 0.5)
         finally:
