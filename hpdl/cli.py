@@ -9,7 +9,7 @@ VERBS = {
     "build": ("hpdl.build", "generate exercises/ from solutions/ (--check: fail on drift)"),
     "exercises": ("hpdl.workspace", "copy the exercises into your workspace, never overwriting your edits"),
     "grade": ("hpdl.grade", "grade a folder of submitted notebooks"),
-    "cleanup": ("hpdl.cluster", "stop clusters this kit started and left behind"),
+    "cleanup": ("hpdl.cluster.cleanup", "stop clusters this kit started and left behind"),
 }
 
 

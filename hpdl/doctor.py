@@ -17,11 +17,12 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+
+from hpdl import procs
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -104,7 +105,7 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, 
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+        procs.end_group_now(p)
         out, err = p.communicate()
         return -1, out, (err or "") + f"\n(timed out after {timeout:.0f} s)"
     return p.returncode, out, err

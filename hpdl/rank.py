@@ -6,10 +6,13 @@ This module runs inside every engine (one per MPI rank). It never imports the cl
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def _cores_here() -> int:
@@ -115,7 +118,25 @@ def init_horovod() -> dict[str, Any]:
     }
 
 
-def setup(namespace: dict, run_dir: str | None = None, frameworks: tuple[str, ...] = ("torch", "horovod")) -> dict[str, Any]:
+_answerer = None
+
+
+def _answer_hang_requests(run_dir: str, rank: int) -> None:
+    """Let the client ask where this rank is stuck (hpdl.hang), once per engine."""
+    global _answerer
+    from hpdl import hang
+
+    if _answerer is None:
+        _answerer = hang.Answerer(run_dir, rank)
+        _answerer.start()
+        try:
+            hang.install_faulthandler(run_dir, rank)
+        except (AttributeError, ValueError, OSError) as exc:  # no SIGUSR1 (not POSIX), or no file
+            log.info("rank %s: no faulthandler fallback for stack dumps: %s", rank, exc)
+
+
+def setup(namespace: dict, run_dir: str | None = None,
+          frameworks: tuple[str, ...] = ("torch", "horovod")) -> dict[str, Any]:
     """Everything a rank needs before the learner's first cell; names land in `namespace`.
 
     Returns a small report (rank, host, device, threads, timings) for the client to show.
@@ -131,9 +152,7 @@ def setup(namespace: dict, run_dir: str | None = None, frameworks: tuple[str, ..
         comm=MPI.COMM_WORLD,
     )
     if run_dir:
-        from hpdl import watchdog
-
-        watchdog.install(run_dir, info["rank"])
+        _answer_hang_requests(run_dir, info["rank"])
     info["threads"] = None
     info["device"] = "cpu"
     if "torch" in frameworks or "horovod" in frameworks:
@@ -170,13 +189,13 @@ def teardown() -> None:
 
             if hvd.is_initialized():
                 hvd.shutdown()
-        except Exception:
-            pass
+        except Exception as exc:
+            log.warning("Horovod did not shut down cleanly: %s", exc)
     if "torch.distributed" in sys.modules:
         try:
             import torch.distributed as dist
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:
-            pass
+        except Exception as exc:
+            log.warning("torch.distributed did not shut down cleanly: %s", exc)

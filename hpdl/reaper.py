@@ -3,126 +3,110 @@
 ipyparallel stops its clusters when the kernel exits normally. A killed kernel (SIGKILL,
 an out-of-memory kill, a crashed browser tab's forced restart) runs no exit code, and would
 leave the controller and every engine running. This small process, started in its own
-session, watches the kernel's pid and a state file; when the kernel is gone it kills the
-recorded process trees and cancels Slurm jobs. Deleting the state file (a clean stop) lets
-it exit quietly.
+session, watches the kernel and a state file; when the kernel is gone it ends the recorded
+process trees, cancels Slurm jobs and removes the ranks' MPI shared memory. Deleting the state
+file (a clean stop) lets it exit quietly.
+
+The state file (JSON, written by hpdl.cluster) records processes as hpdl.procs records — pid,
+start time, host, boot id — so a pid reused after the kernel died, or a state file read on
+another node or after a reboot, never gets a signal:
+
+    {"watch": PROC, "procs": [PROC, ...], "groups": [PROC, ...], "slurm_jobs": ["123"], "shm": [PATH, ...]}
 
     python -m hpdl.reaper STATE_FILE
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+from hpdl import procs
+
+# hpdl/check and hpdl/grade.py still import these from here; they now live in hpdl.procs.
+from hpdl.procs import shared_memory_of, singleton_shared_memory  # noqa: F401
+
+log = logging.getLogger(__name__)
+_alive = procs.pid_alive  # kept for hpdl/check/worker.py until it uses hpdl.procs
 
 
-def _alive(pid: int) -> bool:
+def write_state(path: Path, watch: procs.Proc | None, recorded: list[procs.Proc], groups: list[procs.Proc],
+                slurm_jobs: list[str], shm: list[str]) -> None:
+    """Write the state atomically (the reaper may read it at any moment)."""
+    state = {
+        "watch": watch.to_dict() if watch else None,
+        "procs": [p.to_dict() for p in recorded],
+        "groups": [p.to_dict() for p in groups],
+        "slurm_jobs": list(slurm_jobs),
+        "shm": sorted(shm),
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)
+
+
+def read_state(path: Path | str) -> dict | None:
+    """The state, or None when there is none (stopped cleanly) or it cannot be read."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead for our purpose
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.debug("cannot read %s: %s", path, exc)
+        return None
+
+
+def _watched(state: dict) -> procs.Proc | None:
+    w = state.get("watch")
+    return procs.Proc.from_dict(w) if w else None
+
+
+def on_this_host(state: dict) -> bool:
+    """Recorded here? A $HOME shared by a cluster's nodes holds other nodes' clusters too."""
+    w = _watched(state)
+    return w is not None and w.host == socket.gethostname()
+
+
+def orphaned(state: dict) -> bool:
+    """The kernel that started this cluster is gone (on this host: dead, or from an earlier boot)."""
+    w = _watched(state)
+    return w is not None and w.host == socket.gethostname() and not procs.is_alive(w)
 
 
 def kill_all(state: dict, grace: float = 2.0) -> None:
-    """Kill the recorded trees: TERM first, then KILL what is left after `grace` seconds."""
-    import psutil
+    """End the recorded trees and groups (TERM, then KILL after `grace` s), cancel the Slurm
+    jobs, and remove the MPI shared memory the ranks mapped or were recorded with."""
+    def cancel() -> None:
+        for job in state.get("slurm_jobs", []):
+            try:
+                subprocess.run(["scancel", str(job)], capture_output=True, timeout=30)
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.warning("could not cancel Slurm job %s: %s", job, exc)
 
-    procs: dict[int, psutil.Process] = {}
-    for pid in state.get("pids", []):
-        try:
-            p = psutil.Process(pid)
-        except psutil.Error:
-            continue
-        procs[pid] = p
-        try:
-            for c in p.children(recursive=True):
-                procs[c.pid] = c
-        except psutil.Error:
-            pass
-    # read before the kill (a killed MPI rank leaves these in RAM), with those recorded earlier
-    shm = shared_memory_of(procs) | set(state.get("shm", []))
-    if "watch_pid" in state and not _alive(int(state["watch_pid"])):
-        shm |= singleton_shared_memory(int(state["watch_pid"]))
-    for pgid in state.get("pgids", []):
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except OSError:
-            pass
-    for job in state.get("slurm_jobs", []):
-        subprocess.run(["scancel", str(job)], capture_output=True, timeout=30)
-    for p in procs.values():
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, left = psutil.wait_procs(list(procs.values()), timeout=grace)
-    for p in left:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    for pgid in state.get("pgids", []):
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except OSError:
-            pass
-    psutil.wait_procs(left, timeout=grace)
-    for path in shm:
-        try:
-            if os.stat(path).st_uid == os.getuid():
-                os.unlink(path)
-        except OSError:
-            pass
-
-
-def singleton_shared_memory(pid: int) -> set[str]:
-    """The segment MPICH makes for a process that started MPI by itself (a notebook's kernel
-    that imported mpi4py.MPI): named after its pid, and left behind when that process is killed."""
-    path = f"/dev/shm/mpich_shm_{pid:x}_0"
-    return {path} if os.path.exists(path) else set()
-
-
-def shared_memory_of(pids) -> set[str]:
-    """The /dev/shm files these processes map (MPICH's shared-memory segments between ranks)."""
-    found: set[str] = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    i = line.find("/dev/shm/")
-                    if i >= 0 and not line.rstrip().endswith("(deleted)"):
-                        found.add(line[i:].strip())
-        except OSError:
-            continue
-    return found
+    recorded = [procs.Proc.from_dict(d) for d in state.get("procs", [])]
+    groups = [procs.Proc.from_dict(d) for d in state.get("groups", [])]
+    shm = procs.end(recorded, groups, grace=grace, before_kill=cancel) | set(state.get("shm", []))
+    w = _watched(state)
+    if w is not None and w.host == socket.gethostname() and procs.start_time(w.pid) is None:
+        shm |= procs.singleton_shared_memory(w.pid)  # a dead kernel that had started MPI itself
+    procs.remove_shared_memory(shm)
 
 
 def watch(state_file: str, poll: float = 0.5) -> int:
     while True:
-        try:
-            with open(state_file) as f:
-                state = json.load(f)
-        except FileNotFoundError:
+        state = read_state(state_file)
+        if state is None and not os.path.exists(state_file):
             return 0  # stopped cleanly by the kit
-        except (OSError, ValueError):
-            time.sleep(poll)
-            continue
-        if not _alive(int(state["watch_pid"])):
+        if state is not None and orphaned(state):
             kill_all(state)
-            try:
-                os.unlink(state_file)
-            except OSError:
-                pass
+            Path(state_file).unlink(missing_ok=True)
             return 0
         time.sleep(poll)
 

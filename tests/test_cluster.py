@@ -12,6 +12,8 @@ import psutil
 import pytest
 
 import hpdl
+from hpdl import hang
+from hpdl.cluster import reports
 from hpdl.errors import HpdlError, RankDied, RankHang
 
 
@@ -127,13 +129,17 @@ def test_learner_error_on_one_rank_is_shown_per_rank(ip, no_strays):
         hpdl.stop(quiet=True)
 
 
-def test_killed_rank_is_named_and_next_start_recovers(ip, no_strays):
+def test_killed_rank_is_named_and_next_start_recovers(ip, no_strays, tmp_path):
     c = hpdl.start(n=3, frameworks=(), quiet=True)
     try:
         victim = c.engine_pids()[1]
         others = [p for r, p in c.engine_pids().items() if r != 1]
-        killer = subprocess.Popen([sys.executable, "-c", f"import os,time,signal; time.sleep(1.5); os.kill({victim}, signal.SIGKILL)"])
-        res = run(ip, "%%px --timeout 60\nimport time\ntime.sleep(30)")
+        running = tmp_path / "rank1-running"  # killed once its cell runs, not after a guessed delay
+        killer = subprocess.Popen([sys.executable, "-c", "import os, signal, sys, time\n"
+                                   f"while not os.path.exists({str(running)!r}):\n    time.sleep(0.02)\n"
+                                   f"os.kill({victim}, signal.SIGKILL)"])
+        mark = f"pathlib.Path({str(tmp_path)!r}, f'rank{{rank}}-running').touch()"
+        res = run(ip, f"%%px --timeout 60\nimport time, pathlib; {mark}\ntime.sleep(30)")
         killer.wait()
         err = res.error_in_exec
         assert isinstance(err, RankDied), err
@@ -241,10 +247,10 @@ def test_interrupting_a_stuck_cell_names_the_rank_that_cannot_stop(no_strays):
     km, kc, pids = _kernel_with_cluster()
     try:
         errors = []
-        msg_id = kc.execute("%%px\nimport numpy as np, time\nif rank == 0:\n    comm.Recv(np.zeros(1), source=1)\nelse:\n    time.sleep(60)")
-        time.sleep(3)
-        km.interrupt_kernel()
-        deadline = time.time() + 30
+        msg_id = kc.execute("%%px\nimport numpy as np, time; print('started', flush=True)\nif rank == 0:\n"
+                            "    comm.Recv(np.zeros(1), source=1)\nelse:\n    time.sleep(60)")
+        started, interrupted = 0, False
+        deadline = time.time() + 60
         while time.time() < deadline:
             try:
                 m = kc.get_iopub_msg(timeout=1)
@@ -252,6 +258,11 @@ def test_interrupting_a_stuck_cell_names_the_rank_that_cannot_stop(no_strays):
                 continue
             if m["parent_header"].get("msg_id") != msg_id:
                 continue
+            if m["msg_type"] == "stream":
+                started += m["content"].get("text", "").count("started")
+            if started >= 2 and not interrupted:  # both ranks run the cell: press stop
+                km.interrupt_kernel()
+                interrupted = True
             if m["msg_type"] == "error":
                 errors.append(m["content"])
             if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
@@ -265,3 +276,18 @@ def test_interrupting_a_stuck_cell_names_the_rank_that_cannot_stop(no_strays):
         kc.stop_channels()
         km.shutdown_kernel(now=False)
     assert wait_gone(pids, timeout=20) == []
+
+
+def test_px_hang_is_worded_by_hpdl_hang_and_a_with_block_stops_the_ranks(ip, no_strays):
+    """The %%px report is hang.hang_message's wording (the checker's too), through the public path."""
+    with hpdl.start(n=2, frameworks=(), quiet=True) as c:
+        res = run(ip, "%%px --timeout 2\nimport numpy as np\nif rank == 1:\n    comm.Recv(np.zeros(1), source=0)")
+        assert isinstance(res.error_in_exec, RankHang), res.error_in_exec
+        stuck = {1: {"where": {"line": 3, "func": "<module>", "code": "comm.Recv(np.zeros(1), source=0)"}}}
+        assert str(res.error_in_exec) == hang.hang_message(
+            "the cell did not finish on every rank within 2 s.", stuck, finished=[0], advice=reports.RESTART_ADVICE)
+        assert "  stuck:    rank 1 at line 3 of the cell: comm.Recv(np.zeros(1), source=0)" in str(res.error_in_exec)
+        assert repr(c).startswith("<hpdl cluster: 2 ranks via local, started ")  # no probe of the stuck rank
+        pids = sorted(c.engine_pids().values())
+    assert hpdl.status() == {"running": False} and repr(c).endswith("stopped>")
+    assert wait_gone(pids) == []

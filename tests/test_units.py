@@ -1,4 +1,4 @@
-"""Small pieces on their own: argument parsing, messages, the watchdog's stack reading, the reaper."""
+"""Small pieces on their own: argument parsing, messages, the hang module's stack reading, the reaper."""
 from __future__ import annotations
 
 import json
@@ -11,14 +11,14 @@ import time
 import psutil
 import pytest
 
-from hpdl import cluster, launchers, watchdog
+from hpdl import hang, launchers, procs
 from hpdl.errors import HpdlError
 
 
 def test_ranks_text_compacts_runs():
-    assert cluster._ranks_text([3, 1, 2, 0]) == "0–3"
-    assert cluster._ranks_text([0, 2]) == "0, 2"
-    assert cluster._ranks_text([5]) == "5"
+    assert hang.ranks_text([3, 1, 2, 0]) == "0–3"
+    assert hang.ranks_text([0, 2]) == "0, 2"
+    assert hang.ranks_text([5]) == "5"
 
 
 def test_launcher_resolution(monkeypatch):
@@ -54,11 +54,21 @@ def test_watchdog_reads_a_blocked_main_thread(tmp_path):
     worker.start()
     ready.wait(5)
     time.sleep(0.1)
-    snap = watchdog.snapshot(worker.ident)
+    snap = hang.snapshot(worker.ident)
     release.set()
     worker.join()
     assert snap["where"]["func"] == "blocked"
     assert snap["where"]["code"] == "release.wait(10)  # the line the snapshot must name"
+
+
+def _first_child(pid: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children = psutil.Process(pid).children()
+        if children:
+            return children[0].pid
+        time.sleep(0.02)
+    raise AssertionError(f"pid {pid} started no child within {timeout} s")
 
 
 def test_reaper_kills_the_tree_when_the_watched_process_dies(tmp_path):
@@ -66,10 +76,11 @@ def test_reaper_kills_the_tree_when_the_watched_process_dies(tmp_path):
     kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     tree = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"],
                             start_new_session=True)
-    time.sleep(0.5)
-    child = psutil.Process(tree.pid).children()[0].pid
+    child = _first_child(tree.pid)
     state = tmp_path / "reaper.json"
-    state.write_text(json.dumps({"watch_pid": kernel.pid, "pids": [tree.pid], "pgids": [tree.pid], "slurm_jobs": []}))
+    record = procs.record(tree.pid).to_dict()
+    state.write_text(json.dumps({"watch": procs.record(kernel.pid).to_dict(), "procs": [record], "groups": [record],
+                                 "slurm_jobs": []}))
     reaper = subprocess.Popen([sys.executable, "-m", "hpdl.reaper", str(state)])
     time.sleep(1.0)
     assert psutil.pid_exists(child) and reaper.poll() is None  # nothing happens while the kernel lives
@@ -83,7 +94,8 @@ def test_reaper_kills_the_tree_when_the_watched_process_dies(tmp_path):
 
 def test_reaper_leaves_quietly_after_a_clean_stop(tmp_path):
     state = tmp_path / "reaper.json"
-    state.write_text(json.dumps({"watch_pid": os.getpid(), "pids": [], "pgids": [], "slurm_jobs": []}))
+    state.write_text(json.dumps({"watch": procs.record(os.getpid()).to_dict(), "procs": [], "groups": [],
+                                 "slurm_jobs": []}))
     reaper = subprocess.Popen([sys.executable, "-m", "hpdl.reaper", str(state)])
     time.sleep(0.8)
     assert reaper.poll() is None

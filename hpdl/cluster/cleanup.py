@@ -1,0 +1,98 @@
+"""Client side: the run folders, the watchman (reaper.py), ending a cluster, `hpdl cleanup`.
+
+While a cluster starts, `record()` keeps the reaper's state file up to date with every process
+it must end should the kernel die (as hpdl.procs records, so a reused pid is never signalled)
+and the MPI shared memory the ranks map. `force_stop()` ends everything a cluster started and
+removes its run folder; `main()` is `hpdl cleanup`, for clusters whose kernel is gone.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hpdl import procs, reaper
+
+if TYPE_CHECKING:
+    from hpdl.cluster.lifecycle import Cluster
+
+log = logging.getLogger(__name__)
+
+
+def home() -> Path:
+    """Where the kit keeps its IPython profile and run files ($HPDL_HOME, else ~/.hpdl)."""
+    return Path(os.environ.get("HPDL_HOME", Path.home() / ".hpdl"))
+
+
+def start_reaper(state_file: Path) -> subprocess.Popen:
+    """The watchman, in its own session so that an interrupt or the kernel's death spares it."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpdl.reaper", str(state_file)],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def record(cluster: "Cluster") -> None:
+    """Tell the reaper what to end should the kernel die: process trees, groups, Slurm jobs."""
+    pids, jobs = [], []
+    ctl = getattr(cluster.ipp, "controller", None)
+    if ctl is not None and getattr(ctl, "pid", None):
+        pids.append(ctl.pid)
+    for es in getattr(cluster.ipp, "engines", {}).values():
+        if getattr(es, "pid", None):
+            pids.append(es.pid)
+        job = getattr(es, "job_id", None)
+        if job:
+            jobs.append(job)
+    ranks = [r["pid"] for r in cluster.ranks] if cluster.local else []
+    recorded = [p for p in map(procs.record, pids + ranks) if p is not None]
+    # MPI's shared-memory segments between ranks: a killed job leaves them in RAM (/dev/shm),
+    # and once its ranks are gone nothing maps them any more, so remember them now.
+    shm = sorted(procs.shared_memory_of(ranks))
+    groups = recorded[:2]  # the controller's and the MPI launcher's process groups
+    reaper.write_state(cluster.state_file, procs.record(os.getpid()), recorded, groups, jobs, shm)
+
+
+def force_stop(cluster: "Cluster") -> None:
+    """End everything this cluster started, whatever state it is in, and remove its files."""
+    state = reaper.read_state(cluster.state_file) or {}
+    if cluster.client is not None:
+        try:
+            cluster.client.close()
+        except Exception as exc:
+            log.debug("closing the client: %s", exc)
+    reaper.kill_all(state, grace=3.0)
+    try:
+        cluster.ipp.stop_cluster_sync()
+    except Exception as exc:
+        log.warning("ipyparallel could not stop cluster %s cleanly: %s", cluster.ipp.cluster_id, exc)
+    cluster.state_file.unlink(missing_ok=True)  # the reaper sees it gone and leaves
+    if cluster.reaper is not None:
+        procs.end_popen(cluster.reaper, grace=3.0)
+    shutil.rmtree(cluster.run_dir, ignore_errors=True)
+    for f in (home() / "profile" / "log").glob(f"*{cluster.ipp.cluster_id}*"):
+        f.unlink(missing_ok=True)
+
+
+def main(argv: list[str]) -> int:
+    """`hpdl cleanup [--all]`: end clusters whose kernel is gone (the reaper normally does this
+    by itself). Clusters recorded on another host (a $HOME shared by a cluster's nodes) are left
+    alone, even with --all; processes are signalled only if they are still the ones recorded."""
+    n = 0
+    for state_file in sorted((home() / "runs").glob("*/reaper.json")):
+        state = reaper.read_state(state_file)
+        if state is None or not reaper.on_this_host(state):
+            continue
+        if "--all" in argv or reaper.orphaned(state):
+            reaper.kill_all(state)
+            shutil.rmtree(state_file.parent, ignore_errors=True)
+            n += 1
+    print(f"hpdl cleanup: ended {n} cluster{'s' if n != 1 else ''}.")
+    return 0

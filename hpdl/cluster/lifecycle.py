@@ -1,0 +1,430 @@
+"""Client side: start the engines that are the learner's MPI ranks, reuse them, stop them.
+
+`start(n)` launches an ipyparallel controller and `n` engines as ranks of one MPI job
+(`mpiexec` here, `srun` on Slurm; see launchers.py), waits until every rank is set up
+(rank.py runs on each), and activates `%%px` (px.py). Every call into launchers.py is in
+`_launch` and `start`; the one place that asks what a launcher is, is `_launcher_traits`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpdl import hang, launchers, procs
+from hpdl.cluster import cleanup
+from hpdl.errors import ClusterNotRunning, HpdlError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CELL_TIMEOUT = float(os.environ.get("HPDL_CELL_TIMEOUT", "300"))
+DEFAULT_FRAMEWORKS = ("torch", "horovod")
+KNOWN_FRAMEWORKS = {"torch", "horovod"}
+
+
+def _launcher_traits(launcher: str) -> tuple[bool, str, str]:
+    """(ranks run on this machine, what started them, a hint when they are slow to register).
+
+    The only place the cluster code tests a launcher's name."""
+    if launcher == "local":
+        return True, "mpiexec", ""
+    return False, "Slurm", "On Slurm the job may still be queued (see `squeue --me`); "
+
+
+@dataclass(eq=False)
+class Cluster:
+    """The running set of ranks: what was started, and how to reach and stop it.
+
+    Also a context manager for scripts: `with hpdl.start(n=2) as c: ...` stops the ranks on exit.
+    """
+
+    n: int
+    launcher: str
+    frameworks: tuple[str, ...]
+    cell_timeout: float
+    env: dict
+    ipp: Any  # ipyparallel.Cluster
+    client: Any  # ipyparallel.Client
+    run_dir: Path
+    state_file: Path
+    reaper: Any  # subprocess.Popen of hpdl.reaper, or None
+    ranks: list[dict] = field(default_factory=list)
+    started_at: float = field(default_factory=time.time)
+    start_seconds: float = 0.0
+    wedged: dict = field(default_factory=dict)  # msg_id -> rank, for cells that timed out
+    rank_procs: dict = field(default_factory=dict)  # rank -> procs.Proc, where the ranks run here
+    stopped: bool = False
+
+    def __repr__(self) -> str:  # cheap: no health probe (a rank may be stuck)
+        state = "stopped" if self.stopped else f"started {time.time() - self.started_at:.0f} s ago"
+        return f"<hpdl cluster: {self.n} rank{'s' if self.n != 1 else ''} via {self.launcher}, {state}>"
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if running() is self:
+            stop(quiet=True)
+        return False
+
+    @property
+    def view(self):
+        return self.client[:]
+
+    @property
+    def local(self) -> bool:
+        return _launcher_traits(self.launcher)[0]
+
+    # -- health -----------------------------------------------------------------------
+    def engine_pids(self) -> dict[int, int]:
+        return {r["rank"]: r["pid"] for r in self.ranks}
+
+    def dead_ranks(self) -> list[int]:
+        """Ranks whose engine is gone (checked by process here, by registration elsewhere)."""
+        if self.local:
+            return [r["rank"] for r in self.ranks
+                    if r["rank"] not in self.rank_procs or not procs.is_alive(self.rank_procs[r["rank"]])]
+        registered = set(self.client.ids) if self.client is not None else set()
+        return [r["rank"] for r in self.ranks if r["engine_id"] not in registered]
+
+    def problem(self) -> str | None:
+        """Why this cluster cannot take more work, or None when it is healthy."""
+        if self.stopped:
+            return "stopped"
+        dead = self.dead_ranks()
+        if dead:
+            return f"{hang.rank_word(dead)} no longer running"
+        if self.wedged and set(self.wedged) & set(self.client.outstanding):
+            return f"{hang.rank_word(set(self.wedged.values()))} still stuck in a cell that timed out"
+        return None
+
+    def launcher_output(self) -> str:
+        out = []
+        for es in getattr(self.ipp, "engines", {}).values():
+            try:
+                out.append(es.get_output(remove=False))
+            except Exception as exc:
+                log.debug("no output from %s: %s", es, exc)
+        return "\n".join(out)
+
+
+_current: Cluster | None = None
+
+
+def running() -> Cluster | None:
+    """The running cluster, or None: the public way for other modules to find it."""
+    return _current
+
+
+def current() -> Cluster:
+    """The running cluster; ClusterNotRunning (with what to do) when there is none."""
+    if _current is None:
+        raise ClusterNotRunning("No ranks are running. Start them with hpdl.start(n=2) (or %hpdl start -n 2).")
+    return _current
+
+
+def _check_args(n, frameworks, cell_timeout) -> tuple[int, tuple[str, ...], float]:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise HpdlError(f"n is the number of ranks, a whole number ≥ 1; got {n!r}. Try hpdl.start(n=2).")
+    if n > 256:
+        raise HpdlError(f"n={n} ranks is more than this kit starts at once (256).")
+    if isinstance(frameworks, str):
+        frameworks = (frameworks,)
+    frameworks = tuple(frameworks or ())
+    unknown = set(frameworks) - KNOWN_FRAMEWORKS
+    if unknown:
+        raise HpdlError(
+            f"frameworks={frameworks!r}: {', '.join(sorted(unknown))} unknown; choose from "
+            f"{sorted(KNOWN_FRAMEWORKS)} (or () for MPI only)."
+        )
+    try:
+        cell_timeout = float(cell_timeout)
+    except (TypeError, ValueError):
+        raise HpdlError(f"cell_timeout is in seconds; got {cell_timeout!r}.") from None
+    if cell_timeout <= 0:
+        raise HpdlError(f"cell_timeout must be positive seconds; got {cell_timeout}.")
+    return n, frameworks, cell_timeout
+
+
+def _say(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, flush=True)
+
+
+def start(
+    n: int | None = None,
+    launcher: str = "auto",
+    *,
+    frameworks: tuple[str, ...] | list[str] | str = DEFAULT_FRAMEWORKS,
+    cell_timeout: float = DEFAULT_CELL_TIMEOUT,
+    timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    quiet: bool = False,
+) -> Cluster:
+    """Start `n` engines as MPI ranks and make `%%px` run cells on all of them.
+
+    Called again with the same settings while the ranks are healthy, it reuses them (your
+    variables on the engines survive); if a rank died or is stuck, or settings differ, it
+    stops the old ranks and starts fresh ones.
+
+    `env` sets environment variables on every rank before MPI, torch.distributed and Horovod
+    start — the way to try knobs such as HOROVOD_FUSION_THRESHOLD, NCCL_ALGO or MV2_USE_CUDA.
+    In a script, `with hpdl.start(n=2) as c:` stops the ranks when the block ends.
+    """
+    global _current
+    launcher = launchers.resolve(launcher)
+    if n is None:
+        n = launchers.default_n(launcher)
+    n, frameworks, cell_timeout = _check_args(n, frameworks, cell_timeout)
+    if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) for k in env)):
+        raise HpdlError(f"env is a dict of environment variables, e.g. {{'HOROVOD_CYCLE_TIME': '5'}}; got {env!r}.")
+    env = {k: str(v) for k, v in (env or {}).items()}
+
+    if _current is not None:
+        old = _current
+        why = old.problem()
+        same = (old.n, old.launcher, old.env) == (n, launcher, env) and set(frameworks) <= set(old.frameworks)
+        if why is None and same:
+            old.cell_timeout = cell_timeout
+            _activate(old)
+            _say(f"hpdl: reusing the {n} running ranks (started {time.time() - old.started_at:.0f} s ago).", quiet)
+            return old
+        _say(f"hpdl: {'restarting: ' + why if why else 'stopping the old ranks for the new settings'}.", quiet)
+        stop(quiet=True)
+
+    t0 = time.perf_counter()
+    cluster = _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet)
+    cluster.start_seconds = time.perf_counter() - t0
+    _current = cluster
+    _activate(cluster)
+    _say(_summary(cluster), quiet)
+    return cluster
+
+
+def _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet) -> Cluster:
+    import ipyparallel as ipp
+    from traitlets.config import Config
+
+    os.environ.setdefault("IPP_NONINTERACTIVE", "1")
+    config = Config()
+    kwargs = launchers.configure(launcher, config, n)
+    config.EngineLauncher.environment = {**launchers.engine_env(), **env}
+    cluster_id = f"hpdl-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    profile_dir = cleanup.home() / "profile"
+    run_dir = cleanup.home() / "runs" / cluster_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    profile_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(cleanup.home(), 0o700)
+    if timeout is None:
+        timeout = kwargs.pop("start_timeout", 60 + 5 * n)
+    else:
+        kwargs.pop("start_timeout", None)
+    ipp_cluster = ipp.Cluster(
+        n=n,
+        cluster_id=cluster_id,
+        profile_dir=str(profile_dir),
+        config=config,
+        log_level=40,
+        engine_timeout=max(60, timeout),
+        shutdown_atexit=True,
+        **kwargs,
+    )
+
+    state_file = run_dir / "reaper.json"
+    cluster = Cluster(n, launcher, frameworks, cell_timeout, env, ipp_cluster, None, run_dir, state_file, None)
+    try:
+        bar = _progress(n + 1, quiet)
+        ipp_cluster.start_controller_sync()
+        launchers.secure_profile(profile_dir)  # the connection files are keys to run code as you
+        cleanup.record(cluster)
+        cluster.reaper = cleanup.start_reaper(state_file)
+        ipp_cluster.start_engines_sync(n)
+        cleanup.record(cluster)
+        cluster.client = ipp_cluster.connect_client_sync()
+        _wait_for_engines(cluster, n, timeout, bar)
+        cleanup.record(cluster)
+        _setup_ranks(cluster, timeout)
+        cleanup.record(cluster)
+        bar.update(1)
+        bar.close()
+    except BaseException:
+        cleanup.force_stop(cluster)
+        raise
+    return cluster
+
+
+def _progress(total: int, quiet: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="starting ranks", leave=False, disable=quiet or None)
+
+
+def _wait_for_engines(cluster: Cluster, n: int, timeout: float, bar) -> None:
+    deadline = time.monotonic() + timeout
+    seen = 0
+    while True:
+        ids = cluster.client.ids
+        if len(ids) > seen:
+            bar.update(len(ids) - seen)
+            seen = len(ids)
+        if len(ids) >= n:
+            return
+        for es in cluster.ipp.engines.values():
+            if getattr(es, "state", "running") == "after":
+                raise HpdlError(
+                    f"The MPI job that starts the engines ended before all {n} ranks registered "
+                    f"({seen} did).\nIts output:\n{_tail(cluster.launcher_output())}\n"
+                    "Run `hpdl doctor` to check the MPI installation."
+                )
+        if time.monotonic() > deadline:
+            raise HpdlError(
+                f"Only {seen} of {n} ranks registered within {timeout:.0f} s. "
+                + _launcher_traits(cluster.launcher)[2]
+                + f"try hpdl.start(n={n}, timeout=...) with more time, or fewer ranks.\n"
+                + _tail(cluster.launcher_output())
+            )
+        time.sleep(0.1)
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    return "\n".join(("    " + s) for s in text.strip().splitlines()[-lines:]) if text.strip() else "    (no output)"
+
+
+_SETUP = """
+import hpdl.rank as _hpdl_rank
+_hpdl_info = _hpdl_rank.setup(globals(), run_dir={run_dir!r}, frameworks={frameworks!r})
+"""
+
+
+def _setup_ranks(cluster: Cluster, timeout: float) -> None:
+    """Run rank.setup() on every engine; map engine ids to ranks and check they agree."""
+    view = cluster.client[:]
+    code = _SETUP.format(run_dir=str(cluster.run_dir), frameworks=cluster.frameworks)
+    ar = view.execute(code, block=False)
+    try:
+        ar.get(timeout=timeout)
+    except Exception as exc:  # ipyparallel wraps remote errors; show the first one plainly
+        raise HpdlError(f"Setting up the ranks failed: {_first_remote_error(exc)}") from None
+    infos = view.pull("_hpdl_info", block=False).get(timeout=30)
+    for engine_id, info in zip(view.targets if isinstance(view.targets, list) else cluster.client.ids, infos):
+        info["engine_id"] = engine_id
+    infos.sort(key=lambda i: i["rank"])
+    ranks = [i["rank"] for i in infos]
+    if ranks != list(range(cluster.n)) or any(i["world_size"] != cluster.n for i in infos):
+        raise HpdlError(
+            f"The engines are not one MPI job of {cluster.n} ranks (they report ranks {ranks}, sizes "
+            f"{sorted({i['world_size'] for i in infos})}). Usually mpi4py and mpiexec come from different "
+            "MPI libraries: run `hpdl doctor`."
+        )
+    for i in infos:
+        if i.get("horovod_error"):
+            raise HpdlError(i["horovod_error"])
+    cluster.ranks = infos
+    if cluster.local:  # recorded now, so a reused pid is never taken for a rank
+        cluster.rank_procs = {i["rank"]: p for i in infos if (p := procs.record(i["pid"])) is not None}
+
+
+def _first_remote_error(exc: Exception) -> str:
+    for item in getattr(exc, "elist", None) or []:
+        name, value = item[0], item[1]
+        return f"{name}: {value}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _summary(c: Cluster) -> str:
+    # the ranks report their MPI: importing mpi4py.MPI here would start MPI in the kernel too
+    mpi = c.ranks[0].get("mpi", "MPI") if c.ranks else "MPI"
+    lines = [
+        f"hpdl: {c.n} rank{'s' if c.n > 1 else ''} ready in {c.start_seconds:.1f} s "
+        f"({_launcher_traits(c.launcher)[1]}, {mpi}); "
+        "%%px runs a cell on every rank."
+    ]
+    hosts = sorted({r["host"] for r in c.ranks})
+    devices = sorted({r["device"] for r in c.ranks})
+    threads = sorted({r["threads"] for r in c.ranks if r.get("threads")})
+    extra = []
+    if c.ranks and c.ranks[0].get("backend"):
+        extra.append(f"torch.distributed: {c.ranks[0]['backend']}")
+    if c.ranks and "hvd_size" in c.ranks[0]:
+        ctl = "MPI" if c.ranks[0].get("mpi_built") else "Gloo"
+        extra.append(f"Horovod: {ctl}{' + NCCL' if c.ranks[0].get('nccl_built') else ''}")
+    lines.append(
+        f"  hosts: {', '.join(hosts)} · devices: {', '.join(devices)}"
+        + (f" · torch threads per rank: {', '.join(map(str, threads))}" if threads else "")
+        + ("" if not extra else " · " + " · ".join(extra))
+    )
+    return "\n".join(lines)
+
+
+def _activate(cluster: Cluster) -> None:
+    """In IPython: show HpdlError as a message, and point %px/%%px at these ranks."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    ip = get_ipython()
+    if ip is None:
+        return
+    from hpdl.cluster import px
+    from hpdl.errors import install_handler
+
+    install_handler(ip)
+    px.register_px(ip, cluster, current)
+
+
+# -- stopping -------------------------------------------------------------------------------
+
+def stop(quiet: bool = False) -> None:
+    """End the ranks, the controller and the watchman; safe to call when nothing runs."""
+    global _current
+    cluster, _current = _current, None
+    if cluster is None:
+        _say("hpdl: no ranks were running.", quiet)
+        return
+    t0 = time.perf_counter()
+    if cluster.client is not None and cluster.problem() is None:
+        try:  # Horovod's background thread would otherwise keep engines alive
+            cluster.client[:].execute("_hpdl_rank.teardown()", block=False).get(timeout=10)
+        except Exception as exc:
+            log.warning("the ranks' teardown did not finish (%s); ending them anyway", exc)
+    cluster.stopped = True
+    cleanup.force_stop(cluster)
+    _say(f"hpdl: stopped {cluster.n} ranks in {time.perf_counter() - t0:.1f} s.", quiet)
+
+
+def restart(**kwargs) -> Cluster:
+    """Fresh ranks with the same settings (or new ones given as keyword arguments)."""
+    old = _current
+    settings = {}
+    if old is not None:
+        settings = dict(n=old.n, launcher=old.launcher, frameworks=old.frameworks,
+                        cell_timeout=old.cell_timeout, env=old.env)
+    settings.update(kwargs)
+    stop(quiet=True)
+    return start(**settings)
+
+
+def status() -> dict:
+    """What is running: ranks, hosts, devices, health."""
+    if _current is None:
+        return {"running": False}
+    c = _current
+    return {
+        "running": True,
+        "n": c.n,
+        "launcher": c.launcher,
+        "frameworks": list(c.frameworks),
+        "env": dict(c.env),
+        "problem": c.problem(),
+        "ranks": [{k: r.get(k) for k in ("rank", "host", "pid", "device", "threads")} for r in c.ranks],
+        "start_seconds": round(c.start_seconds, 2),
+    }
+
+
+def view():
+    """The ipyparallel DirectView on every rank (view.apply, view.execute, view.pull ...)."""
+    return current().view
