@@ -109,3 +109,32 @@ def test_shared_memory_is_found_through_maps_and_removed_only_in_dev_shm(tmp_pat
 
 def test_end_popen_reaps_a_child_that_will_not_exit(sleeper):
     assert procs.end_popen(sleeper, grace=0.1) == -9
+
+
+def test_hpdl_cleanup_ends_an_orphaned_cluster_but_never_a_stale_record(tmp_path, monkeypatch, sleeper):
+    """`hpdl cleanup`: the kernel is gone, so its recorded process ends; a record whose pid now
+    runs another process (start time differs) survives; another host's cluster is not touched."""
+    from hpdl import reaper
+    from hpdl.cluster import cleanup
+
+    monkeypatch.setenv("HPDL_HOME", str(tmp_path))
+    kernel = subprocess.Popen(SLEEPER)
+    gone_kernel = procs.record(kernel.pid)
+    kernel.kill()
+    kernel.wait()
+    ours = subprocess.Popen(SLEEPER)
+    reused = dataclasses.replace(procs.record(sleeper.pid), start=-1)
+    here, elsewhere = tmp_path / "runs" / "hpdl-here", tmp_path / "runs" / "hpdl-elsewhere"
+    here.mkdir(parents=True)
+    elsewhere.mkdir(parents=True)
+    reaper.write_state(here / "reaper.json", gone_kernel, [procs.record(ours.pid), reused], [reused], [], [])
+    other_host = dataclasses.replace(gone_kernel, host="another-node")
+    reaper.write_state(elsewhere / "reaper.json", other_host, [procs.record(sleeper.pid)], [], [], [])
+    try:
+        assert cleanup.main([]) == 0
+        assert not _running(ours.pid) and not here.exists()
+        assert cleanup.main(["--all"]) == 0  # not even --all reaches into another node's cluster
+        assert sleeper.poll() is None and _running(sleeper.pid) and elsewhere.exists()
+    finally:
+        ours.kill()
+        ours.wait()
