@@ -57,8 +57,10 @@ def _register_magic() -> None:
 
             ip.register_magic_function(_hpdl_line_magic, "line", "hpdl")
             install_handler(ip)
-    except Exception:
-        pass
+    except Exception as exc:  # a shell without magics: `import hpdl` must still work
+        import logging
+
+        logging.getLogger(__name__).debug("%%hpdl not registered: %s", exc)
 
 
 _register_magic()

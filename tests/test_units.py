@@ -123,3 +123,17 @@ def test_cli_lists_verbs_and_rejects_unknown(capsys):
     assert "doctor" in capsys.readouterr().out
     assert main(["fly"]) == 2
     assert "no verb 'fly'" in capsys.readouterr().err
+
+
+def test_px_timeout_is_parsed_by_magic_arguments():
+    from IPython.core.error import UsageError
+
+    from hpdl.cluster import px
+
+    parser = px.RankMagics.cell_px.parser
+    args = parser.parse_args(["--timeout", "2.5", "--targets", "0", "--noblock"])
+    assert (args.timeout, args.targets, args.block) == (2.5, "0", False)  # ipyparallel's own options still work
+    assert parser.parse_args([]).timeout is None
+    for bad in ("abc", "0"):
+        with pytest.raises(UsageError, match="timeout"):
+            parser.parse_args(["--timeout", bad])
