@@ -110,6 +110,7 @@ class Answerer(threading.Thread):
         self.files, self.line_offset = files, line_offset
         self.extra, self.on_tick = extra, on_tick
         self.main_ident = threading.main_thread().ident
+        self.fault_file = None  # kept open for faulthandler by whoever calls install_faulthandler
 
     def answer(self, token: str) -> dict:
         data = snapshot(self.main_ident, self.files, self.line_offset)

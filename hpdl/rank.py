@@ -121,8 +121,9 @@ def init_horovod() -> dict[str, Any]:
 _answerer = None
 
 
-def _answer_hang_requests(run_dir: str, rank: int) -> None:
-    """Let the client ask where this rank is stuck (hpdl.hang), once per engine."""
+def _answer_hang_requests(run_dir: str, rank: int) -> bool:
+    """Let the client ask where this rank is stuck (hpdl.hang), once per engine. True when
+    SIGUSR1 makes faulthandler dump the stack (else the client must not send it: it would kill)."""
     global _answerer
     from hpdl import hang
 
@@ -130,9 +131,10 @@ def _answer_hang_requests(run_dir: str, rank: int) -> None:
         _answerer = hang.Answerer(run_dir, rank)
         _answerer.start()
         try:
-            hang.install_faulthandler(run_dir, rank)
+            _answerer.fault_file = hang.install_faulthandler(run_dir, rank)
         except (AttributeError, ValueError, OSError) as exc:  # no SIGUSR1 (not POSIX), or no file
             log.info("rank %s: no faulthandler fallback for stack dumps: %s", rank, exc)
+    return _answerer.fault_file is not None
 
 
 def setup(namespace: dict, run_dir: str | None = None,
@@ -152,7 +154,7 @@ def setup(namespace: dict, run_dir: str | None = None,
         comm=MPI.COMM_WORLD,
     )
     if run_dir:
-        _answer_hang_requests(run_dir, info["rank"])
+        info["stack_dumps"] = _answer_hang_requests(run_dir, info["rank"])
     info["threads"] = None
     info["device"] = "cpu"
     if "torch" in frameworks or "horovod" in frameworks:

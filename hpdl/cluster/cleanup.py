@@ -53,10 +53,11 @@ def record(cluster: "Cluster") -> None:
             jobs.append(job)
     ranks = [r["pid"] for r in cluster.ranks] if cluster.local else []
     recorded = [p for p in map(procs.record, pids + ranks) if p is not None]
+    # the controller and the first MPI launcher lead their own process groups
+    groups = [p for p in recorded if p.pid in pids[:2]]
     # MPI's shared-memory segments between ranks: a killed job leaves them in RAM (/dev/shm),
     # and once its ranks are gone nothing maps them any more, so remember them now.
     shm = sorted(procs.shared_memory_of(ranks))
-    groups = recorded[:2]  # the controller's and the MPI launcher's process groups
     reaper.write_state(cluster.state_file, procs.record(os.getpid()), recorded, groups, jobs, shm)
 
 

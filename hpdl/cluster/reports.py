@@ -62,7 +62,8 @@ def hang_report(cluster: "Cluster", ar, timeout: float, code: str | None, headli
     """Name the finished and the stuck ranks (with their lines) and remember the stuck cell, so
     that the cluster refuses more work until restarted."""
     done, stuck = pending_ranks(cluster, ar)
-    where = hang.ask(str(cluster.run_dir), stuck, procs=cluster.rank_procs)
+    dumps = {r["rank"] for r in cluster.ranks if r.get("stack_dumps")}  # SIGUSR1 is safe only there
+    where = hang.ask(str(cluster.run_dir), stuck, procs={r: p for r, p in cluster.rank_procs.items() if r in dumps})
     e2r = _engine_to_rank(cluster)
     for msg_id, engine in zip(ar.msg_ids, _targets(cluster, ar)):
         if msg_id in cluster.client.outstanding:
