@@ -69,7 +69,7 @@ class Cluster:
         import psutil
 
         dead = []
-        local = self.launcher == "local"
+        local = launchers.get(self.launcher).ranks_are_local
         registered = set(self.client.ids) if self.client is not None else set()
         for r in self.ranks:
             if local:
@@ -268,7 +268,7 @@ def _record(cluster: Cluster) -> None:
         job = getattr(es, "job_id", None)
         if job:
             jobs.append(job)
-    ranks = [r["pid"] for r in cluster.ranks if cluster.launcher == "local"]
+    ranks = [r["pid"] for r in cluster.ranks if launchers.get(cluster.launcher).ranks_are_local]
     pids += ranks
     # MPI's shared-memory segments between ranks: a killed job leaves them in RAM (/dev/shm),
     # and once its ranks are gone nothing maps them any more, so remember them now.
@@ -299,7 +299,7 @@ def _wait_for_engines(cluster: Cluster, n: int, timeout: float, bar) -> None:
         if time.monotonic() > deadline:
             raise HpdlError(
                 f"Only {seen} of {n} ranks registered within {timeout:.0f} s. "
-                + ("On Slurm the job may still be queued (see `squeue --me`); " if cluster.launcher == "slurm" else "")
+                + launchers.get(cluster.launcher).queue_hint
                 + f"try hpdl.start(n={n}, timeout=...) with more time, or fewer ranks.\n"
                 + _tail(cluster.launcher_output())
             )
@@ -355,7 +355,7 @@ def _summary(c: Cluster) -> str:
     mpi = c.ranks[0].get("mpi", "MPI") if c.ranks else "MPI"
     lines = [
         f"hpdl: {c.n} rank{'s' if c.n > 1 else ''} ready in {c.start_seconds:.1f} s "
-        f"({'mpiexec' if c.launcher == 'local' else 'Slurm'}, {mpi}); "
+        f"({launchers.get(c.launcher).label}, {mpi}); "
         "%%px runs a cell on every rank."
     ]
     hosts = sorted({r["host"] for r in c.ranks})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import stat
 import subprocess
@@ -25,7 +26,7 @@ import pytest
 from IPython.utils.text import EvalFormatter
 
 import hpdl
-from hpdl import launchers
+from hpdl import launchers, sites
 from hpdl.errors import HpdlError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,7 +127,8 @@ def test_submitted_job_ranks_allreduce_and_stop_leaves_nothing(slurm, outside_sl
     c = hpdl.start(n=2, launcher="slurm", frameworks=("torch",), env={"HPDL_T_BOTH": "learner"}, quiet=True)
     try:
         view = hpdl.view()
-        view.execute("import os; seen = [os.environ.get(k) for k in ('HPDL_T_SETUP', 'HPDL_T_SITE', 'HPDL_T_BOTH')]", block=True)
+        view.execute("import os; seen = [os.environ.get(k) for k in ('HPDL_T_SETUP', 'HPDL_T_SITE', 'HPDL_T_BOTH')]",
+                     block=True)
         assert view.pull("seen", block=True) == [["ran", "from site", "learner"]] * 2
         reports = rank_reports()
         assert [r["rank"] for r in reports] == [0, 1]
@@ -252,11 +254,14 @@ def test_run_sbatch_runs_a_script_and_a_notebook_on_the_jobs_ranks(slurm, outsid
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells = [
         nbformat.v4.new_code_cell("import hpdl\nc = hpdl.start(n=2, frameworks=(), quiet=True)\nprint(c.launcher)"),
-        nbformat.v4.new_code_cell("%%px\nimport os\ntotal = comm.allreduce(rank + 1)\njob = os.environ['SLURM_JOB_ID']"),
-        nbformat.v4.new_code_cell("print(hpdl.view().pull(['rank', 'total', 'job'], block=True))\nhpdl.stop(quiet=True)"),
+        nbformat.v4.new_code_cell("%%px\nimport os\ntotal = comm.allreduce(rank + 1)\n"
+                                  "job = os.environ['SLURM_JOB_ID']"),
+        nbformat.v4.new_code_cell("print(hpdl.view().pull(['rank', 'total', 'job'], block=True))\n"
+                                  "hpdl.stop(quiet=True)"),
     ]
     nbformat.write(nb, tmp_path / "lesson.ipynb")
-    script_job = _submit(["-n", "2", "-o", "script-%j.out", str(ROOT / "cluster/slurm/run.sbatch"), "ranks.py", "--flag"], tmp_path)
+    run_sbatch = str(ROOT / "cluster/slurm/run.sbatch")
+    script_job = _submit(["-n", "2", "-o", "script-%j.out", run_sbatch, "ranks.py", "--flag"], tmp_path)
     nb_job = _submit(["-n", "2", "-o", "nb-%j.out", str(ROOT / "cluster/slurm/run.sbatch"), "lesson.ipynb"], tmp_path)
     for job in (script_job, nb_job):
         wait_until(lambda: squeue("-j", job, "-o", "%i") == "", 240, f"job {job} did not finish")
@@ -304,9 +309,11 @@ def test_jupyter_sbatch_serves_jupyterlab_inside_the_job(slurm, outside_slurm, t
 # -- site profiles (no Slurm needed) ------------------------------------------------------------
 
 def _render(site: launchers.SlurmSite, n: int = 4) -> str:
+    prefix = shlex.join(sites.rank_wrapper(site, {"HOROVOD_CYCLE_TIME": "5"}))
     return EvalFormatter().format(launchers.sbatch_template(site), n=n, cluster_id="hpdl-x",
                                   output_file="/tmp/o.log", program="/venv/bin/python -m ipyparallel.engine",
-                                  program_args="--profile-dir=/p", hpdl_exports="export HOROVOD_CYCLE_TIME=5")
+                                  program_args="--profile-dir=/p", hpdl_exports="export HOROVOD_CYCLE_TIME=5",
+                                  hpdl_rank_prefix=prefix)
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in launchers.SITES_DIR.glob("*.toml")))
