@@ -13,7 +13,10 @@
 #
 # The node is declared with at least 4 CPUs (slurmd trusts the configuration, SlurmdParameters=
 # config_overrides) so 4 ranks fit on a 2-core laptop, as with mpiexec; MpiDefault=pmi2 is what
-# MPICH (the `mpich` wheel, MVAPICH2, Intel MPI) speaks under srun.
+# MPICH (the `mpich` wheel, MVAPICH2, Intel MPI) speaks under srun. Like a real cluster's, it binds
+# tasks to their CPUs (TaskPlugin=task/affinity, so --cpus-per-task and --cpu-bind show in each
+# rank's affinity) and counts GPUs: Gres=gpu:2 with no device files is a stand-in that lets jobs
+# and steps ask for --gpus-per-task (nothing is bound; CUDA_VISIBLE_DEVICES stays unset).
 set -uo pipefail
 export PATH="/usr/sbin:/sbin:/usr/bin:/bin:$PATH" LC_ALL=C
 
@@ -24,6 +27,7 @@ RUN=/run/hpdl-local-slurm
 LOGS=/var/log/slurm
 NODE="$(hostname -s)"
 CPUS="$(nproc)"; [ "$CPUS" -lt 4 ] && CPUS=4
+GPUS=2  # counted, not real: see above
 MEM_MB=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 8 / 10 ))
 [ "$MEM_MB" -gt 4000 ] && MEM_MB=4000
 
@@ -106,7 +110,8 @@ SlurmdLogFile=$LOGS/slurmd.log
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
+GresTypes=gpu
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=pmi2
@@ -119,7 +124,7 @@ KillWait=5
 MinJobAge=30
 FirstJobId=$first
 InactiveLimit=0
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM_MB Gres=gpu:$GPUS State=UNKNOWN
 PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 CONF
 )

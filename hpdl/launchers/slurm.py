@@ -106,6 +106,14 @@ class Slurm(Launcher):
         return {"engines": SrunEngineSetLauncher, "start_timeout": site.start_timeout or 120 + 5 * n}
 
 
+def step_command(site: SlurmSite | None = None) -> list[str]:
+    """Inside a job: an srun step over the job's tasks, asking for what the job holds, each task
+    running the site prologue first. run.sbatch runs scripts with it: `python -m hpdl.launchers.slurm CMD...`."""
+    site = site or load_site()
+    return ["srun", f"--mpi={site.pmi}", "--kill-on-bad-exit=1", *job_resource_options(), *site.srun,
+            *rank_wrapper(site)]
+
+
 def controller_address(site: SlurmSite) -> str:
     """The address the controller binds and engines connect to: `controller_host`'s (else this
     host's name's), the first that is not loopback when it has several."""
@@ -177,3 +185,15 @@ def step_of(job_id: str, step_name: str) -> str | None:
         if name.strip() == step_name:
             return step
     return None
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m hpdl.launchers.slurm PROGRAM [ARGS...]  (inside a Slurm job)")
+    try:
+        argv = step_command() + sys.argv[1:]
+    except HpdlError as exc:
+        sys.exit(f"hpdl: {exc}")
+    os.execvp(argv[0], argv)
