@@ -15,8 +15,8 @@
 # config_overrides) so 4 ranks fit on a 2-core laptop, as with mpiexec; MpiDefault=pmi2 is what
 # MPICH (the `mpich` wheel, MVAPICH2, Intel MPI) speaks under srun. Like a real cluster's, it binds
 # tasks to their CPUs (TaskPlugin=task/affinity, so --cpus-per-task and --cpu-bind show in each
-# rank's affinity) and counts GPUs: Gres=gpu:2 with no device files is a stand-in that lets jobs
-# and steps ask for --gpus-per-task (nothing is bound; CUDA_VISIBLE_DEVICES stays unset).
+# rank's affinity) and has two stand-in GPUs (Gres=gpu:2 whose device files are null devices under
+# /run/hpdl-local-slurm), so jobs and steps can ask for --gpus-per-task as on a GPU cluster.
 set -uo pipefail
 export PATH="/usr/sbin:/sbin:/usr/bin:/bin:$PATH" LC_ALL=C
 
@@ -28,7 +28,7 @@ RUN=/run/hpdl-local-slurm
 LOGS=/var/log/slurm
 NODE="$(hostname -s)"
 CPUS="$(nproc)"; [ "$CPUS" -lt 4 ] && CPUS=4
-GPUS=2  # counted, not real: see above
+GPUS=2  # stand-ins, not real: see above
 MEM_MB=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 8 / 10 ))
 [ "$MEM_MB" -gt 4000 ] && MEM_MB=4000
 
@@ -134,8 +134,15 @@ PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscr
 CONF
 }
 
-render_gres() {  # GPUs that are only counted: no File=, so no device is bound or hidden
-  printf '%s\n%s\n' "$MARK" "NodeName=$NODE Name=gpu Count=$GPUS"
+render_gres() {  # stand-in GPUs: character devices that are /dev/null (made by fake_gpus)
+  printf '%s\n%s\n' "$MARK" "NodeName=$NODE Name=gpu File=$RUN/fake-gpu[0-$((GPUS - 1))]"
+}
+
+fake_gpus() {  # slurmd counts a node's GPUs by their device files; these are null devices
+  local i
+  for i in $(seq 0 $((GPUS - 1))); do
+    [ -c "$RUN/fake-gpu$i" ] || mknod -m 666 "$RUN/fake-gpu$i" c 1 3 || fail "could not make $RUN/fake-gpu$i"
+  done
 }
 
 configured() {  # both files are ours and as this script would write them now
@@ -151,6 +158,7 @@ write_config() {
     fi
   done
   mkdir -p "$CONF_DIR" "$RUN" "$LOGS" /var/spool/slurmctld /var/spool/slurmd
+  fake_gpus
   local new; new=$(render_config)
   if [ ! -f "$CONF" ] || [ "$(cat "$CONF")" != "$new" ]; then
     printf '%s\n' "$new" > "$CONF"
