@@ -108,7 +108,7 @@ class Slurm(Launcher):
 
 def step_command(site: SlurmSite | None = None) -> list[str]:
     """Inside a job: an srun step over the job's tasks, asking for what the job holds, each task
-    running the site prologue first. run.sbatch runs scripts with it: `python -m hpdl.launchers.slurm CMD...`."""
+    running the site prologue first. run.sbatch runs scripts with it: `python -m hpdl.launchers srun CMD...`."""
     site = site or load_site()
     return ["srun", f"--mpi={site.pmi}", "--kill-on-bad-exit=1", *job_resource_options(), *site.srun,
             *rank_wrapper(site)]
@@ -186,14 +186,3 @@ def step_of(job_id: str, step_name: str) -> str | None:
             return step
     return None
 
-
-if __name__ == "__main__":
-    import sys
-
-    if len(sys.argv) < 2:
-        sys.exit("usage: python -m hpdl.launchers.slurm PROGRAM [ARGS...]  (inside a Slurm job)")
-    try:
-        argv = step_command() + sys.argv[1:]
-    except HpdlError as exc:
-        sys.exit(f"hpdl: {exc}")
-    os.execvp(argv[0], argv)
