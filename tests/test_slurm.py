@@ -313,7 +313,7 @@ def test_in_job_step_runs_the_site_prologue_and_asks_only_what_the_job_holds(slu
 AFFINITY_SITE = """
 description = "{cpus} core(s) and one (stand-in) GPU per rank, bound to its cores"
 [slurm]
-ranks_per_node = 2
+ranks_per_node = {per_node}
 cpus_per_rank = {cpus}
 gpus_per_rank = 1
 srun = ["--cpu-bind=cores"]
@@ -331,7 +331,7 @@ def _slurm_config(key: str) -> str:
 def test_submitted_job_and_its_step_hold_the_site_resources_and_threads_follow_the_binding(
         slurm, outside_slurm, monkeypatch, tmp_path, no_strays):
     assert "affinity" in _slurm_config("TaskPlugin"), "the test Slurm must bind tasks (task/affinity)"
-    (tmp_path / "site.toml").write_text(AFFINITY_SITE.format(cpus=1))
+    (tmp_path / "site.toml").write_text(AFFINITY_SITE.format(cpus=1, per_node=2))
     monkeypatch.setenv("HPDL_SITE", str(tmp_path / "site.toml"))
     hpdl.start(n=2, launcher="slurm", frameworks=("torch",), quiet=True)
     try:
@@ -346,7 +346,7 @@ def test_submitted_job_and_its_step_hold_the_site_resources_and_threads_follow_t
 
 @pytest.mark.slurm
 def test_a_rank_holding_two_cores_runs_two_torch_threads(slurm, outside_slurm, monkeypatch, tmp_path, no_strays):
-    (tmp_path / "site.toml").write_text(AFFINITY_SITE.format(cpus=2))
+    (tmp_path / "site.toml").write_text(AFFINITY_SITE.format(cpus=2, per_node=1))
     monkeypatch.setenv("HPDL_SITE", str(tmp_path / "site.toml"))
     job = salloc("-n", "1", *sites.resource_options(sites.load_site()))
     try:

@@ -14,8 +14,8 @@
 # The node is declared with at least 4 CPUs (slurmd trusts the configuration, SlurmdParameters=
 # config_overrides) so 4 ranks fit on a 2-core laptop, as with mpiexec; MpiDefault=pmi2 is what
 # MPICH (the `mpich` wheel, MVAPICH2, Intel MPI) speaks under srun. Like a real cluster's, it binds
-# tasks to their CPUs (TaskPlugin=task/affinity, so --cpus-per-task and --cpu-bind show in each
-# rank's affinity) and has two stand-in GPUs (Gres=gpu:2 whose device files are null devices under
+# tasks to their CPUs when asked (TaskPlugin=task/affinity: --cpus-per-task and --cpu-bind=cores
+# show in each rank's affinity; no binding by default, as 4 CPUs are declared on 2) and has two stand-in GPUs (Gres=gpu:2 whose device files are null devices under
 # /run/hpdl-local-slurm), so jobs and steps can ask for --gpus-per-task as on a GPU cluster.
 set -uo pipefail
 export PATH="/usr/sbin:/sbin:/usr/bin:/bin:$PATH" LC_ALL=C
@@ -116,6 +116,7 @@ StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/affinity
+TaskPluginParam=None
 GresTypes=gpu
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
