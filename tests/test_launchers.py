@@ -187,3 +187,33 @@ def test_site_profiles_still_read_and_comments_are_harmless(tmp_path, monkeypatc
         tuned.write_text(text + "\n# -- collective tuning (lesson 07) --\n# [env]\n# NCCL_ALGO = \"Ring\"\n")
         assert sites.load_site(str(tuned)).env == sites.load_site(name).env
     assert sites.main(["generic"]) == 0
+
+
+def test_the_pbs_example_in_the_docs_is_a_working_launcher(monkeypatch, tmp_path):
+    """docs/LAUNCHERS.md's one-file PBS launcher, run as written: registered, chosen by name and by
+    "auto" inside a PBS job, and it fills ipyparallel's PBS configuration."""
+    import re
+
+    from traitlets.config import Config
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "LAUNCHERS.md").read_text()
+    example = next(b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "class Pbs" in b)
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "qsub").write_text("#!/bin/sh\nexit 1\n")
+    (fake_bin / "qsub").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
+    for var in ("SLURM_JOB_ID", "HPDL_LAUNCHER"):
+        monkeypatch.delenv(var, raising=False)
+    try:
+        exec(compile(example, "docs/LAUNCHERS.md", "exec"), {"__name__": "pbs_example"})
+        assert "pbs" in launchers.known() and launchers.resolve("auto") == "local"
+        monkeypatch.setenv("PBS_JOBID", "123.server")
+        assert launchers.resolve("auto") == "pbs"
+        config = Config()
+        kwargs = launchers.configure("pbs", config, 8)
+        assert kwargs["engines"] == "pbs" and kwargs["start_timeout"] == 900
+        template = config.PBSEngineSetLauncher.batch_template
+        assert "#PBS -N {cluster_id}" in template and template.endswith("{program} --mpi {program_args}")
+    finally:
+        launchers._REGISTRY.pop("pbs", None)
