@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import shutil
 import signal
 import stat
 import subprocess
@@ -21,12 +23,14 @@ import urllib.request
 from pathlib import Path
 
 import nbformat
+import psutil
 import pytest
 from IPython.utils.text import EvalFormatter
 
 import hpdl
-from hpdl import launchers
+from hpdl import launchers, sites
 from hpdl.errors import HpdlError
+from hpdl.launchers import slurm as slurm_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "cluster" / "slurm" / "local-slurm.sh"
@@ -100,6 +104,18 @@ RANK_REPORT = textwrap.dedent(
 )
 
 
+def controller_listening(c) -> set[str]:
+    """Addresses the controller's processes accept connections on."""
+    proc = psutil.Process(c.ipp.controller.pid)
+    found = set()
+    for p in [proc, *proc.children(recursive=True)]:
+        for conn in p.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN:
+                found.add(conn.laddr.ip)
+    assert found, "the controller listens nowhere?"
+    return found
+
+
 def rank_reports() -> list[dict]:
     view = hpdl.view()
     view.execute(RANK_REPORT, block=True)
@@ -126,7 +142,8 @@ def test_submitted_job_ranks_allreduce_and_stop_leaves_nothing(slurm, outside_sl
     c = hpdl.start(n=2, launcher="slurm", frameworks=("torch",), env={"HPDL_T_BOTH": "learner"}, quiet=True)
     try:
         view = hpdl.view()
-        view.execute("import os; seen = [os.environ.get(k) for k in ('HPDL_T_SETUP', 'HPDL_T_SITE', 'HPDL_T_BOTH')]", block=True)
+        view.execute("import os; seen = [os.environ.get(k) for k in ('HPDL_T_SETUP', 'HPDL_T_SITE', 'HPDL_T_BOTH')]",
+                     block=True)
         assert view.pull("seen", block=True) == [["ran", "from site", "learner"]] * 2
         reports = rank_reports()
         assert [r["rank"] for r in reports] == [0, 1]
@@ -148,6 +165,9 @@ def test_submitted_job_ranks_allreduce_and_stop_leaves_nothing(slurm, outside_sl
         modes = security_modes(Path(os.environ["HPDL_HOME"]))
         assert modes.pop("security/") == 0o700
         assert modes and set(modes.values()) == {0o600}, modes
+        # the controller listens on the one address the engines are told, not on every interface
+        chosen = slurm_launcher.controller_address(sites.load_site())
+        assert controller_listening(c) == {chosen}
     finally:
         hpdl.stop(quiet=True)
     assert squeue("-j", job, "-o", "%i") == ""
@@ -185,6 +205,161 @@ def test_inside_an_allocation_engines_are_one_srun_step(slurm, outside_slurm, mo
     finally:
         subprocess.run(["scancel", job], timeout=30)
     wait_until(lambda: squeue("-j", job, "-o", "%i") == "", 60, "the allocation was not cancelled")
+
+
+def salloc(*args: str) -> str:
+    """A job allocation with no shell (what jupyter.sbatch or Open OnDemand would hold); its id."""
+    p = subprocess.run(["salloc", "--no-shell", "-J", "hpdl-test-alloc", *args], capture_output=True, text=True,
+                       timeout=60)
+    m = re.search(r"Granted job allocation (\d+)", p.stderr + p.stdout)
+    assert m, p.stderr
+    return m.group(1)
+
+
+def inside(monkeypatch, job: str, ntasks: int, cpus_per_task: int = 0, gpus_per_task: int = 0) -> None:
+    """This kernel as if it ran in the job's batch step: the variables Slurm sets there."""
+    monkeypatch.setenv("SLURM_JOB_ID", job)
+    monkeypatch.setenv("SLURM_NTASKS", str(ntasks))
+    if cpus_per_task:
+        monkeypatch.setenv("SLURM_CPUS_PER_TASK", str(cpus_per_task))
+    if gpus_per_task:
+        monkeypatch.setenv("SLURM_GPUS_PER_TASK", str(gpus_per_task))
+
+
+def end_job(job: str) -> None:
+    subprocess.run(["scancel", job], timeout=30)
+    wait_until(lambda: squeue("-j", job, "-o", "%i") == "", 60, f"job {job} was not cancelled")
+
+
+RANK_PLACE = textwrap.dedent(
+    """
+    import os, torch
+    place = dict(rank=rank, cpus=sorted(os.sched_getaffinity(0)), threads=torch.get_num_threads(),
+                 cpus_per_task=os.environ.get("SLURM_CPUS_PER_TASK"),
+                 gpus_per_task=os.environ.get("SLURM_GPUS_PER_TASK"),
+                 libmpi=sorted({l.split()[-1] for l in open("/proc/self/maps") if "libmpi.so" in l}),
+                 seen=[os.environ.get(k) for k in ("HPDL_T_SETUP", "HPDL_T_SITE", "HPDL_T_BOTH")])
+    """
+)
+
+
+def rank_places() -> list[dict]:
+    view = hpdl.view()
+    view.execute(RANK_PLACE, block=True)
+    return sorted(view.pull("place", block=True), key=lambda r: r["rank"])
+
+
+def stand_in_site_mpi(tmp_path: Path) -> Path:
+    """A copy of the venv's libmpi standing in for a site MPI (MVAPICH2-GDR on a GPU cluster)."""
+    venv_lib = Path(sys.prefix) / "lib"
+    lib64 = tmp_path / "site-mpi" / "lib64"
+    lib64.mkdir(parents=True)
+    shutil.copy2((venv_lib / "libmpi.so.12").resolve(), lib64 / "libmpi.so.12")
+    (lib64 / "mpich").symlink_to(venv_lib / "mpich")  # its dependencies, found through $ORIGIN/mpich
+    return lib64 / "libmpi.so.12"
+
+
+GREEDY_SITE = """
+description = "asks more per rank than a plain `sbatch -n 2` job holds; MPI from the site"
+setup = '''
+export HPDL_T_SETUP="ran${{HPDL_T_UNSET:-}}"
+export SITE_MPI_HOME={home}
+'''
+mpi_library = "$SITE_MPI_HOME/lib64/libmpi.so.12"
+[slurm]
+ranks_per_node = 2
+cpus_per_rank = 2
+gpus_per_rank = 1
+[env]
+HPDL_T_SITE = "from site"
+HPDL_T_BOTH = "site"
+"""
+
+SIDE_JOB = (
+    "import os; from mpi4py import MPI; c = MPI.COMM_WORLD; "
+    "maps = sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libmpi.so' in l}); "
+    "got = c.gather((c.size, c.allreduce(c.rank + 1), os.environ['HPDL_T_SITE'], maps)); "
+    "c.rank or print('SIDE', got)"
+)
+
+
+@pytest.mark.slurm
+def test_in_job_step_runs_the_site_prologue_and_asks_only_what_the_job_holds(slurm, outside_slurm, monkeypatch,
+                                                                             tmp_path, no_strays):
+    libmpi = stand_in_site_mpi(tmp_path)
+    (tmp_path / "site.toml").write_text(GREEDY_SITE.format(home=tmp_path / "site-mpi"))
+    monkeypatch.setenv("HPDL_SITE", str(tmp_path / "site.toml"))
+    job = salloc("-n", "2")  # asks for tasks only, as a plain jupyter.sbatch does
+    try:
+        inside(monkeypatch, job, 2)
+        with pytest.warns(UserWarning, match=r"--cpus-per-task=2 \(the job holds 1\), --gpus-per-task=1"):
+            hpdl.start(frameworks=("torch",), env={"HPDL_T_BOTH": "learner"}, quiet=True)
+        try:
+            places = rank_places()
+            assert [p["seen"] for p in places] == [["ran", "from site", "learner"]] * 2
+            assert [p["libmpi"] for p in places] == [[str(libmpi)]] * 2  # the site's MPI, not the venv's
+            # a side job (a check) starts beside the engines' step, which holds every CPU of the job
+            cmd = launchers.side_job_command(2) + [sys.executable, "-c", SIDE_JOB]
+            assert cmd[:2] == ["srun", "--overlap"]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            side = [s for s in out.stdout.splitlines() if s.startswith("SIDE")]
+            assert side == [f"SIDE {[(2, 3, 'from site', [str(libmpi)])] * 2}"], out.stderr
+        finally:
+            hpdl.stop(quiet=True)
+    finally:
+        end_job(job)
+
+
+AFFINITY_SITE = """
+description = "{cpus} core(s) and one (stand-in) GPU per rank, bound to its cores"
+[slurm]
+ranks_per_node = {per_node}
+cpus_per_rank = {cpus}
+gpus_per_rank = 1
+srun = ["--cpu-bind=cores"]
+time = "00:10:00"
+"""
+
+
+def _slurm_config(key: str) -> str:
+    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30).stdout
+    m = re.search(rf"^{key}\s*=\s*(.*)$", out, flags=re.M)
+    return m.group(1).strip() if m else ""
+
+
+@pytest.mark.slurm
+def test_submitted_job_and_its_step_hold_the_site_resources_and_threads_follow_the_binding(
+        slurm, outside_slurm, monkeypatch, tmp_path, no_strays):
+    assert "affinity" in _slurm_config("TaskPlugin"), "the test Slurm must bind tasks (task/affinity)"
+    (tmp_path / "site.toml").write_text(AFFINITY_SITE.format(cpus=1, per_node=2))
+    monkeypatch.setenv("HPDL_SITE", str(tmp_path / "site.toml"))
+    hpdl.start(n=2, launcher="slurm", frameworks=("torch",), quiet=True)
+    try:
+        places = rank_places()
+        assert [(p["cpus_per_task"], p["gpus_per_task"]) for p in places] == [("1", "1")] * 2
+        assert [len(p["cpus"]) for p in places] == [1, 1]
+        assert places[0]["cpus"] != places[1]["cpus"], "ranks not bound to their own cores"
+        assert [p["threads"] for p in places] == [1, 1]  # torch threads = the rank's own cores
+    finally:
+        hpdl.stop(quiet=True)
+
+
+@pytest.mark.slurm
+def test_a_rank_holding_two_cores_runs_two_torch_threads(slurm, outside_slurm, monkeypatch, tmp_path, no_strays):
+    (tmp_path / "site.toml").write_text(AFFINITY_SITE.format(cpus=2, per_node=1))
+    monkeypatch.setenv("HPDL_SITE", str(tmp_path / "site.toml"))
+    job = salloc("-n", "1", *sites.resource_options(sites.load_site()))
+    try:
+        inside(monkeypatch, job, 1, cpus_per_task=2, gpus_per_task=1)
+        hpdl.start(frameworks=("torch",), quiet=True)
+        try:
+            (place,) = rank_places()
+            assert (place["cpus_per_task"], place["gpus_per_task"], len(place["cpus"])) == ("2", "1", 2)
+            assert place["threads"] == 2  # its two cores, not divided again
+        finally:
+            hpdl.stop(quiet=True)
+    finally:
+        end_job(job)
 
 
 KERNEL = textwrap.dedent(
@@ -252,11 +427,14 @@ def test_run_sbatch_runs_a_script_and_a_notebook_on_the_jobs_ranks(slurm, outsid
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells = [
         nbformat.v4.new_code_cell("import hpdl\nc = hpdl.start(n=2, frameworks=(), quiet=True)\nprint(c.launcher)"),
-        nbformat.v4.new_code_cell("%%px\nimport os\ntotal = comm.allreduce(rank + 1)\njob = os.environ['SLURM_JOB_ID']"),
-        nbformat.v4.new_code_cell("print(hpdl.view().pull(['rank', 'total', 'job'], block=True))\nhpdl.stop(quiet=True)"),
+        nbformat.v4.new_code_cell("%%px\nimport os\ntotal = comm.allreduce(rank + 1)\n"
+                                  "job = os.environ['SLURM_JOB_ID']"),
+        nbformat.v4.new_code_cell("print(hpdl.view().pull(['rank', 'total', 'job'], block=True))\n"
+                                  "hpdl.stop(quiet=True)"),
     ]
     nbformat.write(nb, tmp_path / "lesson.ipynb")
-    script_job = _submit(["-n", "2", "-o", "script-%j.out", str(ROOT / "cluster/slurm/run.sbatch"), "ranks.py", "--flag"], tmp_path)
+    run_sbatch = str(ROOT / "cluster/slurm/run.sbatch")
+    script_job = _submit(["-n", "2", "-o", "script-%j.out", run_sbatch, "ranks.py", "--flag"], tmp_path)
     nb_job = _submit(["-n", "2", "-o", "nb-%j.out", str(ROOT / "cluster/slurm/run.sbatch"), "lesson.ipynb"], tmp_path)
     for job in (script_job, nb_job):
         wait_until(lambda: squeue("-j", job, "-o", "%i") == "", 240, f"job {job} did not finish")
@@ -292,21 +470,26 @@ def test_jupyter_sbatch_serves_jupyterlab_inside_the_job(slurm, outside_slurm, t
                 return None
 
         assert "started" in wait_until(status, 120, "JupyterLab did not answer")
+        on_command_lines = [p.pid for p in psutil.process_iter(["cmdline"])
+                            if token in " ".join(p.info["cmdline"] or [])]
+        assert not on_command_lines, "the token is on a command line, for anyone to see with ps"
         with pytest.raises(urllib.error.HTTPError) as denied:  # without the token: refused
             urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=5)
         assert denied.value.code == 403
     finally:
         subprocess.run(["scancel", job], timeout=30)
         wait_until(lambda: squeue("-j", job, "-o", "%i") == "", 60, f"job {job} did not end")
-    assert not info.exists()
+    assert not info.exists() and not list(home.glob(f"jupyter-{job}*"))  # the token's files go with the job
 
 
 # -- site profiles (no Slurm needed) ------------------------------------------------------------
 
 def _render(site: launchers.SlurmSite, n: int = 4) -> str:
+    prefix = shlex.join(sites.rank_wrapper(site, {"HOROVOD_CYCLE_TIME": "5"}))
     return EvalFormatter().format(launchers.sbatch_template(site), n=n, cluster_id="hpdl-x",
                                   output_file="/tmp/o.log", program="/venv/bin/python -m ipyparallel.engine",
-                                  program_args="--profile-dir=/p", hpdl_exports="export HOROVOD_CYCLE_TIME=5")
+                                  program_args="--profile-dir=/p", hpdl_exports="export HOROVOD_CYCLE_TIME=5",
+                                  hpdl_rank_prefix=prefix)
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in launchers.SITES_DIR.glob("*.toml")))

@@ -13,21 +13,34 @@
 #
 # The node is declared with at least 4 CPUs (slurmd trusts the configuration, SlurmdParameters=
 # config_overrides) so 4 ranks fit on a 2-core laptop, as with mpiexec; MpiDefault=pmi2 is what
-# MPICH (the `mpich` wheel, MVAPICH2, Intel MPI) speaks under srun.
+# MPICH (the `mpich` wheel, MVAPICH2, Intel MPI) speaks under srun. Like a real cluster's, it binds
+# tasks to their CPUs when asked (TaskPlugin=task/affinity: --cpus-per-task and --cpu-bind=cores
+# show in each rank's affinity; no binding by default, as 4 CPUs are declared on 2) and has two stand-in GPUs (Gres=gpu:2 whose device files are null devices under
+# /run/hpdl-local-slurm), so jobs and steps can ask for --gpus-per-task as on a GPU cluster.
 set -uo pipefail
 export PATH="/usr/sbin:/sbin:/usr/bin:/bin:$PATH" LC_ALL=C
 
 CONF_DIR=/etc/slurm
 CONF="$CONF_DIR/slurm.conf"
+GRES_CONF="$CONF_DIR/gres.conf"
 MARK="# hpdl local-slurm: written by cluster/slurm/local-slurm.sh"
 RUN=/run/hpdl-local-slurm
 LOGS=/var/log/slurm
 NODE="$(hostname -s)"
 CPUS="$(nproc)"; [ "$CPUS" -lt 4 ] && CPUS=4
+GPUS=2  # stand-ins, not real: see above
 MEM_MB=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 8 / 10 ))
 [ "$MEM_MB" -gt 4000 ] && MEM_MB=4000
 
 say()  { echo "local-slurm: $*" >&2; }
+detached() {  # start a daemon without the caller's open files: a lock held by whoever ran this
+  (             # script (`flock LOCK cluster/slurm/local-slurm.sh start`) must not live on in it
+    for fd in /proc/self/fd/*; do
+      fd=${fd##*/}; [ "$fd" -gt 2 ] 2>/dev/null && eval "exec $fd>&-" 2>/dev/null
+    done
+    exec "$@" </dev/null
+  )
+}
 unavailable() { echo "local-slurm: unavailable: $*" >&2; exit 3; }
 fail() { echo "local-slurm: failed: $*" >&2; exit 1; }
 
@@ -85,13 +98,9 @@ first_job_id() {
   cat "$keep"
 }
 
-write_config() {
-  if [ -f "$CONF" ] && ! head -n1 "$CONF" | grep -qF "$MARK"; then
-    unavailable "$CONF exists and was not written by this script (a real Slurm site?); not touching it"
-  fi
-  mkdir -p "$CONF_DIR" "$RUN" "$LOGS" /var/spool/slurmctld /var/spool/slurmd
+render_config() {
   local first; first=$(first_job_id)
-  local new; new=$(cat <<CONF
+  cat <<CONF
 $MARK
 # A private single-node Slurm for tests; \`local-slurm.sh stop\` ends it.
 ClusterName=hpdl
@@ -106,7 +115,9 @@ SlurmdLogFile=$LOGS/slurmd.log
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
+TaskPluginParam=None
+GresTypes=gpu
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=pmi2
@@ -119,12 +130,44 @@ KillWait=5
 MinJobAge=30
 FirstJobId=$first
 InactiveLimit=0
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM_MB Gres=gpu:$GPUS State=UNKNOWN
 PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 CONF
-)
+}
+
+render_gres() {  # stand-in GPUs: character devices that are /dev/null (made by fake_gpus)
+  printf '%s\n%s\n' "$MARK" "NodeName=$NODE Name=gpu File=$RUN/fake-gpu[0-$((GPUS - 1))]"
+}
+
+fake_gpus() {  # slurmd counts a node's GPUs by their device files; these are null devices
+  local i
+  for i in $(seq 0 $((GPUS - 1))); do
+    [ -c "$RUN/fake-gpu$i" ] || mknod -m 666 "$RUN/fake-gpu$i" c 1 3 || fail "could not make $RUN/fake-gpu$i"
+  done
+}
+
+configured() {  # both files are ours and as this script would write them now
+  [ -f "$CONF" ] && [ "$(cat "$CONF")" = "$(render_config)" ] && [ -f "$GRES_CONF" ] \
+    && [ "$(cat "$GRES_CONF")" = "$(render_gres)" ]
+}
+
+write_config() {
+  local f
+  for f in "$CONF" "$GRES_CONF"; do
+    if [ -f "$f" ] && ! head -n1 "$f" | grep -qF "$MARK"; then
+      unavailable "$f exists and was not written by this script (a real Slurm site?); not touching it"
+    fi
+  done
+  mkdir -p "$CONF_DIR" "$RUN" "$LOGS" /var/spool/slurmctld /var/spool/slurmd
+  fake_gpus
+  local new; new=$(render_config)
   if [ ! -f "$CONF" ] || [ "$(cat "$CONF")" != "$new" ]; then
     printf '%s\n' "$new" > "$CONF"
+    CONF_CHANGED=1
+  fi
+  new=$(render_gres)
+  if [ ! -f "$GRES_CONF" ] || [ "$(cat "$GRES_CONF")" != "$new" ]; then
+    printf '%s\n' "$new" > "$GRES_CONF"
     CONF_CHANGED=1
   fi
 }
@@ -140,7 +183,7 @@ start_munge() {
   chown munge:munge /run/munge /var/log/munge /var/lib/munge
   chmod 755 /run/munge
   if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then return 0; fi
-  env -i PATH="$PATH" runuser -u munge -- munged || fail "munged did not start (see /var/log/munge/munged.log)"
+  detached env -i PATH="$PATH" runuser -u munge -- munged || fail "munged did not start (see /var/log/munge/munged.log)"
   touch "$RUN/munged-ours"
   local i; for i in $(seq 50); do
     munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && return 0; sleep 0.1
@@ -149,9 +192,9 @@ start_munge() {
 }
 
 start() {
-  if running && [ -f "$CONF" ] && head -n1 "$CONF" | grep -qF "$MARK"; then
+  if running && configured; then
     say "running (node $NODE $(node_state))"; return 0
-  fi
+  fi  # not running, or running an older configuration of this script: (re)start with this one
   [ "$(id -u)" = 0 ] || unavailable "starting a private Slurm needs root"
   local t0; t0=$(date +%s.%N)
   install
@@ -162,16 +205,16 @@ start() {
     stop_daemons
   fi
   # Daemons get a clean environment: none of the caller's variables leak into them.
-  pid_alive /run/slurmctld.pid || env -i PATH="$PATH" slurmctld \
+  pid_alive /run/slurmctld.pid || detached env -i PATH="$PATH" slurmctld \
     || fail "slurmctld did not start; see $LOGS/slurmctld.log: $(tail -n3 $LOGS/slurmctld.log 2>/dev/null)"
-  pid_alive /run/slurmd.pid || env -i PATH="$PATH" slurmd \
+  pid_alive /run/slurmd.pid || detached env -i PATH="$PATH" slurmd \
     || fail "slurmd did not start; see $LOGS/slurmd.log: $(tail -n3 $LOGS/slurmd.log 2>/dev/null)"
   local state="" i
   for i in $(seq 300); do
     state=$(node_state)
     case "$state" in
       idle*|mix*|alloc*) break ;;
-      drain*|down*|fail*) scontrol update nodename="$NODE" state=resume >/dev/null 2>&1 ;;
+      drain*|down*|fail*|inval*) scontrol update nodename="$NODE" state=resume >/dev/null 2>&1 ;;
     esac
     sleep 0.2
   done

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from hpdl.check.cases import Case
 from hpdl.check.report import CaseResult, rank_word
+from hpdl.launchers import side_job_command
 from hpdl.reaper import shared_memory_of
 
 GRACE_AFTER_ERROR = 0.2  # s: let the other ranks end the case on their own before aborting
@@ -165,7 +166,7 @@ class Job:
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HPDL_CHECK_JOB=self.dir,
                    PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}")
         self.output = open(os.path.join(self.dir, "output.txt"), "wb")
-        cmd = [*mpiexec_command(size), sys.executable, "-m", "hpdl.check.worker", self.dir]
+        cmd = [*side_job_command(size), sys.executable, "-m", "hpdl.check.worker", self.dir]
         self.proc = subprocess.Popen(cmd, stdout=self.output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, start_new_session=True)
         _live_jobs.add(self)

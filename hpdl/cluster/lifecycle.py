@@ -27,12 +27,10 @@ KNOWN_FRAMEWORKS = {"torch", "horovod"}
 
 
 def _launcher_traits(launcher: str) -> tuple[bool, str, str]:
-    """(ranks run on this machine, what started them, a hint when they are slow to register).
-
-    The only place the cluster code tests a launcher's name."""
-    if launcher == "local":
-        return True, "mpiexec", ""
-    return False, "Slurm", "On Slurm the job may still be queued (see `squeue --me`); "
+    """(ranks run on this machine, what started them, a hint when they are slow to register),
+    from the launcher's class in the registry (hpdl/launchers/)."""
+    cls = launchers.get(launcher)
+    return cls.ranks_are_local, cls.label or cls.name, cls.queue_hint
 
 
 @dataclass(eq=False)

@@ -1,0 +1,280 @@
+"""Client side: site profiles — what the kit must know about one cluster to put ranks on it.
+
+A site profile is a TOML file (cluster/sites/NAME.toml, chosen by HPDL_SITE=NAME or a path) with
+the Slurm settings (partition, account, PMI flavour, resources per rank) and the environment every
+rank needs (module loads, shell set-up lines, variables, the site's MPI library). HPDL_SLURM_<KEY>
+variables override single [slurm] keys. Two things are built here from one profile so they can
+never disagree: the resources a job asks for and the resources its engines' step asks for, and the
+shell lines that give every rank the site's environment, whichever way the ranks are started.
+
+    python -m hpdl.sites [NAME]      # the profile in force, and the sbatch options it implies
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpdl.errors import HpdlError
+
+SITES_DIR = Path(__file__).resolve().parent.parent / "cluster" / "sites"
+
+# key: (type, what it is) — the [slurm] table of a site profile; HPDL_SLURM_<KEY> overrides each.
+SLURM_KEYS: dict[str, tuple[type, str]] = {
+    "partition": (str, "partition (queue) for the engines' job"),
+    "account": (str, "account to charge"),
+    "qos": (str, "quality of service"),
+    "time": (str, 'wall-time limit of the engines\' job, e.g. "02:00:00"'),
+    "pmi": (str, 'srun --mpi flavour: "pmi2" (MPICH, MVAPICH2, Intel MPI), "pmix" (Open MPI), "cray_shasta"'),
+    "ranks_per_node": (int, "ranks per node (0: let Slurm place them)"),
+    "cpus_per_rank": (int, "cores per rank (0: Slurm's default)"),
+    "gpus_per_rank": (int, "GPUs per rank (0: none asked for)"),
+    "sbatch": (list, 'extra sbatch options, e.g. ["--constraint=gpu", "--exclusive"]'),
+    "srun": (list, 'extra srun options, e.g. ["--cpu-bind=cores"]'),
+    "wrap": (list, 'command put before each engine, e.g. ["apptainer", "exec", "--nv", "/opt/hpdl.sif"]'),
+    "controller_host": (str, "host name or address compute nodes use to reach this machine"),
+    "start_timeout": (int, "seconds to wait for ranks, queue time included"),
+}
+TOP_KEYS = {"description": str, "modules": list, "setup": str, "mpi_library": str, "slurm": dict, "env": dict}
+
+# site field -> the sbatch/srun option that asks for it; the job and its steps use the same three
+RESOURCES = (("ranks_per_node", "ntasks-per-node"), ("cpus_per_rank", "cpus-per-task"),
+             ("gpus_per_rank", "gpus-per-task"))
+# the same option -> the variable Slurm sets inside a job that asked for it
+JOB_VARS = {"ntasks-per-node": "SLURM_NTASKS_PER_NODE", "cpus-per-task": "SLURM_CPUS_PER_TASK",
+            "gpus-per-task": "SLURM_GPUS_PER_TASK"}
+
+
+@dataclass
+class SlurmSite:
+    """Everything site-specific about putting engines on Slurm."""
+
+    name: str = "default"
+    source: str = "built-in defaults"
+    description: str = ""
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    time: str = ""
+    pmi: str = "pmi2"
+    ranks_per_node: int = 0
+    cpus_per_rank: int = 0
+    gpus_per_rank: int = 0
+    sbatch: list[str] = field(default_factory=list)
+    srun: list[str] = field(default_factory=list)
+    wrap: list[str] = field(default_factory=list)
+    controller_host: str = ""
+    start_timeout: int = 0
+    modules: list[str] = field(default_factory=list)
+    setup: str = ""
+    mpi_library: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _site_file(spec: str) -> Path:
+    path = Path(spec).expanduser()
+    if path.suffix == ".toml" or os.sep in spec:
+        if not path.is_file():
+            raise HpdlError(f"HPDL_SITE={spec!r}: no such file.")
+        return path
+    path = SITES_DIR / f"{spec}.toml"
+    if not path.is_file():
+        known = sorted(p.stem for p in SITES_DIR.glob("*.toml"))
+        raise HpdlError(
+            f"HPDL_SITE={spec!r}: no site profile {path}. Known: {', '.join(known) or 'none'}; "
+            "or give the path of a .toml file."
+        )
+    return path
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise HpdlError(f"Reading {path} needs Python ≥ 3.11 (or `pip install tomli`).") from None
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise HpdlError(f"{path} is not valid TOML: {exc}. Compare with cluster/sites/generic.toml.") from None
+
+
+def _check_type(where: str, key: str, value, kind: type) -> None:
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if kind is list:
+        ok = ok and all(isinstance(v, str) for v in value)
+    if kind is int:
+        ok = ok and value >= 0
+    if not ok:
+        want = {str: "a string", int: "a whole number ≥ 0", list: "a list of strings", dict: "a table"}[kind]
+        raise HpdlError(f"{where}: {key} must be {want}; got {value!r}.")
+
+
+def load_site(spec: str | None = None) -> SlurmSite:
+    """The site profile named by HPDL_SITE (or `spec`), then HPDL_SLURM_* overrides; validated."""
+    spec = os.environ.get("HPDL_SITE", "") if spec is None else spec
+    site = SlurmSite()
+    if spec:
+        path = _site_file(spec)
+        data = _read_toml(path)
+        where = str(path)
+        for key, value in data.items():
+            if key not in TOP_KEYS:
+                raise HpdlError(f"{where}: unknown key {key!r}; a site profile has {', '.join(TOP_KEYS)}.")
+            _check_type(where, key, value, TOP_KEYS[key])
+        for key, value in data.get("slurm", {}).items():
+            if key not in SLURM_KEYS:
+                raise HpdlError(f"{where}: unknown key slurm.{key}; known: {', '.join(SLURM_KEYS)}.")
+            _check_type(where, f"slurm.{key}", value, SLURM_KEYS[key][0])
+            setattr(site, key, value)
+        for key, value in data.get("env", {}).items():
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise HpdlError(f"{where}: env.{key} must be a string or a number; got {value!r}.")
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise HpdlError(f"{where}: env.{key} is not a variable name.")
+            site.env[key] = str(value)
+        site.name, site.source = path.stem, where
+        site.description = data.get("description", "")
+        site.modules = list(data.get("modules", []))
+        site.setup = data.get("setup", "")
+        site.mpi_library = data.get("mpi_library", "")
+    for key, (kind, _) in SLURM_KEYS.items():
+        var = f"HPDL_SLURM_{key.upper()}"
+        raw = os.environ.get(var)
+        if raw is None or raw == "":
+            continue
+        if kind is int:
+            try:
+                value = int(raw)
+            except ValueError:
+                raise HpdlError(f"{var}={raw!r}: {key} must be a whole number.") from None
+        elif kind is list:
+            value = shlex.split(raw)
+        else:
+            value = raw
+        _check_type(var, key, value, kind)
+        setattr(site, key, value)
+    if not re.fullmatch(r"[A-Za-z0-9_]+", site.pmi):
+        raise HpdlError(f"{site.source}: slurm.pmi={site.pmi!r} is not a PMI name (`srun --mpi=list` shows them).")
+    return site
+
+
+# -- resources: one source for the job and its steps --------------------------------------------
+
+def resource_options(site: SlurmSite) -> list[str]:
+    """The per-rank resources the site asks for, as options both sbatch and srun understand.
+
+    The engines' job asks for these, and so does the srun step inside it: since Slurm 22.05 a step
+    no longer inherits --cpus-per-task from its job, and a step asking for more than its job holds
+    is refused ("More processors requested than permitted")."""
+    return [f"--{flag}={getattr(site, key)}" for key, flag in RESOURCES if getattr(site, key)]
+
+
+def job_resource_options(environ: dict[str, str] | None = None) -> list[str]:
+    """Inside an allocation: the same options, with the values the job actually holds.
+
+    A step may ask only for what its job holds; Slurm says what that is in SLURM_* variables,
+    which is what an srun step started from a kernel inside a job (jupyter.sbatch, Open OnDemand,
+    salloc) asks for, whatever the site profile would have liked."""
+    environ = os.environ if environ is None else environ
+    opts = []
+    for flag, var in JOB_VARS.items():
+        value = environ.get(var, "").split("(")[0]  # SLURM_NTASKS_PER_NODE may read "2(x3)"
+        if value.isdigit() and int(value) > 0:
+            opts.append(f"--{flag}={value}")
+    return opts
+
+
+def resource_mismatch(site: SlurmSite, environ: dict[str, str] | None = None) -> str:
+    """What the site profile asks per rank beyond what the job around this kernel holds ('' if nothing)."""
+    held = dict(o[2:].split("=") for o in job_resource_options(environ))
+    defaults = {"cpus-per-task": "1", "gpus-per-task": "none"}  # a job that asked for nothing
+    short = []
+    for key, flag in RESOURCES[1:]:  # ranks per node is placement, not an amount held
+        want, has = getattr(site, key), held.get(flag, defaults[flag])
+        if want and (not has.isdigit() or int(has) < want):
+            short.append(f"--{flag}={want} (the job holds {has})")
+    return ", ".join(short)
+
+
+def sbatch_args(site: SlurmSite) -> list[str]:
+    """sbatch options for a job whose tasks will be the ranks: what the site profile asks for.
+
+    For jupyter.sbatch, run.sbatch and Open OnDemand, so their jobs hold what the engines' step
+    of the site will use: `sbatch $(python -m hpdl.sites --sbatch) -n 4 cluster/slurm/jupyter.sbatch`."""
+    opts = [f"--{flag}={value}" for flag, value in (("partition", site.partition), ("account", site.account),
+                                                    ("qos", site.qos), ("time", site.time)) if value]
+    return opts + resource_options(site) + list(site.sbatch)
+
+
+# -- the environment of every rank ----------------------------------------------------------------
+
+_FIND_MODULE = (
+    "if ! command -v module >/dev/null 2>&1; then\n"
+    "  for f in /etc/profile.d/lmod.sh /etc/profile.d/modules.sh /usr/share/lmod/lmod/init/bash; do\n"
+    "    [ -r \"$f\" ] && . \"$f\" && break\n"
+    "  done\n"
+    "fi"
+)
+
+
+def rank_prologue(site: SlurmSite, exports: dict[str, str] | None = None) -> str:
+    """Shell lines run on every rank before its engine starts, in every launch mode.
+
+    In order: module loads, the site's set-up lines, its [env], then `exports` (the learner's
+    hpdl.start(env=...), which win), then the site's MPI library put first: LD_PRELOAD loads it
+    before anything else and MPI4PY_LIBMPI points mpi4py at it. Without that, mpi4py's loader
+    tries the venv's lib/ (where the `mpich` wheel's libmpi.so.12 lives) before LD_LIBRARY_PATH,
+    and the ranks silently run the wheel's MPI instead of, say, MVAPICH2-GDR."""
+    lines = []
+    if site.modules:
+        lines += [_FIND_MODULE, "module load " + " ".join(shlex.quote(m) for m in site.modules)]
+    if site.setup.strip():
+        lines.append(site.setup.strip())
+    for key, value in {**site.env, **(exports or {})}.items():
+        lines.append(f"export {key}={shlex.quote(value)}")
+    if site.mpi_library:
+        # the path may name variables a module set ($MV2_GDR_HOME): expand on the node, keep quoted
+        lib = '"' + site.mpi_library.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`") + '"'
+        lines += [f"hpdl_libmpi={lib}",
+                  '[ -r "$hpdl_libmpi" ] || { echo "hpdl: mpi_library $hpdl_libmpi: no such file on $(hostname)" >&2;'
+                  " exit 2; }",
+                  'export LD_PRELOAD="$hpdl_libmpi${LD_PRELOAD:+:$LD_PRELOAD}" MPI4PY_LIBMPI="$hpdl_libmpi"']
+    return "\n".join(lines)
+
+
+def rank_wrapper(site: SlurmSite, exports: dict[str, str] | None = None) -> list[str]:
+    """A command prefix that runs the prologue on the rank, then execs the rest of the line."""
+    prologue = rank_prologue(site, exports)
+    if not prologue:
+        return []
+    return ["bash", "-c", prologue + '\nexec "$@"', "hpdl-rank"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    names = [a for a in argv if not a.startswith("-")]
+    try:
+        site = load_site(names[0] if names else None)
+    except HpdlError as exc:
+        print(f"hpdl.sites: {exc}", file=sys.stderr)
+        return 2
+    if "--sbatch" in argv:
+        print(" ".join(shlex.quote(o) for o in sbatch_args(site)))
+        return 0
+    print(f"site profile {site.name} ({site.source}){': ' + site.description if site.description else ''}")
+    print("sbatch options:  " + (" ".join(sbatch_args(site)) or "(none)"))
+    print("per-rank step:   srun --mpi=" + " ".join([site.pmi, *resource_options(site), *site.srun]))
+    prologue = rank_prologue(site)
+    print("on every rank:\n" + ("\n".join("    " + line for line in prologue.splitlines()) or "    (nothing)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

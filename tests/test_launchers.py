@@ -1,0 +1,219 @@
+"""Launchers are objects in a registry; site profiles give every rank the site's environment.
+
+A launcher defined here, in a test file, the way docs/LAUNCHERS.md shows a newcomer adding PBS,
+must be found by name, chosen by "auto" when it detects its environment, listed when a name is
+wrong, and really start ranks through hpdl.start(). The rest needs no Slurm: side jobs, the
+resource options a job and its step share, and the prologue that makes a site's MPI library the
+one mpi4py loads (shown with a copy of the venv's own libmpi standing in for MVAPICH2-GDR).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hpdl
+from hpdl import launchers, sites
+from hpdl.errors import HpdlError
+
+VENV_LIB = Path(sys.prefix) / "lib"
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """A tiny extra launcher: the local mpiexec, but every rank gets a variable saying who started it."""
+    for var in ("SLURM_JOB_ID", "HPDL_LAUNCHER", "HPDL_SITE"):
+        monkeypatch.delenv(var, raising=False)
+
+    class Tiny(launchers.Launcher):
+        name = "tiny"
+        label = "tiny mpiexec"
+        priority = 50
+        ranks_are_local = True
+        here = False
+
+        def detect(self) -> bool:
+            return Tiny.here
+
+        def configure(self, config, n: int) -> dict:
+            config.MPIEngineSetLauncher.mpi_cmd = [launchers.find_mpiexec()]
+            config.MPIEngineSetLauncher.mpi_args = ["-genv", "HPDL_T_STARTED_BY", "tiny"]
+            return {"engines": "mpi", "controller_ip": "127.0.0.1"}
+
+    yield Tiny
+    launchers._REGISTRY.pop("tiny", None)
+
+
+def test_a_launcher_class_defined_anywhere_is_picked_up_by_name(tiny, monkeypatch):
+    assert "tiny" in launchers.known() and {"local", "slurm"} <= set(launchers.known())
+    assert isinstance(launchers.get("tiny"), tiny)
+    assert launchers.resolve("TINY") == "tiny"
+    assert launchers.resolve("auto") == "local"  # it does not detect its environment here
+    tiny.here = True
+    assert launchers.resolve("auto") == "tiny"  # now it does, and outranks local
+    tiny.here = False
+    monkeypatch.setenv("HPDL_LAUNCHER", "tiny")
+    assert launchers.resolve("auto") == "tiny"
+
+
+def test_unknown_launcher_names_are_an_error_listing_the_known_ones(tiny):
+    for wrong in ("pbs", "", "slurm2"):
+        with pytest.raises(HpdlError) as err:
+            launchers.resolve(wrong or "nonsense")
+        message = str(err.value)
+        assert "not one we know" in message
+        assert all(name in message for name in ("local", "slurm", "tiny", "'auto'")), message
+    with pytest.raises(HpdlError, match="tiny"):
+        hpdl.start(n=2, launcher="pbs", quiet=True)
+
+
+def test_hpdl_start_starts_ranks_through_the_new_launcher(tiny, no_strays):
+    c = hpdl.start(n=2, launcher="tiny", frameworks=(), quiet=True)
+    try:
+        assert c.launcher == "tiny" and hpdl.status()["launcher"] == "tiny"
+        view = hpdl.view()
+        view.execute("import os; who = (rank, os.environ.get('HPDL_T_STARTED_BY'), comm.allreduce(rank + 1))",
+                     block=True)
+        assert sorted(view.pull("who", block=True)) == [(0, "tiny", 3), (1, "tiny", 3)]
+        assert c.dead_ranks() == []  # watched by pid, as ranks_are_local says
+    finally:
+        hpdl.stop(quiet=True)
+
+
+def test_the_shipped_launchers_describe_themselves(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert launchers.describe("local").startswith("mpiexec on this machine")
+    assert "sbatch" in launchers.describe("slurm")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert launchers.describe("slurm") == "srun in Slurm job 4242"
+
+
+def test_side_job_outside_slurm_is_the_venvs_mpiexec(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    cmd = launchers.side_job_command(3)
+    assert cmd[0] == launchers.find_mpiexec() and cmd[-2:] == ["-n", "3"]
+    out = subprocess.run([*cmd, sys.executable, "-c", "from mpi4py import MPI; c = MPI.COMM_WORLD; "
+                          "got = c.gather((c.rank, c.size, c.allreduce(c.rank + 1))); c.rank or print(got)"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[(0, 3, 6), (1, 3, 6), (2, 3, 6)]", out.stderr
+
+
+def test_side_job_inside_an_allocation_overlaps_the_engines_step(monkeypatch, tmp_path):
+    """Pure construction (a real run beside the engines is in test_slurm.py)."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (fake_bin / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("HPDL_SITE", raising=False)
+    monkeypatch.setenv("HPDL_SLURM_PMI", "pmix")
+    assert launchers.side_job_command(4)[:7] == ["srun", "--overlap", "--mpi=pmix", "--kill-on-bad-exit=1",
+                                                  "--job-name=hpdl-side", "-n", "4"]
+
+
+# -- one source for the job's and the step's resources --------------------------------------------
+
+def test_job_and_step_resources_come_from_the_same_site_fields():
+    site = sites.SlurmSite(ranks_per_node=4, cpus_per_rank=8, gpus_per_rank=1, partition="gpu")
+    opts = ["--ntasks-per-node=4", "--cpus-per-task=8", "--gpus-per-task=1"]
+    assert sites.resource_options(site) == opts
+    assert sites.sbatch_args(site) == ["--partition=gpu", *opts]
+    script = launchers.sbatch_template(site)
+    assert [f"#SBATCH {o}" in script for o in opts] == [True] * 3
+    srun_line = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert srun_line.split()[3:6] == opts  # srun --mpi=... --kill-on-bad-exit=1 <the same three>
+
+
+def test_inside_an_allocation_the_step_asks_only_for_what_the_job_holds():
+    assert sites.job_resource_options({"SLURM_NTASKS": "2"}) == []
+    held = {"SLURM_CPUS_PER_TASK": "2", "SLURM_NTASKS_PER_NODE": "2(x3)", "SLURM_GPUS_PER_TASK": "1"}
+    assert sites.job_resource_options(held) == ["--ntasks-per-node=2", "--cpus-per-task=2", "--gpus-per-task=1"]
+    site = sites.SlurmSite(ranks_per_node=4, cpus_per_rank=8, gpus_per_rank=1)
+    assert sites.resource_mismatch(site, {"SLURM_NTASKS": "4"}) == (
+        "--cpus-per-task=8 (the job holds 1), --gpus-per-task=1 (the job holds none)")
+    assert sites.resource_mismatch(site, {"SLURM_CPUS_PER_TASK": "8", "SLURM_GPUS_PER_TASK": "1"}) == ""
+
+
+# -- the site's environment on every rank ----------------------------------------------------------
+
+def _run_prologue(site: sites.SlurmSite, exports: dict, program: list[str], env: dict | None = None):
+    return subprocess.run([*sites.rank_wrapper(site, exports), *program], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_rank_prologue_order_site_then_learner(tmp_path):
+    site = sites.SlurmSite(setup='export HPDL_T_A="set up"\nexport HPDL_T_B=setup',
+                           env={"HPDL_T_B": "site", "HPDL_T_C": "it's"})
+    out = _run_prologue(site, {"HPDL_T_C": "learner"},
+                        ["sh", "-c", 'echo "$HPDL_T_A|$HPDL_T_B|$HPDL_T_C|$0|$1"', "x", "y"])
+    assert out.stdout.strip() == "set up|site|learner|x|y", out.stderr
+    assert sites.rank_wrapper(sites.SlurmSite(), {}) == []  # nothing to run: no wrapper at all
+
+
+def test_site_mpi_library_is_what_mpi4py_loads_not_the_venvs(tmp_path):
+    """The MVAPICH2-GDR trap without a GPU: a second libmpi (a copy of the venv's) stands in for the
+    site's. On LD_LIBRARY_PATH alone mpi4py still loads the venv's; named as mpi_library it wins."""
+    venv_libmpi = VENV_LIB / "libmpi.so.12"
+    if not venv_libmpi.exists():
+        pytest.skip(f"no {venv_libmpi}: this venv's MPI is not the mpich wheel")
+    site_dir = tmp_path / "site-mpi" / "lib64"
+    site_dir.mkdir(parents=True)
+    shutil.copy2(venv_libmpi.resolve(), site_dir / "libmpi.so.12")
+    (site_dir / "mpich").symlink_to(VENV_LIB / "mpich")  # its own dependencies ($ORIGIN/mpich)
+    probe = [sys.executable, "-c", "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
+             "MPI.Get_library_version(); "
+             "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libmpi.so' in l}))"]
+    plain = subprocess.run(probe, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "LD_LIBRARY_PATH": str(site_dir)})
+    assert plain.stdout.strip() == str([str(venv_libmpi.resolve())]), plain.stderr  # the trap
+    site = sites.SlurmSite(setup=f"export SITE_MPI_HOME={tmp_path / 'site-mpi'}",
+                           mpi_library="$SITE_MPI_HOME/lib64/libmpi.so.12")
+    chosen = _run_prologue(site, {}, probe)
+    assert chosen.stdout.strip() == str([str(site_dir / "libmpi.so.12")]), chosen.stderr
+    missing = _run_prologue(sites.SlurmSite(mpi_library="/nowhere/libmpi.so"), {}, probe)
+    assert missing.returncode == 2 and "mpi_library /nowhere/libmpi.so: no such file" in missing.stderr
+
+
+def test_site_profiles_still_read_and_comments_are_harmless(tmp_path, monkeypatch):
+    monkeypatch.delenv("HPDL_SITE", raising=False)
+    for name in ("generic", "mvapich2-gdr", "nccl-gpu"):
+        text = (sites.SITES_DIR / f"{name}.toml").read_text()
+        tuned = tmp_path / f"{name}.toml"
+        tuned.write_text(text + "\n# -- collective tuning (lesson 07) --\n# [env]\n# NCCL_ALGO = \"Ring\"\n")
+        assert sites.load_site(str(tuned)).env == sites.load_site(name).env
+    assert sites.main(["generic"]) == 0
+
+
+def test_the_pbs_example_in_the_docs_is_a_working_launcher(monkeypatch, tmp_path):
+    """docs/LAUNCHERS.md's one-file PBS launcher, run as written: registered, chosen by name and by
+    "auto" inside a PBS job, and it fills ipyparallel's PBS configuration."""
+    import re
+
+    from traitlets.config import Config
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "LAUNCHERS.md").read_text()
+    example = next(b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "class Pbs" in b)
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "qsub").write_text("#!/bin/sh\nexit 1\n")
+    (fake_bin / "qsub").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
+    for var in ("SLURM_JOB_ID", "HPDL_LAUNCHER"):
+        monkeypatch.delenv(var, raising=False)
+    try:
+        exec(compile(example, "docs/LAUNCHERS.md", "exec"), {"__name__": "pbs_example"})
+        assert "pbs" in launchers.known() and launchers.resolve("auto") == "local"
+        monkeypatch.setenv("PBS_JOBID", "123.server")
+        assert launchers.resolve("auto") == "pbs"
+        config = Config()
+        kwargs = launchers.configure("pbs", config, 8)
+        assert kwargs["engines"] == "pbs" and kwargs["start_timeout"] == 900
+        template = config.PBSEngineSetLauncher.batch_template
+        assert "#PBS -N {cluster_id}" in template and template.endswith("{program} --mpi {program_args}")
+    finally:
+        launchers._REGISTRY.pop("pbs", None)
