@@ -176,7 +176,8 @@ def verdicts(tmp_path_factory):
     work = tmp_path_factory.mktemp("ring-detector")
     (work / "sources.json").write_text(json.dumps(candidates))
     (work / "classify.py").write_text(CLASSIFY)
-    cmd = [str(BIN / "mpiexec"), "-n", str(RANKS), sys.executable, str(work / "classify.py"), str(work / "sources.json")]
+    cmd = [str(BIN / "mpiexec"), "-n", str(RANKS), sys.executable, str(work / "classify.py"),
+           str(work / "sources.json")]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired as exc:
@@ -214,4 +215,5 @@ def test_no_ring_or_recursive_doubling_outside_solutions(verdicts, no_strays):
                   if not label.startswith("solutions/") and _kind(v) not in ("not an allreduce", "naive")}
     assert not given_away, f"complete allreduce algorithms outside solutions/: {given_away}"
     checked = [label for label in verdicts if not label.startswith("solutions/")]
-    assert any("exercises/04_ring_allreduce.ipynb" in label for label in checked), "exercise 04's functions were not examined"
+    assert any("exercises/04_ring_allreduce.ipynb" in label for label in checked), (
+        "exercise 04's functions were not examined")

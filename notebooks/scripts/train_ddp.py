@@ -99,7 +99,8 @@ def digits(device: torch.device) -> tuple[TensorDataset, TensorDataset]:
     y = torch.tensor(y)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     cut = int(0.8 * len(x))
-    return TensorDataset(x[order[:cut]], y[order[:cut]]), TensorDataset(x[order[cut:]].to(device), y[order[cut:]].to(device))
+    train, test = order[:cut], order[cut:]
+    return TensorDataset(x[train], y[train]), TensorDataset(x[test].to(device), y[test].to(device))
 
 
 def main() -> None:
@@ -157,7 +158,8 @@ def main() -> None:
             x, y = test.tensors
             accuracy = (model(x).argmax(1) == y).float().mean().item()
         if rank == 0:
-            print(f"epoch {epoch}: loss {losses[-1]:.4f}, test accuracy {accuracy:.3f}, lr {group['lr']:.3f}", flush=True)
+            print(f"epoch {epoch}: loss {losses[-1]:.4f}, test accuracy {accuracy:.3f}, lr {group['lr']:.3f}",
+                  flush=True)
             if args.checkpoint:                              # one writer: rank 0
                 torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch},
                            args.checkpoint)
