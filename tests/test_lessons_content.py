@@ -51,6 +51,10 @@ def test_lesson_has_two_predictions_each_compared_later(path):
             predictions += [(i, name) for name in names]
     assert len(predictions) >= 2, f"{path.name}: {len(predictions)} prediction cells, need at least 2"
     for i, name in predictions:
+        on_ranks = [j for j, cell in enumerate(nb.cells) if cell.cell_type == "code" and j > i
+                    and cell.source.lstrip().startswith("%%px") and "--local" not in cell.source.split("\n")[0]
+                    and name in cell.source]
+        assert not on_ranks, f"{path.name}: {name} lives in the notebook's kernel, not on the ranks (cells {on_ranks})"
         later = [j for j, src in _code(nb) if j > i and name in src]
         assert later, f"{path.name}: {name} (cell {i}) is never compared with a measurement"
         assert any(f"{name} is not None" in src or f"{name} is None" in src for j, src in _code(nb) if j in later), (
