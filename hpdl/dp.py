@@ -90,8 +90,10 @@ def _mpi_allreduce_hook(comm, bucket):
 def use_mpi_allreduce(ddp_model, comm=None) -> None:
     """Make a DistributedDataParallel model reduce its gradient buckets over MPI.
 
-    Stock PyTorch has no MPI backend; this hook gives DDP one. Here (MPICH, shared memory) it
-    is faster than Gloo over TCP loopback. On GPUs keep NCCL: don't call this.
+    torch.distributed's own `mpi` backend exists only when PyTorch is built from source against
+    an MPI library; the pip and conda packages are built without it. This hook sends DDP's
+    buckets through mpi4py instead. Here (MPICH, shared memory) it is faster than Gloo over TCP
+    loopback. On GPUs keep NCCL: don't call this.
     """
     from mpi4py import MPI
 
