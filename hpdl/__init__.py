@@ -39,9 +39,9 @@ def __getattr__(name: str):
 
 def _hpdl_line_magic(line: str):
     """%hpdl start [-n N] [--launcher L] [--frameworks torch,horovod] | stop | restart | status"""
-    from hpdl.magics import _hpdl_magic
+    from hpdl.magics import hpdl_magic
 
-    return _hpdl_magic(line)
+    return hpdl_magic(line)
 
 
 def _register_magic() -> None:

@@ -25,11 +25,11 @@ USAGE = "%hpdl start [-n N] [--launcher L] [--frameworks torch,horovod] [--timeo
 @magic_arguments.argument("-l", "--launcher", help="local, slurm or auto")
 @magic_arguments.argument("--frameworks", help="comma list, e.g. torch,horovod; '' for MPI only")
 @magic_arguments.argument("--timeout", dest="cell_timeout", metavar="SECONDS", help="time limit of each %%%%px cell")
-def _hpdl_magic(line: str):
+def hpdl_magic(line: str):
     """Start, stop, restart or look at the ranks."""
     usage = USAGE
     try:  # shell quoting, so that --frameworks '' means none
-        args = _hpdl_magic.parser.parse_args(shlex.split(line))
+        args = hpdl_magic.parser.parse_args(shlex.split(line))
     except (UsageError, ValueError) as exc:
         raise HpdlError(f"%hpdl: {exc}. {usage}") from None
     verb = args.verb
@@ -68,4 +68,4 @@ def register(ip) -> None:
     from hpdl.errors import install_handler
 
     install_handler(ip)
-    ip.register_magic_function(_hpdl_magic, "line", "hpdl")
+    ip.register_magic_function(hpdl_magic, "line", "hpdl")

@@ -242,15 +242,31 @@ def test_magic_start_and_hang_inside_a_learner_function(ip, no_strays):
     assert hpdl.status() == {"running": False}
 
 
+def _wait_until_ranks_at(lines: dict[int, int], timeout: float = 60.0) -> None:
+    """Wait until each rank's main thread sits at the given line of the running cell (asked
+    through hpdl.hang, as a hang report would), instead of sleeping for a guessed time."""
+    from pathlib import Path
+
+    runs = sorted(Path(os.environ["HPDL_HOME"], "runs").glob("*/reaper.json"), key=lambda p: p.stat().st_mtime)
+    run_dir = str(runs[-1].parent)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = hang.ask(run_dir, list(lines), wait=0.5)
+        if all(((got.get(r) or {}).get("where") or {}).get("line") == n for r, n in lines.items()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"ranks never reached lines {lines}")
+
+
 def test_interrupting_a_stuck_cell_names_the_rank_that_cannot_stop(no_strays):
     """The notebook's stop button: ranks in Python stop; a rank inside MPI is named."""
     km, kc, pids = _kernel_with_cluster()
     try:
         errors = []
-        msg_id = kc.execute("%%px\nimport numpy as np, time; print('started', flush=True)\nif rank == 0:\n"
-                            "    comm.Recv(np.zeros(1), source=1)\nelse:\n    time.sleep(60)")
-        started, interrupted = 0, False
-        deadline = time.time() + 60
+        msg_id = kc.execute("%%px\nimport numpy as np, time\nif rank == 0:\n    comm.Recv(np.zeros(1), source=1)\nelse:\n    time.sleep(60)")
+        _wait_until_ranks_at({0: 3, 1: 5})  # rank 0 in the Recv, rank 1 asleep: press stop
+        km.interrupt_kernel()
+        deadline = time.time() + 30
         while time.time() < deadline:
             try:
                 m = kc.get_iopub_msg(timeout=1)
@@ -258,11 +274,6 @@ def test_interrupting_a_stuck_cell_names_the_rank_that_cannot_stop(no_strays):
                 continue
             if m["parent_header"].get("msg_id") != msg_id:
                 continue
-            if m["msg_type"] == "stream":
-                started += m["content"].get("text", "").count("started")
-            if started >= 2 and not interrupted:  # both ranks run the cell: press stop
-                km.interrupt_kernel()
-                interrupted = True
             if m["msg_type"] == "error":
                 errors.append(m["content"])
             if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
