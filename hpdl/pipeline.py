@@ -83,7 +83,11 @@ def replay(ops_by_rank: Sequence[Sequence[Mapping]]) -> list[list[dict]]:
             while nxt[s] < len(ops_by_rank[s]):
                 op = ops_by_rank[s][nxt[s]]
                 kind, i = op["kind"], op["micro"]
-                need = (s - 1, "F", i) if kind == "F" and s > 0 else (s + 1, "B", i) if kind == "B" and s < p - 1 else None
+                need = None
+                if kind == "F" and s > 0:
+                    need = (s - 1, "F", i)
+                elif kind == "B" and s < p - 1:
+                    need = (s + 1, "B", i)
                 if need is not None and need not in done:
                     break
                 start = max(clock[s], done.get(need, 0.0))
@@ -130,8 +134,9 @@ class ActivationMeter:
         mem.peak   # bytes
 
     Counts each tensor once however many ops saved it (a view counts its own bytes);
-    parameters are not activations and are left out. Uses torch.autograd.graph.saved_tensors_hooks, so it sees exactly what the
-    backward pass will need, on CPU and GPU alike.
+    parameters are not activations and are left out. Uses
+    torch.autograd.graph.saved_tensors_hooks, so it sees exactly what the backward pass will
+    need, on CPU and GPU alike.
     """
 
     def __init__(self) -> None:

@@ -146,7 +146,7 @@ def diagnose(case, ctx):
         x, weight, _, grad_y = ctx.args
         partial = (grad_y[:, lo:hi] @ weight[lo:hi]).numpy()
         if p > 1 and np.allclose(grad_x, partial, rtol=1e-4, atol=1e-5):
-            return ("grad_x is only this rank's part, grad_y[:, rows] @ weight[rows]: x feeds every rank's rows, so its "
-                    "gradient is the SUM of all ranks' parts — all-reduce it (Megatron's f: identity forward, "
+            return ("grad_x is only this rank's part, grad_y[:, rows] @ weight[rows]: x feeds every rank's rows, "
+                    "so its gradient is the SUM of all ranks' parts — all-reduce it (Megatron's f: identity forward, "
                     "all-reduce backward).")
     return None

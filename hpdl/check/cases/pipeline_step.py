@@ -191,8 +191,8 @@ def diagnose(case, ctx):
     if np.dot(y, y) > 0:
         k = float(np.dot(x, y) / np.dot(y, y))
         if m > 1 and abs(k - m) < 1e-3 * m and np.allclose(x, k * y, rtol=1e-3, atol=1e-6):
-            return (f"the gradients are {m} times the single device's: gradients of the {m} micro-batches add up "
-                    f"in p.grad, so scale each micro-batch's loss by 1/{m} (the loss of the whole batch is their mean).")
+            return (f"the gradients are {m} times the single device's: gradients of the {m} micro-batches "
+                    f"add up in p.grad, so scale each micro-batch's loss by 1/{m} (the batch's loss is their mean).")
     return None
 
 
