@@ -4,9 +4,14 @@ GPipe's activation memory once m >= 2p.
     .venv/bin/mpiexec -n 4 .venv/bin/python benchmarks/pipeline_bubble.py
     .venv/bin/mpiexec -n 4 .venv/bin/python benchmarks/pipeline_bubble.py --stages 2 4 --micro 1 2 4 8 --repeat 5
 
-An MLP (--layers Linear(W, W)+Tanh blocks, then Linear(W, 10)) is cut into p stages on ranks 0..p-1
-(the other ranks wait); one training step runs over m micro-batches of a fixed batch, with
-torch.distributed send/recv (Gloo here, NCCL on GPUs), sends non-blocking as in lesson 09.
+An MLP of --layers Linear(W, W)+Tanh blocks is cut into p equal stages on ranks 0..p-1 (the other
+ranks wait); one training step runs over m micro-batches of a fixed batch, with torch.distributed
+send/recv (Gloo here, NCCL on GPUs), sends non-blocking as in lesson 09. The formula assumes equal
+stages, so they are made equal: no narrower first or last layer, the loss is a cross-entropy over
+W classes, and stage 0 also computes the gradient of its input, as every other stage must. The
+column "stage max/mean" (the busiest stage's compute over the average stage's) shows what is left
+of imbalance; with unequal stages the busiest one sets the pace and the bubble grows (lesson 09's
+model shows that).
 
 Method. Each rank times each forward and backward of a micro-batch in CPU time
 (time.thread_time: it ticks only while the rank computes, one thread per rank), and
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -36,8 +42,7 @@ from hpdl.rank import init_torch_distributed
 
 def model(width: int, layers: int) -> nn.Sequential:
     torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers - 1)]
-    return nn.Sequential(*blocks, nn.Linear(width, 10))
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
 
 
 def step(stage, order, m, batch, width, prev, nxt, x, y, record) -> None:
@@ -46,7 +51,7 @@ def step(stage, order, m, batch, width, prev, nxt, x, y, record) -> None:
     for kind, i in order:
         if kind == "F":
             if prev is None:
-                inp = x[i]
+                inp = x[i].requires_grad_()  # the same backward work as every other stage
             else:
                 inp = torch.empty(batch // m, width)
                 dist.recv(inp, src=prev)
@@ -82,8 +87,8 @@ def measure(comm, schedule: str, p: int, m: int, args) -> dict | None:
             per = args.layers // p
             stage = model(args.width, args.layers)[rank * per:(rank + 1) * per]
             g = torch.Generator().manual_seed(r)
-            x = torch.randn(args.batch, args.width, generator=g).chunk(m)
-            y = torch.randint(0, 10, (args.batch,), generator=g).chunk(m)
+            x = [c.clone() for c in torch.randn(args.batch, args.width, generator=g).chunk(m)]
+            y = torch.randint(0, args.width, (args.batch,), generator=g).chunk(m)
             record = Recorder()
             with ActivationMeter() as meter:
                 step(stage, SCHEDULES[schedule](p, m, rank), m, args.batch, args.width,
@@ -92,11 +97,13 @@ def measure(comm, schedule: str, p: int, m: int, args) -> dict | None:
         everyone = comm.gather((ops, peak), root=0)
         if rank == 0 and r > 0:
             ops_by_rank = [everyone[s][0] for s in range(p)]
-            results.append((bubble(replay(ops_by_rank)), bubble(wall_timeline(ops_by_rank)), everyone[0][1]))
+            busy = [sum(op["cpu"] for op in ops) for ops in ops_by_rank]
+            results.append((bubble(replay(ops_by_rank)), bubble(wall_timeline(ops_by_rank)), everyone[0][1],
+                            max(busy) / statistics.mean(busy)))
     if rank != 0:
         return None
-    return {"cpu": statistics.median(b for b, _, _ in results), "wall": statistics.median(w for _, w, _ in results),
-            "peak": max(k for _, _, k in results)}
+    return {"cpu": statistics.median(r[0] for r in results), "wall": statistics.median(r[1] for r in results),
+            "peak": max(r[2] for r in results), "imbalance": statistics.median(r[3] for r in results)}
 
 
 def main() -> None:
@@ -117,12 +124,13 @@ def main() -> None:
         need = max(args.stages)
         raise SystemExit(f"--stages up to {need} needs as many ranks; run with mpiexec -n {need}")
     init_torch_distributed(rank, size, torch.device("cpu"))
+    t0 = time.perf_counter()
     cores = len(__import__("os").sched_getaffinity(0))
     if rank == 0:
         print(f"# pipeline bubble and activation memory: MLP {args.layers} x Linear({args.width}), batch {args.batch}, "
               f"{size} ranks on {cores} cores, median of {args.repeat} steps")
-        print(f"{'schedule':<7}{'p':>3}{'m':>3}  {'bubble':>8}{'(p-1)/(m+p-1)':>15}{'diff':>8}  {'wall':>6}"
-              f"{'peak KiB':>11}{'1F1B/GPipe':>12}{'p/m':>6}")
+        print(f"{'schedule':<7}{'p':>3}{'m':>3}  {'bubble':>8}{'(p-1)/(m+p-1)':>15}{'diff':>8}{'stage max/mean':>16}"
+              f"  {'wall':>6}{'peak KiB':>10}{'1F1B/GPipe':>12}{'p/m':>6}")
     table, claims = {}, []
     for p in args.stages:
         for m in args.micro:
@@ -134,13 +142,14 @@ def main() -> None:
                 row, formula = table[name, p, m], bubble_formula(p, m)
                 ratio = row["peak"] / table["GPipe", p, m]["peak"]
                 flag = " (oversubscribed)" if p > cores else ""
-                print(f"{name:<7}{p:>3}{m:>3}  {row['cpu']:>8.3f}{formula:>15.3f}{row['cpu'] - formula:>+8.3f}  "
-                      f"{row['wall']:>6.3f}{row['peak'] / 1024:>11.0f}{ratio:>12.2f}{p / m:>6.2f}{flag}")
+                print(f"{name:<7}{p:>3}{m:>3}  {row['cpu']:>8.3f}{formula:>15.3f}{row['cpu'] - formula:>+8.3f}"
+                      f"{row['imbalance']:>16.2f}  {row['wall']:>6.3f}{row['peak'] / 1024:>10.0f}{ratio:>12.2f}"
+                      f"{p / m:>6.2f}{flag}", flush=True)
                 if name == "1F1B" and m >= 2 * p:
                     claims.append((p, m, ratio, ratio <= p / m * (1 + args.tolerance)))
     if rank == 0:
         worst = max(abs(table[k]["cpu"] - bubble_formula(k[1], k[2])) for k in table)
-        print(f"\nlargest |measured - (p-1)/(m+p-1)|: {worst:.3f}")
+        print(f"\nlargest |measured - (p-1)/(m+p-1)|: {worst:.3f}   ({time.perf_counter() - t0:.0f} s)")
         for p, m, ratio, ok in claims:
             print(f"1F1B peak activations at p={p}, m={m}: {ratio:.2f} of GPipe's, claim <= p/m = {p / m:.2f} "
                   f"(+{args.tolerance:.0%}): {'holds' if ok else 'FAILS'}")
