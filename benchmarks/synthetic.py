@@ -223,7 +223,8 @@ def setup(framework: str, threads: int | None):
     if threads:
         torch.set_num_threads(threads)
     if rank == 0:
-        print(f"Device: {device}; torch threads per rank: {torch.get_num_threads()}" + (f"\nNote: {note}" if note else ""))
+        print(f"Device: {device}; torch threads per rank: {torch.get_num_threads()}"
+              + (f"\nNote: {note}" if note else ""))
     return device
 
 
@@ -238,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-iters", type=int, default=5)
     ap.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16 for the all-reduce")
     ap.add_argument("--scaling", action="store_true", help="also time rank 0 alone; print scaling efficiency")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks per node)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per rank (default: the rank's share of the cores)")
     args = ap.parse_args(argv)
     device = setup(args.framework, args.threads)
     run(args.framework, args.model, args.batch_size, args.num_warmup_batches, args.num_batches_per_iter,

@@ -158,7 +158,8 @@ def init_horovod() -> dict[str, Any]:
     }
 
 
-def setup(namespace: dict, run_dir: str | None = None, frameworks: tuple[str, ...] = ("torch", "horovod")) -> dict[str, Any]:
+def setup(namespace: dict, run_dir: str | None = None,
+          frameworks: tuple[str, ...] = ("torch", "horovod")) -> dict[str, Any]:
     """Everything a rank needs before the learner's first cell; names land in `namespace`.
 
     Returns a small report (rank, host, device, threads, the MPI library file actually loaded and

@@ -99,7 +99,7 @@ def test_templates_render_for_form_values(form, tmp_path):
 WRAPPER = r"""#!/bin/bash
 set -e
 find_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
-create_passwd() { python3 -c 'import secrets, sys; print(secrets.token_urlsafe(int(sys.argv[1]))[:int(sys.argv[1])])' "$1"; }
+create_passwd() { python3 -c 'import secrets, sys; n = int(sys.argv[1]); print(secrets.token_urlsafe(n)[:n])' "$1"; }
 host=$(hostname)
 source ./before.sh
 if [ "$(id -u)" = 0 ]; then echo "c.ServerApp.allow_root = True" >> "$HPDL_JUPYTER_CONFIG"; fi
@@ -123,8 +123,8 @@ def _stage(tmp_path: Path, form: dict) -> Path:
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_app_runs_as_a_slurm_job_and_serves_jupyterlab_with_a_posted_password(slurm, outside_slurm, tmp_path,
-                                                                               no_strays):
+@pytest.mark.usefixtures("slurm", "outside_slurm")
+def test_app_runs_as_a_slurm_job_and_serves_jupyterlab_with_a_posted_password(tmp_path, no_strays):
     form = {"ranks": "2", "gpus_per_rank": "0", "modules": "", "hpdl_site": "generic", "hpdl_dir": str(ROOT)}
     session = _stage(tmp_path, form)
     native = yaml.safe_load(render("submit.yml.erb", tmp_path, form))["script"]["native"]
