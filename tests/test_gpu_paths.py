@@ -179,7 +179,9 @@ from hpdl import mpilib, rank as hr
 comm = MPI.COMM_WORLD
 device, threads, note = hr.place()
 hr.init_torch_distributed(comm.Get_rank(), comm.Get_size(), device)
-listening = sorted({c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"})
+store_port = int(os.environ["MASTER_PORT"])  # rank 0's TCPStore (MPI's own sockets are not ours to judge)
+listening = sorted({c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                    if c.status == "LISTEN" and c.laddr.port == store_port})
 
 # a device-only group reduces tensors on its device: record every tensor the benchmark reduces
 seen = []
