@@ -17,7 +17,6 @@ From a notebook, `run(...)` works on ranks that are already set up (hpdl.start).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -65,14 +64,20 @@ def _rank_size(framework: str) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _mean_over_ranks(framework: str, value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+def _mean_over_ranks(framework: str, value: float, device=None) -> float:
+    """The mean of `value` over all ranks, the same on every rank.
+
+    DDP: the tensor lives on the group's device — an NCCL group reduces GPU tensors only, so a
+    CPU tensor there fails ("No backend type associated with device type cpu"). Horovod moves
+    CPU tensors itself.
+    """
     if framework == "horovod":
         import horovod.torch as hvd
 
-        return hvd.allreduce(t, name="synthetic.mean").item()
+        return hvd.allreduce(torch.tensor([value], dtype=torch.float64), name="synthetic.mean").item()
     import torch.distributed as dist
 
+    t = torch.tensor([value], dtype=torch.float64, device=device or "cpu")
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
 
@@ -171,7 +176,7 @@ def run(framework: str = "ddp", model_name: str = "digits_cnn", batch_size: int 
             alone = statistics.mean(images_per_second(model, opt, data, target, batches_per_iter, iters,
                                                       warmup, device, log))
         _idle_barrier(framework, "alone")
-        out["alone"] = _mean_over_ranks(framework, alone if rank == 0 else 0.0) * size
+        out["alone"] = _mean_over_ranks(framework, alone if rank == 0 else 0.0, device) * size
 
     if log:
         log(f"Model: {model_name} on {'x'.join(map(str, shape))}\nBatch size: {batch_size}\nNumber of ranks: {size}\n"
@@ -180,8 +185,8 @@ def run(framework: str = "ddp", model_name: str = "digits_cnn", batch_size: int 
     rates = images_per_second(model, opt, data, target, batches_per_iter, iters, warmup, device, log)
     mean = statistics.mean(rates)
     ci = 1.96 * (statistics.stdev(rates) if len(rates) > 1 else 0.0)
-    out["per_rank"] = _mean_over_ranks(framework, mean)
-    out["ci"] = _mean_over_ranks(framework, ci)
+    out["per_rank"] = _mean_over_ranks(framework, mean, device)
+    out["ci"] = _mean_over_ranks(framework, ci, device)
     out["total"] = out["per_rank"] * size
     if scaling:
         out["efficiency"] = out["per_rank"] / out["alone"]
@@ -194,28 +199,32 @@ def run(framework: str = "ddp", model_name: str = "digits_cnn", batch_size: int 
 
 
 def setup(framework: str, threads: int | None):
-    """Start the framework in a plain job (mpiexec, srun or horovodrun); returns the device."""
+    """Start the framework in a plain job (mpiexec, srun or horovodrun); returns the device.
+
+    One GPU per rank or, where a node has fewer GPUs than ranks, the CPU for all ranks with a
+    note (hpdl.rank.place); torch threads = the rank's own cores (not divided again when
+    `srun --cpu-bind` already gave each rank its share).
+    """
+    from hpdl.rank import place
+
     if framework == "horovod":
         import horovod.torch as hvd
 
         hvd.init()
-        local_rank, local_size = hvd.local_rank(), hvd.local_size()
+        device, auto_threads, note = place(hvd.allgather_object)
+        rank = hvd.rank()
     else:
-        from hpdl.rank import world  # ranks from MPI (mpiexec or srun)
+        from hpdl.rank import init_torch_distributed, world  # ranks from MPI (mpiexec or srun)
 
         info = world()
-        local_rank, local_size = info["local_rank"], info["local_size"]
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    else:
-        device = torch.device("cpu")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(threads or max(1, cores // local_size))
-    if framework == "ddp":
-        from hpdl.rank import init_torch_distributed
-
+        device, auto_threads, note = place()
+        rank = info["rank"]
         init_torch_distributed(info["rank"], info["world_size"], device)
+    if threads:
+        torch.set_num_threads(threads)
+    if rank == 0:
+        print(f"Device: {device}; torch threads per rank: {torch.get_num_threads()}"
+              + (f"\nNote: {note}" if note else ""))
     return device
 
 
@@ -230,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-iters", type=int, default=5)
     ap.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16 for the all-reduce")
     ap.add_argument("--scaling", action="store_true", help="also time rank 0 alone; print scaling efficiency")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks per node)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per rank (default: the rank's share of the cores)")
     args = ap.parse_args(argv)
     device = setup(args.framework, args.threads)
     run(args.framework, args.model, args.batch_size, args.num_warmup_batches, args.num_batches_per_iter,

@@ -46,32 +46,18 @@ print(json.dumps(d))
 """
 
 _PROBE_MPI = r"""
-import ctypes, json, os
+import json
 import mpi4py
 from mpi4py import MPI
+from hpdl import mpilib
 name, ver = MPI.get_vendor()
-libs = []
-with open("/proc/self/maps") as f:
-    for line in f:
-        path = line.split()[-1]
-        if path.startswith("/") and "libmpi" in os.path.basename(path) and path not in libs:
-            libs.append(path)
-cuda, how = None, ""
-for path in libs:
-    try:
-        lib = ctypes.CDLL(path)
-        query = lib.MPIX_Query_cuda_support
-    except (OSError, AttributeError):
-        continue
-    query.restype = ctypes.c_int
-    cuda, how = bool(query()), "MPIX_Query_cuda_support()"
-    break
+lib = mpilib.loaded()  # the libmpi file this process mapped, and whether it is CUDA-aware
 levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
           MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
 print(json.dumps({"mpi4py": mpi4py.__version__, "vendor": name, "vendor_version": ".".join(map(str, ver)),
                   "library_version": MPI.Get_library_version().strip(), "standard": "%d.%d" % MPI.Get_version(),
-                  "thread_level": levels.get(MPI.Query_thread(), "?"), "library_files": libs,
-                  "cuda_aware": cuda, "cuda_aware_how": how}))
+                  "thread_level": levels.get(MPI.Query_thread(), "?"), "library_files": lib["files"],
+                  "cuda_aware": lib["cuda_aware"], "cuda_aware_how": lib["how"]}))
 """
 
 _PROBE_HOROVOD = r"""
@@ -163,9 +149,26 @@ def _mpi_fix(mpi_error: str) -> str:
             "`export MPI4PY_LIBMPI=/path/to/libmpi.so`")
 
 
+def gpu_torch_check(node_gpus: int, torch: dict) -> tuple[str, str] | None:
+    """(status, fix) when the node's GPUs would sit idle because of torch; None when all is well.
+
+    `node_gpus`: GPUs the driver lists (hpdl.devices.node_gpus()); `torch`: the torch probe's
+    answer. Pure, so it is tested with GPUs that this machine does not have.
+    """
+    if not node_gpus or torch.get("gpus"):
+        return None
+    if not torch.get("cuda_build"):
+        return "warn", (f"this node has {node_gpus} GPU(s) but torch {torch.get('version', '')} is a CPU build: the "
+                        "lessons would run on the CPU. Install a CUDA build: `pip install torch==2.13.0` from PyPI "
+                        "is CUDA 13.0 (see cluster/README.md for older drivers).")
+    return "warn", (f"this node has {node_gpus} GPU(s) but torch (CUDA {torch['cuda_build']}) sees none: check "
+                    "CUDA_VISIBLE_DEVICES, that the job asked for GPUs (--gpus-per-task=1), and that the driver "
+                    "supports this CUDA (`nvidia-smi`).")
+
+
 def report() -> dict:
     """Everything the doctor looks at, plus `checks`: [{name, status ok|warn|fail, detail, fix}]."""
-    from hpdl import launchers
+    from hpdl import devices, launchers
 
     checks: list[dict] = []
 
@@ -180,6 +183,7 @@ def report() -> dict:
         (torch, torch_err), (mpi, mpi_err), (hvd, hvd_err) = f_torch.result(), f_mpi.result(), f_hvd.result()
 
     info: dict = {"python": {"version": sys.version.split()[0], "executable": sys.executable}}
+    node_gpus = devices.node_gpus()
     py_ok = sys.version_info >= (3, 10)
     check("Python", "ok" if py_ok else "fail", f"{info['python']['version']} ({sys.executable})",
           "" if py_ok else "use Python 3.10 or newer (3.11 recommended)")
@@ -193,7 +197,9 @@ def report() -> dict:
         status, fix = "ok", ""
         if torch["cuda_build"] and not torch["cuda_available"]:
             status, fix = "warn", "a CUDA build of torch sees no GPU here: fine on a login node; on a GPU node check `nvidia-smi` and CUDA_VISIBLE_DEVICES"
-        check("torch", status, f"{torch['version']} · {gpu} · torch.distributed: {backends or 'none'}", fix)
+        status, fix = gpu_torch_check(node_gpus, torch) or (status, fix)
+        check("torch", status, f"{torch['version']} · {gpu} · torch.distributed: {backends or 'none'}"
+              + (f" · the node has {node_gpus} NVIDIA GPU(s)" if node_gpus and not torch["gpus"] else ""), fix)
     else:
         check("torch", "fail", f"cannot import: {torch_err}",
               f"{sys.executable} -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu   "
@@ -204,8 +210,6 @@ def report() -> dict:
     if mpi:
         cuda, how = mpi["cuda_aware"], mpi["cuda_aware_how"]
         lib = mpi["library_version"]
-        if cuda is None and "MVAPICH2-GDR" in lib.upper().replace(" ", "-"):
-            cuda, how = os.environ.get("MV2_USE_CUDA") == "1", "MVAPICH2-GDR with MV2_USE_CUDA=" + os.environ.get("MV2_USE_CUDA", "(unset)")
         if cuda is None and _family(mpi["vendor"]) == "Open MPI" and shutil.which("ompi_info"):
             _, out, _ = _run(["ompi_info", "--parsable", "--all"], 60)
             cuda, how = "mpi_built_with_cuda_support:value:true" in out, "ompi_info"

@@ -134,21 +134,43 @@ def restart_horovod(**env: str | None) -> None:
 
 # -- timing ---------------------------------------------------------------------------------
 
-def step_times(step: Callable[[], object], steps: int = 10, warmup: int = 2, comm=None) -> list[float]:
+def _synchronize(device=None) -> None:
+    """Wait for the GPU's queued work: CUDA calls return before the kernels have run.
+
+    Without it a timed GPU step measures kernel launches, not the work. `device` None means
+    whatever this process has started CUDA on (nothing on a CPU-only run).
+    """
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    if device is not None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+    elif torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def step_times(step: Callable[[], object], steps: int = 10, warmup: int = 2, comm=None,
+               device=None) -> list[float]:
     """Seconds per call of `step()`, each measured between barriers so all ranks time the same thing.
 
-    The slowest rank decides a data-parallel step, so each time is the maximum over ranks.
+    The slowest rank decides a data-parallel step, so each time is the maximum over ranks. On a
+    GPU each step is timed until its kernels have finished (CUDA synchronised), not just launched.
     """
     from mpi4py import MPI
 
     comm = comm or MPI.COMM_WORLD
     for _ in range(warmup):
         step()
+    _synchronize(device)
     times = []
     for _ in range(steps):
         comm.Barrier()
         t0 = time.perf_counter()
         step()
+        _synchronize(device)
         times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
     return times
 

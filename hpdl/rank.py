@@ -10,22 +10,19 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
+
+from hpdl import mpilib
 
 log = logging.getLogger(__name__)
 
 
-def _cores_here() -> int:
+def _cores() -> set[int]:
+    """The cores this process may run on (its own share under `srun --cpu-bind`)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return os.sched_getaffinity(0)
     except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+        return set(range(os.cpu_count() or 1))
 
 
 def world() -> dict[str, Any]:
@@ -47,32 +44,76 @@ def world() -> dict[str, Any]:
     return info
 
 
-def pick_device(local_rank: int):
-    """One GPU per local rank where there are GPUs; the CPU otherwise."""
+def _visible_gpus() -> tuple[list[str], bool]:
+    """(identities of the CUDA devices torch can use here, torch is a CUDA build)."""
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        index = local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
+    cuda_build = bool(torch.version.cuda)
+    if not cuda_build or not torch.cuda.is_available():
+        return [], cuda_build
+    ids = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        ids.append(str(getattr(props, "uuid", "") or f"{getattr(props, 'pci_bus_id', '')}:{i}"))
+    return ids, cuda_build
 
 
-def share_cores(local_size: int) -> int:
-    """Give each rank on a node its share of the cores, so ranks don't fight over them."""
+def place(allgather: Callable[[Any], list] | None = None, policy: str | None = None) -> tuple[Any, int, str]:
+    """This rank's device and torch threads, decided with the other ranks (hpdl.devices' rules).
+
+    A collective: `allgather` gathers one object from every rank (default: mpi4py's
+    COMM_WORLD.allgather; Horovod jobs pass hvd.allgather_object). Returns (torch.device, threads,
+    note); the note says why ranks run on the CPU although GPUs exist. With HPDL_DEVICE=cuda, a
+    rank that cannot have a GPU of its own makes every rank raise HpdlError instead.
+    """
     import torch
 
-    threads = max(1, _cores_here() // max(1, local_size))
+    from hpdl import devices
+    from hpdl.errors import HpdlError
+
+    if allgather is None:
+        from mpi4py import MPI
+
+        allgather = MPI.COMM_WORLD.allgather
+    policy = policy or os.environ.get("HPDL_DEVICE", "auto")
+    visible, cuda_build = _visible_gpus()
+    cores = frozenset(_cores())
+    me = (socket.gethostname(), os.getpid())
+    everyone = allgather((me, visible, cores))
+    node = [(who, seen, cs) for who, seen, cs in everyone if who[0] == me[0]]  # in rank order
+    local_rank = [who for who, _, _ in node].index(me)
+    node_visible, node_cores = [seen for _, seen, _ in node], [cs for _, _, cs in node]
+    choice = devices.choose(local_rank, node_visible, cuda_build, devices.node_gpus(), policy)
+    refusals = [r for r in allgather(choice.refuse) if r]
+    if refusals:
+        raise HpdlError(f"No GPU of its own for every rank: {refusals[0]} "
+                        "(HPDL_DEVICE=auto runs on the CPU instead; HPDL_DEVICE=cpu says so on purpose.)")
+    choice = devices.agree(allgather(choice.backend), choice)
+    if choice.index is None:
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(choice.index)
+        device = torch.device("cuda", choice.index)
+    threads = devices.threads_for(cores, node_cores)
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    return threads
+    return device, threads, choice.note
+
+
+def _listening_socket(addr: str) -> socket.socket:
+    """A TCP socket listening on `addr` only (a port the kernel picks), for rank 0's store."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((addr, 0))
+    sock.listen(256)
+    return sock
 
 
 def init_torch_distributed(rank: int, world_size: int, device, timeout_s: float = 120.0) -> str:
     """Join a torch.distributed process group: NCCL on GPUs, Gloo on CPUs.
 
-    Stock PyTorch wheels have no MPI backend, so MPI only does the rendezvous: rank 0
-    chooses an address and a free port and broadcasts them.
+    Stock PyTorch wheels have no MPI backend, so MPI only does the rendezvous: rank 0 opens the
+    group's key-value store (a TCPStore) on one address — the loopback when all ranks share a
+    node, else this host's address — never on all interfaces, and broadcasts where it listens.
     """
     import datetime
 
@@ -84,23 +125,25 @@ def init_torch_distributed(rank: int, world_size: int, device, timeout_s: float 
     comm = MPI.COMM_WORLD
     hosts = comm.allgather(socket.gethostname())
     one_node = len(set(hosts)) == 1
+    timeout = datetime.timedelta(seconds=timeout_s)
+    listener = None
     if comm.Get_rank() == 0:
         addr = "127.0.0.1" if one_node else socket.gethostbyname(socket.gethostname())
-        endpoint = (addr, _free_port())
+        listener = _listening_socket(addr)
+        endpoint = (addr, listener.getsockname()[1])
     else:
         endpoint = None
     addr, port = comm.bcast(endpoint, root=0)
     if one_node:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    if listener is not None:
+        store = dist.TCPStore(addr, port, world_size, True, timeout, wait_for_workers=False,
+                              master_listen_fd=listener.detach())
+    else:
+        store = dist.TCPStore(addr, port, world_size, False, timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{addr}:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return backend
 
 
@@ -141,7 +184,8 @@ def setup(namespace: dict, run_dir: str | None = None,
           frameworks: tuple[str, ...] = ("torch", "horovod")) -> dict[str, Any]:
     """Everything a rank needs before the learner's first cell; names land in `namespace`.
 
-    Returns a small report (rank, host, device, threads, timings) for the client to show.
+    Returns a small report (rank, host, device, threads, the MPI library file actually loaded and
+    whether it is CUDA-aware, timings) for the client to show.
     """
     t0 = time.perf_counter()
     from mpi4py import MPI
@@ -160,9 +204,10 @@ def setup(namespace: dict, run_dir: str | None = None,
     if "torch" in frameworks or "horovod" in frameworks:
         import torch
 
-        device = pick_device(info["local_rank"])
-        info["threads"] = share_cores(info["local_size"])
+        device, info["threads"], note = place(MPI.COMM_WORLD.allgather)
         info["device"] = str(device)
+        if note:
+            info["device_note"] = note
         namespace.update(torch=torch, device=device)
         if "torch" in frameworks:
             import torch.distributed as dist
@@ -177,6 +222,8 @@ def setup(namespace: dict, run_dir: str | None = None,
             namespace["hvd"] = hvd
         except ImportError as exc:
             info["horovod_error"] = f"Horovod is not installed here ({exc}); run `make horovod`."
+    # after Horovod: a Horovod built against another MPI maps a second libmpi, visible here
+    info["mpi_library"] = mpilib.loaded()
     info["setup_s"] = round(time.perf_counter() - t0, 3)
     return info
 

@@ -13,6 +13,16 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
+# Without GPUs to ask (a login node): V100 (70), A100 (80) and H100 (90), keeping only those this
+# nvcc can build for (CUDA 13 dropped 70; it stops the whole build with "Unsupported gpu architecture").
+default_ccs() {
+  local have out="" cc
+  have=" $("$1" --list-gpu-arch 2>/dev/null | sed -n 's/^compute_//p' | tr '\n' ' ')"
+  for cc in 70 80 90; do
+    case "$have" in *" $cc "*) out="${out:+$out,}$cc" ;; esac
+  done
+  echo "${out:-80,90}"
+}
 die() { echo "horovod-mvapich2-gdr: $*" >&2; exit 1; }
 
 mv2="${MV2_PATH:-${MV2_GDR_HOME:-${MVAPICH2_GDR_HOME:-${MVAPICH2_HOME:-}}}}"
@@ -26,8 +36,9 @@ if [ -x "$mv2/bin/mpiname" ] && ! "$mv2/bin/mpiname" -a 2>/dev/null | grep -qi "
 fi
 
 if "$PYTHON" -c "import horovod.torch as h" 2>/dev/null; then
-  if "$PYTHON" -c "import sys, horovod.torch as h; sys.exit(0 if h.cuda_built() and not h.nccl_built() else 1)"; then
-    echo "horovod-mvapich2-gdr: Horovod with CUDA-aware MPI operations is already installed for $PYTHON"
+  # cuda_built() says how Horovod was compiled, not that the MPI is CUDA-aware: that is checked below
+  if "$PYTHON" -c "import sys, horovod.torch as h; sys.exit(0 if h.cuda_built() and h.mpi_built() and not h.nccl_built() else 1)"; then
+    echo "horovod-mvapich2-gdr: Horovod built with CUDA and MPI (no NCCL) is already installed for $PYTHON"
   else
     die "a different Horovod build is installed for $PYTHON; remove it first: $PYTHON -m pip uninstall -y horovod"
   fi
@@ -39,7 +50,7 @@ else
   [ -n "$cuda_home" ] && [ -x "$cuda_home/bin/nvcc" ] || die "no CUDA toolkit found: module load cuda, or set CUDA_HOME."
   if [ -z "${HOROVOD_BUILD_CUDA_CC_LIST:-}" ]; then
     caps="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | tr -d '. ' | sort -u | paste -sd, - || true)"
-    HOROVOD_BUILD_CUDA_CC_LIST="${caps:-70,80,90}"
+    HOROVOD_BUILD_CUDA_CC_LIST="${caps:-$(default_ccs "$cuda_home/bin/nvcc")}"
   fi
   export HOROVOD_GPU_OPERATIONS=MPI
   export HOROVOD_CUDA_HOME="$cuda_home" HOROVOD_BUILD_CUDA_CC_LIST
@@ -47,6 +58,15 @@ else
   echo "horovod-mvapich2-gdr: CUDA $cuda_home, MVAPICH2-GDR $mv2, compute capabilities $HOROVOD_BUILD_CUDA_CC_LIST"
   PYTHON="$PYTHON" "$here/horovod.sh"
 fi
+
+# Is the MPI the ranks will load CUDA-aware? Ask the library itself, loaded as the jobs will load it.
+aware="$(LD_PRELOAD="$lib${LD_PRELOAD:+:$LD_PRELOAD}" MV2_USE_CUDA=1 MV2_SUPPORT_DL=1 MV2_ENABLE_AFFINITY=0 \
+  "$PYTHON" -c "from mpi4py import MPI; from hpdl import mpilib; print(mpilib.describe(mpilib.loaded()))" 2>&1 | tail -n1 || true)"
+echo "horovod-mvapich2-gdr: with MVAPICH2-GDR preloaded, the MPI library: $aware"
+case "$aware" in
+  *"$mv2"*"CUDA-aware: yes"*) ;;
+  *) echo "horovod-mvapich2-gdr: warning: that is not MVAPICH2-GDR with CUDA: GPU tensors need a CUDA-aware MPI" >&2 ;;
+esac
 
 cat <<RUN
 horovod-mvapich2-gdr: run jobs with (cluster/sites/mvapich2-gdr.toml sets these for hpdl.start):

@@ -9,11 +9,21 @@
 #
 # Needs: a CUDA build of torch in $PYTHON's environment, nvcc, NCCL (include/nccl.h and
 # lib/libnccl.so). Variables you may set: NCCL_HOME (or HOROVOD_NCCL_HOME), CUDA_HOME,
-# HOROVOD_BUILD_CUDA_CC_LIST (default: the GPUs seen by nvidia-smi, else 70,80,90),
+# HOROVOD_BUILD_CUDA_CC_LIST (default: the GPUs seen by nvidia-smi, else those of 70,80,90 nvcc supports),
 # HOROVOD_NCCL_LINK (SHARED by default). See cluster/build/README.md.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
+# Without GPUs to ask (a login node): V100 (70), A100 (80) and H100 (90), keeping only those this
+# nvcc can build for (CUDA 13 dropped 70; it stops the whole build with "Unsupported gpu architecture").
+default_ccs() {
+  local have out="" cc
+  have=" $("$1" --list-gpu-arch 2>/dev/null | sed -n 's/^compute_//p' | tr '\n' ' ')"
+  for cc in 70 80 90; do
+    case "$have" in *" $cc "*) out="${out:+$out,}$cc" ;; esac
+  done
+  echo "${out:-80,90}"
+}
 die() { echo "horovod-nccl: $*" >&2; exit 1; }
 
 if "$PYTHON" -c "import horovod.torch as h" 2>/dev/null; then
@@ -44,7 +54,7 @@ ls "$nccl_home"/lib*/libnccl.so >/dev/null 2>&1 \
 
 if [ -z "${HOROVOD_BUILD_CUDA_CC_LIST:-}" ]; then
   caps="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | tr -d '. ' | sort -u | paste -sd, - || true)"
-  HOROVOD_BUILD_CUDA_CC_LIST="${caps:-70,80,90}"
+  HOROVOD_BUILD_CUDA_CC_LIST="${caps:-$(default_ccs "$cuda_home/bin/nvcc")}"
 fi
 
 export HOROVOD_GPU_OPERATIONS=NCCL

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpdl import hang, launchers, procs
+from hpdl import hang, launchers, mpilib, procs
 from hpdl.cluster import cleanup
 from hpdl.errors import ClusterNotRunning, HpdlError
 
@@ -355,6 +355,11 @@ def _summary(c: Cluster) -> str:
         + (f" · torch threads per rank: {', '.join(map(str, threads))}" if threads else "")
         + ("" if not extra else " · " + " · ".join(extra))
     )
+    libs = sorted({mpilib.describe(r["mpi_library"]) for r in c.ranks if r.get("mpi_library")})
+    if len(libs) > 1 or any(r.get("mpi_library", {}).get("cuda_aware") for r in c.ranks) or \
+            any(r["device"].startswith("cuda") for r in c.ranks):
+        lines += [f"  MPI library: {lib}" for lib in libs]  # on GPUs, or when ranks disagree, show which
+    lines += [f"  note: {n}" for n in sorted({r["device_note"] for r in c.ranks if r.get("device_note")})]
     return "\n".join(lines)
 
 

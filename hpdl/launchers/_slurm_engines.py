@@ -16,7 +16,7 @@ from traitlets import Any, CRegExp, Integer
 
 from hpdl.errors import HpdlError
 from hpdl.launchers import secure_profile
-from hpdl.launchers.slurm import Slurm, job_state, step_of
+from hpdl.launchers._slurm_queue import cancel_job, job_state, step_of
 from hpdl.sites import rank_wrapper
 
 
@@ -121,7 +121,7 @@ class SbatchEngineSetLauncher(SlurmEngineSetLauncher):
     def stop(self):
         """Cancel the job and wait (bounded) until it has left the queue."""
         if self.job_id:
-            Slurm().cancel(self.job_id)
+            cancel_job(self.job_id)
             deadline = time.monotonic() + 30
             while job_state(self.job_id) is not None and time.monotonic() < deadline:
                 time.sleep(0.3)

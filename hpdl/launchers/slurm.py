@@ -18,11 +18,11 @@ import os
 import shlex
 import shutil
 import socket
-import subprocess
 import warnings
 
 from hpdl.errors import HpdlError
 from hpdl.launchers import Launcher, mpiexec_command
+from hpdl.launchers._slurm_queue import cancel_job, job_state, step_of  # noqa: F401  (importable from here)
 from hpdl.sites import SlurmSite, job_resource_options, load_site, resource_mismatch, resource_options, rank_wrapper
 
 
@@ -52,7 +52,7 @@ class Slurm(Launcher):
         return "sbatch: the ranks as one submitted Slurm job"
 
     def cancel(self, job_id: str) -> None:
-        subprocess.run(["scancel", str(job_id)], capture_output=True, timeout=30)
+        cancel_job(job_id)
 
     def side_job_command(self, n: int) -> list[str]:
         """Inside an allocation: an srun step sharing the CPUs (--overlap) with the engines' step,
@@ -158,31 +158,3 @@ def sbatch_template(site: SlurmSite) -> str:
     srun.append("{hpdl_rank_prefix}" + (f" {wrap}" if wrap else ""))
     lines.append(" ".join(srun) + " {program} --mpi {program_args}")
     return "\n".join(lines) + "\n"
-
-
-def _squeue(*args: str) -> tuple[int, str]:
-    try:
-        p = subprocess.run(["squeue", "-h", *args], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return 1, str(exc)
-    return p.returncode, p.stdout.strip() or p.stderr.strip()
-
-
-def job_state(job_id: str) -> str | None:
-    """'PENDING', 'RUNNING', ... while Slurm lists the job; None once it has left the queue;
-    '' when squeue could not answer (the controller busy: ask again later)."""
-    rc, out = _squeue("-j", str(job_id), "-o", "%T")
-    if rc == 0:
-        return out.splitlines()[0] if out else None
-    return None if "Invalid job id" in out else ""
-
-
-def step_of(job_id: str, step_name: str) -> str | None:
-    """JOB.STEP of the step called `step_name` in job `job_id`, if Slurm lists it."""
-    rc, out = _squeue("-s", "-j", str(job_id), "-o", "%i %j")
-    for line in out.splitlines() if rc == 0 else []:
-        step, _, name = line.partition(" ")
-        if name.strip() == step_name:
-            return step
-    return None
-

@@ -1,0 +1,83 @@
+"""Which MPI library this process really loaded, and whether it is CUDA-aware.
+
+Why: on a cluster the MPI a rank runs is decided late (LD_PRELOAD, LD_LIBRARY_PATH, mpi4py's
+own search, MPI4PY_LIBMPI), and a wrong one is silent: the ranks run the `mpich` wheel (not
+CUDA-aware) while the notebook says MVAPICH2-GDR. So each rank reports the library file the
+kernel mapped (/proc/self/maps) and what that library says about CUDA, and `hpdl doctor` shows
+the same report. Horovod's `cuda_built()` says nothing about this: it is how Horovod was compiled.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from typing import Mapping
+
+log = logging.getLogger(__name__)
+
+
+def library_files(maps: str) -> list[str]:
+    """The MPI library files (libmpi*.so*) in a /proc/PID/maps text, in load order, once each."""
+    seen: list[str] = []
+    for line in maps.splitlines():
+        parts = line.split()
+        path = parts[-1] if len(parts) >= 6 else ""
+        if path.startswith("/") and os.path.basename(path).startswith("libmpi") and path not in seen:
+            seen.append(path)
+    return seen
+
+
+def _query_cuda(path: str) -> bool | None:
+    """MPIX_Query_cuda_support() of an already loaded library (MPICH >= 4, Open MPI); None if absent."""
+    try:
+        fn = ctypes.CDLL(path).MPIX_Query_cuda_support
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    return bool(fn())
+
+
+def cuda_awareness(library_version: str, query: bool | None, env: Mapping[str, str]) -> tuple[bool | None, str]:
+    """(CUDA-aware?, how we know) from the library's own answer, else what its version string implies.
+
+    None means unknown (say so rather than guess).
+    """
+    if query is not None:
+        return query, "MPIX_Query_cuda_support()"
+    text = library_version.upper().replace(" ", "-")
+    if "MVAPICH2-GDR" in text or "MVAPICH-PLUS" in text:
+        on = env.get("MV2_USE_CUDA") == "1"
+        return on, f"MVAPICH2-GDR with MV2_USE_CUDA={env.get('MV2_USE_CUDA', '(unset)')}"
+    return None, ""
+
+
+def loaded(env: Mapping[str, str] | None = None) -> dict:
+    """This process's MPI library: {"files", "library_version", "cuda_aware", "how"}.
+
+    Call after `from mpi4py import MPI` has started MPI (that loads the library; MPICH answers
+    the CUDA question only once MPI runs).
+    """
+    from mpi4py import MPI
+
+    env = os.environ if env is None else env
+    with open("/proc/self/maps") as f:
+        files = library_files(f.read())
+    version = MPI.Get_library_version().strip()
+    query = None
+    started = MPI.Is_initialized() and not MPI.Is_finalized()
+    for path in files if started else ():  # MPICH aborts the process when asked before MPI_Init
+        query = _query_cuda(path)
+        if query is not None:
+            break
+    cuda, how = cuda_awareness(version, query, env)
+    if cuda is None and not started:
+        how = "ask after MPI has started"
+    return {"files": files, "library_version": " ".join(version.splitlines()[0].split()) if version else "",
+            "cuda_aware": cuda, "how": how}
+
+
+def describe(report: dict) -> str:
+    """One line: 'libmpi.so.12 at /path · CUDA-aware: no (MPIX_Query_cuda_support())'."""
+    where = report["files"][0] if report["files"] else "(no libmpi mapped)"
+    aware = {None: "unknown", True: "yes", False: "no"}[report["cuda_aware"]]
+    return f"{where} · CUDA-aware: {aware}" + (f" ({report['how']})" if report["how"] else "")
