@@ -2,9 +2,11 @@
 
 - `DigitsMLP`, `DigitsCNN`: classify the 8×8 digits of `hpdl.data.digits()` in seconds.
 - `resnet(...)`: a ResNet of any depth and width; `resnet50()` is the real thing (25.6 M
-  parameters, for counting FLOPs and for timing on a GPU); `resnet_tiny()` keeps the same
+  parameters, for counting FLOPs and for timing on a GPU), `resnet101()` too; `resnet_tiny()` keeps the same
   shape of computation (stem, four stages, global pool) but is small enough for a 2-core
   laptop to train on ImageNet-shaped 3×224×224 tensors at hundreds of images per second.
+- `vgg16()`, `inception_v3()`: the other models of published scaling benchmarks (lesson 08),
+  layer for layer as torchvision defines them, so their parameter counts match torchvision's.
 - `train_flops(make_model, shape)`: the floating-point operations of one forward and backward
   pass, counted by torch on the meta device (no memory, no compute).
 """
@@ -132,10 +134,150 @@ def resnet50(num_classes: int = 1000) -> ResNet:
     return resnet(50, 64, num_classes)
 
 
+def resnet101(num_classes: int = 1000) -> ResNet:
+    """ResNet-101: 44.5 M parameters, ~7.8 G multiply-adds per image (Horovod's benchmark model)."""
+    return resnet(101, 64, num_classes)
+
+
 def resnet_tiny(num_classes: int = 1000, width: int = 16) -> ResNet:
     """ResNet-18's layout, one block per stage, at 1/4 of its width: ImageNet-shaped input,
     laptop-sized compute (about 1/60 of ResNet-50's FLOPs per image)."""
     return ResNet(BasicBlock, (1, 1, 1, 1), width, num_classes)
+
+
+class VGG(nn.Sequential):
+    """Simonyan & Zisserman (2014): 3×3 convolutions in five stages, then three large linear
+    layers. VGG-16 has 138 M parameters, 90% of them in the first linear layer: the
+    model that makes gradient communication expensive."""
+
+    def __init__(self, stages: Sequence[Sequence[int]] = ((64, 64), (128, 128), (256,) * 3, (512,) * 3, (512,) * 3),
+                 num_classes: int = 1000):
+        layers, c_in = [], 3
+        for stage in stages:
+            for c in stage:
+                layers += [nn.Conv2d(c_in, c, 3, padding=1), nn.ReLU(inplace=True)]
+                c_in = c
+            layers.append(nn.MaxPool2d(2))
+        super().__init__(
+            nn.Sequential(*layers), nn.AdaptiveAvgPool2d(7), nn.Flatten(),
+            nn.Linear(c_in * 49, 4096), nn.ReLU(inplace=True), nn.Dropout(),
+            nn.Linear(4096, 4096), nn.ReLU(inplace=True), nn.Dropout(),
+            nn.Linear(4096, num_classes),
+        )
+
+
+def vgg16(num_classes: int = 1000) -> VGG:
+    """VGG-16 (configuration D): 138,357,544 parameters, ~15.5 G multiply-adds per 224×224 image."""
+    return VGG(num_classes=num_classes)
+
+
+class _Conv(nn.Sequential):
+    """Inception's unit: convolution without bias, batch norm, ReLU."""
+
+    def __init__(self, c_in: int, c_out: int, kernel, stride=1, padding=0):
+        super().__init__(nn.Conv2d(c_in, c_out, kernel, stride, padding, bias=False),
+                         nn.BatchNorm2d(c_out, eps=0.001), nn.ReLU(inplace=True))
+
+
+class _Branches(nn.Module):
+    """Run every branch on the same input and concatenate along the channels."""
+
+    def __init__(self, *branches: nn.Module):
+        super().__init__()
+        self.branches = nn.ModuleList(branches)
+
+    def forward(self, x):
+        return torch.cat([b(x) for b in self.branches], 1)
+
+
+class _Split(nn.Module):
+    """One stem, then two parallel convolutions concatenated (Inception-E's 1×3 and 3×1)."""
+
+    def __init__(self, stem: nn.Module, a: nn.Module, b: nn.Module):
+        super().__init__()
+        self.stem, self.a, self.b = stem, a, b
+
+    def forward(self, x):
+        x = self.stem(x)
+        return torch.cat([self.a(x), self.b(x)], 1)
+
+
+def _pool_branch(c_in: int, c_out: int) -> nn.Module:
+    return nn.Sequential(nn.AvgPool2d(3, 1, 1), _Conv(c_in, c_out, 1))
+
+
+def _inception_a(c_in: int, pool: int) -> nn.Module:
+    return _Branches(_Conv(c_in, 64, 1),
+                     nn.Sequential(_Conv(c_in, 48, 1), _Conv(48, 64, 5, padding=2)),
+                     nn.Sequential(_Conv(c_in, 64, 1), _Conv(64, 96, 3, padding=1), _Conv(96, 96, 3, padding=1)),
+                     _pool_branch(c_in, pool))
+
+
+def _inception_b(c_in: int) -> nn.Module:  # 35×35 → 17×17
+    return _Branches(_Conv(c_in, 384, 3, stride=2),
+                     nn.Sequential(_Conv(c_in, 64, 1), _Conv(64, 96, 3, padding=1), _Conv(96, 96, 3, stride=2)),
+                     nn.MaxPool2d(3, 2))
+
+
+def _inception_c(c_in: int, c7: int) -> nn.Module:  # 7×7 convolutions factored into 1×7 and 7×1
+    row, col = ((1, 7), (0, 3)), ((7, 1), (3, 0))
+    return _Branches(_Conv(c_in, 192, 1),
+                     nn.Sequential(_Conv(c_in, c7, 1), _Conv(c7, c7, row[0], padding=row[1]),
+                                   _Conv(c7, 192, col[0], padding=col[1])),
+                     nn.Sequential(_Conv(c_in, c7, 1), _Conv(c7, c7, col[0], padding=col[1]),
+                                   _Conv(c7, c7, row[0], padding=row[1]), _Conv(c7, c7, col[0], padding=col[1]),
+                                   _Conv(c7, 192, row[0], padding=row[1])),
+                     _pool_branch(c_in, 192))
+
+
+def _inception_d(c_in: int) -> nn.Module:  # 17×17 → 8×8
+    return _Branches(nn.Sequential(_Conv(c_in, 192, 1), _Conv(192, 320, 3, stride=2)),
+                     nn.Sequential(_Conv(c_in, 192, 1), _Conv(192, 192, (1, 7), padding=(0, 3)),
+                                   _Conv(192, 192, (7, 1), padding=(3, 0)), _Conv(192, 192, 3, stride=2)),
+                     nn.MaxPool2d(3, 2))
+
+
+def _inception_e(c_in: int) -> nn.Module:
+    def split(stem):
+        c = 384
+        return _Split(stem, _Conv(c, c, (1, 3), padding=(0, 1)), _Conv(c, c, (3, 1), padding=(1, 0)))
+
+    return _Branches(_Conv(c_in, 320, 1),
+                     split(_Conv(c_in, 384, 1)),
+                     split(nn.Sequential(_Conv(c_in, 448, 1), _Conv(448, 384, 3, padding=1))),
+                     _pool_branch(c_in, 192))
+
+
+class InceptionV3(nn.Module):
+    """Szegedy et al. (2015), as torchvision builds it for 299×299 images: a convolutional stem,
+    three Inception-A, B, four Inception-C, D, two Inception-E blocks, and (for training) an
+    auxiliary classifier after the last Inception-C block."""
+
+    def __init__(self, num_classes: int = 1000, aux_logits: bool = True):
+        super().__init__()
+        self.stem = nn.Sequential(
+            _Conv(3, 32, 3, stride=2), _Conv(32, 32, 3), _Conv(32, 64, 3, padding=1), nn.MaxPool2d(3, 2),
+            _Conv(64, 80, 1), _Conv(80, 192, 3), nn.MaxPool2d(3, 2))
+        self.mixed_5_6 = nn.Sequential(
+            _inception_a(192, 32), _inception_a(256, 64), _inception_a(288, 64), _inception_b(288),
+            _inception_c(768, 128), _inception_c(768, 160), _inception_c(768, 160), _inception_c(768, 192))
+        self.aux = nn.Sequential(
+            nn.AvgPool2d(5, 3), _Conv(768, 128, 1), _Conv(128, 768, 5), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Linear(768, num_classes)) if aux_logits else None
+        self.mixed_7 = nn.Sequential(_inception_d(768), _inception_e(1280), _inception_e(2048))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Dropout(0.5), nn.Flatten(), nn.Linear(2048, num_classes))
+
+    def forward(self, x):
+        x = self.mixed_5_6(self.stem(x))
+        out = self.head(self.mixed_7(x))
+        if self.aux is not None and self.training:
+            return out, self.aux(x)  # as torchvision: train on loss(out) + 0.4 · loss(aux)
+        return out
+
+
+def inception_v3(num_classes: int = 1000, aux_logits: bool = True) -> InceptionV3:
+    """Inception V3: 27,161,264 parameters with the auxiliary classifier, 23,834,568 without."""
+    return InceptionV3(num_classes, aux_logits)
 
 
 def parameter_count(model: nn.Module) -> int:
@@ -157,5 +299,6 @@ def train_flops(make_model, input_shape: Sequence[int], backward: bool = True) -
     with FlopCounterMode(display=False) as counter:
         out = model(x)
         if backward:
-            out.sum().backward()
+            outs = out if isinstance(out, tuple) else (out,)
+            sum(o.sum() for o in outs).backward()
     return int(counter.get_total_flops())

@@ -1,0 +1,134 @@
+"""Claim: on this machine hpdl.predict gets weak-scaling efficiency within 10% for 1…N ranks,
+from α, β, γ and the compute per sample measured here — while each rank has a core.
+
+    .venv/bin/mpiexec -n 4 .venv/bin/python benchmarks/predict_here.py
+    .venv/bin/mpiexec -n 4 .venv/bin/python benchmarks/predict_here.py --batch-size 16 --rounds 5
+
+On the first k ranks (k = 1…N; the others sleep) DDP trains resnet_tiny on 3×64×64 images,
+reducing its gradient over MPI (hpdl.dp.use_mpi_allreduce); rounds alternate over k, and each
+k keeps the median over rounds. α and β come from a ping-pong, γ from a local add, the compute
+per sample from one rank alone (hpdl.bench). Printed per k: measured and predicted efficiency,
+their ratio, and whether ranks outnumber cores (then the model's compute slowdown ranks ÷ cores
+is all it knows; see lesson 08 for what else happens there).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-size", type=int, default=32, help="images per rank per step")
+    ap.add_argument("--image-size", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from mpi4py import MPI
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hpdl.bench as bench
+    import hpdl.dp
+    import hpdl.models
+    from hpdl import predict
+    from hpdl.rank import init_torch_distributed
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    torch.set_num_threads(1)
+    init_torch_distributed(rank, size, torch.device("cpu"))
+    cores = len(os.sched_getaffinity(0))
+
+    groups = {k: (dist.new_group(list(range(k))), bench.first_ranks(comm, k)) for k in range(1, size + 1)}
+    models = {}
+    for k, (group, sub) in groups.items():
+        if rank < k:
+            torch.manual_seed(0)
+            model = DDP(hpdl.models.resnet_tiny(), process_group=group)
+            hpdl.dp.use_mpi_allreduce(model, sub)
+            models[k] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
+        bench.idle_wait(comm)
+    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
+    y = torch.randint(0, 1000, (args.batch_size,))
+
+    def step_seconds(k: int) -> float | None:
+        group, sub = groups[k]
+        out = None
+        if rank < k:
+            model, opt = models[k]
+
+            def train_step():
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+
+            out = statistics.median(hpdl.dp.step_times(train_step, steps=args.steps, warmup=1, comm=sub))
+        bench.idle_wait(comm)
+        return comm.bcast(out, root=0)
+
+    times: dict[int, list[float]] = {k: [] for k in groups}
+    for r in range(args.rounds):
+        for k in groups:
+            times[k].append(step_seconds(k))
+        if rank == 0:
+            print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} ranks {times[k][-1] * 1e3:.0f} ms"
+                                                             for k in groups), flush=True)
+
+    # inputs of the model, measured here
+    fit = bench.fit_alpha_beta_gamma(bench.pingpong(comm), bench.local_reduce())
+    compute = None
+    if rank == 0:
+        model, opt = models[1]
+        with model.no_sync():
+            def compute_only():
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+            compute_only()
+            samples = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                compute_only()
+                samples.append(time.perf_counter() - t0)
+        compute = statistics.median(samples)
+    bench.idle_wait(comm)
+    compute = comm.bcast(compute, root=0)
+
+    if rank == 0:
+        link = predict.Network("MPI over shared memory", fit["alpha"], fit["beta"])
+        here = predict.System("this machine", link, link, fit["gamma"], per_node=size, cores=cores)
+        params = sum(p.numel() for p in models[1][0].parameters())
+        work = predict.Workload("resnet_tiny", params, compute / args.batch_size, args.batch_size, overlap=False)
+        rows = predict.predict(work, here, list(groups))
+        base = statistics.median(times[1])
+        print(f"\nα = {fit['alpha'] * 1e6:.1f} µs, β = 1/({1e-9 / fit['beta']:.1f} GB/s), "
+              f"γ = 1/({1e-9 / fit['gamma']:.1f} GB/s); {work.grad_bytes / 1e6:.2f} MB of gradients; "
+              f"compute {compute * 1e3:.1f} ms per step of {args.batch_size}; {cores} cores")
+        print(f"{'ranks':>5}{'measured':>10}{'predicted':>11}{'ratio':>8}")
+        worst = 0.0
+        for k, row in zip(groups, rows):
+            measured = base / statistics.median(times[k])
+            ratio = row["efficiency"] / measured
+            if k <= cores:
+                worst = max(worst, abs(ratio - 1))
+            print(f"{k:>5}{measured:10.2f}{row['efficiency']:11.2f}{ratio:8.2f}"
+                  + ("   ranks outnumber cores" if k > cores else ""))
+        print(f"\nlargest |predicted / measured − 1| while each rank has a core: {worst:.0%} (goal ≤ 10%)")
+    for k, (group, sub) in groups.items():
+        if sub != MPI.COMM_NULL:
+            sub.Free()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The checks of lesson 08 on real ranks: each solution passes at 1–4 ranks (hidden cases
+included), and each known-bad implementation is rejected with a hint naming the slip — a
+bandwidth term without 2(p−1)/p, overlap taken off the compute, the latency paid once for all
+buckets; LARS without the trust ratio, with one ratio for the whole model, or dividing by a
+zero norm.
+
+The solutions are taken from solutions/08_scaling_studies.ipynb as written there.
+"""
+from __future__ import annotations
+
+import linecache
+import math
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+import hpdl
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def solution(name: str):
+    """The function `name` from its cell in solutions/08_scaling_studies.ipynb, with its lines known."""
+    nb = nbformat.read(ROOT / "solutions" / "08_scaling_studies.ipynb", as_version=4)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and f"def {name}(" in cell.source:
+            filename = f"<08_scaling_studies.ipynb cell {i}>"
+            linecache.cache[filename] = (len(cell.source), None, cell.source.splitlines(True), filename)
+            namespace = {"torch": torch, "math": math, "__name__": "solution"}
+            exec(compile(cell.source, filename, "exec"), namespace)
+            return namespace[name]
+    raise LookupError(f"no cell defines {name}")
+
+
+def passed(result) -> bool:
+    return all(c.verdict == "PASS" for c in result.cases)
+
+
+def hints(result) -> str:
+    return " ".join(f"{c.message} {c.hint or ''}" for c in result.cases) + " ".join(result.hints)
+
+
+def rejected(result, *words: str) -> None:
+    assert not passed(result), f"{result.exercise}: a known-bad implementation passed"
+    text = hints(result).lower()
+    for w in words:
+        assert w.lower() in text, f"{result.exercise}: expected {w!r} in: {text[:800]}"
+
+
+# -- exercise 1: predict_step_time ---------------------------------------------------------------
+
+def _ring(n, p, a, b, g):
+    return 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * g
+
+
+def step_no_bus_factor(compute, nbytes, alpha, beta, gamma, p, overlap=0.0, buckets=1):
+    if p <= 1:
+        return compute
+    n = nbytes / buckets
+    t = buckets * (2 * (p - 1) * alpha + n * beta + (p - 1) / p * n * gamma)   # nβ: no 2(p−1)/p
+    return compute + max(t - overlap * compute, t / buckets)
+
+
+def step_overlap_on_compute(compute, nbytes, alpha, beta, gamma, p, overlap=0.0, buckets=1):
+    if p <= 1:
+        return compute
+    t = buckets * _ring(nbytes / buckets, p, alpha, beta, gamma)
+    return (1 - overlap) * compute + t                                           # shrinks the compute
+
+
+def step_latency_once(compute, nbytes, alpha, beta, gamma, p, overlap=0.0, buckets=1):
+    if p <= 1:
+        return compute
+    t = _ring(nbytes, p, alpha, beta, gamma)                                     # buckets cost nothing
+    return compute + max(t - overlap * compute, t / buckets)
+
+
+def step_no_last_bucket(compute, nbytes, alpha, beta, gamma, p, overlap=0.0, buckets=1):
+    if p <= 1:
+        return compute
+    t = buckets * _ring(nbytes / buckets, p, alpha, beta, gamma)
+    return compute + max(0.0, t - overlap * compute)                            # all of it can hide
+
+
+def test_predict_step_time_solution_passes():
+    result = hpdl.check("predict_step_time", solution("predict_step_time"), grade=True)
+    assert passed(result), hints(result)
+    assert {c.ranks for c in result.cases} == {1, 2, 3, 4}
+    assert any("published" in c.name for c in result.cases)
+
+
+def test_predict_step_time_library_passes():
+    from hpdl.predict import predict_step_time
+
+    assert passed(hpdl.check("predict_step_time", predict_step_time, ranks=[2]))
+
+
+@pytest.mark.parametrize("bad, words", [
+    (step_no_bus_factor, ["2(p−1)/p"]),
+    (step_overlap_on_compute, ["does not shrink the compute"]),
+    (step_latency_once, ["pays the latency"]),
+    (step_no_last_bucket, ["last bucket"]),
+])
+def test_predict_step_time_known_bad_rejected(bad, words):
+    rejected(hpdl.check("predict_step_time", bad, ranks=[3]), *words)
+
+
+# -- exercise 2: lars_step ----------------------------------------------------------------------
+
+def lars_without_trust_ratio(params, grads, lr, trust_coef=0.001, weight_decay=0.0):
+    return [w - lr * (g + weight_decay * w) for w, g in zip(params, grads)]
+
+
+def lars_dividing_by_zero(params, grads, lr, trust_coef=0.001, weight_decay=0.0):
+    out = []
+    for w, g in zip(params, grads):
+        ratio = trust_coef * w.norm() / (g.norm() + weight_decay * w.norm())      # 0/0 and x/0 unguarded
+        out.append(w - lr * ratio * (g + weight_decay * w))
+    return out
+
+
+def lars_zero_layer_stuck(params, grads, lr, trust_coef=0.001, weight_decay=0.0):
+    out = []
+    for w, g in zip(params, grads):
+        denominator = g.norm() + weight_decay * w.norm()
+        ratio = trust_coef * w.norm() / denominator if denominator > 0 else 1.0     # ‖w‖ = 0: ratio 0
+        out.append(w - lr * ratio * (g + weight_decay * w))
+    return out
+
+
+def lars_one_ratio(params, grads, lr, trust_coef=0.001, weight_decay=0.0):
+    w_all = torch.sqrt(sum(w.norm() ** 2 for w in params))
+    g_all = torch.sqrt(sum(g.norm() ** 2 for g in grads))
+    ratio = trust_coef * w_all / (g_all + weight_decay * w_all)
+    return [w - lr * ratio * (g + weight_decay * w) for w, g in zip(params, grads)]
+
+
+def test_lars_step_solution_passes():
+    result = hpdl.check("lars_step", solution("lars_step"), grade=True)
+    assert passed(result), hints(result)
+    assert {c.ranks for c in result.cases} == {1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("bad, words", [
+    (lars_without_trust_ratio, ["plain sgd", "trust ratio"]),
+    (lars_dividing_by_zero, ["nan", "ratio of 1"]),
+    (lars_zero_layer_stuck, ["never moves"]),
+    (lars_one_ratio, ["per layer"]),
+])
+def test_lars_step_known_bad_rejected(bad, words):
+    rejected(hpdl.check("lars_step", bad, ranks=[2]), *words)
