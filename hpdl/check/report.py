@@ -8,8 +8,30 @@ from __future__ import annotations
 
 import html
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 
-VERDICTS = ("PASS", "WRONG", "ERROR", "HANG", "SLOW")
+
+class Verdict(str, Enum):
+    """How one case ended. A str, so `case.verdict == "PASS"` and JSON keep working."""
+
+    PASS = "PASS"    # right
+    WRONG = "WRONG"  # a wrong result, or a rule of the exercise broken (then CaseResult.rejected says which)
+    ERROR = "ERROR"  # the learner's code raised, or its job died
+    HANG = "HANG"    # not finished within the time limit
+    SLOW = "SLOW"    # right, but far slower than the reference: advisory, full points
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def earns_points(self) -> bool:
+        return self in (Verdict.PASS, Verdict.SLOW)
+
+
+VERDICTS = tuple(v.value for v in Verdict)
 EARNS_POINTS = ("PASS", "SLOW")  # SLOW is advisory: the result was right
 _COLOURS = {"PASS": "#1a7f37", "SLOW": "#9a6700", "WRONG": "#cf222e", "ERROR": "#cf222e", "HANG": "#8250df"}
 
@@ -48,6 +70,10 @@ class CaseResult:
     finished: list[int] = field(default_factory=list)
     details: str = ""
     params: dict = field(default_factory=dict)  # the case's parameters (n, dtype, root, ...)
+    rejected: str | None = None  # the rule broken (e.g. "comm.Allreduce()"), when the code was refused
+
+    def __post_init__(self) -> None:
+        self.verdict = Verdict(self.verdict)
 
     @property
     def key(self) -> str:
@@ -206,7 +232,7 @@ class CheckResult:
 def _group_key(c: CaseResult) -> tuple:
     """Cases that ended the same way: same verdict and message; for WRONG, the same ranks
     wrong with the same hint at the same rank count (the values differ case by case)."""
-    if c.verdict == "WRONG" and c.wrong_ranks and not c.message.startswith("Rejected"):
+    if c.verdict == Verdict.WRONG and c.wrong_ranks and not c.rejected:
         return (c.verdict, c.ranks, tuple(c.wrong_ranks), c.hint)
     return (c.verdict, c.message)
 

@@ -1,8 +1,15 @@
-"""Client side: one hpdl.check() call from start to finish.
+"""Client side (the learner's kernel, or the grader): one hpdl.check() call from start to finish.
 
 Find the learner's function (given, on rank 0 of the running cluster, or in the notebook),
-read its source for forbidden calls, plan the cases per rank count, run them (runner.py),
-and gather a CheckResult. With $HPDL_GRADE_RESULTS set, the result is also appended there.
+refuse the kit's own functions, plan the cases per rank count, run them (jobs.py: the
+learner's ranks and the checker's reference ranks, side by side) and gather a CheckResult.
+
+Under `hpdl grade` ($HPDL_GRADE_SERVICE set) the kernel is the submission's, so it decides
+nothing: it hands the packed function to the grader (grade_service.py), which runs the
+check with the exercise's own rank counts, time limits and hidden cases, keeps the result,
+and sends back a copy for the notebook to show. $HPDL_GRADE=1 alone (grade mode without the
+grader) also ignores the learner's ranks=, grade= and timeout=. With $HPDL_GRADE_RESULTS
+set (tests), each result is appended there as a JSON line.
 """
 from __future__ import annotations
 
@@ -13,8 +20,8 @@ import types
 
 from hpdl.check import cases as case_api
 from hpdl.check import grade_mode, source
-from hpdl.check.report import CaseResult, CheckResult
-from hpdl.check.runner import Planned, Runner
+from hpdl.check.jobs import Planned, Runner
+from hpdl.check.report import CheckResult
 from hpdl.errors import HpdlError
 
 DEFAULT_RANKS = (1, 2, 3, 4)
@@ -23,27 +30,41 @@ MAX_RANKS = 64
 DEFAULT_REASON = "this exercise asks you to build it from point-to-point messages (Send/Recv)"
 
 
+def forced_grade_mode() -> bool:
+    """Grading set up by the instructor (the environment), not asked for by the learner's call."""
+    return grade_mode(None)
+
+
 def run_check(name: str, fn=None, *, ranks=None, grade: bool | None = None, timeout: float | None = None,
               caller=None) -> CheckResult:
-    t0 = time.perf_counter()
     module = case_api.load(name)
-    grading = grade_mode(grade)
+    if forced_grade_mode():  # the exercise's own rank counts, time limits and hidden cases
+        ranks, grade, timeout = None, True, None
     code = learner_code(name, fn, caller)
+    if os.environ.get("HPDL_GRADE_SERVICE"):
+        from hpdl.check import grade_service
+
+        return grade_service.request(name, code)
+    result = check_code(name, module, code, ranks=ranks, grading=grade_mode(grade), timeout=timeout)
+    _record(result, code)  # only where $HPDL_GRADE_RESULTS names a file (tests)
+    return result
+
+
+def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = False, timeout=None,
+               progress: bool = True, hidden: list[str] = ()) -> CheckResult:
+    """Run the packed function `code` on the cases of exercise `name` (the grader calls this too)."""
+    t0 = time.perf_counter()
     sizes = _sizes(ranks, module)
     plan, hidden_not_run = _plan(module, sizes, grading, timeout)
     forbidden = _forbidden(module)
-    spec = {"exercise": name, "module_path": str(case_api.path_of(name)), "code": code, "forbidden": forbidden}
-
-    found = source.forbidden_calls(code.get("sources", []), forbidden) if forbidden else []
-    if found:
-        results = _rejected(name, plan, found[0], forbidden)
-    else:
-        bar = _progress(sum(len(v) for v in plan.values()), name)
-        try:
-            results = Runner(name, module, spec, plan, progress=bar, every_case=grading).run()
-        finally:
-            if bar is not None:
-                bar.close()
+    spec = {"exercise": name, "module_path": str(case_api.path_of(name)), "code": code, "forbidden": forbidden,
+            "hidden": list(hidden) + _answer_keys()}
+    bar = _progress(sum(len(v) for v in plan.values()), name) if progress else None
+    try:
+        results = Runner(name, module, spec, plan, progress=bar, every_case=grading).run()
+    finally:
+        if bar is not None:
+            bar.close()
     ordered = [results[i] for i in sorted(results)]
     hints = []
     explain = getattr(module, "explain", None)
@@ -54,10 +75,21 @@ def run_check(name: str, fn=None, *, ranks=None, grade: bool | None = None, time
             hint = None
         if hint:
             hints.append(f"Hint: {hint}")
-    result = CheckResult(name, ordered, grade=grading, hidden_not_run=hidden_not_run,
-                         seconds=time.perf_counter() - t0, hints=hints)
-    _record(result, code)  # only where $HPDL_GRADE_RESULTS names a file (batch grading, tests)
-    return result
+    mentioned = source.forbidden_calls(code.get("sources", []), forbidden) if forbidden else []
+    if mentioned and not any(c.rejected for c in ordered):  # the AST scan: a hint, never a verdict
+        m = mentioned[0]
+        hints.append(f"Note: your code mentions {m['call']} (line {m['line']} in {m['func']}), which this exercise "
+                     f"forbids; it was not called in these cases, but would be rejected if it were.")
+    return CheckResult(name, ordered, grade=grading, hidden_not_run=hidden_not_run,
+                       seconds=time.perf_counter() - t0, hints=hints)
+
+
+def _answer_keys() -> list[str]:
+    """Folders a sandboxed learner job does not see: the kit's solutions."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    return [str(root / "solutions")] if (root / "solutions").is_dir() else []
 
 
 # -- the learner's function ---------------------------------------------------------------------
@@ -94,6 +126,12 @@ def learner_code(name: str, fn, caller=None) -> dict:
 def _package(fn, name: str) -> dict:
     if not callable(fn):
         raise HpdlError(f"hpdl.check({name!r}, ...) needs your function as the second argument; got {type(fn).__name__}.")
+    code = getattr(fn, "__code__", None)
+    if code is not None and source.kit_file(code.co_filename):
+        raise HpdlError(
+            f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)} is defined in the kit itself "
+            f"({os.path.basename(code.co_filename)}), not by you: checks take the function you wrote, "
+            f"e.g. hpdl.check({name!r}, {name}).")
     try:
         return source.package(fn)
     except TypeError as exc:
@@ -186,17 +224,6 @@ def _forbidden(module) -> dict[str, str]:
     if not isinstance(got, dict):
         got = {n: getattr(module, "FORBIDDEN_REASON", DEFAULT_REASON) for n in got}
     return dict(got)
-
-
-def _rejected(name: str, plan, found: dict, forbidden: dict) -> dict[int, CaseResult]:
-    msg = (f"Rejected without running: your code calls {found['call']} (line {found['line']} in "
-           f"{found['func']}: {found['code']}); {forbidden[found['name']]}.")
-    out = {}
-    for size, todo in plan.items():
-        for p in todo:
-            out[p.index] = CaseResult(name, p.case.name, size, "WRONG", 0.0, p.case.points, hidden=p.case.hidden,
-                                      message=msg, params=dict(p.case.params), line={"line": found["line"], "func": found["func"], "code": found["code"]})
-    return out
 
 
 def _progress(total: int, name: str):
