@@ -1,0 +1,285 @@
+"""The one module that signals processes and removes MPI shared memory.
+
+Why one place: ending a cluster, a check job or a graded notebook all come down to the same
+three questions — is this process still the one we started, how do we end it and everything
+under it, and which MPI shared-memory files did it leave in RAM — and each answer has a trap:
+
+- A PID is only a number. Once a process is gone the kernel hands its PID to a new process,
+  and a state file can outlive a reboot or be read on another node of a cluster sharing $HOME.
+  So a process is recorded as a `Proc`: pid, start time (clock ticks since boot, from
+  /proc/<pid>/stat), host name and boot id. Nothing here signals a record whose host, boot id
+  or start time no longer match the running process (`is_same`).
+- MPI launchers have children (proxies, ranks) and may be a process group leader: `end` sends
+  SIGTERM to the trees and groups, waits `grace` seconds, then SIGKILLs what is left.
+- MPICH ranks share memory through files in /dev/shm (mpich_shm_*). MPI_Finalize removes them,
+  which a killed rank never reaches, and once every rank is gone nothing maps them any more:
+  read them with `shared_memory_of` *before* the kill, then `remove_shared_memory` after.
+
+Used on the client side (cluster stop, `hpdl cleanup`, the reaper, the doctor, check jobs and the
+grader); it imports only the standard library and psutil.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+from dataclasses import asdict, dataclass
+from typing import Iterable
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+
+
+# -- who a process is ---------------------------------------------------------------------------
+
+def boot_id() -> str:
+    """This boot of this machine (changes at every reboot); '' where Linux does not say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def start_time(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (exact, unlike a float); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[19])  # field 22 of stat(5); fields[0] here is field 3 (state)
+    except (OSError, IndexError, ValueError):
+        pass
+    try:  # not Linux: psutil's float creation time is the best we have
+        import psutil
+
+        return int(psutil.Process(pid).create_time() * 100)
+    except Exception:  # psutil.Error, ImportError: gone or unknowable
+        return None
+
+
+@dataclass(frozen=True)
+class Proc:
+    """A process as recorded when we started it: enough to recognise it later, and only it."""
+
+    pid: int
+    start: int | None
+    host: str
+    boot: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Proc":
+        return cls(int(d["pid"]), d.get("start"), str(d.get("host", "")), str(d.get("boot", "")))
+
+
+def record(pid: int) -> Proc | None:
+    """Record a running process; None when it is already gone."""
+    start = start_time(pid)
+    if start is None:
+        return None
+    return Proc(pid, start, socket.gethostname(), boot_id())
+
+
+def is_same(proc: Proc) -> bool:
+    """True when `proc` was recorded on this host, in this boot, and its pid still runs the
+    process that was recorded (same start time). Only such records may be signalled."""
+    return (
+        proc.host == socket.gethostname()
+        and proc.boot == boot_id()
+        and proc.start is not None
+        and start_time(proc.pid) == proc.start
+    )
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return False
+
+
+def is_alive(proc: Proc) -> bool:
+    """The recorded process still runs (a zombie, a reused pid or another host/boot: no)."""
+    return is_same(proc) and not _zombie(proc.pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether some process with this pid runs (not a zombie). Prefer `is_alive(record)`:
+    a bare pid may have been reused by an unrelated process."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not _zombie(pid)
+
+
+# -- ending processes ---------------------------------------------------------------------------
+
+def _tree(procs: Iterable[Proc]) -> dict:
+    """psutil handles for the recorded processes that are still themselves, and their descendants."""
+    import psutil
+
+    found: dict[int, psutil.Process] = {}
+    for rec in procs:
+        if not is_same(rec):
+            if start_time(rec.pid) is not None:
+                log.info("not signalling pid %s: it is not the process recorded (%s)", rec.pid, rec)
+            continue
+        try:
+            p = psutil.Process(rec.pid)
+            found[p.pid] = p
+            for c in p.children(recursive=True):
+                found[c.pid] = c
+        except psutil.Error as exc:
+            log.debug("pid %s went while listing its tree: %s", rec.pid, exc)
+    return found
+
+
+def _signal_group(leader: Proc, sig: int) -> None:
+    """Signal the process group led by `leader`. The leader may be gone while its group lives on
+    (Linux never reuses a pid still naming a group), but if the pid now runs a different process,
+    or the record is from another host or boot, the group is not ours."""
+    if leader.host != socket.gethostname() or leader.boot != boot_id():
+        return
+    now = start_time(leader.pid)
+    if now is not None and now != leader.start:
+        log.info("not signalling group %s: its pid now belongs to another process", leader.pid)
+        return
+    try:
+        os.killpg(leader.pid, sig)
+    except ProcessLookupError:
+        pass
+    except OSError as exc:
+        log.debug("killpg(%s, %s): %s", leader.pid, sig, exc)
+
+
+def _send(p, sig: int) -> None:
+    import psutil
+
+    try:
+        p.send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.Error as exc:
+        log.debug("signal %s to pid %s: %s", sig, p.pid, exc)
+
+
+def end(procs: Iterable[Proc] = (), groups: Iterable[Proc] = (), grace: float = 2.0,
+        before_kill=None) -> set[str]:
+    """End recorded processes with all their descendants, and recorded process groups:
+    SIGTERM, up to `grace` seconds to exit, then SIGKILL. Records that are not the same process
+    any more (`is_same`) are left alone. `before_kill`, if given, is called between the
+    SIGTERM and the wait (e.g. to cancel Slurm jobs). Returns the /dev/shm files the tree
+    mapped (read before the kill) so the caller can `remove_shared_memory` them."""
+    import psutil
+
+    procs, groups = list(procs), list(groups)
+    tree = _tree(procs)
+    shm = shared_memory_of(tree)
+    for g in groups:
+        _signal_group(g, signal.SIGTERM)
+    if before_kill is not None:
+        before_kill()
+    for p in tree.values():
+        _send(p, signal.SIGTERM)
+    _, left = psutil.wait_procs(list(tree.values()), timeout=grace)
+    for p in left:
+        _send(p, signal.SIGKILL)
+    for g in groups:
+        _signal_group(g, signal.SIGKILL)
+    psutil.wait_procs(left, timeout=max(grace, 1.0))
+    return shm
+
+
+def end_popen(proc: subprocess.Popen, grace: float = 3.0) -> int | None:
+    """Wait up to `grace` seconds for a child we started to exit, then kill and reap it."""
+    try:
+        return proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def end_group_now(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group of a child started with start_new_session=True (a command that
+    timed out, with its children), while it is still our unreaped child (so the pid is ours)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError as exc:
+        log.debug("killpg(%s): %s", proc.pid, exc)
+
+
+def signal_engines(client, targets, sig: int = signal.SIGINT) -> None:
+    """Ask ipyparallel to deliver `sig` to engines (each engine's nanny signals its own process)."""
+    client.send_signal(sig, targets=targets, block=True)
+
+
+def signal_process(proc: Proc, sig: int) -> bool:
+    """Send one signal to one recorded process if it is still itself; True when sent."""
+    if not is_same(proc):
+        return False
+    try:
+        os.kill(proc.pid, sig)
+        return True
+    except OSError as exc:
+        log.debug("signal %s to pid %s: %s", sig, proc.pid, exc)
+        return False
+
+
+# -- MPI shared memory --------------------------------------------------------------------------
+
+def shared_memory_of(pids: Iterable[int]) -> set[str]:
+    """The /dev/shm files these processes map (MPICH's shared-memory segments between ranks)."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    i = line.find(SHM_DIR + "/")
+                    if i >= 0 and not line.rstrip().endswith("(deleted)"):
+                        found.add(line[i:].strip())
+        except OSError:
+            continue
+    return found
+
+
+def singleton_shared_memory(pid: int) -> set[str]:
+    """The segment MPICH makes for a process that started MPI by itself (a notebook's kernel
+    that imported mpi4py.MPI): named after its pid, and left behind when that process is killed."""
+    path = f"{SHM_DIR}/mpich_shm_{pid:x}_0"
+    return {path} if os.path.exists(path) else set()
+
+
+def remove_shared_memory(paths: Iterable[str]) -> list[str]:
+    """Remove these /dev/shm files if they are ours (same uid); returns those removed."""
+    removed = []
+    for path in sorted(set(paths)):
+        if os.path.dirname(os.path.abspath(path)) != SHM_DIR:
+            log.warning("not removing %s: not in %s", path, SHM_DIR)
+            continue
+        try:
+            if os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.debug("removing %s: %s", path, exc)
+    return removed
+
+
+__all__ = [
+    "Proc", "record", "is_same", "is_alive", "pid_alive", "boot_id", "start_time",
+    "end", "end_popen", "end_group_now", "signal_engines", "signal_process",
+    "shared_memory_of", "singleton_shared_memory", "remove_shared_memory",
+]

@@ -1,0 +1,111 @@
+"""hpdl.procs: a recorded process is signalled only while it is still itself, trees end whole,
+and MPI's shared-memory files are removed only from /dev/shm and only when ours."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+from hpdl import procs
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+PARENT = [sys.executable, "-c",
+          "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+          " print('ready', flush=True); time.sleep(60)"]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _children(pid: int, n: int, timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = [c.pid for c in psutil.Process(pid).children()]
+        if len(kids) >= n:
+            return kids
+        time.sleep(0.02)
+    raise AssertionError(f"pid {pid} did not start {n} children")
+
+
+@pytest.fixture
+def sleeper():
+    p = subprocess.Popen(SLEEPER)
+    yield p
+    p.kill()
+    p.wait()
+
+
+def test_a_record_names_the_running_process(sleeper):
+    rec = procs.record(sleeper.pid)
+    assert rec is not None and rec.pid == sleeper.pid
+    assert procs.is_same(rec) and procs.is_alive(rec)
+    assert procs.Proc.from_dict(rec.to_dict()) == rec
+    sleeper.kill()
+    sleeper.wait()
+    assert not procs.is_alive(rec) and procs.record(sleeper.pid) is None
+
+
+@pytest.mark.parametrize("field, value", [("start", -1), ("boot", "another-boot"), ("host", "another-host")])
+def test_a_record_that_differs_is_never_signalled(sleeper, field, value):
+    """A reused pid (other start time), a record from before a reboot or from another node."""
+    stale = dataclasses.replace(procs.record(sleeper.pid), **{field: value})
+    assert not procs.is_same(stale) and not procs.is_alive(stale)
+    procs.end([stale], groups=[stale], grace=0.2)
+    assert not procs.signal_process(stale, 9)
+    assert sleeper.poll() is None and _running(sleeper.pid)
+    procs.end([procs.record(sleeper.pid)], grace=2)  # the true record ends it
+    assert sleeper.wait(timeout=10) is not None
+
+
+def test_end_takes_the_whole_tree_and_its_group():
+    root = subprocess.Popen(PARENT, stdout=subprocess.PIPE, start_new_session=True)
+    assert root.stdout.readline().strip() == b"ready"
+    child = _children(root.pid, 1)[0]
+    rec = procs.record(root.pid)
+    procs.end([rec], groups=[rec], grace=2)
+    assert root.wait(timeout=10) is not None
+    assert not _running(child)
+
+
+def test_end_kills_what_ignores_sigterm():
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                 "signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    assert stubborn.stdout.readline().strip() == b"ready"
+    procs.end([procs.record(stubborn.pid)], grace=0.3)
+    assert not _running(stubborn.pid)  # (psutil reaped our child: Popen cannot see the -9)
+    stubborn.wait(timeout=10)
+
+
+def test_shared_memory_is_found_through_maps_and_removed_only_in_dev_shm(tmp_path):
+    name = f"/dev/shm/mpich_shm_hpdltest_{uuid.uuid4().hex[:8]}"
+    holder = subprocess.Popen([sys.executable, "-c", f"import mmap, os, time\nfd = os.open({name!r}, os.O_CREAT | "
+                               "os.O_RDWR, 0o600)\nos.ftruncate(fd, 4096)\nm = mmap.mmap(fd, 4096)\n"
+                               "print('ready', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"ready"
+        segments = procs.end([procs.record(holder.pid)], grace=1)
+        assert segments == {name}
+        assert os.path.exists(name)  # a killed MPI rank leaves its segment behind ...
+        outside = tmp_path / "mpich_shm_not_in_dev_shm"
+        outside.write_text("x")
+        assert procs.remove_shared_memory(segments | {str(outside)}) == [name]  # ... removed here
+        assert not os.path.exists(name) and outside.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+        if os.path.exists(name):
+            os.unlink(name)
+
+
+def test_end_popen_reaps_a_child_that_will_not_exit(sleeper):
+    assert procs.end_popen(sleeper, grace=0.1) == -9
