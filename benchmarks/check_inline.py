@@ -79,7 +79,8 @@ def main() -> None:
         med = statistics.median(ts)
         print(f"{name:<46} {med:>9.2f} {min(ts):>7.2f} {med / floor:>7.1f}")
     four = statistics.median(times["check 4 ranks (6 cases), now"])
-    print(f"goal {args.goal:g} s: 4-rank check now {four:.2f} s ({four / args.goal:.0%} of goal); {args.repeats} repeats"
+    print(f"goal {args.goal:g} s: 4-rank check now {four:.2f} s ({four / args.goal:.0%} of goal); "
+          f"{args.repeats} repeats"
           " (each check in a fresh Python process: imports included)")
     if args.against:
         old = statistics.median(times[f"check 4 ranks (6 cases), at {args.against}"])

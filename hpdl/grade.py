@@ -32,7 +32,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -207,7 +206,7 @@ class Running:
                str(self.status), str(limit)]
         sub.sandboxed = sandbox.available()
         cmd = sandbox.wrap(cmd, writable=[str(work)], hidden=hidden, cwd=str(work))
-        self.limits = limits = sandbox.Limits(cpu_seconds=int(limit * 2) + 60, processes=512).start()
+        self.limits = limits = sandbox.Limits(cpu_seconds=int(limit * 2) + 60, processes=2048).start()
         self.log = open(work / "run.log", "wb")
         self.proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=limits.apply)
@@ -272,44 +271,26 @@ def _tail(path: Path, lines: int = 5) -> str:
 
 
 def kill_tree(pid: int, home: Path) -> None:
-    """Kill a submission's process group, everything under it, and (without a sandbox, whose PID
-    namespace ends everything in it) any process still carrying its HPDL_HOME.
-    (The grader's one place that signals; to move onto hpdl.procs.)"""
+    """End a submission's process group and everything under it; without a sandbox (whose PID
+    namespace ends everything in it) also any process still carrying its HPDL_HOME (a daemon
+    that left the group), and remove the MPI shared memory they mapped (through hpdl.procs)."""
     import psutil
 
-    procs = {}
-    try:
-        root = psutil.Process(pid)
-        procs[root.pid] = root
-        procs.update({c.pid: c for c in root.children(recursive=True)})
-    except psutil.Error:
-        pass  # already gone
+    from hpdl import procs
+
+    found = [r for r in [procs.record(pid)] if r is not None]
     mine = os.getpid()
     for p in psutil.process_iter():
         try:
             if p.pid != mine and p.environ().get("HPDL_HOME") == str(home):
-                procs[p.pid] = p
-                procs.update({c.pid: c for c in p.children(recursive=True)})
+                rec = procs.record(p.pid)
+                if rec is not None:
+                    found.append(rec)
         except psutil.Error:
             continue
-    from hpdl.reaper import shared_memory_of
-
-    segments = shared_memory_of(procs)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass  # the group is gone
-    for p in procs.values():
-        try:
-            p.kill()
-        except psutil.Error:
-            continue
-    psutil.wait_procs(list(procs.values()), timeout=5)
-    for path in segments:  # MPI ranks killed here never reach MPI_Finalize, which removes these
-        try:
-            os.unlink(path)
-        except OSError:
-            continue
+    leader = procs.record(pid)
+    segments = procs.end(found, groups=[leader] if leader else [], grace=0.0)
+    procs.remove_shared_memory(segments)
 
 
 def _write_private(path: Path, data: bytes | str) -> None:
@@ -502,7 +483,8 @@ def _html(subs: list[Submission], exercises: list[str], worth: dict[str, float],
                  f"<b>{s.score(worth):g}</b> / {total:g}"]
         for ex in exercises:
             c = s.checks.get(ex)
-            cells.append(f"{float(c['score']):g} / {worth[ex]:g}" if c else "<span style='color:#57606a'>not reached</span>")
+            cells.append(f"{float(c['score']):g} / {worth[ex]:g}" if c
+                         else "<span style='color:#57606a'>not reached</span>")
         cells.append(f"{s.seconds:.0f} s")
         body.append("<tr>" + "".join(f"<td {td}>{c}</td>" for c in cells) + "</tr>")
         parts = [f"<h3 id='s{i}'>{e(s.name)} — {s.score(worth):g} / {total:g}</h3>"]
@@ -560,7 +542,8 @@ def main(argv: list[str]) -> int:
     total = sum(worth.values())
     for s in subs:
         print(f"  {s.name:<40} {s.status:<14} {s.score(worth):g} / {total:g}")
-    print(f"hpdl grade: {len(subs)} submissions; reports in {args.out}/ (grades.csv, cases.csv, grades.json, index.html)")
+    print(f"hpdl grade: {len(subs)} submissions; reports in {args.out}/ "
+          "(grades.csv, cases.csv, grades.json, index.html)")
     return 0
 
 

@@ -61,7 +61,7 @@ def test_deadlocking_ring_is_a_hang_naming_every_stuck_rank_and_the_line(no_stra
     assert sorted(first.stuck) == [0, 1, 2] and first.finished == []
     line = line_of("# DEADLOCK")
     assert first.line["line"] == line and "comm.Recv(buf, source=left)" in first.line["code"]
-    assert f"line {line} in ring_deadlock" in first.message
+    assert f"line {line} of ring_deadlock()" in first.message
     rest = result.find(ranks=3)[1:]
     assert rest and all(c.verdict == "HANG" and c.message.startswith("Not run") for c in rest)
 
@@ -98,7 +98,7 @@ def test_collective_called_on_one_rank_hangs_that_rank_only(no_strays):
     assert first.verdict == "HANG"
     assert list(first.stuck) == [0] and first.finished == [1, 2]
     assert first.line["line"] == line_of("# COLLECTIVE ON ONE RANK")
-    assert "Finished: ranks 1, 2" in first.message
+    assert "finished: ranks 1, 2" in first.message
 
 
 def test_exception_on_one_rank_is_an_error_naming_rank_and_line_without_waiting(no_strays):
@@ -178,3 +178,21 @@ def test_right_but_slow_is_advisory_and_keeps_the_points(no_strays):
     assert set(result.verdicts.values()) == {"SLOW"}
     assert result.score == result.max_score and result.passed
     assert "slow" in result.cases[0].message and "no points lost" in result.cases[0].message
+
+
+def test_a_hang_in_a_check_reads_as_a_hang_in_a_px_cell(no_strays):
+    """hpdl.hang is the one wording: a check's HANG and a %%px cell's hang report name a stuck
+    rank's place in the same words (the %%px side builds its report from the same answers)."""
+    from hpdl import hang
+
+    result = hpdl.check("ring_allreduce", L.ring_collective_one_rank, ranks=[3], timeout=2)
+    case = result.cases[0]
+    assert case.verdict == "HANG"
+    place = hang.place_text(case.line)
+    assert place.startswith(f"line {line_of('# COLLECTIVE ON ONE RANK')} of ring_collective_one_rank(): ")
+    check_words = hang.summary({0: {"where": case.line}}, finished=[1, 2])
+    px_words = hang.hang_message("the cell did not finish on every rank within 2 s.", {0: {"where": case.line}},
+                                 finished=[1, 2])
+    assert check_words in case.message
+    assert f"stuck:    rank 0 at {place}" in px_words and case.stuck[0] == place
+    assert hang.DEADLOCK_HINT == case.hint

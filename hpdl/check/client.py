@@ -114,7 +114,8 @@ def learner_code(name: str, fn, caller=None) -> dict:
     namespace = _caller_namespace(caller)
     if isinstance(namespace.get(name), types.FunctionType):
         return _package(namespace[name], name)
-    where = "on rank 0 of the running cluster nor in this notebook" if running else "in this notebook (and no ranks are running)"
+    where = ("on rank 0 of the running cluster nor in this notebook" if running
+             else "in this notebook (and no ranks are running)")
     extra = f" (the ranks cannot be asked: {problem}; run hpdl.restart())" if problem else ""
     raise HpdlError(
         f"No function named {name!r} found {where}{extra}.\n"
@@ -125,7 +126,8 @@ def learner_code(name: str, fn, caller=None) -> dict:
 
 def _package(fn, name: str) -> dict:
     if not callable(fn):
-        raise HpdlError(f"hpdl.check({name!r}, ...) needs your function as the second argument; got {type(fn).__name__}.")
+        raise HpdlError(f"hpdl.check({name!r}, ...) needs your function as the second argument; "
+                        f"got {type(fn).__name__}.")
     code = getattr(fn, "__code__", None)
     if code is not None and source.kit_file(code.co_filename):
         raise HpdlError(

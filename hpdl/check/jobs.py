@@ -30,22 +30,19 @@ import atexit
 import json
 import os
 import pickle
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpdl import hang, procs
 from hpdl.check import sandbox
 from hpdl.check.cases import Case
 from hpdl.check.report import CaseResult, Verdict, rank_word
 from hpdl.check.runner import job_command
-from hpdl.reaper import shared_memory_of
 
 GRACE_AFTER_ERROR = 0.2  # s: let the other ranks end the case on their own before aborting
 SHORT_FUSE = 1.0  # s: the time limit for the cases left at a rank count after one hung
@@ -64,83 +61,20 @@ class Planned:
     timeout: float
 
 
-# -- ending processes (the one place here that signals; to move onto hpdl.procs) ------------------
+# -- ending processes: through hpdl.procs, the one module that signals and removes /dev/shm files ----
 
-def _kill_tree(proc: subprocess.Popen, grace: float = 1.0) -> None:
-    """End mpiexec (or bwrap) and everything under it, and reap it.
+def _end(job: "Job", grace: float) -> set[str]:
+    """End mpiexec (or bwrap) and everything under it, reap it; the /dev/shm files it mapped."""
+    from hpdl import procs
 
-    The ranks go first: MPI's process manager then sees them die, reaps them and exits by
-    itself, so nothing is left as a zombie. With grace > 0 (a finished job winding down) they
-    get SIGTERM first; an aborted job (a HANG, or ranks stuck after one raised) gets SIGKILL.
-    """
-    import psutil
-
+    shm = procs.end([job.record], groups=[job.record], grace=grace) if job.record else set()
     try:
-        root = psutil.Process(proc.pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        tree = []
-    leaves = [p for p in tree if p.pid != proc.pid and not _children(p)]
-    steps = [(signal.SIGTERM, leaves, grace)] if grace > 0 else []
-    steps += [(signal.SIGKILL, leaves, 1.0), (signal.SIGKILL, tree, 5.0)]
-    for sig, targets, wait in steps:
-        for p in targets:
-            try:
-                p.send_signal(sig)
-            except psutil.Error:
-                continue
-        if targets is tree:
-            try:
-                os.killpg(proc.pid, sig)
-            except OSError:
-                pass  # the group is gone already
-        deadline = time.time() + wait
-        while time.time() < deadline and any(_running(p) for p in tree):
-            proc.poll()  # reap mpiexec as soon as it goes
-            time.sleep(0.01)
-        if not any(_running(p) for p in tree):
-            break
-    try:
-        proc.wait(timeout=5)
+        job.proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _children(p) -> list:
-    import psutil
-
-    try:
-        return p.children()
-    except psutil.Error:
-        return []
-
-
-def _running(p) -> bool:
-    import psutil
-
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _shared_memory(pid: int) -> set[str]:
-    """The /dev/shm segments mapped by the processes under `pid` (MPI's shared-memory transport)."""
-    import psutil
-
-    try:
-        return shared_memory_of([p.pid for p in psutil.Process(pid).children(recursive=True)])
-    except psutil.Error:
-        return set()
-
-
-def _unlink(paths) -> None:
-    for path in paths:  # MPI unlinks these at MPI_Finalize, which a killed rank never reaches
-        try:
-            os.unlink(path)
-        except OSError:
-            continue
+        procs.end_group_now(job.proc)
+        job.proc.kill()
+        job.proc.wait()
+    return shm
 
 
 @atexit.register
@@ -180,15 +114,17 @@ class Job:
         if kind == "learner":
             cmd = sandbox.wrap(cmd, writable=[self.dir], hidden=spec.get("hidden", []))
             self.limits = sandbox.Limits(cpu_seconds=int(START_TIMEOUT + sum(p.timeout for p in todo) + 60),
-                                         processes=64 + 4 * size).start()
+                                         processes=256 + 64 * size).start()  # tasks: threads count too
         limits = self.limits
         self.proc = subprocess.Popen(cmd, stdout=self.output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, start_new_session=True, preexec_fn=limits.apply if limits else None)
+        self.record = procs.record(self.proc.pid)
         _live_jobs.add(self)
         self.launched = time.time()
         self.offsets = [0] * size
         self.partial = [""] * size
         self.ready: dict[int, int] = {}  # rank -> pid
+        self.rank_procs: dict[int, procs.Proc] = {}  # rank -> recorded process (outside a sandbox)
         self.segments: set[str] = set()  # /dev/shm files of its ranks, removed when it is killed
         self.starts: dict[int, float] = {}  # case index -> earliest start (wall clock)
         self.ends: dict[int, dict[int, dict]] = {}  # case index -> rank -> end event
@@ -224,10 +160,13 @@ class Job:
         case = ev.get("case")
         if kind == "ready" and isinstance(ev.get("pid"), int):
             self.ready[rank] = ev["pid"]
-            if not self.sandboxed:  # a sandbox has /dev/shm of its own, gone with it
+            if not self.sandboxed:  # a sandbox has its own PIDs and /dev/shm, gone with it
+                rec = procs.record(ev["pid"])
+                if rec is not None:
+                    self.rank_procs[rank] = rec
                 # remembered now: should the job die before kill() (MPI aborting every rank when
                 # one fails), nothing would map them any more by then
-                self.segments |= shared_memory_of([ev["pid"]])
+                self.segments |= procs.shared_memory_of([ev["pid"]])
         elif kind == "start" and isinstance(case, int) and isinstance(ev.get("t"), (int, float)):
             self.starts.setdefault(case, time.time())
         elif kind == "end" and isinstance(case, int):
@@ -241,39 +180,11 @@ class Job:
         return self.proc.poll() is not None
 
     def stacks(self, ranks: list[int], code: dict, wait: float = 1.0) -> dict[int, dict]:
-        """Ask ranks where they are; their side thread answers within ~50 ms."""
-        if not ranks:
-            return {}
-        token = uuid.uuid4().hex
-        req = os.path.join(self.dir, "dump-request")
-        with open(req + ".tmp", "w") as f:
-            f.write(token)
-        os.replace(req + ".tmp", req)
-        found: dict[int, dict] = {}
-        deadline = time.time() + wait
-        while time.time() < deadline and len(found) < len(ranks):
-            for r in ranks:
-                if r in found:
-                    continue
-                try:
-                    with open(os.path.join(self.dir, f"stack{r}.json")) as f:
-                        data = json.loads(f.read(MAX_EVENT_BYTES))
-                except (OSError, ValueError):
-                    continue
-                if isinstance(data, dict) and data.get("token") == token:
-                    found[r] = _clean_stack(data)
-            time.sleep(0.02)
-        missing = [r for r in ranks if r not in found and r in self.ready]
-        if missing and not self.sandboxed:  # the side thread could not run: ask faulthandler
-            for r in missing:
-                try:
-                    os.kill(self.ready[r], signal.SIGUSR1)
-                except OSError:
-                    continue
-            time.sleep(0.3)
-            for r in missing:
-                found[r] = _parse_faulthandler(os.path.join(self.dir, f"rank{r}.fault"), code)
-        return found
+        """Ask ranks where they are (hpdl.hang's protocol, the same as for `%%px` cells)."""
+        answers = hang.ask(self.dir, ranks, wait=wait, procs=None if self.sandboxed else self.rank_procs,
+                           files=set(code.get("lines", {})) | {code.get("filename", "")},
+                           sources=code.get("lines", {}), line_offset=int(code.get("line_offset", 0)))
+        return {r: _clean_stack(a) for r, a in answers.items() if isinstance(a, dict)}
 
     def output_tail(self, lines: int = 12) -> str:
         try:
@@ -286,13 +197,14 @@ class Job:
         return "\n".join(text.strip().splitlines()[-lines:])
 
     def kill(self, grace: float | None = None) -> None:
-        segments = set() if self.sandboxed else (_shared_memory(self.proc.pid) | self.segments)
+        segments: set[str] = set()
         try:
-            _kill_tree(self.proc, grace=(0.0 if self.must_stop else 0.5) if grace is None else grace)
+            segments = _end(self, grace=(0.0 if self.must_stop else 0.5) if grace is None else grace)
         finally:
             self.output.close()
             _live_jobs.discard(self)
-            _unlink(segments)
+            if not self.sandboxed:  # MPI_Finalize removes these; a killed rank never reaches it
+                procs.remove_shared_memory(segments | self.segments)
             if self.limits is not None:
                 self.limits.stop()
 
@@ -309,61 +221,36 @@ class Job:
 def _clean_stack(data: dict) -> dict:
     where = data.get("where") if isinstance(data.get("where"), dict) else None
     if where:
-        where = {"file": str(where.get("file", ""))[:300], "line": where.get("line") if isinstance(where.get("line"), int) else 0,
+        line = where.get("line") if isinstance(where.get("line"), int) else 0
+        where = {"file": str(where.get("file", ""))[:300], "line": line,
                  "func": str(where.get("func", ""))[:100], "code": str(where.get("code", ""))[:300]}
     call = data.get("call")
     return {"phase": str(data.get("phase") or "")[:40], "where": where, "call": str(call)[:200] if call else None}
 
 
-def _parse_faulthandler(path: str, code: dict) -> dict:
-    files = set(code.get("lines", {})) | {code["filename"]}
-    try:
-        text = Path(path).read_text(errors="replace")[-65536:]
-    except OSError:
-        return {}
-    hits = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', text)
-    ours = [(f, int(n), fn) for f, n, fn in hits if f in files]
-    if not ours:
-        return {}
-    f, n, fn = ours[0]  # faulthandler lists the innermost frame first
-    lines = code.get("lines", {}).get(f, [])
-    text_line = lines[n - 1].strip() if 0 < n <= len(lines) else ""
-    n += int(code.get("line_offset", 0))
-    return {"where": {"file": f, "line": n, "func": fn, "code": text_line}, "phase": "learner"}
-
-
 def where_text(w: dict | None) -> str:
-    """'line 12 in ring_allreduce: comm.Recv(buf, source=left)'."""
-    if not w:
-        return "(no line found)"
-    code = f": {w['code']}" if w.get("code") else ""
-    return f"line {w['line']} in {w['func']}{code}"
+    """'line 12 of ring_allreduce(): comm.Recv(buf, source=left)' (hpdl.hang's wording)."""
+    return hang.place_text(w) if w else "(no line found)"
 
 
-def _group(where: dict[int, dict], with_call: bool = True) -> list[str]:
-    """Group ranks that sit on the same line: ['ranks 0–3 at line 12 in f: comm.Recv(...)']."""
-    groups: dict[str, list[int]] = {}
-    for r, info in sorted(where.items()):
+def _stuck(where: dict[int, dict]) -> dict[int, dict | str]:
+    """Each stuck rank's answer for hpdl.hang's wording; a ready text outside the learner's code."""
+    out: dict[int, dict | str] = {}
+    for r, info in where.items():
         phase = (info or {}).get("phase")
         if phase == "waiting":
-            text = "(finished the case, waiting for the others)"
+            out[r] = "(finished the case, waiting for the others)"
         elif phase in ("inputs", "packing") and not (info or {}).get("where"):
-            text = f"(in the checker's {phase} step, outside your function)"
+            out[r] = f"(in the checker's {phase} step, outside your function)"
         else:
-            w = (info or {}).get("where")
-            text = where_text(w)
-            call = (info or {}).get("call")
-            name = call.split("(")[0] if call else ""
-            if with_call and name and name.split(".")[-1] not in ((w or {}).get("code") or ""):
-                text += f" (inside {name}())"
-        groups.setdefault(text, []).append(r)
-    return [f"{rank_word(rs)} at {text}" for text, rs in groups.items()]
+            out[r] = info or None
+    return out
 
 
 def _stuck_text(where: dict | None) -> dict[int, str]:
     if not where:
         return {}
-    return {r: where_text((w or {}).get("where")) for r, w in where.items()}
+    return {r: hang.stuck_text(a) for r, a in _stuck(where).items()}
 
 
 # -- one rank count: a learner job (relaunched as needed) and its reference job --------------------
@@ -568,13 +455,15 @@ class Runner:
         seconds = max((_num(e.get("seconds")) for e in ends.values()), default=0.0)
         waiting = ""
         if left_waiting:
-            waiting = " Left waiting for it: " + "; ".join(_group(left_waiting)) + " (the job was aborted)."
+            waiting = " Left waiting for it: " + hang.summary(_stuck(left_waiting)).removeprefix("stuck: ") + \
+                      " (the job was aborted)."
         if by["error"]:
             first = ends[by["error"][0]]
             same = all(ends[r].get("message") == first.get("message") for r in by["error"])
             where = _where(first.get("where"))
             if all(ends[r].get("exception") == "NotImplementedError" for r in by["error"]) and len(by["error"]) == size:
-                msg = "Not written yet: your function raises NotImplementedError. Replace the placeholder with your code."
+                msg = ("Not written yet: your function raises NotImplementedError. "
+                       "Replace the placeholder with your code.")
                 return self._result(planned, size, Verdict.ERROR, msg, error_ranks=by["error"], line=where,
                                     seconds=seconds)
             who = rank_word(by["error"]) if same else f"rank {by['error'][0]}"
@@ -595,7 +484,8 @@ class Runner:
         by = {s: sorted(r for r, e in ends.items() if e.get("status") == s) for s in ("ok", "wrong", "unverified")}
         seconds = max((_num(e.get("seconds")) for e in learner_ends.values()), default=0.0)
         if by["wrong"]:
-            worst = max(by["wrong"], key=lambda r: (ends[r].get("max_error") is not None, ends[r].get("max_error") or 0))
+            worst = max(by["wrong"],
+                        key=lambda r: (ends[r].get("max_error") is not None, ends[r].get("max_error") or 0))
             w = ends[worst]
             hint = w.get("hint") or next((ends[r].get("hint") for r in by["wrong"] if ends[r].get("hint")), None)
             if size > 1 and by["ok"] == [0] and by["wrong"] == list(range(1, size)):
@@ -618,15 +508,13 @@ class Runner:
     def hang(self, planned: Planned, size: int, ends: dict, where: dict[int, dict], elapsed: float) -> CaseResult:
         stuck = sorted(where) if where else sorted(set(range(size)) - set(ends))
         finished = sorted(ends)
-        lines = _group({r: where.get(r, {}) for r in stuck})
-        msg = f"Not finished after {planned.timeout:g} s: " + "; ".join(lines) + "."
-        msg += f" Finished: {rank_word(finished)}." if finished else " No rank finished."
-        problems = [r for r, e in ends.items() if e.get("status") != "ok"]
-        if problems:
-            msg += f" ({rank_word(problems)} ended with: {_text(ends[problems[0]].get('message'))})"
-        hint = ("a rank waits for a message no one sends, or in a collective that not every rank calls. "
-                "Check that every Send has a matching Recv, and that the ranks do not all wait to receive "
-                "(or all send large messages with blocking sends) at the same time: Sendrecv avoids both.")
+        errors = {r: _text(e.get("message"), 200) for r, e in ends.items() if e.get("status") != "ok"}
+        answers = _stuck({r: where.get(r, {}) for r in stuck})
+        msg = (f"Not finished after {planned.timeout:g} s: "
+               + hang.summary(answers, [r for r in finished if r not in errors], errors) + ".")
+        if not finished:
+            msg += " No rank finished."
+        hint = hang.DEADLOCK_HINT
         line = next((w.get("where") for w in where.values() if w and w.get("where")), None)
         return self._result(planned, size, Verdict.HANG, msg, hint=hint, stuck=_stuck_text(where), finished=finished,
                             seconds=elapsed, line=line)
@@ -638,7 +526,8 @@ class Runner:
     def died(self, planned: Planned, size: int, ends: dict, ready: dict, output: str) -> CaseResult:
         gone = sorted(set(range(size)) - set(ends))
         msg = (f"The MPI job ended before {rank_word(gone)} finished this case: a rank exited or crashed "
-               "(os._exit, a segfault, a limit on memory or CPU time, or MPI Abort); MPI then ends all ranks of the job.")
+               "(os._exit, a segfault, a limit on memory or CPU time, or MPI Abort); "
+               "MPI then ends all ranks of the job.")
         if not ready:
             msg = "The ranks did not start."
         return self._result(planned, size, Verdict.ERROR, msg, error_ranks=gone, details=output)

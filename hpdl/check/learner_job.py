@@ -95,8 +95,6 @@ class LearnerJob(RankJob):
 
         spec = self.spec
         code = spec["code"]
-        self.files = set(code.get("lines", {})) | {code["filename"]}
-        state["offset"] = int(code.get("line_offset", 0))
         module = load_file(spec["module_path"])
         funcs = strip_module(module)
         recording.install(spec.get("forbidden") or {})

@@ -3,20 +3,16 @@
 A check runs two MPI jobs per rank count (see jobs.py): the learner's (learner_job.py) and
 the checker's own (reference_job.py). Each rank of either reads its spec from JOB_DIR, writes
 events to JOB_DIR/rank<R>.jsonl, waits for the other ranks between cases through files
-(sleeping, not spinning in MPI, so finished ranks leave the cores to the others), and runs a
-side thread that answers stack requests (JOB_DIR/dump-request) and ends the process when the
-client is gone or the job's deadline passed, so a killed notebook never leaves ranks behind.
-faulthandler on SIGUSR1 is the fallback for code that holds the GIL.
+(sleeping, not spinning in MPI, so finished ranks leave the cores to the others), and runs
+hpdl.hang's Answerer: it answers "where are you?" (the same protocol as `%%px` cells) and
+ends the process when the client is gone or the job's deadline passed, so a killed notebook
+never leaves ranks behind. faulthandler on SIGUSR1 is the fallback for code that holds the GIL.
 """
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
 import pickle
-import signal
-import sys
-import threading
 import time
 import traceback
 
@@ -24,11 +20,9 @@ state = {"case": None, "phase": "starting", "offset": 0}
 
 
 def learner_where(frames, files: set[str]) -> dict | None:
-    ours = [f for f in frames if f.filename in files]
-    if not ours:
-        return None
-    f = ours[-1]
-    return {"file": f.filename, "line": f.lineno + state["offset"], "func": f.name, "code": (f.line or "").strip()}
+    from hpdl import hang
+
+    return hang.learner_where(frames, files, state["offset"])
 
 
 def learner_traceback(tb, files: set[str]) -> list[str]:
@@ -45,6 +39,8 @@ class RankJob:
     """One rank of a check job."""
 
     def __init__(self, job_dir: str):
+        from hpdl import hang
+
         self.dir = job_dir
         with open(os.path.join(job_dir, "spec.pkl"), "rb") as f:
             self.spec = pickle.load(f)
@@ -53,12 +49,16 @@ class RankJob:
         self.MPI = MPI
         self.world = MPI.COMM_WORLD
         self.rank, self.size = self.world.Get_rank(), self.world.Get_size()
-        self.files: set[str] = set()
+        code = self.spec.get("code") or {}
+        self.files: set[str] = set(code.get("lines", {})) | ({code["filename"]} if code.get("filename") else set())
+        state["offset"] = int(code.get("line_offset", 0))
         self.log = open(os.path.join(job_dir, f"rank{self.rank}.jsonl"), "a", buffering=1)
-        self._fault = open(os.path.join(job_dir, f"rank{self.rank}.fault"), "w")
-        faulthandler.register(signal.SIGUSR1, file=self._fault, all_threads=True, chain=False)
-        threading.Thread(target=self._watch, args=(threading.main_thread().ident,), daemon=True,
-                         name="hpdl-check-watch").start()
+        self._fault = hang.install_faulthandler(job_dir, self.rank)
+        self.client = int(self.spec.get("client_pid") or 0)  # 0 in a sandbox: bwrap ends us with the client
+        self.deadline = float(self.spec["deadline"])
+        hang.Answerer(job_dir, self.rank, poll=0.05, files=self.files, line_offset=state["offset"],
+                      extra=lambda: {"case": state["case"], "phase": state["phase"], "call": self.current_call()},
+                      on_tick=self._tick).start()
 
     def emit(self, **event) -> None:
         event["t"] = time.time()
@@ -68,36 +68,13 @@ class RankJob:
     def current_call(self) -> str | None:
         return None
 
-    def _watch(self, main_ident: int) -> None:
-        request = os.path.join(self.dir, "dump-request")
-        client = int(self.spec.get("client_pid") or 0)  # 0 in a sandbox: bwrap ends us with the client
-        deadline = float(self.spec["deadline"])
-        seen, tick = None, 0
-        while True:
-            time.sleep(0.05)
-            tick += 1
-            if tick % 10 == 0 and (time.time() > deadline or (client and not _alive(client))):
-                _unlink_shared_memory(client)  # MPI_Finalize, which would, never comes
-                os._exit(70)
-            try:
-                with open(request) as f:
-                    token = f.read().strip()
-            except OSError:
-                continue
-            if not token or token == seen:
-                continue
-            seen = token
-            try:
-                frame = sys._current_frames().get(main_ident)
-                frames = traceback.extract_stack(frame) if frame is not None else []
-                data = {"token": token, "rank": self.rank, "case": state["case"], "phase": state["phase"],
-                        "where": learner_where(frames, self.files), "call": self.current_call()}
-                out = os.path.join(self.dir, f"stack{self.rank}.json")
-                with open(out + ".tmp", "w") as f:
-                    json.dump(data, f)
-                os.replace(out + ".tmp", out)
-            except Exception as exc:  # the watcher must never take the rank down
-                print(f"hpdl check: stack report failed: {exc}", file=sys.stderr)
+    def _tick(self) -> None:
+        """Never outlive the client, nor the job's deadline."""
+        from hpdl import procs
+
+        if time.time() > self.deadline or (self.client and not procs.pid_alive(self.client)):
+            _unlink_shared_memory(self.client)  # MPI_Finalize, which would, never comes
+            os._exit(70)
 
     def barrier(self, tag: str) -> None:
         """Wait for every rank of this job to reach `tag`, sleeping, not spinning in MPI."""
@@ -115,28 +92,13 @@ class RankJob:
             pause = min(pause * 1.5, 0.02)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _unlink_shared_memory(client: int) -> None:
     """Remove the /dev/shm segments this process maps (MPI's shared-memory transport), and the
-    one of a client that started MPI itself and is gone (a killed kernel that imported mpi4py.MPI).
-    (The one place on the rank side that removes segments; to move onto hpdl.procs.)"""
-    from hpdl.reaper import _alive as alive, shared_memory_of, singleton_shared_memory
+    one of a client that started MPI itself and is gone (a killed kernel that imported mpi4py.MPI)."""
+    from hpdl import procs
 
-    gone = set() if not client or alive(client) else singleton_shared_memory(client)
-    for path in shared_memory_of([os.getpid()]) | gone:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    gone = procs.singleton_shared_memory(client) if client and not procs.pid_alive(client) else set()
+    procs.remove_shared_memory(procs.shared_memory_of([os.getpid()]) | gone)
 
 
 def main(job_cls, argv: list[str]) -> int:

@@ -32,13 +32,14 @@ class Limits:
 
     cpu_seconds: int = 600
     memory_bytes: int = 8 * 2**30  # address space per process (torch reserves a lot of it)
-    processes: int = 256  # beyond the user's processes already running
+    processes: int = 1024  # tasks (threads count) in its pids cgroup; beyond the user's own under RLIMIT_NPROC
     file_bytes: int = 256 * 2**20  # any one file written, the captured output included
 
     def start(self) -> "Limits":
         """In the parent, before starting the child: a pids cgroup where one can be made (root,
         where RLIMIT_NPROC does not apply); the child joins it in apply()."""
         self._cgroup = PidsCgroup.make(self.processes)
+        self._tasks_now = _tasks_of_this_user()
         return self
 
     def stop(self) -> None:
@@ -51,7 +52,7 @@ class Limits:
         group = getattr(self, "_cgroup", None)
         if group is not None:
             group.join()
-        users = _processes_of_this_user()
+        users = getattr(self, "_tasks_now", None) or _tasks_of_this_user()
         for what, value in ((resource.RLIMIT_CPU, self.cpu_seconds), (resource.RLIMIT_AS, self.memory_bytes),
                             (resource.RLIMIT_NPROC, users + self.processes),
                             (resource.RLIMIT_FSIZE, self.file_bytes)):
@@ -101,29 +102,34 @@ class PidsCgroup:
             log.debug("cgroup %s not removed: %s", self.path, exc)
 
 
-def _processes_of_this_user() -> int:
+def _tasks_of_this_user() -> int:
+    """Processes and threads this user runs now (RLIMIT_NPROC counts both, across the user)."""
     uid, n = os.getuid(), 0
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
                 if entry.stat().st_uid == uid:
-                    n += 1
+                    n += len(os.listdir(f"/proc/{entry.name}/task"))
             except OSError:
                 continue
     return n
 
 
-@functools.lru_cache(maxsize=1)
 def bwrap() -> str | None:
-    """The bwrap binary when it works here (user namespaces allowed), else None."""
+    """The bwrap binary when it works here (user namespaces allowed), else None.
+    HPDL_NO_SANDBOX=1 turns the sandbox off (benchmarks compare both)."""
     exe = os.environ.get("HPDL_BWRAP") or shutil.which("bwrap")
     if not exe or os.environ.get("HPDL_NO_SANDBOX"):
         return None
+    return exe if _works(exe) else None
+
+
+@functools.lru_cache(maxsize=4)
+def _works(exe: str) -> bool:
     try:
-        ok = subprocess.run([exe, *_base_args(), "true"], capture_output=True, timeout=20).returncode == 0
+        return subprocess.run([exe, *_base_args(), "true"], capture_output=True, timeout=20).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
-        ok = False
-    return exe if ok else None
+        return False
 
 
 def _base_args() -> list[str]:
