@@ -88,8 +88,12 @@ def find_submissions(folder: Path) -> list[Submission]:
             subs.append(sub)
             continue
         called = [name for name in _called_checks(data) if name in exercises]
-        subs.append(Submission(path.relative_to(folder).as_posix(), path, hashlib.sha256(data).hexdigest(),
-                               exercises=called))
+        sub = Submission(path.relative_to(folder).as_posix(), path, hashlib.sha256(data).hexdigest(), exercises=called)
+        if len(data) > MAX_NOTEBOOK_BYTES:
+            sub.status, sub.detail = "too large", f"more than {MAX_NOTEBOOK_BYTES // 2**20} MiB"
+        elif _cells(data) is None:
+            sub.status, sub.detail = "not a notebook", "not a Jupyter notebook: no list of cells in its JSON"
+        subs.append(sub)
     if not subs:
         raise HpdlError(f"No notebooks (*.ipynb) in {folder}.")
     return subs
@@ -154,6 +158,8 @@ def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: flo
     status = {"status": "ok", "detail": ""}
     try:
         nb = nbformat.read(notebook, as_version=4)
+        if not isinstance(nb.get("cells"), list) or not all(isinstance(c, dict) and "cell_type" in c for c in nb.cells):
+            raise ValueError("no list of cells")
     except Exception as exc:  # valid JSON that is not a notebook, or not JSON at all
         status_file.write_text(json.dumps({"status": "not a notebook", "detail": f"{type(exc).__name__}: "
                                                                                  f"{str(exc)[:300]}"}))
@@ -343,6 +349,8 @@ def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress
                     setattr(sub, key, rec[key])
         elif sub.status == "pending":
             todo.append((i, sub))
+        else:  # refused before running (not a notebook, too large, unreadable): recorded as such
+            _append(out, sub)
     write_reports(subs, out, exercises, sandbox.describe())  # valid from the start: the rest "pending"
     work_root = Path(tempfile.mkdtemp(prefix="hpdl-grade-"))
     hidden = [str(folder.resolve()), str(out.resolve()), *_answer_keys()]
