@@ -137,6 +137,13 @@ def _base_args() -> list[str]:
             "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
 
 
+def _devices() -> list[str]:
+    import glob
+
+    extra = [p for p in ("/dev/dri", "/dev/infiniband", "/dev/kfd") if os.path.exists(p)]
+    return sorted(glob.glob("/dev/nvidia*") + extra)
+
+
 def available() -> bool:
     return bwrap() is not None
 
@@ -155,6 +162,8 @@ def wrap(cmd: list[str], *, writable: list[str] = (), hidden: list[str] = (), cw
     if exe is None:
         return list(cmd)
     args = [exe, *_base_args()]
+    for path in _devices():  # GPUs and fast interconnects stay usable inside (CUDA, NCCL, InfiniBand)
+        args += ["--dev-bind", path, path]
     for path in hidden:
         if os.path.isdir(path):
             args += ["--tmpfs", os.path.realpath(path)]
