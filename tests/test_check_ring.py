@@ -154,7 +154,8 @@ def test_killing_the_notebook_mid_check_leaves_no_ranks_behind(tmp_path, no_stra
                        if p.name().startswith("python") and "_job" in " ".join(p.cmdline())]
             time.sleep(0.2)
         assert len(workers) == 6, "the check's ranks did not start"
-        launcher = [p for p in psutil.Process(client.pid).children() if p.name() in ("mpiexec", "mpiexec.hydra", "bwrap")]
+        launcher = [p for p in psutil.Process(client.pid).children()
+                    if p.name() in ("mpiexec", "mpiexec.hydra", "bwrap")]
         segments = shared_memory_of([p.pid for p in workers])
         assert any("mpich" in s or "ucx" in s for s in segments)  # MPI's shared memory, in RAM
         client.send_signal(signal.SIGKILL)

@@ -162,7 +162,8 @@ class CheckResult:
     def _headline(self) -> str:
         counts = ", ".join(f"{n} {v}" for v, n in self.counts().items())
         mark = "✔" if self.passed else "✘"
-        return f"{mark} {self.exercise}: {_num(self.score)}/{_num(self.max_score)} points ({counts}) in {self.seconds:.1f} s"
+        return (f"{mark} {self.exercise}: {_num(self.score)}/{_num(self.max_score)} points ({counts}) "
+                f"in {self.seconds:.1f} s")
 
     def _rows(self) -> list[tuple[str, str, str, str, str]]:
         """(ranks, case, verdict, points, what happened): cases that ended the same way share a row."""
@@ -194,7 +195,8 @@ class CheckResult:
         notes = [f"Hint{'' if n == 1 else f' ({n} cases)'}: {h}" for h, n in hints.items()]
         notes += list(self.hints)
         if self.hidden_not_run:
-            notes.append(f"{self.hidden_not_run} hidden case{'s' if self.hidden_not_run > 1 else ''} run only when grading.")
+            plural = "s" if self.hidden_not_run > 1 else ""
+            notes.append(f"{self.hidden_not_run} hidden case{plural} run only when grading.")
         return notes
 
     def __repr__(self) -> str:
