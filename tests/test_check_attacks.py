@@ -102,7 +102,7 @@ def test_what_a_learner_returns_is_read_as_data_never_run(no_strays):
 
 @pytest.mark.parametrize("attack, verdicts", [
     (A.fork_bomb, {"WRONG", "ERROR", "HANG"}),
-    (A.memory_hog, {"ERROR"}),
+    (A.memory_hog, {"ERROR", "HANG"}),  # MemoryError at the limit, or still allocating at the timeout
     (A.output_flood, {"ERROR", "HANG"}),
     (A.ignores_sigterm, {"HANG"}),
     (A.kills_its_parent, {"ERROR", "WRONG", "HANG"}),
