@@ -2,63 +2,89 @@
 
 Side by side in one run: a bare `mpiexec -n 4 python` that imports numpy and mpi4py (the floor
 any fresh-ranks check pays), a check on 4 ranks only, and the default check (1, 2, 3 and 4
-ranks, one job each, side by side). Goal: the 4-rank check within 5 s on a 2-core laptop.
+ranks). With --against REF, the same two checks are also timed with the kit as it was at git
+commit REF (exported to a temporary folder), interleaved, so "before" and "after" share the
+machine's load. Each check runs in a fresh Python process, as a learner's first call would.
+Goal: the 4-rank check within 5 s on a 2-core laptop.
 
-    .venv/bin/python benchmarks/check_inline.py --repeats 5
+    .venv/bin/python benchmarks/check_inline.py --repeats 5 --against HEAD~1
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "fixtures"))
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+CHECK = """
+import sys
+sys.path.insert(0, {fixtures!r})
+import hpdl
+from learner_ring import ring_ok
+r = hpdl.check("ring_allreduce", ring_ok, ranks={ranks!r})
+assert r.passed, r
+"""
 
-import hpdl  # noqa: E402
-from hpdl.check.runner import mpiexec_command  # noqa: E402
-from learner_ring import ring_ok  # noqa: E402
 
-
-def timed(fn) -> float:
+def timed(cmd: list[str], env: dict, cwd: str) -> float:
     t0 = time.perf_counter()
-    fn()
+    subprocess.run(cmd, check=True, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - t0
 
 
-def bare_launch() -> None:
-    subprocess.run([*mpiexec_command(4), sys.executable, "-c", "import numpy; from mpi4py import MPI"], check=True)
-
-
-def check(ranks):
-    def run():
-        result = hpdl.check("ring_allreduce", ring_ok, ranks=ranks)
-        assert result.passed, result
-    return run
+def export(ref: str, folder: Path) -> None:
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "hpdl"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--goal", type=float, default=5.0, help="seconds a 4-rank check may take")
+    ap.add_argument("--against", default=None, help="a git commit to time beside the working tree")
     args = ap.parse_args()
-    rows = {"bare mpiexec -n 4 (numpy + mpi4py)": bare_launch, "check, 4 ranks (6 cases)": check([4]),
-            "check, 1-4 ranks (24 cases, 4 jobs)": check(None)}
-    times = {name: [] for name in rows}
-    for _ in range(args.repeats):  # interleaved, so load from others on the machine hits all alike
-        for name, fn in rows.items():
-            times[name].append(timed(fn))
+    sys.path.insert(0, str(ROOT))
+    from hpdl.check.runner import mpiexec_command
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, TQDM_DISABLE="1")
+        env.pop("PYTHONPATH", None)
+        variants = {"now": (env, tmp)}
+        if args.against:
+            before = Path(tmp) / "before"
+            before.mkdir()
+            export(args.against, before)
+            variants[f"at {args.against}"] = (dict(env, PYTHONPATH=str(before)), str(before))
+        env_now = dict(env, PYTHONPATH=str(ROOT))
+        variants["now"] = (env_now, tmp)
+        rows = {"bare mpiexec -n 4 (numpy + mpi4py)":
+                ([*mpiexec_command(4), sys.executable, "-c", "import numpy; from mpi4py import MPI"], env, tmp)}
+        for label, (venv, cwd) in variants.items():
+            for ranks, what in (([4], "4 ranks (6 cases)"), (None, "1-4 ranks (24 cases)")):
+                code = CHECK.format(fixtures=str(FIXTURES), ranks=ranks)
+                rows[f"check {what}, {label}"] = ([sys.executable, "-c", code], venv, cwd)
+        times = {name: [] for name in rows}
+        for _ in range(args.repeats):  # interleaved, so load from others on the machine hits all alike
+            for name, (cmd, venv, cwd) in rows.items():
+                times[name].append(timed(cmd, venv, cwd))
     floor = statistics.median(times["bare mpiexec -n 4 (numpy + mpi4py)"])
-    print(f"{'what':<40} {'median s':>9} {'min s':>7} {'x bare':>7}")
+    print(f"{'what':<46} {'median s':>9} {'min s':>7} {'x bare':>7}")
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"{name:<40} {med:>9.2f} {min(ts):>7.2f} {med / floor:>7.1f}")
-    four = statistics.median(times["check, 4 ranks (6 cases)"])
-    default = statistics.median(times["check, 1-4 ranks (24 cases, 4 jobs)"])
-    print(f"goal {args.goal:g} s: 4-rank check {four:.2f} s ({four / args.goal:.0%} of goal); "
-          f"default 1-4 ranks {default:.2f} s ({default / args.goal:.0%} of goal); {args.repeats} repeats")
+        print(f"{name:<46} {med:>9.2f} {min(ts):>7.2f} {med / floor:>7.1f}")
+    four = statistics.median(times["check 4 ranks (6 cases), now"])
+    print(f"goal {args.goal:g} s: 4-rank check now {four:.2f} s ({four / args.goal:.0%} of goal); "
+          f"{args.repeats} repeats"
+          " (each check in a fresh Python process: imports included)")
+    if args.against:
+        old = statistics.median(times[f"check 4 ranks (6 cases), at {args.against}"])
+        print(f"4-rank check: {old:.2f} s at {args.against} -> {four:.2f} s now ({four / old:.2f} x)")
 
 
 if __name__ == "__main__":

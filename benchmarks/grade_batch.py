@@ -1,16 +1,20 @@
-"""Batch grading: 10 submitted notebooks, one of which hangs in a cell, each under its time limit.
+"""Batch grading: 10 submitted notebooks (one hangs, one fork-bombs), sandboxed vs not, side by side.
 
 Submissions are made from the authoring example (tests/fixtures/solutions): solved ones, an
-untouched exercise, and one whose extra cell sleeps forever. Printed: the wall time of the
-batch, each notebook's time, and how the hanging one compares with its limit. The batch
-must finish, with the hanging notebook stopped at its limit and every other one graded.
+untouched exercise, one whose extra cell sleeps forever, and one whose extra cell forks until
+the process limit stops it. The same batch is graded twice in one run: in bubblewrap sandboxes
+(the default where bwrap works) and without (HPDL_NO_SANDBOX=1: rlimits and process groups
+only). Printed: each notebook's time both ways, the sandbox's overhead per graded notebook
+(median of the differences), and the whole batch's wall time both ways. The batch must finish
+both times, with the hanging notebook stopped at its limit and every solved one at full marks.
 
-    .venv/bin/python benchmarks/grade_batch.py --limit 30 --jobs 1
+    .venv/bin/python benchmarks/grade_batch.py --limit 40 --jobs 1
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import tempfile
@@ -23,9 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hpdl import build, grade  # noqa: E402
+from hpdl.check import sandbox  # noqa: E402
+
+FORK_BOMB = ("import os, time\nfor _ in range(100000):\n    if os.fork() == 0:\n"
+             "        time.sleep(600)\n        os._exit(0)")
 
 
-def make_submissions(folder: Path, n: int) -> None:
+def make_submissions(folder: Path, n: int) -> Path:
     kit = folder / "kit"
     (kit / "solutions").mkdir(parents=True)
     src = ROOT / "tests" / "fixtures" / "solutions" / "01_ring_example.ipynb"
@@ -35,38 +43,58 @@ def make_submissions(folder: Path, n: int) -> None:
     blank = nbformat.read(kit / "exercises" / "ex.ipynb", as_version=4)
     subs = folder / "subs"
     subs.mkdir()
-    for i in range(n - 2):
+    for i in range(n - 3):
         nbformat.write(solved, subs / f"learner{i:02d}.ipynb")
     nbformat.write(blank, subs / "untouched.ipynb")
-    hanging = copy.deepcopy(solved)
-    hanging.cells.insert(2, nbformat.v4.new_code_cell("import time\nwhile True:\n    time.sleep(1)"))
-    nbformat.write(hanging, subs / "hangs.ipynb")
+    for name, code in (("hangs", "import time\nwhile True:\n    time.sleep(1)"), ("fork_bomb", FORK_BOMB)):
+        nb = copy.deepcopy(solved)
+        nb.cells.insert(2, nbformat.v4.new_code_cell(code))
+        nbformat.write(nb, subs / f"{name}.ipynb")
+    return subs
+
+
+def run(subs: Path, out: Path, limit: float, jobs: int, sandboxed: bool) -> tuple[float, list]:
+    if sandboxed:
+        os.environ.pop("HPDL_NO_SANDBOX", None)
+    else:
+        os.environ["HPDL_NO_SANDBOX"] = "1"
+    t0 = time.perf_counter()
+    result = grade.grade(subs, out, limit=limit, jobs=jobs, progress=False)
+    return time.perf_counter() - t0, result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-n", type=int, default=10, help="number of submissions (one hangs)")
-    ap.add_argument("--limit", type=float, default=30.0, help="seconds each notebook may run")
+    ap.add_argument("-n", type=int, default=10, help="number of submissions (one hangs, one fork-bombs)")
+    ap.add_argument("--limit", type=float, default=40.0, help="seconds each notebook may run")
     ap.add_argument("--jobs", type=int, default=1)
     args = ap.parse_args()
+    if not sandbox.available():
+        sys.exit("bubblewrap is not available here (apt-get install bubblewrap): nothing to compare")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        make_submissions(tmp, args.n)
-        t0 = time.perf_counter()
-        subs = grade.grade(tmp / "subs", tmp / "report", limit=args.limit, jobs=args.jobs, progress=False)
-        wall = time.perf_counter() - t0
-        assert (tmp / "report" / "grades.csv").exists()
-    normal = [s for s in subs if s.name != "hangs.ipynb"]
-    hung = next(s for s in subs if s.name == "hangs.ipynb")
-    per = [s.seconds for s in normal]
+        subs = make_submissions(tmp, args.n)
+        walls, runs = {}, {}
+        for label, sandboxed in (("sandboxed", True), ("not sandboxed", False)):
+            walls[label], runs[label] = run(subs, tmp / label.replace(" ", "_"), args.limit, args.jobs, sandboxed)
+        os.environ.pop("HPDL_NO_SANDBOX", None)
+    by = {label: {s.name: s for s in subs_} for label, subs_ in runs.items()}
     print(f"{args.n} submissions, limit {args.limit:g} s each, jobs={args.jobs}")
-    for s in subs:
-        print(f"  {s.name:<22} {s.status:<12} {s.score():>5g} points  {s.seconds:6.1f} s")
-    print(f"batch wall time            {wall:6.1f} s")
-    print(f"per graded notebook        {statistics.median(per):6.1f} s median ({min(per):.1f}-{max(per):.1f})")
-    print(f"hanging notebook stopped   {hung.seconds:6.1f} s  ({hung.seconds / args.limit:.2f} x its limit)")
-    print(f"wall / (sum of others + limit) = {wall / (sum(per) + args.limit):.2f}")
-    assert hung.status == "timeout" and all(s.status == "ok" for s in normal)
+    print(f"  {'submission':<20} {'sandboxed':>22} {'not sandboxed':>22}")
+    for name in sorted(by["sandboxed"]):
+        a, b = by["sandboxed"][name], by["not sandboxed"][name]
+        print(f"  {name:<20} {a.status:>9} {a.score():>4g} {a.seconds:6.1f} s   {b.status:>9} {b.score():>4g} "
+              f"{b.seconds:6.1f} s")
+    graded = [n for n in by["sandboxed"] if n not in ("hangs.ipynb",)]
+    diffs = [by["sandboxed"][n].seconds - by["not sandboxed"][n].seconds for n in graded]
+    print(f"sandbox overhead per graded notebook: {statistics.median(diffs):+.2f} s median "
+          f"({min(diffs):+.2f} to {max(diffs):+.2f}; goal <= 1 s)")
+    for label in walls:
+        print(f"whole batch, {label:<14} {walls[label]:6.1f} s wall")
+    for label, subs_ in by.items():
+        assert subs_["hangs.ipynb"].status == "timeout", label
+        full = [s for n, s in subs_.items() if n.startswith("learner")]
+        assert all(s.status == "ok" and s.score() == full[0].score() > 0 for s in full), label
 
 
 if __name__ == "__main__":

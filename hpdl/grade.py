@@ -1,40 +1,49 @@
-"""`hpdl grade`: run every submitted notebook headless and collect its checks.
+"""`hpdl grade`: run every submitted notebook headless, sandboxed, and check its exercises.
 
-    hpdl grade SUBMISSIONS_DIR --out report [--timeout 600] [--jobs 1]
+    hpdl grade SUBMISSIONS_DIR --out report [--timeout 600] [--jobs 1] [--exercises a,b]
 
-Each notebook (SUBMISSIONS_DIR/*.ipynb, or one folder per learner) is copied to a temporary
-folder and executed there by nbclient in its own process, in grade mode: every
-hpdl.check() in it also runs the hidden cases and appends its result to a file this command
-reads. The submission itself is never modified. Each gets its own time limit and its own
-HPDL_HOME; when it runs over, or when it ends, its whole process tree is killed (kernel,
-engines, check jobs), and anything still carrying its HPDL_HOME, so one hanging or crashing
-notebook never stops the batch.
+Each notebook (SUBMISSIONS_DIR/*.ipynb, or one folder per learner) is copied to a folder of
+its own and executed there by nbclient, in a bubblewrap sandbox (check/sandbox.py: the kit and
+everything else read-only, other submissions and the reports invisible, private /tmp, no
+network, its own PID namespace, rlimits on CPU, memory, processes and file size) or, where
+there is none, under the same rlimits in a process group of its own; the report says which.
 
-Writes to --out: grades.csv (one row per submission), cases.csv (one row per case),
-grades.json (everything), index.html (a summary with details per submission) and
-executed/ (each notebook as it ran, with outputs).
+The submission's kernel decides nothing: each hpdl.check() in it hands the learner's function
+to this process (check/grade_service.py), which runs the check in grade mode (the exercise's
+own rank counts, time limits and hidden cases) and keeps the result. Points per exercise come
+from the case modules; the exercises scored are those named with --exercises, else those the
+submissions' notebooks call in at least half of them.
+
+Every submission ends with a status and a reason (ok, timeout, kernel died, runner failed,
+not a notebook, ...). Results are appended to OUT/results.jsonl as each submission finishes and
+the reports are rewritten, so a batch killed midway leaves a valid partial report, and running
+the same command again resumes with the submissions not yet graded (a changed notebook is
+graded again). Writes (all readable by their owner only): grades.csv (one row per
+submission), cases.csv (one row per case), grades.json (everything, predictions included),
+index.html, and executed/ (each notebook as it ran).
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import html
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hpdl.errors import HpdlError
 
 CHECK_CALL = re.compile(r"""check\(\s*["']([A-Za-z_][A-Za-z0-9_]*)["']""")
 SKIP_DIRS = {".ipynb_checkpoints", "__pycache__"}
+MAX_NOTEBOOK_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -43,15 +52,23 @@ class Submission:
 
     name: str  # path relative to the submissions folder
     path: Path
+    digest: str = ""
     exercises: list[str] = field(default_factory=list)  # checks the notebook calls
-    status: str = "pending"  # ok, timeout, kernel died, error
+    status: str = "pending"  # ok, timeout, kernel died, runner failed, not a notebook, ...
     detail: str = ""
     seconds: float = 0.0
-    checks: dict[str, dict] = field(default_factory=dict)  # exercise -> CheckResult.to_dict()
+    checks: dict[str, dict] = field(default_factory=dict)  # exercise -> CheckResult.to_dict(), from the grader
+    predictions: list[dict] = field(default_factory=list)  # cells tagged "prediction": not scored
     cell_errors: int = 0
+    sandboxed: bool = False
 
-    def score(self) -> float:
-        return sum(c["score"] for c in self.checks.values())
+    def score(self, scored: dict[str, float] | None = None) -> float:
+        return sum(float(c.get("score", 0.0)) for ex, c in self.checks.items() if scored is None or ex in scored)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["path"] = str(self.path)
+        return d
 
 
 def find_submissions(folder: Path) -> list[Submission]:
@@ -62,31 +79,75 @@ def find_submissions(folder: Path) -> list[Submission]:
     exercises = set(known())
     subs = []
     for path in sorted(folder.rglob("*.ipynb")):
-        if SKIP_DIRS & set(path.relative_to(folder).parts):
+        if SKIP_DIRS & set(path.relative_to(folder).parts) or not path.is_file():
             continue
-        called = [name for name in _called_checks(path) if name in exercises]
-        subs.append(Submission(path.relative_to(folder).as_posix(), path, exercises=called))
+        try:
+            data = path.read_bytes()[:MAX_NOTEBOOK_BYTES + 1]
+        except OSError as exc:
+            sub = Submission(path.relative_to(folder).as_posix(), path, status="unreadable", detail=str(exc))
+            subs.append(sub)
+            continue
+        called = [name for name in _called_checks(data) if name in exercises]
+        sub = Submission(path.relative_to(folder).as_posix(), path, hashlib.sha256(data).hexdigest(), exercises=called)
+        if len(data) > MAX_NOTEBOOK_BYTES:
+            sub.status, sub.detail = "too large", f"more than {MAX_NOTEBOOK_BYTES // 2**20} MiB"
+        elif _cells(data) is None:
+            sub.status, sub.detail = "not a notebook", "not a Jupyter notebook: no list of cells in its JSON"
+        subs.append(sub)
     if not subs:
         raise HpdlError(f"No notebooks (*.ipynb) in {folder}.")
     return subs
 
 
-def _called_checks(path: Path) -> list[str]:
+def _cells(data: bytes) -> list[dict] | None:
+    """The cells of a notebook's JSON, or None when it is not a notebook."""
     try:
-        nb = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []
+        nb = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    cells = nb.get("cells") if isinstance(nb, dict) else None
+    if not isinstance(cells, list):
+        return None
+    return [c for c in cells if isinstance(c, dict)]
+
+
+def _text(src) -> str:
+    if isinstance(src, list):
+        return "".join(s for s in src if isinstance(s, str))
+    return src if isinstance(src, str) else ""
+
+
+def _called_checks(data: bytes) -> list[str]:
     names = []
-    for cell in nb.get("cells", []):
+    for cell in _cells(data) or []:
         if cell.get("cell_type") == "code":
-            src = "".join(cell.get("source", "")) if isinstance(cell.get("source"), list) else cell.get("source", "")
-            for name in CHECK_CALL.findall(src):
+            for name in CHECK_CALL.findall(_text(cell.get("source"))):
                 if name not in names:
                     names.append(name)
     return names
 
 
-# -- running one notebook (in its own process) ------------------------------------------------
+def predictions_of(cells: list[dict]) -> list[dict]:
+    """Cells a lesson tags "prediction": the learner's written prediction, and any text it printed."""
+    out = []
+    for i, cell in enumerate(cells):
+        meta = cell.get("metadata") if isinstance(cell.get("metadata"), dict) else {}
+        tags = meta.get("tags") if isinstance(meta.get("tags"), list) else []
+        if "prediction" not in tags:
+            continue
+        texts = []
+        for o in cell.get("outputs", []) if isinstance(cell.get("outputs"), list) else []:
+            if not isinstance(o, dict):
+                continue
+            if o.get("output_type") == "stream":
+                texts.append(_text(o.get("text")))
+            elif isinstance(o.get("data"), dict) and "text/plain" in o["data"]:
+                texts.append(_text(o["data"]["text/plain"]))
+        out.append({"cell": i, "source": _text(cell.get("source"))[:20_000], "output": "".join(texts)[:20_000]})
+    return out
+
+
+# -- running one notebook (in its own process, inside the sandbox) --------------------------------
 
 def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: float) -> int:
     """Executed in a child process: run the notebook, keep going past failing cells."""
@@ -94,10 +155,17 @@ def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: flo
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
-    nb = nbformat.read(notebook, as_version=4)
+    status = {"status": "ok", "detail": ""}
+    try:
+        nb = nbformat.read(notebook, as_version=4)
+        if not isinstance(nb.get("cells"), list) or not all(isinstance(c, dict) and "cell_type" in c for c in nb.cells):
+            raise ValueError("no list of cells")
+    except Exception as exc:  # valid JSON that is not a notebook, or not JSON at all
+        status_file.write_text(json.dumps({"status": "not a notebook", "detail": f"{type(exc).__name__}: "
+                                                                                 f"{str(exc)[:300]}"}))
+        return 0
     client = NotebookClient(nb, timeout=int(cell_timeout), kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": str(notebook.parent)}})
-    status = {"status": "ok", "detail": ""}
     try:
         client.execute()
     except CellTimeoutError as exc:
@@ -109,7 +177,10 @@ def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: flo
     errors = sum(1 for c in nb.cells if c.get("cell_type") == "code"
                  for o in c.get("outputs", []) if o.get("output_type") == "error")
     status["cell_errors"] = errors
-    nbformat.write(nb, executed)
+    try:
+        nbformat.write(nb, executed)
+    except Exception as exc:
+        status["detail"] += f" (the executed notebook could not be written: {type(exc).__name__})"
     status_file.write_text(json.dumps(status))
     return 0
 
@@ -117,31 +188,41 @@ def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: flo
 # -- the batch -----------------------------------------------------------------------------------
 
 class Running:
-    def __init__(self, sub: Submission, work: Path, out: Path, limit: float, cell_timeout: float):
+    """One submission under way: its sandboxed runner process and its check service."""
+
+    def __init__(self, sub: Submission, work: Path, out: Path, limit: float, hidden: list[str]):
+        from hpdl.check import sandbox
+        from hpdl.check.grade_service import Service
+
         self.sub, self.work, self.limit = sub, work, limit
         self.home = work / "hpdl-home"
         self.home.mkdir(parents=True)
         self.copy = work / Path(sub.name).name
         shutil.copyfile(sub.path, self.copy)
-        self.results = work / "checks.jsonl"
         self.status = work / "status.json"
+        self.executed_here = work / "executed.ipynb"
         self.executed = out / "executed" / sub.name
-        self.executed.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, HPDL_GRADE="1", HPDL_GRADE_RESULTS=str(self.results), HPDL_HOME=str(self.home),
-                   IPP_NONINTERACTIVE="1", MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
+        self.service = Service(work / "checks", hidden=hidden)
+        env = dict(os.environ, HPDL_GRADE="1", HPDL_GRADE_SERVICE=str(work / "checks"), HPDL_HOME=str(self.home),
+                   IPP_NONINTERACTIVE="1", MPLBACKEND="Agg", PYTHONUNBUFFERED="1", HOME=str(work),
+                   JUPYTER_RUNTIME_DIR=str(work / "runtime"), IPYTHONDIR=str(work / "ipython"))
+        env.pop("HPDL_GRADE_RESULTS", None)
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        cmd = [sys.executable, "-m", "hpdl.grade", "--run-one", str(self.copy), str(self.executed_here),
+               str(self.status), str(limit)]
+        sub.sandboxed = sandbox.available()
+        cmd = sandbox.wrap(cmd, writable=[str(work)], hidden=hidden, cwd=str(work))
+        self.limits = limits = sandbox.Limits(cpu_seconds=int(limit * 2) + 60, processes=2048).start()
         self.log = open(work / "run.log", "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hpdl.grade", "--run-one", str(self.copy), str(self.executed), str(self.status),
-             str(cell_timeout)],
-            cwd=work, env=env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        self.proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=limits.apply)
         self.started = time.time()
 
     def poll(self) -> bool:
         """True when finished (by itself or by the time limit)."""
+        self.service.poll()
         if self.proc.poll() is not None:
+            self.service.poll()
             self.finish(timed_out=False)
             return True
         if time.time() - self.started > self.limit:
@@ -153,163 +234,251 @@ class Running:
         sub = self.sub
         sub.seconds = time.time() - self.started
         kill_tree(self.proc.pid, self.home)
-        self.proc.wait()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            sub.detail += " (its runner could not be ended)"
         self.log.close()
+        self.limits.stop()
+        self.service.finish()
         if timed_out:
             sub.status, sub.detail = "timeout", f"stopped after {self.limit:g} s (the submission's time limit)"
         else:
             try:
-                st = json.loads(self.status.read_text())
-                sub.status, sub.detail, sub.cell_errors = st["status"], st.get("detail", ""), st.get("cell_errors", 0)
-            except (OSError, ValueError, KeyError):
-                tail = (self.work / "run.log").read_text(errors="replace").strip().splitlines()[-5:]
-                sub.status, sub.detail = "error", "the notebook runner failed: " + " | ".join(tail)
+                st = json.loads(self.status.read_text()[:100_000])
+                sub.status = str(st["status"])[:40]
+                sub.detail, sub.cell_errors = str(st.get("detail", ""))[:600], int(st.get("cell_errors", 0))
+            except (OSError, ValueError, KeyError, TypeError):
+                tail = _tail(self.work / "run.log")
+                code = self.proc.returncode
+                why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                sub.status, sub.detail = "runner failed", f"the notebook's runner ended ({why}): {tail}"
+        sub.checks = dict(self.service.results)  # the grader's own results, never the kernel's
+        if self.service.problems:
+            sub.detail = (sub.detail + " | " if sub.detail else "") + "; ".join(self.service.problems[:3])
         try:
-            for line in self.results.read_text().splitlines():
-                if line.strip():
-                    entry = json.loads(line)
-                    sub.checks[entry["exercise"]] = entry  # the last check of an exercise counts
-        except (OSError, ValueError):
-            pass
+            data = self.executed_here.read_bytes()[:MAX_NOTEBOOK_BYTES]
+            self.executed.parent.mkdir(parents=True, exist_ok=True)
+            _write_private(self.executed, data)
+        except OSError:
+            data = self.copy.read_bytes()
+        sub.predictions = predictions_of(_cells(data) or [])
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return " | ".join(text.strip().splitlines()[-lines:])[:600]
 
 
 def kill_tree(pid: int, home: Path) -> None:
-    """Kill a process, everything under it, and any process still carrying this HPDL_HOME
-    (a watchman in its own session, engines a killed kernel left behind)."""
+    """End a submission's process group and everything under it; without a sandbox (whose PID
+    namespace ends everything in it) also any process still carrying its HPDL_HOME (a daemon
+    that left the group), and remove the MPI shared memory they mapped (through hpdl.procs)."""
     import psutil
 
-    procs = {}
-    try:
-        root = psutil.Process(pid)
-        procs[root.pid] = root
-        procs.update({c.pid: c for c in root.children(recursive=True)})
-    except psutil.Error:
-        pass
+    from hpdl import procs
+
+    found = [r for r in [procs.record(pid)] if r is not None]
     mine = os.getpid()
     for p in psutil.process_iter():
         try:
             if p.pid != mine and p.environ().get("HPDL_HOME") == str(home):
-                procs[p.pid] = p
-                procs.update({c.pid: c for c in p.children(recursive=True)})
+                rec = procs.record(p.pid)
+                if rec is not None:
+                    found.append(rec)
         except psutil.Error:
             continue
-    from hpdl.reaper import shared_memory_of
+    leader = procs.record(pid)
+    segments = procs.end(found, groups=[leader] if leader else [], grace=0.0)
+    procs.remove_shared_memory(segments)
 
-    segments = shared_memory_of(procs)
+
+def _write_private(path: Path, data: bytes | str) -> None:
+    """Write a file readable by its owner only, atomically (a reader never sees half of it)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def _previous(out: Path) -> dict[tuple[str, str], dict]:
+    """Submissions graded by an earlier run into `out` (name, digest) -> their record."""
+    done = {}
     try:
-        os.killpg(pid, signal.SIGKILL)
+        text = (out / "results.jsonl").read_text()
     except OSError:
-        pass
-    for p in procs.values():
+        return done
+    for line in text.splitlines():
         try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(list(procs.values()), timeout=5)
-    for path in segments:  # MPI ranks killed here never reach MPI_Finalize, which removes these
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+            rec = json.loads(line)
+            done[(rec["name"], rec["digest"])] = rec
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short when an earlier run was killed
+    return done
 
 
-def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress: bool = True) -> list[Submission]:
+def _append(out: Path, sub: Submission) -> None:
+    path = out / "results.jsonl"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "a") as f:
+        f.write(json.dumps(sub.to_dict(), default=str) + "\n")
+
+
+def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress: bool = True,
+          exercises: list[str] | None = None) -> list[Submission]:
+    from hpdl.check import sandbox
+
     subs = find_submissions(folder)
     out.mkdir(parents=True, exist_ok=True)
+    os.chmod(out, 0o700)
+    done = _previous(out)
+    todo = []
+    for i, sub in enumerate(subs):
+        rec = done.get((sub.name, sub.digest))
+        if rec is not None:  # graded by an earlier run of this command: resume after it
+            for key in ("status", "detail", "seconds", "checks", "predictions", "cell_errors", "sandboxed"):
+                if key in rec:
+                    setattr(sub, key, rec[key])
+        elif sub.status == "pending":
+            todo.append((i, sub))
+        else:  # refused before running (not a notebook, too large, unreadable): recorded as such
+            _append(out, sub)
+    write_reports(subs, out, exercises, sandbox.describe())  # valid from the start: the rest "pending"
     work_root = Path(tempfile.mkdtemp(prefix="hpdl-grade-"))
-    todo = list(enumerate(subs))
+    hidden = [str(folder.resolve()), str(out.resolve()), *_answer_keys()]
     running: list[Running] = []
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(subs), desc="grading", unit="notebook")
+        bar = tqdm(total=len(subs), initial=len(subs) - len(todo), desc="grading", unit="notebook")
     try:
         while todo or running:
             while todo and len(running) < max(1, jobs):
                 i, sub = todo.pop(0)
-                running.append(Running(sub, work_root / f"{i:04d}", out, limit, cell_timeout=limit))
+                try:
+                    running.append(Running(sub, work_root / f"{i:04d}", out, limit, hidden))
+                except OSError as exc:
+                    sub.status, sub.detail = "not started", f"{type(exc).__name__}: {exc}"
+                    _done(out, subs, sub, exercises, bar)
             for r in list(running):
                 if r.poll():
                     running.remove(r)
-                    if bar is not None:
-                        bar.update(1)
+                    _done(out, subs, r.sub, exercises, bar)
             time.sleep(0.1)
     finally:
         for r in running:
             r.finish(timed_out=True)
+            r.sub.status, r.sub.detail = "interrupted", "the grader was stopped while this submission ran"
         if bar is not None:
             bar.close()
         shutil.rmtree(work_root, ignore_errors=True)
-    write_reports(subs, out)
+    write_reports(subs, out, exercises, sandbox.describe())
     return subs
+
+
+def _done(out: Path, subs: list[Submission], sub: Submission, exercises, bar) -> None:
+    """One submission finished: keep it, and rewrite the reports so far (a valid partial report)."""
+    from hpdl.check import sandbox
+
+    _append(out, sub)
+    write_reports(subs, out, exercises, sandbox.describe())
+    if bar is not None:
+        bar.update(1)
+
+
+def _answer_keys() -> list[str]:
+    root = Path(__file__).resolve().parents[1]
+    return [str(root / "solutions")] if (root / "solutions").is_dir() else []
 
 
 # -- reports -------------------------------------------------------------------------------------
 
-def _max_points(subs: list[Submission]) -> dict[str, float]:
-    """The points an exercise is worth: as reached by any submission, else from its cases."""
-    best: dict[str, float] = {}
-    for s in subs:
-        for ex, c in s.checks.items():
-            best[ex] = max(best.get(ex, 0.0), c["max_score"])
-    for ex in {e for s in subs for e in s.exercises} - set(best):
-        best[ex] = _planned_points(ex)
-    return best
+def scored_exercises(subs: list[Submission], exercises: list[str] | None = None) -> dict[str, float]:
+    """Exercise -> points it is worth, from its case module (never from a submission): those
+    named, else those called in at least half of the submissions' notebooks."""
+    if exercises is None:
+        counts: dict[str, int] = {}
+        for s in subs:
+            for ex in set(s.exercises):
+                counts[ex] = counts.get(ex, 0) + 1
+        exercises = sorted(ex for ex, n in counts.items() if 2 * n >= len(subs))
+    return {ex: planned_points(ex) for ex in exercises}
 
 
-def _planned_points(exercise: str) -> float:
-    try:
-        from hpdl.check import cases
+def planned_points(exercise: str) -> float:
+    """All points of an exercise in grade mode: every case, hidden ones included, at its rank counts."""
+    from hpdl.check import cases
 
-        module = cases.load(exercise)
-        return float(sum(c.points for p in getattr(module, "RANKS", (1, 2, 3, 4)) for c in module.cases(p)))
-    except Exception:
-        return 0.0
+    module = cases.load(exercise)
+    ranks = getattr(module, "RANKS", (1, 2, 3, 4))
+    ranks = (ranks,) if isinstance(ranks, int) else ranks
+    return float(sum(c.points for p in sorted({int(r) for r in ranks}) for c in module.cases(p)))
 
 
-def write_reports(subs: list[Submission], out: Path) -> None:
-    worth = _max_points(subs)
-    exercises = sorted(worth)
+def write_reports(subs: list[Submission], out: Path, exercises: list[str] | None = None,
+                  sandbox_text: str = "") -> None:
+    worth = scored_exercises(subs, exercises)
+    names = sorted(worth)
     total = sum(worth.values())
     rows = []
     for s in subs:
-        row = {"submission": s.name, "status": s.status, "score": s.score(), "max_score": total,
+        row = {"submission": s.name, "status": s.status, "score": s.score(worth), "max_score": total,
                "seconds": round(s.seconds, 1), "cell_errors": s.cell_errors, "detail": s.detail}
-        for ex in exercises:
-            row[ex] = s.checks[ex]["score"] if ex in s.checks else 0.0
+        for ex in names:
+            row[ex] = float(s.checks[ex]["score"]) if ex in s.checks else 0.0
         rows.append(row)
-    with open(out / "grades.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["submission", "status", "score", "max_score", *exercises, "seconds",
-                                          "cell_errors", "detail"])
-        w.writeheader()
-        w.writerows(rows)
-    with open(out / "cases.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["submission", "exercise", "ranks", "case", "hidden", "verdict", "points", "max_points", "message"])
-        for s in subs:
-            for ex in exercises:
-                if ex not in s.checks:
-                    w.writerow([s.name, ex, "", "(not reached)", "", "NOT RUN", 0, worth[ex], s.status])
-                    continue
-                for c in s.checks[ex]["cases"]:
-                    w.writerow([s.name, ex, c["ranks"], c["name"], c["hidden"], c["verdict"], c["points"],
-                                c["max_points"], c["message"]])
+    _write_private(out / "grades.csv", _csv([["submission", "status", "score", "max_score", *names, "seconds",
+                                              "cell_errors", "detail"]], rows))
+    case_rows = [["submission", "exercise", "ranks", "case", "hidden", "verdict", "points", "max_points", "message"]]
+    for s in subs:
+        for ex in names:
+            if ex not in s.checks:
+                case_rows.append([s.name, ex, "", "(not reached)", "", "NOT RUN", 0, worth[ex], s.status])
+                continue
+            for c in s.checks[ex]["cases"]:
+                case_rows.append([s.name, ex, c["ranks"], c["name"], c["hidden"], c["verdict"], c["points"],
+                                  c["max_points"], c["message"]])
+    _write_private(out / "cases.csv", _csv(case_rows))
     data = {
-        "exercises": {ex: {"max_score": worth[ex]} for ex in exercises},
+        "sandbox": sandbox_text,
+        "exercises": {ex: {"max_score": worth[ex]} for ex in names},
         "max_score": total,
         "submissions": [
             {"submission": s.name, "status": s.status, "detail": s.detail, "seconds": round(s.seconds, 2),
-             "score": s.score(), "max_score": total, "cell_errors": s.cell_errors,
-             "checks": s.checks, "not_reached": [ex for ex in exercises if ex not in s.checks]}
+             "score": s.score(worth), "max_score": total, "cell_errors": s.cell_errors, "sandboxed": s.sandboxed,
+             "checks": s.checks, "not_reached": [ex for ex in names if ex not in s.checks],
+             "unscored_checks": sorted(set(s.checks) - set(names)), "predictions": s.predictions}
             for s in subs
         ],
     }
-    (out / "grades.json").write_text(json.dumps(data, indent=1))
-    (out / "index.html").write_text(_html(subs, exercises, worth, total))
+    _write_private(out / "grades.json", json.dumps(data, indent=1))
+    _write_private(out / "index.html", _html(subs, names, worth, total, sandbox_text))
 
 
-def _html(subs: list[Submission], exercises: list[str], worth: dict[str, float], total: float) -> str:
+def _csv(header_rows: list[list], dict_rows: list[dict] | None = None) -> str:
+    import io
+
+    buf = io.StringIO()
+    if dict_rows is None:
+        csv.writer(buf).writerows(header_rows)
+    else:
+        w = csv.DictWriter(buf, fieldnames=header_rows[0])
+        w.writeheader()
+        w.writerows(dict_rows)
+    return buf.getvalue()
+
+
+def _html(subs: list[Submission], exercises: list[str], worth: dict[str, float], total: float,
+          sandbox_text: str) -> str:
     from hpdl.check.report import CheckResult
 
     e = html.escape
@@ -319,13 +488,14 @@ def _html(subs: list[Submission], exercises: list[str], worth: dict[str, float],
     for i, s in enumerate(subs):
         colour = "#1a7f37" if s.status == "ok" else "#cf222e"
         cells = [f"<a href='#s{i}'>{e(s.name)}</a>", f"<span style='color:{colour}'>{e(s.status)}</span>",
-                 f"<b>{s.score():g}</b> / {total:g}"]
+                 f"<b>{s.score(worth):g}</b> / {total:g}"]
         for ex in exercises:
             c = s.checks.get(ex)
-            cells.append(f"{c['score']:g} / {worth[ex]:g}" if c else f"<span style='color:#57606a'>not reached</span>")
+            cells.append(f"{float(c['score']):g} / {worth[ex]:g}" if c
+                         else "<span style='color:#57606a'>not reached</span>")
         cells.append(f"{s.seconds:.0f} s")
         body.append("<tr>" + "".join(f"<td {td}>{c}</td>" for c in cells) + "</tr>")
-        parts = [f"<h3 id='s{i}'>{e(s.name)} — {s.score():g} / {total:g}</h3>"]
+        parts = [f"<h3 id='s{i}'>{e(s.name)} — {s.score(worth):g} / {total:g}</h3>"]
         if s.detail:
             parts.append(f"<p>{e(s.status)}: {e(s.detail)}</p>")
         if s.cell_errors:
@@ -335,11 +505,16 @@ def _html(subs: list[Submission], exercises: list[str], worth: dict[str, float],
                 parts.append(CheckResult.from_dict(s.checks[ex])._repr_html_())
             else:
                 parts.append(f"<p>{e(ex)}: not reached (0 / {worth[ex]:g}).</p>")
+        for p in s.predictions:
+            parts.append(f"<p><i>Prediction (cell {p['cell']}, not scored):</i></p><pre>{e(p['source'])}</pre>"
+                         + (f"<pre>{e(p['output'])}</pre>" if p["output"] else ""))
         details.append("\n".join(parts))
+    warn = "" if sandbox_text.startswith("sandboxed") else "color:#cf222e;font-weight:600"
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>hpdl grades</title></head>"
         "<body style='font-family:system-ui,sans-serif;font-size:14px;margin:20px'>"
-        f"<h1>Grades</h1><p>{len(subs)} submissions · {time.strftime('%Y-%m-%d %H:%M')}</p>"
+        f"<h1>Grades</h1><p style='{warn}'>{e(sandbox_text)}</p>"
+        f"<p>{len(subs)} submissions · {time.strftime('%Y-%m-%d %H:%M')}</p>"
         f"<table style='border-collapse:collapse'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
         + "".join(f"<section>{d}</section>" for d in details)
         + "</body></html>\n"
@@ -354,15 +529,29 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path, default=Path("report"), help="where the reports go (default: ./report)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds each notebook may run (default 600)")
     ap.add_argument("--jobs", type=int, default=1, help="notebooks run at once (default 1; each may start MPI ranks)")
+    ap.add_argument("--exercises", default=None,
+                    help="comma-separated exercises to score (default: those most notebooks call)")
     args = ap.parse_args(argv)
     if args.timeout <= 0 or args.jobs < 1:
         raise HpdlError("--timeout must be positive seconds and --jobs at least 1.")
-    subs = grade(args.submissions, args.out, limit=args.timeout, jobs=args.jobs)
-    total = _max_points(subs)
-    worth = sum(total.values())
+    wanted = None
+    if args.exercises:
+        from hpdl.check.cases import known
+
+        wanted = [x.strip() for x in args.exercises.split(",") if x.strip()]
+        unknown = sorted(set(wanted) - set(known()))
+        if unknown:
+            raise HpdlError(f"No checks for {', '.join(unknown)}. Known exercises: {', '.join(known())}.")
+    from hpdl.check import sandbox
+
+    print(f"hpdl grade: {sandbox.describe()}")
+    subs = grade(args.submissions, args.out, limit=args.timeout, jobs=args.jobs, exercises=wanted)
+    worth = scored_exercises(subs, wanted)
+    total = sum(worth.values())
     for s in subs:
-        print(f"  {s.name:<40} {s.status:<12} {s.score():g} / {worth:g}")
-    print(f"hpdl grade: {len(subs)} submissions; reports in {args.out}/ (grades.csv, cases.csv, grades.json, index.html)")
+        print(f"  {s.name:<40} {s.status:<14} {s.score(worth):g} / {total:g}")
+    print(f"hpdl grade: {len(subs)} submissions; reports in {args.out}/ "
+          "(grades.csv, cases.csv, grades.json, index.html)")
     return 0
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from mpi4py import MPI
+from torch.distributed import all_reduce as imported_all_reduce
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
@@ -153,6 +154,23 @@ def grads_over_mpi(comm, model):
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def grads_with_imported_all_reduce(comm, model):
+    """The learner imported the function itself: `from torch.distributed import all_reduce`."""
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    imported_all_reduce(flat)
+    flat /= comm.Get_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def test_allreduce_gradients_sees_an_imported_all_reduce():
+    result = hpdl.check("allreduce_gradients", grads_with_imported_all_reduce, ranks=[2])
+    assert passed(result), hints(result)
 
 
 def test_allreduce_gradients_solution_passes():

@@ -47,7 +47,8 @@ def test_result_counts_points_and_shows_a_compact_table():
 def test_result_survives_json_for_the_grader():
     r = _result()
     back = CheckResult.from_dict(json.loads(json.dumps(r.to_dict())))
-    assert back.verdicts == r.verdicts and back.score == r.score and back.cases[5].stuck == {0: "line 4 in f: comm.Recv(buf)"}
+    assert back.verdicts == r.verdicts and back.score == r.score
+    assert back.cases[5].stuck == {0: "line 4 in f: comm.Recv(buf)"}
 
 
 def test_messages_are_escaped_in_html():

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 import hpdl
-from hpdl.check.runner import shared_memory_of
+from hpdl.reaper import shared_memory_of
 
 FIXTURES = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
@@ -61,7 +61,7 @@ def test_deadlocking_ring_is_a_hang_naming_every_stuck_rank_and_the_line(no_stra
     assert sorted(first.stuck) == [0, 1, 2] and first.finished == []
     line = line_of("# DEADLOCK")
     assert first.line["line"] == line and "comm.Recv(buf, source=left)" in first.line["code"]
-    assert f"line {line} in ring_deadlock" in first.message
+    assert f"line {line} of ring_deadlock()" in first.message
     rest = result.find(ranks=3)[1:]
     assert rest and all(c.verdict == "HANG" and c.message.startswith("Not run") for c in rest)
 
@@ -98,7 +98,7 @@ def test_collective_called_on_one_rank_hangs_that_rank_only(no_strays):
     assert first.verdict == "HANG"
     assert list(first.stuck) == [0] and first.finished == [1, 2]
     assert first.line["line"] == line_of("# COLLECTIVE ON ONE RANK")
-    assert "Finished: ranks 1, 2" in first.message
+    assert "finished: ranks 1, 2" in first.message
 
 
 def test_exception_on_one_rank_is_an_error_naming_rank_and_line_without_waiting(no_strays):
@@ -128,7 +128,9 @@ def test_allreduce_hidden_from_the_source_is_rejected_when_called(no_strays):
 
 def test_right_sum_by_the_wrong_pattern_is_not_a_ring(no_strays):
     result = hpdl.check("ring_allreduce", L.ring_gather_to_root, ranks=[3, 4])
-    assert all(c.verdict == "PASS" for c in result.find(ranks=3))  # with 3 ranks everyone is a neighbour
+    # with 3 ranks everyone is a neighbour, but whole vectors are not the ring's chunks
+    three = [c for c in result.find(ranks=3) if c.params["n"] > 1]
+    assert three and all(c.verdict == "WRONG" and "chunks of at most" in c.message for c in three)
     four = result.find(ranks=4)
     assert four and all(c.verdict == "WRONG" and "neighbours" in c.message for c in four)
 
@@ -147,12 +149,13 @@ def test_killing_the_notebook_mid_check_leaves_no_ranks_behind(tmp_path, no_stra
     try:
         workers = []
         deadline = time.time() + 60
-        while time.time() < deadline and len(workers) < 3:
+        while time.time() < deadline and len(workers) < 6:  # the learner's 3 ranks and the reference's 3
             workers = [p for p in psutil.Process(client.pid).children(recursive=True)
-                       if p.name().startswith("python") and "hpdl.check.worker" in " ".join(p.cmdline())]
+                       if p.name().startswith("python") and "_job" in " ".join(p.cmdline())]
             time.sleep(0.2)
-        assert len(workers) == 3, "the check's three ranks did not start"
-        launcher = [p for p in psutil.Process(client.pid).children() if "mpiexec" in p.name()]
+        assert len(workers) == 6, "the check's ranks did not start"
+        launcher = [p for p in psutil.Process(client.pid).children()
+                    if p.name() in ("mpiexec", "mpiexec.hydra", "bwrap")]
         segments = shared_memory_of([p.pid for p in workers])
         assert any("mpich" in s or "ucx" in s for s in segments)  # MPI's shared memory, in RAM
         client.send_signal(signal.SIGKILL)
@@ -176,3 +179,21 @@ def test_right_but_slow_is_advisory_and_keeps_the_points(no_strays):
     assert set(result.verdicts.values()) == {"SLOW"}
     assert result.score == result.max_score and result.passed
     assert "slow" in result.cases[0].message and "no points lost" in result.cases[0].message
+
+
+def test_a_hang_in_a_check_reads_as_a_hang_in_a_px_cell(no_strays):
+    """hpdl.hang is the one wording: a check's HANG and a %%px cell's hang report name a stuck
+    rank's place in the same words (the %%px side builds its report from the same answers)."""
+    from hpdl import hang
+
+    result = hpdl.check("ring_allreduce", L.ring_collective_one_rank, ranks=[3], timeout=2)
+    case = result.cases[0]
+    assert case.verdict == "HANG"
+    place = hang.place_text(case.line)
+    assert place.startswith(f"line {line_of('# COLLECTIVE ON ONE RANK')} of ring_collective_one_rank(): ")
+    check_words = hang.summary({0: {"where": case.line}}, finished=[1, 2])
+    px_words = hang.hang_message("the cell did not finish on every rank within 2 s.", {0: {"where": case.line}},
+                                 finished=[1, 2])
+    assert check_words in case.message
+    assert f"stuck:    rank 0 at {place}" in px_words and case.stuck[0] == place
+    assert hang.DEADLOCK_HINT == case.hint

@@ -63,11 +63,13 @@ def _digest(folder: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(500)
 def test_batch_grades_every_submission_despite_hangs_and_crashes(submissions, tmp_path, no_strays, capsys):
     before = _digest(submissions)
     out = tmp_path / "report"
-    assert grade.main([str(submissions), "--out", str(out), "--timeout", "25", "--jobs", "2"]) == 0
+    # 150 s: grade mode runs every case at every rank count, whatever the notebook asks for (the
+    # deadlocking ring hangs in every case at 2, 3 and 4 ranks)
+    assert grade.main([str(submissions), "--out", str(out), "--timeout", "150", "--jobs", "2"]) == 0
     assert _digest(submissions) == before  # nothing written next to or into a submission
 
     rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
@@ -98,3 +100,170 @@ def test_batch_grades_every_submission_despite_hangs_and_crashes(submissions, tm
     assert "dana/deadlock.ipynb" in page and "not reached" in page and "HANG" in page
     assert (out / "executed" / "dana" / "deadlock.ipynb").exists()
     assert "ada.ipynb" in capsys.readouterr().out
+
+
+# -- submissions written to cheat or to break the grader ------------------------------------------
+
+FORGE = """import json, os, pathlib
+# a line of our own in every results file we can reach, a huge max_score, a fake answer from "the grader"
+for var in ("HPDL_GRADE_RESULTS", "HPDL_GRADE_SERVICE"):
+    target = os.environ.get(var)
+    if target:
+        folder = pathlib.Path(target)
+        path = folder / "results.jsonl" if folder.is_dir() else folder
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps({"exercise": "ring_allreduce", "score": 1e9, "max_score": 1e9, "cases": []}) + "\\n")
+        except OSError as exc:
+            print("refused:", exc)
+for out in pathlib.Path("/").glob("tmp/**/results.jsonl"):
+    out.write_text("forged")
+"""
+DAEMON = """import os, subprocess, sys
+# a double-forked daemon, detached, with an empty environment, ignoring SIGTERM: outlive the batch
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execve(sys.executable, [sys.executable, "-c", "import signal, time; "
+                  "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)  # hpdl-daemon-marker"], {})
+    os._exit(0)
+"""
+CHEAT_CHECK = """import hpdl
+from hpdl.check.cases import ring_allreduce as key
+try:
+    hpdl.check("ring_allreduce", key.reference)
+except Exception as exc:
+    print("refused:", exc)
+"""
+
+
+@pytest.fixture
+def attacks(tmp_path) -> Path:
+    """Malformed notebooks, forgers, a daemon, resource hogs, and one honest learner."""
+    kit = tmp_path / "kit"
+    (kit / "solutions").mkdir(parents=True)
+    nbformat.write(nbformat.read(EXAMPLE, as_version=4), kit / "solutions" / "ex.ipynb")
+    assert build.main(["--root", str(kit)]) == 0
+    solved = nbformat.read(kit / "solutions" / "ex.ipynb", as_version=4)
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    nbformat.write(solved, subs / "honest.ipynb")
+    (subs / "list.ipynb").write_text("[1, 2, 3]")
+    (subs / "garbage.ipynb").write_text("this is not JSON")
+    (subs / "nocells.ipynb").write_text('{"cells": 5, "nbformat": 4}')
+    code = nbformat.v4.new_code_cell
+    for name, cell, where in [
+        ("forger", FORGE, 5), ("daemon", DAEMON, 2), ("answer_key", CHEAT_CHECK, 5),
+        ("memory_hog", "x = bytearray(64 * 2**30)", 2),
+        ("fork_bomb", "import os, time\nfor _ in range(100000):\n    if os.fork() == 0:\n        time.sleep(600)", 2),
+        ("flood", "while True:\n    print('spam ' * 2000)", 5),
+        ("kills_parent", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", 5),
+    ]:
+        _variant(solved, subs / f"{name}.ipynb", lambda cells, cell=cell, where=where: cells.insert(where, code(cell)))
+    return subs
+
+
+def _daemons() -> list:
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if any("hpdl-daemon-marker" in part for part in (p.info["cmdline"] or [])):
+            found.append(p)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attacks, tmp_path, no_strays):
+    from hpdl.check import sandbox
+
+    if not sandbox.available():
+        pytest.skip("bubblewrap is not available: a submission could reach the grader's files (the report says so)")
+    out = tmp_path / "report"
+    assert grade.main([str(attacks), "--out", str(out), "--timeout", "45", "--jobs", "2"]) == 0
+    rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
+    assert len(rows) == 11  # every submission recorded, each with a status and a reason
+    full = float(rows["honest.ipynb"]["max_score"])
+    assert full > 0 and {float(r["max_score"]) for r in rows.values()} == {full}  # max from the case modules
+    assert rows["honest.ipynb"]["status"] == "ok" and float(rows["honest.ipynb"]["score"]) == full
+    for bad in ("list.ipynb", "garbage.ipynb", "nocells.ipynb"):
+        assert rows[bad]["status"] == "not a notebook" and float(rows[bad]["score"]) == 0 and rows[bad]["detail"]
+    # forging results, a daemon, a memory hog: the honest check in those notebooks still counts, nothing more
+    for name in ("forger.ipynb", "daemon.ipynb", "memory_hog.ipynb"):
+        assert float(rows[name]["score"]) == full, rows[name]
+    assert float(rows["answer_key.ipynb"]["score"]) == full  # its own ring counts; the kit's reference was refused
+    executed = nbformat.read(out / "executed" / "answer_key.ipynb", as_version=4)
+    assert "defined in the kit itself" in json.dumps(executed.cells[5].outputs)
+    for name in ("fork_bomb.ipynb", "flood.ipynb", "kills_parent.ipynb"):
+        assert rows[name]["status"] and float(rows[name]["score"]) <= full, rows[name]
+    assert rows["flood.ipynb"]["status"] in ("timeout", "runner failed", "kernel died", "error")
+    assert rows["kills_parent.ipynb"]["status"] != "ok" and rows["kills_parent.ipynb"]["detail"]
+    # nothing outlives the batch, and the reports are the grader's own, readable by their owner only
+    import time
+
+    time.sleep(1)
+    assert not _daemons(), "a submission's daemon outlived the batch"
+    for f in ("grades.csv", "cases.csv", "grades.json", "index.html", "results.jsonl"):
+        assert (out / f).stat().st_mode & 0o077 == 0, f
+    data = json.loads((out / "grades.json").read_text())
+    assert data["sandbox"].startswith("sandboxed" if sandbox.available() else "NOT sandboxed")
+    assert all(s["score"] <= full for s in data["submissions"])
+    assert "forged" not in (out / "results.jsonl").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_killed_batch_leaves_a_valid_report_and_a_rerun_resumes(submissions, tmp_path, no_strays):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    out = tmp_path / "report"
+    for p in ("hangs.ipynb", "crash.ipynb", "dana/deadlock.ipynb"):
+        (submissions / p).unlink()
+    proc = subprocess.Popen([sys.executable, "-m", "hpdl.grade", str(submissions), "--out", str(out),
+                             "--timeout", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 200
+    while time.time() < deadline and not (out / "results.jsonl").exists():
+        time.sleep(0.2)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for c in children:  # what the killed grader had running (the sandbox ends with it)
+        try:
+            c.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(children, timeout=10)
+    rows = list(csv.DictReader(open(out / "grades.csv")))  # a valid report, written before the kill
+    assert len(rows) == 2 and "pending" in {r["status"] for r in rows}
+    first = (out / "results.jsonl").read_text().splitlines()
+    assert len(first) == 1
+    assert grade.main([str(submissions), "--out", str(out), "--timeout", "60"]) == 0
+    lines = (out / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and lines[0] == first[0]  # the first one was not graded again
+    rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
+    ada = rows["ada.ipynb"]
+    assert ada["status"] == "ok" and float(ada["score"]) == float(ada["max_score"])
+    assert rows["blank.ipynb"]["status"] == "ok"
+
+
+def test_prediction_cells_are_copied_into_the_report_unscored(tmp_path):
+    cells = [
+        {"cell_type": "markdown", "metadata": {"tags": ["prediction"]}, "source": "I predict 2(p-1) messages."},
+        {"cell_type": "code", "metadata": {"tags": ["prediction"]}, "source": ["prediction = ", "6"],
+         "outputs": [{"output_type": "stream", "name": "stdout", "text": "6\n"}]},
+        {"cell_type": "code", "metadata": {}, "source": "x = 1", "outputs": []},
+    ]
+    got = grade.predictions_of(cells)
+    assert [p["cell"] for p in got] == [0, 1]
+    assert got[0]["source"] == "I predict 2(p-1) messages." and got[1]["output"] == "6\n"
+    sub = grade.Submission("a.ipynb", tmp_path / "a.ipynb", status="ok", predictions=got)
+    grade.write_reports([sub], tmp_path, exercises=[])
+    data = json.loads((tmp_path / "grades.json").read_text())
+    assert data["submissions"][0]["predictions"][1]["source"] == "prediction = 6"
+    assert "I predict 2(p-1) messages." in (tmp_path / "index.html").read_text()

@@ -3,17 +3,27 @@
     hpdl.check("ring_allreduce", ring_allreduce)   # a function defined in the notebook
     hpdl.check("ring_allreduce")                   # one defined under %%px: fetched from rank 0
 
-Each rank count gets its own `mpiexec` job (runner.py launches them side by side, worker.py
-runs on each rank), so a deadlock never touches the learner's engines. Every case ends as
-PASS, WRONG, ERROR, HANG or SLOW (see report.py); the cases of each exercise live in
-cases/<exercise>.py (API in cases/__init__.py), the checks on *how* in hooks.py.
+Which side each module runs on:
 
-Grade mode (grade=True, or HPDL_GRADE=1) adds the hidden cases. With HPDL_GRADE_RESULTS set
-to a file, each result is also appended there as a JSON line (that is how `hpdl grade`
-collects checks from a notebook it runs, and how the tests see that solutions score full marks).
+    client.py         the caller (the learner's kernel, or the grader): find the function, plan, report
+    jobs.py           the caller: per rank count, the learner's job and the reference job, verdicts
+    runner.py         the caller: the one spot that launches a check's MPI jobs
+    learner_job.py    the learner's ranks (sandboxed where possible): inputs, the learner's function,
+                      recording.py (every MPI/torch.distributed call noted, forbidden ones refused)
+    reference_job.py  the checker's ranks: reference(), then verify()/diagnose() on the learner's outputs
+    rank_job.py       both jobs' ranks: events, stack reports, barriers, never outliving the caller
+    wire.py           the learner's outputs as plain data, read back without running their code
+    sandbox.py        bubblewrap + rlimits around untrusted processes
+    grade_service.py  under `hpdl grade`: the kernel asks the grader to check; the grader decides
+    report.py         Verdict, CaseResult, CheckResult and their tables
+    cases/            one module per exercise (API and its validation in cases/__init__.py)
 
-This package is imported by the check workers on every rank too, so it stays light: the
-client machinery is imported inside check().
+Every case ends as a report.Verdict: PASS, WRONG, ERROR, HANG or SLOW; a WRONG that broke a
+rule of the exercise carries CaseResult.rejected. Grade mode (grade=True, or HPDL_GRADE=1)
+adds the hidden cases; set by the environment, it also ignores ranks= and timeout=.
+
+This package is imported by the check jobs on every rank too, so it stays light: the client
+machinery is imported inside check().
 """
 from __future__ import annotations
 
@@ -36,7 +46,7 @@ def check(name: str, fn: Callable | None = None, *, ranks=None, grade: bool | No
     timeout: seconds per case before it counts as a HANG (default: the exercise's, 5 s).
     Returns a CheckResult: a table in JupyterLab; `.verdicts`, `.score`, `.cases` in code.
     """
-    from hpdl.check.run import run_check
+    from hpdl.check.client import run_check
 
     return run_check(name, fn, ranks=ranks, grade=grade, timeout=timeout, caller=sys._getframe(1))
 
@@ -52,7 +62,7 @@ class _CallableModule(types.ModuleType):
     Python binds the attribute `hpdl.check` to the package, so calling it must still work."""
 
     def __call__(self, name: str, fn: Callable | None = None, **kwargs):
-        from hpdl.check.run import run_check
+        from hpdl.check.client import run_check
 
         return run_check(name, fn, caller=sys._getframe(1), **kwargs)
 

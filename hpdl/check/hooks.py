@@ -4,11 +4,12 @@ Case modules call these from verify() on every rank. The client imports case mod
 their cases and hints), so nothing here imports mpi4py.MPI (that would start MPI in the
 learner's kernel) or torch: both are only touched through the objects handed in.
 
-- REDUCTIONS / DATA_COLLECTIVES: name lists for a case module's FORBIDDEN (the communicator
-  handed to the learner, recording.RecordingComm, records calls and rejects these).
+- REDUCTIONS / DATA_COLLECTIVES: name lists for a case module's FORBIDDEN (recording.py, in the
+  learner's job, records every call and refuses these, on any communicator and through
+  torch.distributed).
 - compare(): a result against the expected one, with dtype-aware tolerances and plain words.
-- only_peers() / max_sends(): the pattern of point-to-point messages (ring neighbours,
-  a binomial tree's fan-out).
+- only_peers() / max_sends() / gather_calls() / broadcast_rounds(): the pattern of
+  point-to-point messages (ring neighbours, a tree's fan-out and depth).
 - same_on_all_ranks() / same_as_root(): parameters identical across ranks (after a DDP or
   Horovod step), or equal to the root's (initial parameters broadcast).
 - check_shards(): a distributed sampler's shards are disjoint, cover the data, equal length.
@@ -46,6 +47,8 @@ def _describe(x: Any) -> str:
         return f"an array of shape {x.shape} and dtype {x.dtype}"
     if x is None:
         return "None (did the function forget to `return`?)"
+    if type(x).__name__ == "Opaque":  # wire.Opaque: something that is not plain data
+        return f"a {x.type_name}"
     if isinstance(x, (list, tuple)):
         return f"a {type(x).__name__} of {len(x)} items"
     return f"a {type(x).__name__}"
@@ -126,6 +129,40 @@ def only_peers(ctx, allowed: Iterable[int], why: str) -> Wrong | None:
 def sends(calls) -> list[int]:
     """The destinations of the point-to-point sends in `calls` (Sendrecv counts as a send)."""
     return [c.dest for c in calls if c.dest is not None]
+
+
+def gather_calls(ctx) -> list[list]:
+    """Every rank's recorded calls, indexed by rank. Collective on ctx.comm: call it on every rank."""
+    return ctx.comm.allgather(list(ctx.calls))
+
+
+def broadcast_rounds(calls_by_rank: list[list], root: int) -> int | None:
+    """The rounds a broadcast needs along the tree the messages form (each rank sending one
+    message per round, children ordered best); None when they form no tree from `root`
+    (a rank receiving twice or never, or from a rank that had nothing yet)."""
+    p = len(calls_by_rank)
+    parent: dict[int, int] = {}
+    children: dict[int, list[int]] = {r: [] for r in range(p)}
+    for r, calls in enumerate(calls_by_rank):
+        for c in calls:
+            if c.dest is not None and 0 <= c.dest < p and c.dest != r:
+                if c.dest in parent or c.dest == root:
+                    return None
+                parent[c.dest] = r
+                children[r].append(c.dest)
+    if set(parent) != set(range(p)) - {root}:
+        return None
+
+    def rounds(v: int, depth: int = 0) -> int | None:
+        if depth > p:
+            return None  # a cycle
+        below = [rounds(c, depth + 1) for c in children[v]]
+        if any(b is None for b in below):
+            return None
+        below.sort(reverse=True)
+        return max((i + 1 + b for i, b in enumerate(below)), default=0)
+
+    return rounds(root)
 
 
 def max_sends(ctx, limit: int, why: str) -> Wrong | None:

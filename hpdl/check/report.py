@@ -8,8 +8,30 @@ from __future__ import annotations
 
 import html
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 
-VERDICTS = ("PASS", "WRONG", "ERROR", "HANG", "SLOW")
+
+class Verdict(str, Enum):
+    """How one case ended. A str, so `case.verdict == "PASS"` and JSON keep working."""
+
+    PASS = "PASS"    # right
+    WRONG = "WRONG"  # a wrong result, or a rule of the exercise broken (then CaseResult.rejected says which)
+    ERROR = "ERROR"  # the learner's code raised, or its job died
+    HANG = "HANG"    # not finished within the time limit
+    SLOW = "SLOW"    # right, but far slower than the reference: advisory, full points
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def earns_points(self) -> bool:
+        return self in (Verdict.PASS, Verdict.SLOW)
+
+
+VERDICTS = tuple(v.value for v in Verdict)
 EARNS_POINTS = ("PASS", "SLOW")  # SLOW is advisory: the result was right
 _COLOURS = {"PASS": "#1a7f37", "SLOW": "#9a6700", "WRONG": "#cf222e", "ERROR": "#cf222e", "HANG": "#8250df"}
 
@@ -48,6 +70,10 @@ class CaseResult:
     finished: list[int] = field(default_factory=list)
     details: str = ""
     params: dict = field(default_factory=dict)  # the case's parameters (n, dtype, root, ...)
+    rejected: str | None = None  # the rule broken (e.g. "comm.Allreduce()"), when the code was refused
+
+    def __post_init__(self) -> None:
+        self.verdict = Verdict(self.verdict)
 
     @property
     def key(self) -> str:
@@ -136,7 +162,8 @@ class CheckResult:
     def _headline(self) -> str:
         counts = ", ".join(f"{n} {v}" for v, n in self.counts().items())
         mark = "✔" if self.passed else "✘"
-        return f"{mark} {self.exercise}: {_num(self.score)}/{_num(self.max_score)} points ({counts}) in {self.seconds:.1f} s"
+        return (f"{mark} {self.exercise}: {_num(self.score)}/{_num(self.max_score)} points ({counts}) "
+                f"in {self.seconds:.1f} s")
 
     def _rows(self) -> list[tuple[str, str, str, str, str]]:
         """(ranks, case, verdict, points, what happened): cases that ended the same way share a row."""
@@ -168,7 +195,8 @@ class CheckResult:
         notes = [f"Hint{'' if n == 1 else f' ({n} cases)'}: {h}" for h, n in hints.items()]
         notes += list(self.hints)
         if self.hidden_not_run:
-            notes.append(f"{self.hidden_not_run} hidden case{'s' if self.hidden_not_run > 1 else ''} run only when grading.")
+            plural = "s" if self.hidden_not_run > 1 else ""
+            notes.append(f"{self.hidden_not_run} hidden case{plural} run only when grading.")
         return notes
 
     def __repr__(self) -> str:
@@ -206,7 +234,7 @@ class CheckResult:
 def _group_key(c: CaseResult) -> tuple:
     """Cases that ended the same way: same verdict and message; for WRONG, the same ranks
     wrong with the same hint at the same rank count (the values differ case by case)."""
-    if c.verdict == "WRONG" and c.wrong_ranks and not c.message.startswith("Rejected"):
+    if c.verdict == Verdict.WRONG and c.wrong_ranks and not c.rejected:
         return (c.verdict, c.ranks, tuple(c.wrong_ranks), c.hint)
     return (c.verdict, c.message)
 

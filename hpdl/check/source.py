@@ -23,6 +23,11 @@ from pathlib import Path
 _HPDL_DIR = str(Path(__file__).resolve().parents[1])
 
 
+def kit_file(filename: str) -> bool:
+    """A file of this kit (hpdl/), e.g. a case module's reference solution."""
+    return bool(filename) and os.path.realpath(filename).startswith(_HPDL_DIR + os.sep)
+
+
 def _library_file(filename: str) -> bool:
     """Files of Python itself, installed packages or this kit: not the learner's code."""
     if not filename or filename.startswith("<frozen"):

@@ -26,15 +26,19 @@ and may define
     def explain(results) -> str | None       # a hint from the pattern over all cases (client side)
     HINT_ONLY_ROOT = "..."                   # shown when only rank 0 got it right
 
-On each rank, `reference` runs first on a communicator of its own, then the learner's function
-on another, a recording.RecordingComm: `ctx.calls` lists the MPI calls it made (name, dest,
-source). FORBIDDEN names are rejected twice: by reading the learner's source (AST) before
-anything runs, and when called on that communicator. `ctx` holds rank, size, args (the
-pristine inputs), got, expected, calls, learner_seconds, reference_seconds, and comm: a fresh
-communicator for checks across ranks. Those are collectives, so call them on every rank and
+The learner's function runs in a job of its own (one process per rank, sandboxed where
+possible) that holds only inputs() and call(); `reference` and verify() run in the checker's
+reference job, on the same inputs, and verify() sees what the learner's ranks returned, as
+plain data. `ctx.calls` lists the MPI (and torch.distributed) calls the learner made
+(name, dest, source, count: elements sent), recorded on every communicator they could reach.
+FORBIDDEN names are refused when called, wherever from (the source is read only for a hint).
+`ctx` holds rank, size, args (the pristine inputs), got, expected, calls, learner_seconds,
+reference_seconds, and comm: a communicator between the reference job's ranks, for checks
+across ranks. Those are collectives, so call them on every rank and
 before anything that may return early (a rank that skips one leaves the others waiting):
 hooks.same_on_all_ranks (parameters identical after a DDP or Horovod step), hooks.same_as_root
-(initial parameters broadcast), hooks.check_shards (sampler shards disjoint, covering, equal).
+(initial parameters broadcast), hooks.check_shards (sampler shards disjoint, covering, equal),
+hooks.gather_calls (every rank's recorded calls, e.g. to check the shape of a tree).
 Per-rank helpers: hooks.compare, hooks.only_peers (e.g. ring neighbours), hooks.max_sends
 (e.g. a tree's fan-out), hooks.params_of (arrays from a torch module or a list).
 
@@ -58,10 +62,12 @@ Example, `hpdl/check/cases/scale.py`:
     def verify(case, ctx):
         return hooks.compare(ctx.got, ctx.expected) or hooks.only_peers(ctx, set(), "no messages needed")
 
-Each case ends as PASS, WRONG (ranks, largest error, hint), ERROR (rank and the learner's line
-that raised), HANG (stuck ranks and their lines, finished ranks) or SLOW (right, but more than
+Each case ends as a report.Verdict: PASS, WRONG (ranks, largest error, hint; `rejected` names the
+rule when a forbidden call was refused), ERROR (rank and the learner's line that raised), HANG
+(stuck ranks and their lines, finished ranks) or SLOW (right, but more than
 slow_factor x the reference's time + 0.25 s: advisory, full points). tests/fixtures/cases has
-two small modules of this kind, one with torch on the ranks.
+two small modules of this kind, one with torch on the ranks. load() checks a module against
+this API (validate()) and says what is missing or malformed.
 """
 from __future__ import annotations
 
@@ -76,6 +82,7 @@ from types import ModuleType
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+LOCKED = False  # set in the learner's process: case modules (reference solutions) stay out of reach
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -111,10 +118,15 @@ class Call:
     name: str
     dest: int | None = None
     source: int | None = None
+    count: int | None = None  # elements sent (point-to-point sends), when known
 
 
 class Context:
-    """What verify() and diagnose() see on one rank after the learner's function returned.
+    """What verify() and diagnose() see for one rank after the learner's function returned.
+
+    verify() runs in the checker's own reference job, one process per rank, never in the
+    learner's: `got` and `calls` arrived from the learner's rank as plain data (wire.py), and
+    `comm` connects the reference job's ranks, so the collective hooks work as before.
 
     case, rank, size; args (this rank's inputs, untouched by the learner); got (what the
     learner's function returned); expected (what reference() returned on this rank); calls
@@ -163,18 +175,73 @@ def known() -> list[str]:
 
 
 def load_file(path: str | Path) -> ModuleType:
-    """Import a case module from its file (the worker does this with the path it is sent)."""
+    """Import a case module from its file and check its interface (HpdlError saying what is wrong)."""
+    if LOCKED:
+        raise ImportError("case modules hold the checker's reference solutions: not loadable while your code "
+                          "is being checked")
     path = Path(path).resolve()
     if path.parent == HERE:
-        return importlib.import_module(f"hpdl.check.cases.{path.stem}")
-    modname = f"hpdl_cases_{path.stem}"
-    if modname in sys.modules and getattr(sys.modules[modname], "__file__", None) == str(path):
-        return sys.modules[modname]
-    spec = importlib.util.spec_from_file_location(modname, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[modname] = module
-    spec.loader.exec_module(module)
+        module = importlib.import_module(f"hpdl.check.cases.{path.stem}")
+    else:
+        modname = f"hpdl_cases_{path.stem}"
+        if modname in sys.modules and getattr(sys.modules[modname], "__file__", None) == str(path):
+            module = sys.modules[modname]
+        else:
+            spec = importlib.util.spec_from_file_location(modname, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[modname] = module
+            spec.loader.exec_module(module)
+    validate(module, path)
     return module
+
+
+#: What a case module must define, and what it may (see the docstring above).
+REQUIRED_FUNCTIONS = ("cases", "inputs", "reference")
+OPTIONAL_FUNCTIONS = ("call", "verify", "diagnose", "explain")
+
+
+def validate(module: ModuleType, path: Path | str | None = None) -> None:
+    """Fail at load time, naming the file and the attribute, when a case module breaks the API."""
+    from hpdl.errors import HpdlError
+
+    where = str(path or getattr(module, "__file__", module.__name__))
+    problems = []
+    if not isinstance(getattr(module, "SIGNATURE", None), str):
+        problems.append("SIGNATURE must be a string such as \"f(comm, x: np.ndarray) -> np.ndarray\"")
+    for name in REQUIRED_FUNCTIONS:
+        if not callable(getattr(module, name, None)):
+            problems.append(f"{name}() is missing (or not a function)")
+    for name in OPTIONAL_FUNCTIONS:
+        if hasattr(module, name) and not callable(getattr(module, name)):
+            problems.append(f"{name} must be a function when defined")
+    ranks = getattr(module, "RANKS", (1,))
+    if isinstance(ranks, int) and not isinstance(ranks, bool):
+        ranks = (ranks,)
+    try:
+        ok = bool(ranks) and all(int(r) == r and r >= 1 for r in ranks)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        problems.append(f"RANKS must be rank counts >= 1, e.g. (1, 2, 3, 4); got {getattr(module, 'RANKS', None)!r}")
+    timeout = getattr(module, "TIMEOUT", 1.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        problems.append(f"TIMEOUT must be positive seconds; got {timeout!r}")
+    forbidden = getattr(module, "FORBIDDEN", None)
+    if forbidden is not None:
+        names = forbidden if isinstance(forbidden, dict) else None
+        if names is None:
+            try:
+                names = list(forbidden)
+            except TypeError:
+                names = None
+        if names is None or not all(isinstance(n, str) for n in names):
+            problems.append("FORBIDDEN must map MPI method names to a reason (or list the names)")
+    hint = getattr(module, "HINT_ONLY_ROOT", None)
+    if hint is not None and not isinstance(hint, str):
+        problems.append("HINT_ONLY_ROOT must be a string")
+    if problems:
+        raise HpdlError(f"The checks in {where} do not follow the case-module API (hpdl/check/cases/__init__.py): "
+                        + "; ".join(problems) + ".")
 
 
 def load(name: str) -> ModuleType:

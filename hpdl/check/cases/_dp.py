@@ -1,6 +1,6 @@
 """Shared rank-side helpers for the data-parallel exercises (lessons 05 and 06).
 
-The check workers start as plain MPI ranks; these exercises also need torch.distributed (and
+The check jobs start as plain MPI ranks; these exercises also need torch.distributed (and
 Horovod for 06), started here on first use. They also count the all-reduces a learner
 launches, whether through torch.distributed or through the mpi4py communicator handed in,
 so a case can tell "one all-reduce after backward" from "one per tensor", and "launched while
@@ -11,6 +11,16 @@ from __future__ import annotations
 # MPI calls on the learner's communicator that all-reduce data
 MPI_REDUCES = {"Allreduce", "allreduce", "Iallreduce", "Allreduce_init", "Reduce_scatter",
                "Reduce_scatter_block", "Ireduce_scatter", "Ireduce_scatter_block"}
+
+
+def _unrecorded():
+    """The checker's own MPI use in a learner's process (the rendezvous) is not the learner's."""
+    import contextlib
+
+    recording = __import__("sys").modules.get("hpdl.check.recording")
+    if recording is None or not recording.recorder.installed:
+        return contextlib.nullcontext()
+    return recording.paused()
 
 
 def ensure_process_group() -> None:
@@ -24,7 +34,8 @@ def ensure_process_group() -> None:
 
         world = MPI.COMM_WORLD
         torch.set_num_threads(1)
-        init_torch_distributed(world.Get_rank(), world.Get_size(), torch.device("cpu"), timeout_s=60)
+        with _unrecorded():
+            init_torch_distributed(world.Get_rank(), world.Get_size(), torch.device("cpu"), timeout_s=60)
     _install_counter()
 
 
@@ -33,7 +44,8 @@ def ensure_horovod() -> None:
     import horovod.torch as hvd
 
     if not hvd.is_initialized():
-        hvd.init()
+        with _unrecorded():
+            hvd.init()
 
 
 class _Counter:
@@ -72,10 +84,16 @@ def all_reduce(tensor, async_op: bool = False):
 
 
 def launches() -> int:
-    """All-reduces launched so far through torch.distributed or the recorded communicator."""
-    from hpdl.check.recording import recorder
+    """All-reduces launched so far through torch.distributed or MPI (on the learner's ranks,
+    as recording.py noted them, however the learner reached them)."""
+    import sys
 
-    return counter.torch_calls + sum(1 for c in recorder.calls if c.name in MPI_REDUCES)
+    recording = sys.modules.get("hpdl.check.recording")
+    if recording is not None and recording.recorder.torch_hooked:
+        calls = recording.recorder.calls
+        return sum(1 for c in calls if c.name in MPI_REDUCES or c.name in ("all_reduce", "all_reduce_coalesced"))
+    calls = recording.recorder.calls if recording is not None else []
+    return counter.torch_calls + sum(1 for c in calls if c.name in MPI_REDUCES)
 
 
 def params(model) -> list:

@@ -75,7 +75,7 @@ def diagnose_sum(case: Case, ctx, chunks: bool = True) -> str | None:
 def explain_sums(results, chunks: bool = True) -> str | None:
     """A pattern across cases: right when n divides by p, wrong otherwise; or short inputs."""
     failed = [r for r in results if r.verdict in ("WRONG", "ERROR")]
-    if not failed or any(r.message.startswith("Rejected") for r in failed):
+    if not failed or any(getattr(r, "rejected", None) for r in failed):
         return None
     passed = [r for r in results if r.verdict in ("PASS", "SLOW")]
     if chunks and all(r.params.get("uneven") for r in failed) and any(not r.params.get("uneven") for r in passed):

@@ -100,13 +100,15 @@ def diagnose(case, ctx):
         return None
     k = _dp.ratio_to(got["grads"], expected["grads"])
     if k is not None and abs(k - size) < 1e-3:
-        return "the gradients look summed, not averaged: divide by the number of ranks (comm.Get_size()) after the all-reduce."
+        return ("the gradients look summed, not averaged: divide by the number of ranks (comm.Get_size()) "
+                "after the all-reduce.")
     if k is not None and abs(k - 1 / size) < 1e-3:
         return "the gradients look divided by the number of ranks twice."
     if _dp.close(got["grads"], got["own"], rtol=0, atol=0) is None:
         return ("p.grad still holds this rank's own gradients: write the averaged values back into p.grad "
                 "(e.g. p.grad.copy_(slice.view_as(p.grad))), not into a temporary copy.")
     if k is not None and size == 2 and abs(k - 1.0) > 1e-3:
-        return f"the gradients are {k:.3g} times the average: check the division (use comm.Get_size(), not a fixed number)."
+        return (f"the gradients are {k:.3g} times the average: check the division "
+                "(use comm.Get_size(), not a fixed number).")
     return ("the values are not the average over ranks: use comm.Get_size() or dist.get_world_size() for the number "
             "of ranks (a global such as world_size from the notebook is fixed to the notebook's rank count).")

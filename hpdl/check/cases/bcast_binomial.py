@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpdl.check import hooks
-from hpdl.check.cases import Case
+from hpdl.check.cases import Case, Wrong
 
 SIGNATURE = "bcast_binomial(comm, x: np.ndarray | None, root: int) -> np.ndarray"
 RANKS = (1, 2, 3, 4)
@@ -70,9 +70,23 @@ def _lg(p: int) -> int:
 
 
 def verify(case, ctx):
-    return hooks.compare(ctx.got, ctx.expected) or hooks.max_sends(
+    everyone = hooks.gather_calls(ctx)  # collective: first, on every rank
+    wrong = hooks.compare(ctx.got, ctx.expected) or hooks.max_sends(
         ctx, _lg(ctx.size), "in a binomial tree no rank sends more than ⌈lg p⌉ messages; sending from the root to "
                             "every rank is a linear broadcast")
+    if wrong is not None or ctx.rank != case.params["root"]:
+        return wrong
+    rounds = hooks.broadcast_rounds(everyone, case.params["root"])
+    if rounds is None:
+        return Wrong("the messages do not form a tree from the root: every other rank must receive the array "
+                     "exactly once, from a rank that already has it")
+    if rounds > _lg(ctx.size):
+        return Wrong(f"the messages form a tree that needs {rounds} rounds; a binomial tree needs ⌈lg p⌉ = "
+                     f"{_lg(ctx.size)} with {ctx.size} ranks (a chain or a linear broadcast is slower)",
+                     hint="rank v (counted from the root) receives once from v minus its lowest set bit, then "
+                          "sends to v + 2^k for the smaller powers of two: the number of ranks holding the data "
+                          "doubles every round.")
+    return None
 
 
 def diagnose(case, ctx) -> str | None:

@@ -148,7 +148,8 @@ def verify(case, ctx):
         return Wrong(got["error"])
     if any(e is None for e in everyone):
         return Wrong(f"rank {next(r for r, e in enumerate(everyone) if e is None)} could not run the steps")
-    apart = [r for r, e in enumerate(everyone) if e[0].shape != everyone[0][0].shape or not np.array_equal(e[0], everyone[0][0])]
+    root = everyone[0][0]
+    apart = [r for r, e in enumerate(everyone) if e[0].shape != root.shape or not np.array_equal(e[0], root)]
     if apart:
         return Wrong(f"right after your function, the parameters of rank{'s' if len(apart) > 1 else ''} "
                      f"{', '.join(map(str, apart))} differ from rank 0's",

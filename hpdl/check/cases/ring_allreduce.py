@@ -2,13 +2,15 @@
 
 The ring: cut x into p chunks; p-1 steps of reduce-scatter (pass a chunk to the right, add
 the one from the left), then p-1 steps of allgather (pass the finished chunks around). Only
-point-to-point messages between ring neighbours are allowed.
+point-to-point messages between ring neighbours, at most 2(p-1) per rank, each at most
+⌈n/p⌉ elements: passing the whole vector around the ring is not the ring algorithm.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from hpdl.check import hooks
+from hpdl.check.cases import Wrong
 from hpdl.check.cases._sums import chunk_bounds, diagnose_sum, explain_sums, sum_cases, vector
 
 SIGNATURE = "ring_allreduce(comm, x: np.ndarray) -> np.ndarray"
@@ -51,8 +53,33 @@ def reference(comm, x: np.ndarray) -> np.ndarray:
 
 def verify(case, ctx):
     p, r = ctx.size, ctx.rank
-    return hooks.compare(ctx.got, ctx.expected) or hooks.only_peers(
-        ctx, {(r + 1) % p, (r - 1) % p}, "a ring passes chunks only between neighbours")
+    wrong = hooks.compare(ctx.got, ctx.expected)
+    everyone_right = all(ctx.comm.allgather(wrong is None))  # collective: on every rank, first
+    if wrong is not None or not everyone_right:
+        return wrong  # values first: "only rank 0 has the sum" says more than the message pattern
+    return (hooks.only_peers(ctx, {(r + 1) % p, (r - 1) % p}, "a ring passes chunks only between neighbours")
+            or chunked(ctx))
+
+
+def chunked(ctx):
+    """The ring algorithm, not just a ring: 2(p-1) messages per rank, each at most ⌈n/p⌉ elements."""
+    p, n = ctx.size, case_n(ctx)
+    sent = [c for c in ctx.calls if c.dest is not None]
+    largest = max((c.count or 0 for c in sent), default=0)
+    limit = -(-n // p)
+    if largest > limit:
+        return Wrong(f"rank {ctx.rank} sent a message of {largest} elements; the ring sends chunks of at most "
+                     f"⌈n/p⌉ = {limit}",
+                     hint="cut x into p chunks and pass one chunk per step (reduce-scatter, then allgather); "
+                          "passing the whole vector around costs p times the bandwidth.")
+    if len(sent) > 2 * (p - 1):
+        return Wrong(f"rank {ctx.rank} sent {len(sent)} messages; the ring needs 2(p-1) = {2 * (p - 1)}",
+                     hint="p-1 steps of reduce-scatter, then p-1 steps of allgather: one Sendrecv per step.")
+    return None
+
+
+def case_n(ctx) -> int:
+    return int(ctx.case.params["n"])
 
 
 diagnose = diagnose_sum

@@ -118,7 +118,8 @@ def verify(case, ctx):
     everyone = [a["epochs"] for a in answers]  # everyone[rank][k] = that rank's answer for EPOCHS[k]
     for k, epoch in enumerate(EPOCHS[1:], start=1):
         if EPOCHS[k] == EPOCHS[k - 1] and any(r[k] != r[k - 1] for r in everyone):
-            return Wrong(f"asked twice for epoch {epoch}, rank {next(i for i, r in enumerate(everyone) if r[k] != r[k - 1])} "
+            changed = next(i for i, r in enumerate(everyone) if r[k] != r[k - 1])
+            return Wrong(f"asked twice for epoch {epoch}, rank {changed} "
                          "answered differently",
                          hint="the shuffle must depend only on seed and epoch: seed a generator of your own with "
                               "seed + epoch instead of using the global random state.")

@@ -30,7 +30,8 @@ def cases(size):
         Case("MLP, SGD with momentum", {"model": "mlp", "optimizer": "sgd", "batch": 16}, slow_factor=slow),
         Case("CNN, Adam", {"model": "cnn", "optimizer": "adam", "batch": 8}, slow_factor=slow),
         Case("one sample per batch", {"model": "mlp", "optimizer": "sgd", "batch": 1}, slow_factor=slow),
-        Case("wide MLP, SGD", {"model": "mlp", "optimizer": "sgd", "batch": 32, "hidden": 64}, hidden=True, slow_factor=slow),
+        Case("wide MLP, SGD", {"model": "mlp", "optimizer": "sgd", "batch": 32, "hidden": 64}, hidden=True,
+             slow_factor=slow),
     ]
 
 
@@ -44,7 +45,8 @@ def inputs(case, rank, size):
     if p["model"] == "cnn":
         model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 64, 10))
     else:
-        model = nn.Sequential(nn.Flatten(), nn.Linear(64, p.get("hidden", 32)), nn.ReLU(), nn.Linear(p.get("hidden", 32), 10))
+        width = p.get("hidden", 32)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
     if p["optimizer"] == "adam":
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     else:

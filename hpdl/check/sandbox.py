@@ -1,0 +1,175 @@
+"""Where untrusted code runs: a bubblewrap sandbox, else rlimits and a process group.
+
+The learner's check ranks, and under `hpdl grade` a whole submission, run as
+
+    bwrap --ro-bind / / --dev /dev --proc /proc --tmpfs /tmp --unshare-all --die-with-parent ...
+
+(Debian's `bubblewrap`): the whole file system read-only except the folders named writable,
+folders named hidden replaced by empty ones (the kit's solutions, other submissions, the
+grader's reports), a private /tmp and /dev/shm, no network (a loopback of its own), its own
+PID namespace, so everything it started ends with it, and no capabilities. Inside or not,
+resource limits apply to every process: CPU seconds, address space, open processes, file
+size (an output flood stops at the limit). Without bwrap `describe()` says so; the caller
+then starts its own session (process group) and ends the group.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import resource
+import shutil
+import subprocess
+import uuid
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Limits:
+    """Per-process limits inside a sandbox (rlimits: they hold with or without bwrap)."""
+
+    cpu_seconds: int = 600
+    memory_bytes: int = 8 * 2**30  # address space per process (torch reserves a lot of it)
+    processes: int = 1024  # tasks (threads count) in its pids cgroup; beyond the user's own under RLIMIT_NPROC
+    file_bytes: int = 256 * 2**20  # any one file written, the captured output included
+
+    def start(self) -> "Limits":
+        """In the parent, before starting the child: a pids cgroup where one can be made (root,
+        where RLIMIT_NPROC does not apply); the child joins it in apply()."""
+        self._cgroup = PidsCgroup.make(self.processes)
+        self._tasks_now = _tasks_of_this_user()
+        return self
+
+    def stop(self) -> None:
+        group = getattr(self, "_cgroup", None)
+        if group is not None:
+            group.remove()
+
+    def apply(self) -> None:
+        """In the child, before exec: set the limits (lowering only; never raising a hard limit)."""
+        group = getattr(self, "_cgroup", None)
+        if group is not None:
+            group.join()
+        users = getattr(self, "_tasks_now", None) or _tasks_of_this_user()
+        for what, value in ((resource.RLIMIT_CPU, self.cpu_seconds), (resource.RLIMIT_AS, self.memory_bytes),
+                            (resource.RLIMIT_NPROC, users + self.processes),
+                            (resource.RLIMIT_FSIZE, self.file_bytes)):
+            soft, hard = resource.getrlimit(what)
+            value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+            try:
+                resource.setrlimit(what, (value, value if hard == resource.RLIM_INFINITY else hard))
+            except (ValueError, OSError):
+                continue
+
+
+class PidsCgroup:
+    """A cgroup capping the number of processes (cgroup v1 or v2 pids controller), when writable."""
+
+    ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @classmethod
+    def make(cls, limit: int) -> "PidsCgroup | None":
+        for root in cls.ROOTS:
+            if not os.path.isfile(os.path.join(root, "cgroup.procs")) or not os.access(root, os.W_OK):
+                continue
+            path = os.path.join(root, f"hpdl-{uuid.uuid4().hex[:12]}")
+            try:
+                os.mkdir(path)
+                with open(os.path.join(path, "pids.max"), "w") as f:
+                    f.write(str(limit))
+                return cls(path)
+            except OSError as exc:
+                log.debug("no pids cgroup under %s: %s", root, exc)
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    pass  # it was never made
+        return None
+
+    def join(self) -> None:
+        with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def remove(self) -> None:
+        try:
+            os.rmdir(self.path)
+        except OSError as exc:  # processes still in it; the kernel frees it once they are gone
+            log.debug("cgroup %s not removed: %s", self.path, exc)
+
+
+def _tasks_of_this_user() -> int:
+    """Processes and threads this user runs now (RLIMIT_NPROC counts both, across the user)."""
+    uid, n = os.getuid(), 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    n += len(os.listdir(f"/proc/{entry.name}/task"))
+            except OSError:
+                continue
+    return n
+
+
+def bwrap() -> str | None:
+    """The bwrap binary when it works here (user namespaces allowed), else None.
+    HPDL_NO_SANDBOX=1 turns the sandbox off (benchmarks compare both)."""
+    exe = os.environ.get("HPDL_BWRAP") or shutil.which("bwrap")
+    if not exe or os.environ.get("HPDL_NO_SANDBOX"):
+        return None
+    return exe if _works(exe) else None
+
+
+@functools.lru_cache(maxsize=4)
+def _works(exe: str) -> bool:
+    try:
+        return subprocess.run([exe, *_base_args(), "true"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _base_args() -> list[str]:
+    return ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+            "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+
+
+def _devices() -> list[str]:
+    import glob
+
+    extra = [p for p in ("/dev/dri", "/dev/infiniband", "/dev/kfd") if os.path.exists(p)]
+    return sorted(glob.glob("/dev/nvidia*") + extra)
+
+
+def available() -> bool:
+    return bwrap() is not None
+
+
+def describe() -> str:
+    if available():
+        return ("sandboxed with bubblewrap: read-only file system, private /tmp and /dev/shm, no network, "
+                "own PID namespace; rlimits on CPU, memory, processes and file size")
+    return ("NOT sandboxed (bubblewrap is not installed or user namespaces are off: apt-get install bubblewrap): "
+            "rlimits on CPU, memory, processes and file size, and a process group per submission only")
+
+
+def wrap(cmd: list[str], *, writable: list[str] = (), hidden: list[str] = (), cwd: str | None = None) -> list[str]:
+    """`cmd` inside a sandbox (unchanged when none is available)."""
+    exe = bwrap()
+    if exe is None:
+        return list(cmd)
+    args = [exe, *_base_args()]
+    for path in _devices():  # GPUs and fast interconnects stay usable inside (CUDA, NCCL, InfiniBand)
+        args += ["--dev-bind", path, path]
+    for path in hidden:
+        if os.path.isdir(path):
+            args += ["--tmpfs", os.path.realpath(path)]
+    for path in writable:
+        real = os.path.realpath(path)
+        args += ["--bind", real, real]
+    if cwd:
+        args += ["--chdir", os.path.realpath(cwd)]
+    return [*args, "--", *cmd]

@@ -1,0 +1,115 @@
+"""Checks that cannot be fooled, escaped or crashed: cheating and breaking learner code on real ranks.
+
+Each function in fixtures/learner_attacks.py is what a learner might write to cheat or to break
+the checker; each must get the verdict a fair instructor would give, and leave nothing running.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import hpdl
+from hpdl.check import sandbox
+from hpdl.errors import HpdlError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+import learner_attacks as A  # noqa: E402
+from learner_ring import ring_ok  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def no_points(result) -> None:
+    assert result.score == 0 and result.cases, result
+    assert not any(c.verdict in ("PASS", "SLOW") for c in result.cases), result
+
+
+@pytest.mark.parametrize("attack", [A.patch_verify_then_return_input, A.read_expected_from_frames, A.forge_events])
+def test_the_verdict_is_out_of_the_learners_reach(attack, no_strays):
+    result = hpdl.check("ring_allreduce", attack, ranks=[2], grade=True)
+    no_points(result)  # hidden cases included: nothing the learner's process does earns a point
+
+
+@pytest.mark.parametrize("attack", [A.import_reference, A.load_reference_by_path])
+def test_reference_solutions_are_not_importable_while_checked(attack, no_strays):
+    result = hpdl.check("ring_allreduce", attack, ranks=[2])
+    no_points(result)
+    assert all(c.verdict == "ERROR" and "not" in c.message and "checked" in c.message for c in result.cases)
+
+
+def test_a_function_of_the_kit_is_refused_with_a_clear_message():
+    from hpdl.check.cases import ring_allreduce
+
+    with pytest.raises(HpdlError, match="defined in the kit itself"):
+        hpdl.check("ring_allreduce", ring_allreduce.reference)
+
+
+def test_grade_mode_from_the_environment_ignores_ranks_grade_and_timeout(monkeypatch, no_strays):
+    monkeypatch.setenv("HPDL_GRADE", "1")
+    result = hpdl.check("ring_allreduce", ring_ok, ranks=[1], grade=False,
+                        timeout=0.001)
+    assert {c.ranks for c in result.cases} == {1, 2, 3, 4} and any(c.hidden for c in result.cases)
+    assert result.passed and result.score == result.max_score
+
+
+@pytest.mark.parametrize("attack, called", [
+    (A.world_allreduce, "Allreduce"), (A.alias_allreduce, "Allreduce"), (A.class_level_allreduce, "Allreduce"),
+    (A.derived_comm_allreduce, "Allreduce"), (A.window_accumulate, "Win.Create"),
+])
+def test_every_route_to_a_library_collective_is_refused_at_run_time(attack, called, no_strays):
+    result = hpdl.check("ring_allreduce", attack, ranks=[2])
+    no_points(result)
+    for c in result.cases:
+        assert c.verdict == "WRONG" and c.rejected == called, c
+        assert "not allowed" in c.message and "point-to-point" in c.message
+
+
+def test_harmless_local_reductions_and_dead_code_are_not_rejected(no_strays):
+    result = hpdl.check("ring_allreduce", A.harmless_numpy_reduce, ranks=[2, 3])
+    assert result.passed and result.score == result.max_score, result
+    assert any("mentions comm.Allreduce()" in h for h in result.hints)  # the source scan: a note, not a verdict
+
+
+def test_peers_given_as_numpy_integers_are_recorded(no_strays):
+    result = hpdl.check("ring_allreduce", A.numpy_int_peers, ranks=[4])
+    no_points(result)
+    assert all("neighbours" in c.message for c in result.cases)
+
+
+def test_the_ring_must_pass_chunks_not_the_whole_vector(no_strays):
+    result = hpdl.check("ring_allreduce", A.unchunked_ring, ranks=[2, 3, 4])
+    for c in result.cases:
+        if c.params["n"] > 1:
+            assert c.verdict == "WRONG" and "chunks of at most" in c.message, c
+
+
+def test_a_chain_broadcast_is_not_a_binomial_tree(no_strays):
+    result = hpdl.check("bcast_binomial", A.bcast_chain, ranks=[4])
+    no_points(result)
+    assert all("rounds" in c.message for c in result.cases)
+
+
+def test_what_a_learner_returns_is_read_as_data_never_run(no_strays):
+    marker = Path("/tmp/hpdl-attack-pwned")
+    marker.unlink(missing_ok=True)
+    result = hpdl.check("ring_allreduce", A.returns_code, ranks=[1])
+    no_points(result)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("attack, verdicts", [
+    (A.fork_bomb, {"WRONG", "ERROR", "HANG"}),
+    (A.memory_hog, {"ERROR", "HANG"}),  # MemoryError at the limit, or still allocating at the timeout
+    (A.output_flood, {"ERROR", "HANG"}),
+    (A.ignores_sigterm, {"HANG"}),
+    (A.kills_its_parent, {"ERROR", "WRONG", "HANG"}),
+])
+def test_submissions_that_break_things_get_no_points_and_leave_nothing(attack, verdicts, no_strays):
+    if attack is A.fork_bomb and not sandbox.available():
+        pytest.skip("a fork bomb is only contained by the sandbox's process limit here (bubblewrap missing)")
+    result = hpdl.check("ring_allreduce", attack, ranks=[2], timeout=3)
+    no_points(result)
+    assert {c.verdict for c in result.cases} <= verdicts, result
