@@ -72,15 +72,14 @@ def _end(job: "Job", grace: float) -> set[str]:
         job.proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         procs.end_group_now(job.proc)
-        job.proc.kill()
-        job.proc.wait()
+        procs.end_popen(job.proc, grace=0)
     return shm
 
 
 @atexit.register
 def _kill_leftovers() -> None:
     for job in list(_live_jobs):
-        job.kill()
+        job.end()
 
 
 # -- one mpiexec job -----------------------------------------------------------------------------
@@ -196,7 +195,7 @@ class Job:
             return ""
         return "\n".join(text.strip().splitlines()[-lines:])
 
-    def kill(self, grace: float | None = None) -> None:
+    def end(self, grace: float | None = None) -> None:
         segments: set[str] = set()
         try:
             segments = _end(self, grace=(0.0 if self.must_stop else 0.5) if grace is None else grace)
@@ -215,7 +214,7 @@ class Job:
                 self.proc.wait(timeout=wait)
             except subprocess.TimeoutExpired:
                 pass  # ended below
-        self.kill()
+        self.end()
 
 
 def _clean_stack(data: dict) -> dict:
@@ -340,7 +339,7 @@ class SizeRun:
             self._go(cur.index, False)
             self.todo.pop(0)
             job.must_stop = True
-            job.kill()
+            job.end()
             self._after_stop(job, decided)
             break
         return decided
@@ -397,7 +396,7 @@ class SizeRun:
 
     def close(self) -> None:
         if self.learner is not None and self.learner in _live_jobs:
-            self.learner.kill()
+            self.learner.end()
         if self.reference in _live_jobs:
             self.reference.wind_down(wait=0.5)
         self.learner = None
@@ -437,7 +436,7 @@ class Runner:
                 run.close()
             for job in list(_live_jobs):
                 if job.dir.startswith(tmp):
-                    job.kill()
+                    job.end()
             if not os.environ.get("HPDL_CHECK_KEEP"):
                 shutil.rmtree(tmp, ignore_errors=True)
         return results
