@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # JupyterLab refuses to run as root (containers, CI) unless told
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: lab test setup horovod build check-build bench doctor clean-venv cleanup
+.PHONY: lab test lint setup horovod build check-build bench doctor clean-venv cleanup
 
 lab: setup
 	@echo "hpdl: starting JupyterLab (stop with Ctrl-C; ranks you started stop with it)"
@@ -20,6 +20,7 @@ lab: setup
 	  --ServerApp.root_dir="$(CURDIR)" $(ALLOW_ROOT) $(LAB_ARGS) notebooks/00_welcome.ipynb
 
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 setup: $(STAMP)
@@ -35,6 +36,9 @@ $(STAMP): requirements.txt pyproject.toml cluster/build/horovod.sh cluster/build
 	echo "hpdl: installed in $$(( $$(date +%s) - start )) s"
 
 horovod: setup
+
+lint: setup
+	$(VENV)/bin/ruff check .
 
 build: setup
 	$(VENV)/bin/hpdl build
