@@ -210,16 +210,38 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def run_job(ranks: int, args: list[str], env: dict[str, str] | None = None, timeout: float = 120.0) -> str:
     """Run `python -m hpdl.tune ARGS` as a fresh `mpiexec -n ranks` job; rank 0's JSON line back."""
     cmd = [str(_bindir() / "mpiexec"), "-n", str(ranks), sys.executable, "-m", "hpdl.tune", *args]
+    # Same process group as the caller, so whoever stops the caller's group stops this job too;
+    # on our own time limit the whole tree (mpiexec, its proxies, the ranks) is killed here.
+    proc = subprocess.Popen(cmd, env=job_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        done = subprocess.run(cmd, env=job_env(env), capture_output=True, text=True, timeout=timeout,
-                              start_new_session=True)
-    except subprocess.TimeoutExpired as exc:
-        raise HpdlError(f"the MPI job `{' '.join(args)}` did not finish in {timeout:.0f} s") from exc
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        raise HpdlError(f"the MPI job `{' '.join(args)}` did not finish in {timeout:.0f} s; it was stopped") from None
+    except BaseException:  # interrupted: leave no ranks behind
+        _kill_tree(proc)
+        raise
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     for line in done.stdout.splitlines():
         if line.startswith("HPDL-TUNE "):
             return line[len("HPDL-TUNE "):]
     tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-12:])
     raise HpdlError(f"the MPI job ended (exit code {done.returncode}) without a result:\n{tail}")
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    import psutil
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    for p in [*family, proc]:
+        try:
+            p.kill()
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            log.debug("process %s already gone", getattr(p, "pid", p))
+    proc.wait(timeout=10)
 
 
 def probe(sizes: Iterable[int], *, ranks: int = 4, tuning_file: str | Path | None = None,
