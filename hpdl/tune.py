@@ -15,7 +15,9 @@ and src/mpi/coll/src/csel.c). Its keys, in order, are tests; the first that hold
         "comm_type=inter": {"algorithm=MPIR_Allreduce_inter_reduce_exchange_bcast": {}}}}
 
 `avg_msg_size` is the bytes each rank contributes (count x datatype size); a level of size
-tests must end with an `=any` branch. Collectives the file leaves out keep MPICH's defaults.
+tests must end with an `=any` branch. The file must hold rules for every collective (MPICH
+stops at the first it cannot find), so `write_tuning_file` puts the allreduce tree into
+MPICH's own rules, read from its library (`mpich_defaults`).
 
 Which algorithm MPICH really ran is read back from MPICH itself (`probe`): a user-defined
 reduction operation records how many elements MPICH hands it at each call on each rank, and
@@ -55,7 +57,7 @@ CONTAINERS = {
     "k_reduce_scatter_allgather": "MPIR_Allreduce_intra_k_reduce_scatter_allgather",
 }
 # The ones a selection table here may use: each has its own fingerprint in `classify`.
-TABLE_ALGORITHMS = ("recursive_doubling", "reduce_scatter_allgather", "ring")
+TABLE_ALGORITHMS = ("recursive_doubling", "reduce_scatter_allgather", "ring", "tree")
 # Variables of the MPI job we may be running inside; a child job must not inherit them.
 _JOB_VARS = ("PMI_", "HYDRA_", "HYDI_", "PMIX_", "OMPI_", "MPIR_CVAR_", "SLURM_STEP", "I_MPI_")
 
@@ -127,9 +129,37 @@ def tuning_json(table: Sequence[tuple[int | None, str]]) -> dict:
                                      "comm_type=inter": {"algorithm=MPIR_Allreduce_inter_reduce_exchange_bcast": {}}}}
 
 
+def mpich_defaults() -> dict:
+    """MPICH's own selection rules (all collectives), as compiled into this venv's libmpi.
+
+    A tuning file replaces MPICH's rules for every collective, and MPICH stops ("Assertion
+    failed ... cnt") on the first collective the file has no rule for; so the kit writes its
+    allreduce tree into these defaults. {} when no MPICH library with them is found.
+    """
+    libs = [p for p in (_bindir().parent / "lib").glob("libmpi.so*") if p.is_file()]
+    if not libs:
+        return {}
+    lib = max(libs, key=lambda p: p.stat().st_size)  # libmpi.so itself may be a 20-byte linker script
+    data = lib.read_bytes()
+    for m in re.finditer(rb'\{"collective=[\x20-\x7e]{200,}', data):
+        text = m.group(0).decode()
+        if "algorithm=MPIR_Allreduce_intra" in text:
+            try:
+                return json.loads(text)
+            except ValueError:
+                log.debug("a selection string in %s did not parse", lib)
+    return {}
+
+
 def write_tuning_file(table_or_json, path: str | Path) -> Path:
-    """Write the tuning file (from a table or an already built JSON object); returns its path."""
+    """Write MPICH's tuning file: its own rules, with allreduce's from a table or a JSON tree.
+
+    Returns the path. Whatever the tree holds (even something MPICH will refuse) is written,
+    so that MPICH, not this function, has the last word on it.
+    """
     obj = table_or_json if isinstance(table_or_json, dict) else tuning_json(table_or_json)
+    if isinstance(obj, dict):
+        obj = {**mpich_defaults(), **obj}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2) + "\n")
@@ -263,9 +293,12 @@ def probe(sizes: Iterable[int], *, ranks: int = 4, tuning_file: str | Path | Non
 def classify(calls: list[list[int]], count: int) -> str:
     """Which allreduce algorithm left this pattern of reduction calls (counts per rank), or 'unknown'.
 
-    p ranks, `count` elements, p a power of two (2 or 4 here):
-    recursive doubling: every rank lg p calls of `count`; reduce-scatter + allgather: every
-    rank lg p calls of count/2, count/4, ...; ring: every rank p-1 calls of about count/p.
+    p ranks (a power of two), `count` elements, as MPICH 5 calls a user-defined operation:
+    recursive doubling: every rank lg p calls of `count`; ring: every rank p-1 calls of about
+    count/p; tree (k-nomial, k = 2): whole-vector calls on the inner nodes only (rank 0 most,
+    leaves none); reduce-scatter + allgather: lg p calls of count/2, count/4, ...
+    (MPICH runs reduce-scatter + allgather only for built-in operations when forced by
+    MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM; with a user-defined one it falls back to recursive doubling.)
     """
     p = len(calls)
     if p < 2 or p & (p - 1):
@@ -275,6 +308,10 @@ def classify(calls: list[list[int]], count: int) -> str:
         return "recursive_doubling"
     if p > 2 and all(len(c) == p - 1 and all(abs(x - count / p) <= 1 for x in c) for c in calls):
         return "ring"
+    lengths = [len(c) for c in calls]
+    if (p > 2 and all(x == count for c in calls for x in c) and lengths[0] == max(lengths) and 0 in lengths
+            and len(set(lengths)) > 1):
+        return "tree"
     halves = all(len(c) == lg and all(abs(x - count / 2 ** (j + 1)) <= j + 1 for j, x in enumerate(c)) for c in calls)
     if halves and p > 2:
         return "reduce_scatter_allgather"
