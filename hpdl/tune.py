@@ -295,7 +295,7 @@ def classify(calls: list[list[int]], count: int) -> str:
 
     p ranks (a power of two), `count` elements, as MPICH 5 calls a user-defined operation:
     recursive doubling: every rank lg p calls of `count`; ring: every rank p-1 calls of about
-    count/p; tree (k-nomial, k = 2): whole-vector calls on the inner nodes only (rank 0 most,
+    count/p; tree (k-nomial, k = 2): whole-vector calls on the inner nodes only (rank 0 lg p,
     leaves none); reduce-scatter + allgather: lg p calls of count/2, count/4, ...
     (MPICH runs reduce-scatter + allgather only for built-in operations when forced by
     MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM; with a user-defined one it falls back to recursive doubling.)
@@ -309,7 +309,7 @@ def classify(calls: list[list[int]], count: int) -> str:
     if p > 2 and all(len(c) == p - 1 and all(abs(x - count / p) <= 1 for x in c) for c in calls):
         return "ring"
     lengths = [len(c) for c in calls]
-    if (p > 2 and all(x == count for c in calls for x in c) and lengths[0] == max(lengths) and 0 in lengths
+    if (p > 2 and all(x == count for c in calls for x in c) and lengths[0] == lg == max(lengths) and 0 in lengths
             and len(set(lengths)) > 1):
         return "tree"
     halves = all(len(c) == lg and all(abs(x - count / 2 ** (j + 1)) <= j + 1 for j, x in enumerate(c)) for c in calls)

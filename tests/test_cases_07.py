@@ -222,4 +222,5 @@ def test_classify_reads_each_algorithms_trace():
     assert tune.classify([[n // 2, n // 4]] * 4, n) == "reduce_scatter_allgather"
     assert tune.classify([[n // 4] * 3] * 4, n) == "ring"
     assert tune.classify([[n]] * 2, n) == "recursive_doubling"
+    assert tune.classify([[n, n], [n], [], []], n) == "tree"
     assert tune.classify([[n], [], [n], []], n) == "unknown"
