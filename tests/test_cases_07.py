@@ -224,3 +224,12 @@ def test_classify_reads_each_algorithms_trace():
     assert tune.classify([[n]] * 2, n) == "recursive_doubling"
     assert tune.classify([[n, n], [n], [], []], n) == "tree"
     assert tune.classify([[n], [], [n], []], n) == "unknown"
+
+
+def test_hpdl_tune_is_a_verb(capsys):
+    from hpdl import cli
+
+    assert "tune" in cli.VERBS
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["tune", "--help"])
+    assert stop.value.code == 0 and "--ranks" in capsys.readouterr().out
