@@ -297,8 +297,10 @@ def classify(calls: list[list[int]], count: int) -> str:
     recursive doubling: every rank lg p calls of `count`; ring: every rank p-1 calls of about
     count/p; tree (k-nomial, k = 2): whole-vector calls on the inner nodes only (rank 0 lg p,
     leaves none); reduce-scatter + allgather: lg p calls of count/2, count/4, ...
-    (MPICH runs reduce-scatter + allgather only for built-in operations when forced by
-    MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM; with a user-defined one it falls back to recursive doubling.)
+    (MPICH runs reduce-scatter + allgather only for built-in operations: forced by
+    MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM it falls back to recursive doubling for a user-defined
+    one; chosen by a tuning file it stops with "Assertion failed ... HANDLE_IS_BUILTIN(op)".
+    So probes avoid sizes where a table picks it.)
     """
     p = len(calls)
     if p < 2 or p & (p - 1):

@@ -13,8 +13,8 @@ it and inside it; every probe must show the row's algorithm. A file MPICH refuse
 the wrong algorithm (or a refused file) at some probe. hpdl.tune.problems() words the hint.
 MPICH needs rules for every collective, so the learner's allreduce tree is written into MPICH's
 own rules (hpdl.tune.write_tuning_file). The tables use recursive doubling, the ring and the
-tree: MPICH runs reduce-scatter + allgather only for built-in operations, so the probe's
-user-defined sum cannot tell it from recursive doubling.
+tree: MPICH runs reduce-scatter + allgather only for built-in operations (with the probe's
+user-defined sum it stops: "Assertion failed ... HANDLE_IS_BUILTIN(op)").
 """
 from __future__ import annotations
 
