@@ -255,7 +255,9 @@ def run_job(ranks: int, args: list[str], env: dict[str, str] | None = None, time
     for line in done.stdout.splitlines():
         if line.startswith("HPDL-TUNE "):
             return line[len("HPDL-TUNE "):]
-    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-12:])
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    causes = [line for line in lines if "Assertion" in line or "rror" in line][:4]   # MPICH's own words first
+    tail = "\n".join(causes + lines[-8:])
     raise HpdlError(f"the MPI job ended (exit code {done.returncode}) without a result:\n{tail}")
 
 
