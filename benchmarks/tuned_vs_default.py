@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--largest", default="64M")
     ap.add_argument("--rounds", type=int, default=3, help="alternating default/tuned rounds")
     ap.add_argument("--budget", type=float, default=0.05, help="seconds of timing per size")
-    ap.add_argument("--algorithms", default="recursive_doubling,reduce_scatter_allgather,ring,tree")
+    ap.add_argument("--algorithms", default="recursive_doubling,reduce_scatter_allgather,ring")
     args = ap.parse_args()
     sizes = bench.message_sizes(8, tune._parse_size(args.largest), 2)
     algorithms = args.algorithms.split(",")

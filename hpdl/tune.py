@@ -56,8 +56,8 @@ CONTAINERS = {
     "ring": "MPIR_Allreduce_intra_ring",
     "k_reduce_scatter_allgather": "MPIR_Allreduce_intra_k_reduce_scatter_allgather",
 }
-# The ones a selection table here may use: each has its own fingerprint in `classify`.
-TABLE_ALGORITHMS = ("recursive_doubling", "reduce_scatter_allgather", "ring", "tree")
+# The ones `hpdl tune` builds its table from (the tree also has a fingerprint in `classify`).
+TABLE_ALGORITHMS = ("recursive_doubling", "reduce_scatter_allgather", "ring")
 # Variables of the MPI job we may be running inside; a child job must not inherit them.
 _JOB_VARS = ("PMI_", "HYDRA_", "HYDI_", "PMIX_", "OMPI_", "MPIR_CVAR_", "SLURM_STEP", "I_MPI_")
 
