@@ -12,8 +12,8 @@ it and inside it; every probe must show the row's algorithm. A file MPICH refuse
 `=any` branch, `<` for `<=`, rows in the wrong order, unknown algorithm names: each shows up as
 the wrong algorithm (or a refused file) at some probe. hpdl.tune.problems() words the hint.
 MPICH needs rules for every collective, so the learner's allreduce tree is written into MPICH's
-own rules (hpdl.tune.write_tuning_file). The tables use recursive doubling, the ring and the
-tree: MPICH runs reduce-scatter + allgather only for built-in operations (with the probe's
+own rules (hpdl.tune.write_tuning_file). The tables use recursive doubling and the ring:
+MPICH runs reduce-scatter + allgather only for built-in operations (with the probe's
 user-defined sum it stops: "Assertion failed ... HANDLE_IS_BUILTIN(op)").
 """
 from __future__ import annotations
@@ -35,11 +35,11 @@ def cases(size):
     return [
         Case("2 KiB: recursive doubling, then the ring",
              {"table": [[2048, "recursive_doubling"], [None, "ring"]]}, slow_factor=slow),
-        Case("three rows", {"table": [[1024, "ring"], [65536, "recursive_doubling"], [None, "tree"]]},
+        Case("three rows", {"table": [[1024, "ring"], [65536, "recursive_doubling"], [None, "ring"]]},
              slow_factor=slow),
         Case("one row: ring for every size", {"table": [[None, "ring"]]}, slow_factor=slow),
-        Case("four rows", {"table": [[512, "tree"], [8192, "recursive_doubling"], [131072, "ring"],
-                                     [None, "recursive_doubling"]]}, hidden=True, slow_factor=slow),
+        Case("four rows", {"table": [[512, "recursive_doubling"], [8192, "ring"], [131072, "recursive_doubling"],
+                                     [None, "ring"]]}, hidden=True, slow_factor=slow),
     ]
 
 
