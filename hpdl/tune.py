@@ -120,7 +120,11 @@ def tuning_json(table: Sequence[tuple[int | None, str]]) -> dict:
         if name not in CONTAINERS:
             raise HpdlError(f"{name!r} is not an allreduce algorithm MPICH's tuning file knows: {sorted(CONTAINERS)}")
         key = "avg_msg_size=any" if upto is None else f"avg_msg_size<={int(upto)}"
-        intra[key] = {f"algorithm={CONTAINERS[name]}": {}}
+        leaf = {f"algorithm={CONTAINERS[name]}": {}}
+        if name == "reduce_scatter_allgather":  # MPICH asserts count >= pof2 and a built-in op (as its own rules guard)
+            rd = {f"algorithm={CONTAINERS['recursive_doubling']}": {}}
+            leaf = {"is_op_built_in=yes": {"count<pow2": rd, "count=any": leaf}, "is_op_built_in=no": rd}
+        intra[key] = leaf
     if "avg_msg_size=any" not in intra:
         raise HpdlError("the table's last row must cover all larger sizes: (None, algorithm)")
     return {"collective=allreduce": {"comm_type=intra": intra,
