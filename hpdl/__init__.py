@@ -7,7 +7,7 @@ A notebook needs only these names:
     hpdl.check("ring_allreduce", ring_allreduce)   # autograded check on fresh ranks
     hpdl.stop()
 
-and the helper modules hpdl.data, hpdl.models, hpdl.plots, hpdl.bench, hpdl.predict (imported on first use).
+and the helper modules hpdl.data, hpdl.models, hpdl.plots, hpdl.bench, hpdl.predict, hpdl.tune (imported on first use).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ _FUNCTIONS = {
     "view": "hpdl.cluster",
     "check": "hpdl.check",
 }
-_MODULES = {"data", "models", "plots", "bench", "dp", "timeline", "predict", "published"}
+_MODULES = {"data", "models", "plots", "bench", "dp", "timeline", "predict", "published", "tune"}
 
 __all__ = sorted(_FUNCTIONS) + sorted(_MODULES)
 

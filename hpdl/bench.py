@@ -77,7 +77,8 @@ def sweep(fn: Callable, comm, sizes: Sequence[int] = (), *, name: str | None = N
         x = rng.random(count).astype(dtype)
         seconds.append(timeit(lambda: fn(comm, x), comm, warmup=warmup, budget=budget))
         actual.append(count * itemsize)
-    return {"name": name or getattr(fn, "__name__", "fn"), "ranks": comm.Get_size(), "sizes": actual, "seconds": seconds}
+    return {"name": name or getattr(fn, "__name__", "fn"), "ranks": comm.Get_size(), "sizes": actual,
+            "seconds": seconds}
 
 
 def library_allreduce() -> Callable:
@@ -95,6 +96,52 @@ def library_allreduce() -> Callable:
 
     allreduce.__name__ = "MPI Allreduce"
     return allreduce
+
+
+COLLECTIVES = ("allreduce", "bcast", "reduce", "allgather", "reduce_scatter", "alltoall")
+
+
+def library(collective: str = "allreduce") -> Callable:
+    """MPI's own `collective` with the (comm, x) signature, for `sweep`; x is the whole message.
+
+    Sizes follow nccl-tests, so bus bandwidth (`busbw`) compares across collectives: allreduce,
+    bcast and reduce move x (root 0); allgather gathers x from p pieces of len(x)/p;
+    reduce_scatter reduces x and leaves each rank len(x)/p; alltoall sends len(x)/p to each rank.
+    Buffers are made once per size and reused, as OSU's benchmarks do.
+    """
+    from mpi4py import MPI
+
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective must be one of {COLLECTIVES}")
+    if collective == "allreduce":
+        return library_allreduce()
+    buffers: dict = {}
+
+    def run(comm, x):
+        p = comm.Get_size()
+        key = (x.shape, x.dtype, p)
+        if key not in buffers:
+            piece = max(1, x.size // p)
+            send = x[:piece * p] if x.size >= piece * p else np.ones(piece * p, x.dtype)
+            buffers[key] = (np.empty_like(x), send, np.empty(piece * p, x.dtype), np.empty(piece, x.dtype), piece)
+        out, send, whole, part, piece = buffers[key]
+        if collective == "bcast":
+            comm.Bcast(x, root=0)
+            return x
+        if collective == "reduce":
+            comm.Reduce(x, out, op=MPI.SUM, root=0)
+            return out
+        if collective == "allgather":
+            comm.Allgather(send[:piece], whole)
+            return whole
+        if collective == "reduce_scatter":
+            comm.Reduce_scatter_block(send, part, op=MPI.SUM)
+            return part
+        comm.Alltoall(send, whole)
+        return whole
+
+    run.__name__ = f"MPI {collective}"
+    return run
 
 
 def pingpong(comm, sizes: Sequence[int] = (), *, budget: float = 0.1) -> dict:
@@ -145,7 +192,8 @@ def local_reduce(sizes: Sequence[int] = (), *, dtype=np.float32, repeats: int = 
                 np.add(a, b, out=a)
             best.append((time.perf_counter() - t0) / iters)
         seconds.append(float(np.median(best)))
-    return {"name": "local add", "ranks": 1, "sizes": [max(1, n // itemsize) * itemsize for n in sizes], "seconds": seconds}
+    return {"name": "local add", "ranks": 1, "sizes": [max(1, n // itemsize) * itemsize for n in sizes],
+            "seconds": seconds}
 
 
 def memcpy_bandwidth(nbytes: int = 64 << 20, repeats: int = 7) -> float:
@@ -195,7 +243,9 @@ _BUS_FACTOR = {
     "allreduce": lambda p: 2 * (p - 1) / p,
     "allgather": lambda p: (p - 1) / p,
     "reduce_scatter": lambda p: (p - 1) / p,
+    "alltoall": lambda p: (p - 1) / p,
     "broadcast": lambda p: 1.0,
+    "bcast": lambda p: 1.0,
     "reduce": lambda p: 1.0,
 }
 

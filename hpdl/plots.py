@@ -58,7 +58,8 @@ def _size_axis(ax, sizes: Sequence[float]) -> None:
 
 
 def _bus_factor(collective: str, p: int) -> float:
-    return {"allreduce": 2 * (p - 1) / p, "allgather": (p - 1) / p, "reduce_scatter": (p - 1) / p}.get(collective, 1.0)
+    return {"allreduce": 2 * (p - 1) / p, "allgather": (p - 1) / p, "reduce_scatter": (p - 1) / p,
+            "alltoall": (p - 1) / p}.get(collective, 1.0)
 
 
 def latency_bandwidth(results: Sequence[Mapping], models: Mapping[str, Mapping] | None = None, *,

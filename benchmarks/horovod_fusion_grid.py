@@ -1,0 +1,105 @@
+"""Claim: Horovod's fusion threshold × cycle time grid has a best setting; its step time is
+reported against the defaults (128 MiB × 1 ms).
+
+    .venv/bin/python benchmarks/horovod_fusion_grid.py
+    .venv/bin/python benchmarks/horovod_fusion_grid.py --fusion 1,4,16,64,128 --cycle 0.5,1,2,5 --rounds 3
+
+Each setting is a fresh `mpiexec -n RANKS` job with HOROVOD_FUSION_THRESHOLD and
+HOROVOD_CYCLE_TIME in its environment, as on a cluster: restarting Horovod inside one job with
+another cycle time can crash Horovod 0.28.1 (a segmentation fault in its background thread).
+Rounds alternate over the whole grid; each setting keeps its best round. A job times the median
+training step of hvd.DistributedOptimizer on a stack of Linear layers (many tensors, so fusion
+and the cycle matter) and prints one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+def one_setting(layers: int, width: int, steps: int) -> None:
+    """Run on the ranks of one job: time training steps under this job's Horovod settings."""
+    from mpi4py import MPI  # first, so MPI is MPICH's and outlives Horovod
+
+    import horovod.torch as hvd
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from hpdl import dp
+
+    hvd.init()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())],
+                          nn.Linear(width, 10))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    x, y = torch.randn(64, width), torch.randint(0, 10, (64,))
+
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    ms = 1000 * statistics.median(dp.step_times(step, steps=steps, warmup=3, comm=MPI.COMM_WORLD))
+    if hvd.rank() == 0:
+        print(json.dumps({"ms": ms}), flush=True)
+    hvd.shutdown()
+
+
+def run(ranks: int, fusion_mib: float, cycle_ms: float, args) -> float:
+    env = dict(os.environ, HOROVOD_FUSION_THRESHOLD=str(int(fusion_mib * 2**20)), HOROVOD_CYCLE_TIME=str(cycle_ms),
+               OMP_NUM_THREADS="1")
+    bindir = Path(sys.executable).parent
+    cmd = [str(bindir / "mpiexec"), "-n", str(ranks), sys.executable, __file__, "--one",
+           "--layers", str(args.layers), "--width", str(args.width), "--steps", str(args.steps)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise SystemExit(f"the job for {fusion_mib} MiB × {cycle_ms} ms failed:\n{(out.stdout + out.stderr)[-2000:]}")
+    return json.loads(lines[-1])["ms"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--fusion", default="1,8,32,128", help="MiB")
+    ap.add_argument("--cycle", default="0.5,1,2,5", help="ms")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", action="store_true", help="print the grid as one JSON line at the end")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        return one_setting(args.layers, args.width, args.steps)
+    fusions = [float(f) for f in args.fusion.split(",")]
+    cycles = [float(c) for c in args.cycle.split(",")]
+    best: dict[tuple[float, float], float] = {}
+    for r in range(args.rounds):
+        for f in fusions:
+            for c in cycles:
+                t = run(args.ranks, f, c, args)
+                best[f, c] = min(best.get((f, c), float("inf")), t)
+    print(f"Horovod, {args.ranks} ranks, {args.layers + 1} layers ({2 * (args.layers + 1)} tensors): "
+          f"ms per training step, best of {args.rounds} rounds")
+    print("fusion MiB \\ cycle ms" + "".join(f"{c:>8g}" for c in cycles))
+    for f in fusions:
+        print(f"{f:>20g} " + "".join(f"{best[f, c]:8.2f}" for c in cycles))
+    top = min(best, key=best.get)
+    default = best.get((128.0, 1.0))
+    if default:
+        print(f"best {top[0]:g} MiB × {top[1]:g} ms: {best[top]:.2f} ms, {default / best[top]:.2f}× the default "
+              f"(128 MiB × 1 ms: {default:.2f} ms)")
+    if args.json:
+        print(json.dumps({f"{f:g},{c:g}": t for (f, c), t in best.items()}))
+
+
+if __name__ == "__main__":
+    main()

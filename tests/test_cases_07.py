@@ -1,0 +1,235 @@
+"""The checks of lesson 07 on real ranks: each solution passes at 1–4 ranks (hidden cases
+included), and each known-bad implementation is rejected: a wrong crossover, a cost model off
+by a factor, a tuner that exhausts its budget or stops short, a malformed tuning file.
+
+The solutions are taken from solutions/07_collective_tuning.ipynb as written there. The
+tuning-file check has MPICH itself read the file on fresh ranks; the unit tests at the end pin
+the pieces of hpdl.tune it relies on (no MPI there).
+"""
+from __future__ import annotations
+
+import itertools
+import linecache
+import math
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import hpdl
+from hpdl import tune
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+NOTEBOOK = "07_collective_tuning.ipynb"
+
+
+def solution(name: str):
+    """The function `name` as defined in solutions/07, with its source lines known."""
+    nb = nbformat.read(ROOT / "solutions" / NOTEBOOK, as_version=4)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and f"def {name}(" in cell.source:
+            filename = f"<{NOTEBOOK} cell {i}>"
+            linecache.cache[filename] = (len(cell.source), None, cell.source.splitlines(True), filename)
+            namespace = {"math": math, "__name__": "solution"}
+            exec(compile(cell.source, filename, "exec"), namespace)
+            return namespace[name]
+    raise LookupError(f"no cell defines {name} in {NOTEBOOK}")
+
+
+def passed(result) -> bool:
+    return all(c.verdict == "PASS" for c in result.cases)
+
+
+def hints(result) -> str:
+    return " ".join(f"{c.message} {c.hint or ''}" for c in result.cases) + " ".join(result.hints)
+
+
+def rejected(result, *words: str) -> None:
+    assert not passed(result), f"{result.exercise}: a known-bad implementation passed"
+    text = hints(result).lower()
+    for w in words:
+        assert w.lower() in text, f"{result.exercise}: expected {w!r} in: {text[:800]}"
+
+
+# -- (a) choose_algorithm -------------------------------------------------------------------------
+
+def _costs(n, p, a, b, g, *, ring_bw=2.0, gamma=True, fold=True, lg_of_p=False):
+    g = g if gamma else 0.0
+    if p <= 1:
+        return {"recursive_doubling": 0.0}
+    p2 = p if lg_of_p else 1 << (p.bit_length() - 1)
+    lg = math.log2(p2)
+    extra = 2 * (a + n * b) + n * g if fold and p != p2 else 0.0
+    return {"recursive_doubling": lg * (a + n * b + n * g) + extra,
+            "reduce_scatter_allgather": 2 * lg * a + 2 * (p2 - 1) / p2 * n * b + (p2 - 1) / p2 * n * g + extra,
+            "ring": 2 * (p - 1) * a + ring_bw * (p - 1) / p * n * b + (p - 1) / p * n * g}
+
+
+def choose_fixed_threshold(nbytes, p, alpha, beta, gamma):
+    return "recursive_doubling" if nbytes <= 2048 else "reduce_scatter_allgather"
+
+
+def choose_ring_half_bandwidth(nbytes, p, alpha, beta, gamma):
+    c = _costs(nbytes, p, alpha, beta, gamma, ring_bw=1.0)
+    return min(c, key=c.get)
+
+
+def choose_without_gamma(nbytes, p, alpha, beta, gamma):
+    c = _costs(nbytes, p, alpha, beta, gamma, gamma=False)
+    return min(c, key=c.get)
+
+
+def choose_without_fold_in(nbytes, p, alpha, beta, gamma):
+    c = _costs(nbytes, p, alpha, beta, gamma, fold=False, lg_of_p=True)
+    return min(c, key=c.get)
+
+
+def choose_returns_number(nbytes, p, alpha, beta, gamma):
+    c = _costs(nbytes, p, alpha, beta, gamma)
+    return min(c.values())
+
+
+def test_choose_algorithm_solution_passes_at_1_to_4_ranks(no_strays):
+    result = hpdl.check("choose_algorithm", solution("choose_algorithm"), ranks=[1, 2, 3, 4], grade=True)
+    assert passed(result), hints(result)
+    assert {c.ranks for c in result.cases} == {1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("bad, words", [
+    (choose_fixed_threshold, ["not the cheapest", "fixed size threshold"]),
+    (choose_ring_half_bandwidth, ["not the cheapest", "ring too early"]),
+    (choose_without_gamma, ["not the cheapest"]),
+    (choose_without_fold_in, ["not the cheapest", "fold-in"]),
+    (choose_returns_number, ["expected one of"]),
+])
+def test_choose_algorithm_rejects(bad, words, no_strays):
+    rejected(hpdl.check("choose_algorithm", bad, ranks=[2]), *words)
+
+
+# -- (b) autotune ---------------------------------------------------------------------------------
+
+def tune_exhaustive(measure, space, budget):
+    configs = [dict(zip(space, v)) for v in itertools.product(*space.values())]
+    return min(configs, key=measure)
+
+
+def tune_truncated_grid(measure, space, budget):
+    configs = [dict(zip(space, v)) for v in itertools.product(*space.values())][:budget]
+    return min(configs, key=measure)
+
+
+def tune_first_knob_only(measure, space, budget):
+    knobs = list(space)
+    middle = {k: v[len(v) // 2] for k, v in space.items()}
+    return min(({**middle, knobs[0]: v} for v in space[knobs[0]]), key=measure)
+
+
+def tune_no_search(measure, space, budget):
+    return {k: v[0] for k, v in space.items()}
+
+
+def tune_out_of_space(measure, space, budget):
+    return {k: max(v) * 2 for k, v in space.items()}
+
+
+def test_autotune_solution_passes_at_1_to_4_ranks(no_strays):
+    result = hpdl.check("autotune", solution("autotune"), ranks=[1, 2, 3, 4], grade=True)
+    assert passed(result), hints(result)
+
+
+@pytest.mark.parametrize("bad, words", [
+    (tune_exhaustive, ["more than budget", "don't enumerate"]),
+    (tune_truncated_grid, ["the best in the space"]),
+    (tune_first_knob_only, ["the best in the space", "first knob"]),
+    (tune_no_search, ["the best in the space"]),
+    (tune_out_of_space, ["expected a dict with one value from the space"]),
+])
+def test_autotune_rejects(bad, words, no_strays):
+    rejected(hpdl.check("autotune", bad, ranks=[1]), *words)
+
+
+# -- (c) tuning_file: MPICH reads it on fresh ranks -------------------------------------------------
+
+def _leaf(name):
+    return {f"algorithm=MPIR_Allreduce_intra_{name}": {}}
+
+
+def _tree(intra):
+    return {"collective=allreduce": {"comm_type=intra": intra,
+                                     "comm_type=inter": {"algorithm=MPIR_Allreduce_inter_reduce_exchange_bcast": {}}}}
+
+
+def file_strict_less(table):
+    return _tree({("avg_msg_size=any" if u is None else f"avg_msg_size<{u}"): _leaf(a) for u, a in table})
+
+
+def file_reversed(table):
+    rows = [(u, a) for u, a in table if u is not None][::-1] + [(u, a) for u, a in table if u is None]
+    return _tree({("avg_msg_size=any" if u is None else f"avg_msg_size<={u}"): _leaf(a) for u, a in rows})
+
+
+def file_counts_elements(table):
+    return _tree({("avg_msg_size=any" if u is None else f"avg_msg_size<={u // 4}"): _leaf(a) for u, a in table})
+
+
+def file_short_names(table):
+    return _tree({("avg_msg_size=any" if u is None else f"avg_msg_size<={u}"): {f"algorithm={a}": {}}
+                  for u, a in table})
+
+
+def file_as_list(table):
+    return [{"up_to": u, "algorithm": a} for u, a in table]
+
+
+def test_tuning_file_solution_passes_at_1_to_4_ranks(no_strays):
+    result = hpdl.check("tuning_file", solution("tuning_file"), ranks=[1, 2, 3, 4], grade=True)
+    assert passed(result), hints(result)
+
+
+@pytest.mark.parametrize("bad, words", [
+    (file_strict_less, ["wrong algorithm", "<="]),
+    (file_reversed, ["wrong algorithm", "must grow"]),
+    (file_counts_elements, ["wrong algorithm"]),
+    (file_short_names, ["unknown algorithm"]),
+    (file_as_list, ["not a dict"]),
+])
+def test_tuning_file_rejects(bad, words, no_strays):
+    rejected(hpdl.check("tuning_file", bad, ranks=[1]), *words)
+
+
+# -- hpdl.tune's pieces, no MPI ----------------------------------------------------------------------
+
+def test_selection_table_merges_rows_and_ends_open():
+    sizes = [8, 64, 512, 4096]
+    sweeps = [{"name": "recursive_doubling", "ranks": 4, "sizes": sizes, "seconds": [1, 2, 5, 40]},
+              {"name": "ring", "ranks": 4, "sizes": sizes, "seconds": [3, 4, 4, 20]}]
+    assert tune.selection_table(sweeps) == [(64, "recursive_doubling"), (None, "ring")]
+    assert tune.algorithm_for([(64, "recursive_doubling"), (None, "ring")], 64) == "recursive_doubling"
+    assert tune.algorithm_for([(64, "recursive_doubling"), (None, "ring")], 65) == "ring"
+
+
+def test_tuning_json_is_what_the_solution_writes():
+    table = [(1024, "ring"), (65536, "recursive_doubling"), (None, "ring")]
+    assert tune.tuning_json(table) == solution("tuning_file")(table)
+    assert tune.problems(tune.tuning_json(table)) == []
+    assert any("=any" in p for p in tune.problems(_tree({"avg_msg_size<=8": _leaf("ring")})))
+
+
+def test_classify_reads_each_algorithms_trace():
+    n = 1024
+    assert tune.classify([[n, n]] * 4, n) == "recursive_doubling"
+    assert tune.classify([[n // 2, n // 4]] * 4, n) == "reduce_scatter_allgather"
+    assert tune.classify([[n // 4] * 3] * 4, n) == "ring"
+    assert tune.classify([[n]] * 2, n) == "recursive_doubling"
+    assert tune.classify([[n, n], [n], [], []], n) == "tree"
+    assert tune.classify([[n], [], [n], []], n) == "unknown"
+
+
+def test_hpdl_tune_is_a_verb(capsys):
+    from hpdl import cli
+
+    assert "tune" in cli.VERBS
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["tune", "--help"])
+    assert stop.value.code == 0 and "--ranks" in capsys.readouterr().out
