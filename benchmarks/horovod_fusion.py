@@ -154,7 +154,8 @@ def main() -> None:
                 ("training step: whole", s)]
         print(f"\n{'ms per step':<64}{'fusion on':>10}{'fusion off':>11}{'off/on':>8}")
         for label, d in rows:
-            print(f"{label:<64}{d['fusion on']:>10.2f}{d['fusion off']:>11.2f}{d['fusion off'] / d['fusion on']:>7.1f}x")
+            print(f"{label:<64}{d['fusion on']:>10.2f}{d['fusion off']:>11.2f}"
+                  f"{d['fusion off'] / d['fusion on']:>7.1f}x")
         print(f"\nwith fusion, step communication is {b['fusion off'] / b['fusion on']:.1f}x faster inside Horovod's "
               f"reductions and {w['fusion off'] / w['fusion on']:.1f}x less exposed in a training step; medians over "
               f"{args.rounds} rounds (machine shared, numbers are noisy)")

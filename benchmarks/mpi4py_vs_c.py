@@ -132,7 +132,8 @@ def main() -> None:
     py = {n: statistics.median(r[n] for r in py_runs) for n in sizes}
     print(f"MPI_Allreduce (float32, sum) on {args.ranks} ranks, {MPI.Get_library_version().splitlines()[0]}, "
           f"thread level {args.thread_level} on both sides")
-    print(f"mpi4py {__import__('mpi4py').__version__}; median over {args.rounds} alternating rounds of each side's median\n")
+    print(f"mpi4py {__import__('mpi4py').__version__}; "
+          f"median over {args.rounds} alternating rounds of each side's median\n")
     print(f"{'size':>8} {'C (µs)':>10} {'mpi4py (µs)':>12} {'added (µs)':>11} {'mpi4py / C':>11}")
     for n in sizes:
         print(f"{label(n):>8} {c[n] * 1e6:10.2f} {py[n] * 1e6:12.2f} {(py[n] - c[n]) * 1e6:11.2f} {py[n] / c[n]:11.3f}")
@@ -148,7 +149,8 @@ def main() -> None:
         ratios = [py[n] / c[n] for n in large]
         median = statistics.median(ratios)
         every = max(abs(r - 1) for r in ratios) <= 0.10
-        print(f"mpi4py / C from 1 MiB up: median {median:.3f} (goal within 10%: {'met' if abs(median - 1) <= 0.10 else 'missed'}); "
+        print(f"mpi4py / C from 1 MiB up: median {median:.3f} "
+              f"(goal within 10%: {'met' if abs(median - 1) <= 0.10 else 'missed'}); "
               f"range {min(ratios):.3f}–{max(ratios):.3f} ({'every size' if every else 'not every size'} within 10%)")
 
 

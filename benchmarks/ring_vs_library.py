@@ -96,7 +96,7 @@ def report(rows, p: int, library: str, args) -> None:
     if big:
         ratios = [r["library"] / r["ring"] for r in big]
         best = [r["library_best"] / r["ring_best"] for r in big]
-        print(f"\nring bus bandwidth / library's from 4 MiB up (goal ≥ 0.7 at every size):")
+        print("\nring bus bandwidth / library's from 4 MiB up (goal ≥ 0.7 at every size):")
         print(f"  medians of the rounds:     smallest {min(ratios):.2f}, median {statistics.median(ratios):.2f} "
               f"({'met' if min(ratios) >= 0.7 else 'missed'})")
         print(f"  best of the rounds:        smallest {min(best):.2f}, median {statistics.median(best):.2f} "

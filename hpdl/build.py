@@ -68,7 +68,8 @@ def blank_regions(source: str, where: str, markdown: bool = False) -> str:
         stripped = line.strip()
         if stripped.startswith(BEGIN):
             if inside:
-                raise HpdlError(f"{where}, line {number}: {BEGIN} inside another solution region; close the first with {END}.")
+                raise HpdlError(f"{where}, line {number}: {BEGIN} inside another solution region; "
+                                f"close the first with {END}.")
             inside, indent = True, line[: len(line) - len(line.lstrip())]
             if markdown:
                 out.append(indent + MARKDOWN_PLACEHOLDER)
@@ -199,8 +200,10 @@ def _differs(p: Planned) -> bool:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="hpdl build", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if any file differs from a fresh build")
-    ap.add_argument("--root", type=Path, help="the kit folder holding solutions/ and exercises/ (default: here, else the kit)")
+    ap.add_argument("--check", action="store_true",
+                    help="change nothing; exit 1 if any file differs from a fresh build")
+    ap.add_argument("--root", type=Path,
+                    help="the kit folder holding solutions/ and exercises/ (default: here, else the kit)")
     ap.add_argument("--solutions", type=Path, help="default: ROOT/solutions")
     ap.add_argument("--exercises", type=Path, help="default: ROOT/exercises")
     args = ap.parse_args(argv)

@@ -47,7 +47,8 @@ class SyntheticImageNet(Dataset):
     Sample i is the same every time it is read (seeded by i), like a file on disk.
     """
 
-    def __init__(self, length: int = 256, size: int = 224, classes: int = 1000, stored: int | None = None, seed: int = 0):
+    def __init__(self, length: int = 256, size: int = 224, classes: int = 1000, stored: int | None = None,
+                 seed: int = 0):
         self.length, self.size, self.classes, self.seed = length, size, classes, seed
         self.stored = stored or (size * 8) // 7  # 224 → 256, as ImageNet images are resized
         self.mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)

@@ -191,12 +191,15 @@ def report() -> dict:
     # torch
     info["torch"] = torch or {"error": torch_err}
     if torch:
-        gpu = (f"CUDA {torch['cuda_build']}, {torch['gpus']} GPU(s)" + (f", NCCL {torch['nccl']}" if torch["nccl"] else "")
+        gpu = (f"CUDA {torch['cuda_build']}, {torch['gpus']} GPU(s)"
+               + (f", NCCL {torch['nccl']}" if torch["nccl"] else "")
                if torch["cuda_build"] else "CPU build")
-        backends = ", ".join(b for b, k in (("gloo", "gloo"), ("nccl", "nccl_backend"), ("mpi", "mpi_backend")) if torch[k])
+        backends = ", ".join(b for b, k in (("gloo", "gloo"), ("nccl", "nccl_backend"), ("mpi", "mpi_backend"))
+                             if torch[k])
         status, fix = "ok", ""
         if torch["cuda_build"] and not torch["cuda_available"]:
-            status, fix = "warn", "a CUDA build of torch sees no GPU here: fine on a login node; on a GPU node check `nvidia-smi` and CUDA_VISIBLE_DEVICES"
+            status, fix = "warn", ("a CUDA build of torch sees no GPU here: fine on a login node; "
+                                   "on a GPU node check `nvidia-smi` and CUDA_VISIBLE_DEVICES")
         status, fix = gpu_torch_check(node_gpus, torch) or (status, fix)
         check("torch", status, f"{torch['version']} · {gpu} · torch.distributed: {backends or 'none'}"
               + (f" · the node has {node_gpus} NVIDIA GPU(s)" if node_gpus and not torch["gpus"] else ""), fix)
@@ -272,7 +275,8 @@ def report() -> dict:
         if v is None or (span and major is not None and not span[0] <= major < span[1]):
             missing.append(f"{dist} ({v or 'missing'})")
     detail = " · ".join(f"{d} {info['packages'][d] or '—'}" for d in need)
-    check("packages", "fail" if missing else "ok", detail + (f" · wrong/missing: {', '.join(missing)}" if missing else ""),
+    check("packages", "fail" if missing else "ok",
+          detail + (f" · wrong/missing: {', '.join(missing)}" if missing else ""),
           f"{sys.executable} -m pip install -r requirements.txt   # from the kit's folder" if missing else "")
 
     # Horovod
@@ -284,11 +288,14 @@ def report() -> dict:
         mlibs = {os.path.realpath(p) for p in (mpi or {}).get("library_files", [])}
         if hvd["mpi_built"] and hlibs and mlibs and not (hlibs & mlibs):
             status, fix = "fail", "Horovod was built against another MPI than mpi4py loads: rebuild it: " \
-                f"rm -rf ~/.cache/hpdl/wheels; {sys.executable} -m pip uninstall -y horovod; PYTHON={sys.executable} bash cluster/build/horovod.sh"
+                f"rm -rf ~/.cache/hpdl/wheels; {sys.executable} -m pip uninstall -y horovod; " \
+                f"PYTHON={sys.executable} bash cluster/build/horovod.sh"
         if torch and torch.get("gpus") and not hvd["nccl_built"] and not (mpi or {}).get("cuda_aware"):
             status, fix = "warn", ("GPUs but Horovod has no NCCL and MPI is not CUDA-aware: rebuild with "
                                    "HOROVOD_GPU_OPERATIONS=NCCL bash cluster/build/horovod.sh")
-        check("Horovod", status, f"{hvd['version']} · {built}" + (f" · MPI lib {sorted(hlibs)[0]}" if hlibs and status == "fail" else ""), fix)
+        check("Horovod", status,
+              f"{hvd['version']} · {built}" + (f" · MPI lib {sorted(hlibs)[0]}" if hlibs and status == "fail" else ""),
+              fix)
     else:
         check("Horovod", "fail", f"cannot import horovod.torch: {hvd_err}",
               f"PYTHON={sys.executable} bash cluster/build/horovod.sh   # from the kit's folder (`make horovod`)")
@@ -308,12 +315,15 @@ def report() -> dict:
     try:
         chosen = launchers.resolve("auto")
         n = launchers.default_n(chosen)
-        detail = f"auto → {chosen} ({'mpiexec on this machine' if chosen == 'local' else 'srun in Slurm job ' + os.environ.get('SLURM_JOB_ID', '')}), {n} ranks by default"
+        where = ("mpiexec on this machine" if chosen == "local"
+                 else "srun in Slurm job " + os.environ.get("SLURM_JOB_ID", ""))
+        detail = f"auto → {chosen} ({where}), {n} ranks by default"
         info["launcher"] = {"auto": chosen, "default_n": n, "slurm_commands": bool(shutil.which("srun"))}
         status, fix = "ok", ""
         if os.environ.get("HPDL_SITE") or any(k.startswith("HPDL_SLURM_") for k in os.environ):
             site = launchers.load_site()
-            info["launcher"]["site"] = {"name": site.name, "source": site.source, "partition": site.partition, "pmi": site.pmi}
+            info["launcher"]["site"] = {"name": site.name, "source": site.source, "partition": site.partition,
+                                        "pmi": site.pmi}
             detail += f" · site profile {site.name} (partition {site.partition or 'default'}, --mpi={site.pmi})"
         if shutil.which("sbatch") and chosen == "local":
             detail += " · Slurm here: hpdl.start(launcher='slurm') submits the ranks as a job"

@@ -106,7 +106,8 @@ def scaling(results: Sequence[Mapping], models: Mapping[str, Mapping] | None = N
     same, drawn dashed (and may extend beyond the measured rank counts)."""
     fig, (ax,) = _figure(1)
     for i, r in enumerate(results):
-        ax.plot(r["ranks"], np.asarray(r["seconds"]) * scale, "o-", color=_COLORS[i % len(_COLORS)], label=f"{r['name']} (measured)")
+        ax.plot(r["ranks"], np.asarray(r["seconds"]) * scale, "o-", color=_COLORS[i % len(_COLORS)],
+                label=f"{r['name']} (measured)")
     for j, (label, m) in enumerate((models or {}).items()):
         ax.plot(m["ranks"], np.asarray(m["seconds"]) * scale, "--", color=_COLORS[j % len(_COLORS)], label=label)
     ax.set_xlabel("ranks")
@@ -136,10 +137,10 @@ def time_breakdown(phases: Mapping[str, Mapping[str, float]] | Mapping[str, floa
     for i, name in enumerate(names):
         vals = np.array([phases[c].get(name, 0.0) for c in configs]) * scale
         ax.barh(configs, vals, left=left, color=_COLORS[i % len(_COLORS)], label=name)
-        for y, (l, v) in enumerate(zip(left, vals)):
+        for y, (start, v) in enumerate(zip(left, vals)):
             total = sum(phases[configs[y]].values()) * scale
             if total > 0 and v / total > 0.08:
-                ax.text(l + v / 2, y, f"{v / total:.0%}", ha="center", va="center", color="white", fontsize=8)
+                ax.text(start + v / 2, y, f"{v / total:.0%}", ha="center", va="center", color="white", fontsize=8)
         left += vals
     ax.invert_yaxis()
     ax.set_xlabel(f"time per step ({unit})")

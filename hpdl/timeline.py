@@ -195,7 +195,8 @@ def draw(timeline: Timeline | str | Path, ax=None, max_tensors: int = 40, title:
 
     tl = load(timeline) if isinstance(timeline, (str, Path)) else timeline
     if not tl.spans:
-        raise HpdlError("This timeline has no activities yet: run a few steps between start_timeline and stop_timeline.")
+        raise HpdlError("This timeline has no activities yet: "
+                        "run a few steps between start_timeline and stop_timeline.")
     shown = tl.tensors[:max_tensors]
     row = {t: i for i, t in enumerate(shown)}
     t0 = min([s.start for s in tl.spans] + [ts for _, _, ts in tl.ready])
@@ -219,7 +220,8 @@ def draw(timeline: Timeline | str | Path, ax=None, max_tensors: int = 40, title:
     ax.set_xlabel("ms since the timeline started")
     hidden = len(tl.tensors) - len(shown)
     calls = tl.collective_calls()
-    ax.set_title(title or f"Horovod timeline: {len(tl.tensors)} tensors, {calls} collective call{'s' if calls != 1 else ''}"
+    ax.set_title(title or f"Horovod timeline: {len(tl.tensors)} tensors, "
+                          f"{calls} collective call{'s' if calls != 1 else ''}"
                  + (f" ({hidden} tensors not shown)" if hidden > 0 else ""))
     handles = [Patch(color=c, label=n) for n, c in seen.items()]
     if marks:

@@ -113,13 +113,15 @@ def log_tail(log: Path, chars: int = 3000) -> str:
         return "(no log)"
 
 
-def wait_until_served(proc: subprocess.Popen, base: str, token: str, log: Path, timeout: float = SERVE_TIMEOUT) -> float:
+def wait_until_served(proc: subprocess.Popen, base: str, token: str, log: Path,
+                      timeout: float = SERVE_TIMEOUT) -> float:
     """Seconds until GET /lab with the token answers 200; fails saying what was not seen."""
     t0 = time.monotonic()
     last = "no answer"
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
-            pytest.fail(f"JupyterLab exited with code {proc.returncode} before serving {base}/lab; its log ends:\n{log_tail(log)}")
+            pytest.fail(f"JupyterLab exited with code {proc.returncode} before serving {base}/lab; "
+                        f"its log ends:\n{log_tail(log)}")
         try:
             status, _ = http(f"{base}/lab?token={token}", timeout=5)
             if status == 200:
@@ -128,7 +130,8 @@ def wait_until_served(proc: subprocess.Popen, base: str, token: str, log: Path, 
         except (urllib.error.URLError, OSError) as e:
             last = str(e)
         time.sleep(0.25)
-    pytest.fail(f"JupyterLab did not serve {base}/lab with its token within {timeout} s (last: {last}); its log ends:\n{log_tail(log)}")
+    pytest.fail(f"JupyterLab did not serve {base}/lab with its token within {timeout} s (last: {last}); "
+                f"its log ends:\n{log_tail(log)}")
 
 
 def wait_for_log(log: Path, words: str, timeout: float) -> bool:
@@ -270,7 +273,8 @@ def test_make_lab_serves_the_notebooks_and_stops_on_ctrl_c(tmp_path, no_strays):
     """`make lab` (already installed) serves /lab with the token and lists notebook 00; Ctrl-C
     stops it together with its kernels."""
     token, port = uuid.uuid4().hex, free_port()
-    lab_args = ["--no-browser", f"--IdentityProvider.token={token}", "--ServerApp.port_retries=0", *lab_settings(tmp_path)]
+    lab_args = ["--no-browser", f"--IdentityProvider.token={token}", "--ServerApp.port_retries=0",
+                *lab_settings(tmp_path)]
     cmd = ["make", "--no-print-directory", "lab", f"LAB_PORT={port}", "LAB_ARGS=" + shlex.join(lab_args)]
     log = tmp_path / "make-lab.log"
     base = f"http://127.0.0.1:{port}"
@@ -340,7 +344,8 @@ def test_make_lab_serves_the_notebooks_and_stops_on_ctrl_c(tmp_path, no_strays):
 RANK_LINE = "rank {r} of 4 on "
 ALLREDUCE_LINE = r"rank {r}: mpi4py 10\s+torch\.distributed 10\s+Horovod 10\b"
 AGREEMENT = "all 4 ranks agree: 10 three times over"
-ENGINE_WORDS = ("ipengine", "ipyparallel.engine", "ipyparallel.controller", "ipcontroller", "mpiexec", "hydra_pmi_proxy", "hpdl.reaper")
+ENGINE_WORDS = ("ipengine", "ipyparallel.engine", "ipyparallel.controller", "ipcontroller", "mpiexec",
+                "hydra_pmi_proxy", "hpdl.reaper")
 
 
 @pytest.mark.browser
@@ -390,14 +395,16 @@ def test_notebook_00_runs_in_a_real_browser(chromium, lab, tmp_path, record_prop
             cells = page.locator(".jp-NotebookPanel .jp-Cell")
             n_cells = len(json.loads(notebook_before)["cells"])
             see(cells.nth(n_cells - 1), f"the {n_cells} cells of {NOTEBOOK} in the notebook panel", 120)
-            see(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']"), "the kernel idle, ready to run", 120)
+            see(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']"),
+                "the kernel idle, ready to run", 120)
             cells.first.click()  # the notebook has the focus, so the Run menu acts on it
 
             # Run → Run All Cells, as a learner does
             run_menu = page.locator("#jp-MainMenu .lm-MenuBar-item", has_text=re.compile(r"^Run$"))
             see(run_menu, "the Run menu in the menu bar", 30)
             run_menu.click()
-            run_all = page.locator("#jp-mainmenu-run .lm-Menu-item[data-command='runmenu:run-all']:not(.lm-mod-disabled)")
+            run_all = page.locator(
+                "#jp-mainmenu-run .lm-Menu-item[data-command='runmenu:run-all']:not(.lm-mod-disabled)")
             see(run_all, "Run All Cells, enabled, in the Run menu", 30)
             run_all.click()
 
@@ -409,7 +416,8 @@ def test_notebook_00_runs_in_a_real_browser(chromium, lab, tmp_path, record_prop
             text = "\n".join(outputs.all_text_contents())
             for r in range(4):
                 assert RANK_LINE.format(r=r) in text, f"rank {r} did not print its line; outputs:\n{text[-3000:]}"
-                assert re.search(ALLREDUCE_LINE.format(r=r), text), f"rank {r}'s allreduce results wrong or missing; outputs:\n{text[-3000:]}"
+                assert re.search(ALLREDUCE_LINE.format(r=r), text), \
+                    f"rank {r}'s allreduce results wrong or missing; outputs:\n{text[-3000:]}"
             assert "rank 4 of" not in text
             for name in ("by_mpi", "by_torch", "by_horovod"):
                 assert re.search(rf"{name}: \[10\.0, 10\.0, 10\.0, 10\.0\]", text), f"{name} not [10.0]*4 on the page"

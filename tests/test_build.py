@@ -62,7 +62,8 @@ def test_build_blanks_solutions_and_normalises_both_sides(kit, capsys):
     assert "comm.Sendrecv(chunks" not in text and "2(p − 1)" not in text and "Instructor's note" not in text
     assert "answer = 2 * (4 - 1)" not in text
     ring = next(c for c in exercise if "def ring_allreduce" in c.source)
-    assert ring.source.splitlines()[-1] == '    raise NotImplementedError("Your code here: replace this line with your solution.")'
+    assert ring.source.splitlines()[-1] == \
+        '    raise NotImplementedError("Your code here: replace this line with your solution.")'
     assert "_Your answer here._" in text
     assert len(exercise) == len(solution) - 1  # the solution-only cell is gone
     by_id = {c.id: c for c in solution}

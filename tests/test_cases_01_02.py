@@ -247,7 +247,7 @@ def with_collectives(comm, grads, params, lr):
 
 
 def everyone_receives_first(comm, grads, params, lr):
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank, _size = comm.Get_rank(), comm.Get_size()
     new = np.empty_like(params)
     if rank == 0:
         comm.Recv(new, source=1)  # waits for a worker that is itself waiting for the server

@@ -94,7 +94,8 @@ def test_hang_names_stuck_rank_and_line_then_restart_recovers(ip, no_strays):
     hpdl.start(n=3, frameworks=(), quiet=True)
     try:
         t0 = time.monotonic()
-        res = run(ip, "%%px --timeout 3\nimport numpy as np\nbuf = np.zeros(1)\nif rank == 0:\n    comm.Recv(buf, source=2)\nx = 1")
+        res = run(ip, "%%px --timeout 3\nimport numpy as np\nbuf = np.zeros(1)\n"
+                      "if rank == 0:\n    comm.Recv(buf, source=2)\nx = 1")
         elapsed = time.monotonic() - t0
         err = res.error_in_exec
         assert isinstance(err, RankHang), err
@@ -123,7 +124,8 @@ def test_learner_error_on_one_rank_is_shown_per_rank(ip, no_strays):
         from ipyparallel.error import AlreadyDisplayedError, CompositeError
 
         assert isinstance(res.error_in_exec, (CompositeError, AlreadyDisplayedError))
-        assert "ZeroDivisionError" in str(res.error_in_exec.__cause__ or res.error_in_exec) or "1 errors" in str(res.error_in_exec)
+        assert ("ZeroDivisionError" in str(res.error_in_exec.__cause__ or res.error_in_exec)
+                or "1 errors" in str(res.error_in_exec))
         assert hpdl.view().pull("z", targets=0, block=True) == -1.0
     finally:
         hpdl.stop(quiet=True)
@@ -153,7 +155,8 @@ def test_killed_rank_is_named_and_next_start_recovers(ip, no_strays, tmp_path):
         hpdl.stop(quiet=True)
 
 
-KERNEL_CODE = "import hpdl, json\nc = hpdl.start(n=2, frameworks=(), quiet=True)\nprint(json.dumps(sorted(c.engine_pids().values()) + [c.ipp.controller.pid]))"
+KERNEL_CODE = ("import hpdl, json\nc = hpdl.start(n=2, frameworks=(), quiet=True)\n"
+               "print(json.dumps(sorted(c.engine_pids().values()) + [c.ipp.controller.pid]))")
 
 
 def _kernel_with_cluster():
@@ -165,7 +168,9 @@ def _kernel_with_cluster():
     kc.start_channels()
     kc.wait_for_ready(timeout=60)
     out = []
-    kc.execute_interactive(KERNEL_CODE, timeout=120, output_hook=lambda m: out.append(m["content"].get("text", "")) if m["msg_type"] == "stream" else None)
+    kc.execute_interactive(KERNEL_CODE, timeout=120,
+                           output_hook=lambda m: out.append(m["content"].get("text", ""))
+                           if m["msg_type"] == "stream" else None)
     import json
 
     pids = json.loads([line for line in "".join(out).splitlines() if line.startswith("[")][-1])
@@ -231,11 +236,14 @@ def test_magic_start_and_hang_inside_a_learner_function(ip, no_strays):
     res = run(ip, "%hpdl start -n 2 --frameworks ''")
     assert res.error_in_exec is None and hpdl.status()["n"] == 2
     try:
-        assert run(ip, "%%px\ndef exchange(comm, x):\n    import numpy as np\n    got = np.empty_like(x)\n    comm.Recv(got, source=(comm.rank + 1) % comm.size)\n    comm.Send(x, dest=(comm.rank - 1) % comm.size)\n    return got").error_in_exec is None
+        assert run(ip, "%%px\ndef exchange(comm, x):\n    import numpy as np\n    got = np.empty_like(x)\n"
+                       "    comm.Recv(got, source=(comm.rank + 1) % comm.size)\n"
+                       "    comm.Send(x, dest=(comm.rank - 1) % comm.size)\n    return got").error_in_exec is None
         res = run(ip, "%%px --timeout 2\nimport numpy as np\nexchange(comm, np.ones(4))")
         msg = str(res.error_in_exec)
         assert isinstance(res.error_in_exec, RankHang)
-        assert "stuck:    rank 0 at line 4 of exchange(): comm.Recv(got, source=(comm.rank + 1) % comm.size)" in msg, msg
+        assert ("stuck:    rank 0 at line 4 of exchange(): comm.Recv(got, source=(comm.rank + 1) % comm.size)"
+                in msg), msg
         assert "stuck:    rank 1 at line 4 of exchange()" in msg, msg
     finally:
         run(ip, "%hpdl stop")
@@ -263,7 +271,8 @@ def test_interrupting_a_stuck_cell_names_the_rank_that_cannot_stop(no_strays):
     km, kc, pids = _kernel_with_cluster()
     try:
         errors = []
-        msg_id = kc.execute("%%px\nimport numpy as np, time\nif rank == 0:\n    comm.Recv(np.zeros(1), source=1)\nelse:\n    time.sleep(60)")
+        msg_id = kc.execute("%%px\nimport numpy as np, time\nif rank == 0:\n    comm.Recv(np.zeros(1), source=1)\n"
+                            "else:\n    time.sleep(60)")
         _wait_until_ranks_at({0: 3, 1: 5})  # rank 0 in the Recv, rank 1 asleep: press stop
         km.interrupt_kernel()
         deadline = time.time() + 30

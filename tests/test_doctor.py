@@ -71,7 +71,8 @@ def test_horovod_is_probed_in_a_subprocess_and_reports_its_controllers(healthy):
     # the kit's Horovod is built with MPI and Gloo (cluster/build/horovod.sh)
     assert hvd["mpi_built"] is True and hvd["gloo_built"] is True
     # ...against the very MPI library mpi4py loads
-    same = {os.path.realpath(p) for p in hvd["library_files"]} & {os.path.realpath(p) for p in healthy["mpi"]["library_files"]}
+    same = ({os.path.realpath(p) for p in hvd["library_files"]}
+            & {os.path.realpath(p) for p in healthy["mpi"]["library_files"]})
     assert same
 
 

@@ -12,7 +12,8 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")) + sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = (sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+             + sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")))
 CELL_TIMEOUT = int(os.environ.get("HPDL_TEST_CELL_TIMEOUT", "300"))
 
 

@@ -31,7 +31,7 @@ def test_latency_bandwidth_draws_measured_models_and_ceiling():
                                   ceiling=8e9, title="t")
     latency, bandwidth = fig.axes
     assert latency.get_yscale() == "log" and latency.get_xscale() == "log"
-    assert [l.get_label() for l in latency.lines] == ["ring (4 ranks)", "library (4 ranks)", "ring model"]
+    assert [line.get_label() for line in latency.lines] == ["ring (4 ranks)", "library (4 ranks)", "ring model"]
     assert latency.lines[2].get_linestyle() == "--"
     assert np.allclose(latency.lines[0].get_ydata(), np.array(sweep("ring")["seconds"]) * 1e6)
     # bus bandwidth of an allreduce on 4 ranks: n/t · 2·3/4, in GB/s
@@ -51,7 +51,7 @@ def test_scaling_plots_each_series_against_ranks():
     measured = {"name": "allreduce", "ranks": [2, 3, 4], "seconds": [1e-3, 2e-3, 3e-3]}
     model = {"ranks": [2, 8, 16], "seconds": [1e-3, 1e-3, 1e-3]}
     (ax,) = plots.scaling([measured], {"model": model}).axes
-    assert [list(l.get_xdata()) for l in ax.lines] == [[2, 3, 4], [2, 8, 16]]
+    assert [list(line.get_xdata()) for line in ax.lines] == [[2, 3, 4], [2, 8, 16]]
     assert np.allclose(ax.lines[0].get_ydata(), [1, 2, 3])  # milliseconds
     assert ax.lines[1].get_linestyle() == "--"
 

@@ -34,7 +34,8 @@ def test_launcher_resolution(monkeypatch):
 def test_mpiexec_found_beside_this_python():
     path = launchers.find_mpiexec()
     assert os.path.exists(path)
-    out = subprocess.run([path, "-n", "2", sys.executable, "-c", "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())"],
+    out = subprocess.run([path, "-n", "2", sys.executable, "-c",
+                          "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())"],
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["2", "2"]
 
@@ -74,7 +75,9 @@ def _first_child(pid: int, timeout: float = 10.0) -> int:
 def test_reaper_kills_the_tree_when_the_watched_process_dies(tmp_path):
     # a "kernel" (sleep) and a "cluster" (a process with a child) it is responsible for
     kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    tree = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"],
+    tree = subprocess.Popen([sys.executable, "-c",
+                             "import subprocess, sys, time; "
+                             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"],
                             start_new_session=True)
     child = _first_child(tree.pid)
     state = tmp_path / "reaper.json"
