@@ -251,7 +251,9 @@ def report() -> dict:
             check(label, "fail", f"{path} is {family} ({text}) but mpi4py uses {mpi['vendor']}: "
                   "`mpiexec -n 2` would start 2 separate one-rank jobs", fix)
         elif label == "mpiexec" and mpi:
-            rc, out, err = _run([path, "-n", "2", sys.executable, "-c", _PROBE_RANKS], 90)
+            # inside a Slurm job, as an srun step beside the engines' instead of queueing behind it
+            two = launchers.side_job_command(2) if launchers.detected().name != "local" else [path, "-n", "2"]
+            rc, out, err = _run([*two, sys.executable, "-c", _PROBE_RANKS], 90)
             seen = sorted(tuple(map(int, s.split())) for s in out.split("\n") if re.fullmatch(r"\d+ \d+", s.strip()))
             info["mpiexec"][label]["two_ranks"] = seen
             if seen == [(0, 2), (1, 2)]:

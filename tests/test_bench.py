@@ -46,8 +46,9 @@ def test_bus_bandwidth_factors():
     assert bench.busbw([1e9], [1.0], 4)[0] == pytest.approx(1.5e9)
     assert bench.busbw([1e9], [1.0], 4, "allgather")[0] == pytest.approx(0.75e9)
     assert bench.busbw([1e9], [2.0], 8, "broadcast")[0] == pytest.approx(0.5e9)
+    assert bench.busbw([1e9], [1.0], 4, "alltoall")[0] == pytest.approx(0.75e9)  # (p-1)/p, as nccl-tests
     with pytest.raises(ValueError):
-        bench.busbw([1], [1], 2, "alltoall")
+        bench.busbw([1], [1], 2, "scatter_gather")
 
 
 def test_local_measurements_are_positive():

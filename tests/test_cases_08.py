@@ -93,7 +93,10 @@ def test_predict_step_time_solution_passes():
 
 
 def test_predict_step_time_library_passes():
-    from hpdl.predict import predict_step_time
+    def predict_step_time(*args, **kwargs):  # a learner who calls the kit's predictor passes
+        from hpdl.predict import predict_step_time
+
+        return predict_step_time(*args, **kwargs)
 
     assert passed(hpdl.check("predict_step_time", predict_step_time, ranks=[2]))
 
