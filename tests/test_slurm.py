@@ -567,7 +567,7 @@ def test_environment_yml_pins_what_requirements_txt_pins():
     pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     conda = _pins(pip_section)
     pip = _pins((ROOT / "requirements.txt").read_text().splitlines())
-    not_for_clusters = {"mpich", "pytest", "pytest-timeout", "playwright"}  # site MPI; tests run on CI
+    not_for_clusters = {"mpich", "pytest", "pytest-timeout", "playwright", "ruff"}  # site MPI; tests, lint on CI
     assert {k: v for k, v in pip.items() if k not in not_for_clusters} == conda
     assert "-e ." in pip_section and "mpich" not in conda
 
