@@ -82,3 +82,21 @@ def learner_copy(*functions):
     namespace = {"__name__": "__learner__"}
     exec(compile(source, filename, "exec"), namespace)
     return namespace[functions[-1].__name__]
+
+
+def passed(result) -> bool:
+    """Every case of a check's result passed."""
+    return all(c.verdict == "PASS" for c in result.cases)
+
+
+def hints(result) -> str:
+    """Everything a check's result says to the learner: messages, hints, notes."""
+    return " ".join(f"{c.message} {c.hint or ''}" for c in result.cases) + " " + " ".join(result.hints)
+
+
+def rejected(result, *words: str) -> None:
+    """Assert a known-bad implementation failed its check, saying each of `words`."""
+    assert not passed(result), f"{result.exercise}: a known-bad implementation passed"
+    text = hints(result).lower()
+    for w in words:
+        assert w.lower() in text, f"{result.exercise}: expected {w!r} in: {text[:800]}"

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import hpdl
+from conftest import hints, passed, rejected
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,21 +43,6 @@ def solution(notebook: str, name: str):
             exec(compile(source, filename, "exec"), namespace)
             return namespace[name]
     raise LookupError(f"no cell defines {name} in {notebook}")
-
-
-def passed(result) -> bool:
-    return all(c.verdict == "PASS" for c in result.cases)
-
-
-def hints(result) -> str:
-    return " ".join(f"{c.message} {c.hint or ''}" for c in result.cases) + " ".join(result.hints)
-
-
-def rejected(result, *words: str) -> None:
-    assert not passed(result), f"{result.exercise}: a known-bad implementation passed"
-    text = hints(result).lower()
-    for w in words:
-        assert w.lower() in text, f"{result.exercise}: expected {w!r} in: {text[:600]}"
 
 
 # -- 05, exercise 1: shard_indices ---------------------------------------------------------------

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import hpdl
+from conftest import hints, passed, rejected
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,21 +34,6 @@ def solution(name: str):
             exec(compile(cell.source, filename, "exec"), namespace)
             return namespace[name]
     raise LookupError(f"no cell defines {name}")
-
-
-def passed(result) -> bool:
-    return all(c.verdict == "PASS" for c in result.cases)
-
-
-def hints(result) -> str:
-    return " ".join(f"{c.message} {c.hint or ''}" for c in result.cases) + " ".join(result.hints)
-
-
-def rejected(result, *words: str) -> None:
-    assert not passed(result), f"{result.exercise}: a known-bad implementation passed"
-    text = hints(result).lower()
-    for w in words:
-        assert w.lower() in text, f"{result.exercise}: expected {w!r} in: {text[:800]}"
 
 
 # -- exercise 1: predict_step_time ---------------------------------------------------------------

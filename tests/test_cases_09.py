@@ -22,7 +22,7 @@ from mpi4py import MPI
 import hpdl
 from hpdl.check.cases import column_parallel_linear as cpl_case
 from hpdl.check.cases import pipeline_step as pipe_case
-from conftest import learner_copy
+from conftest import hints, learner_copy, passed, rejected
 
 rows_of = learner_copy(cpl_case.rows_of)  # the learner's own copy: case modules are not importable in a check
 
@@ -45,26 +45,11 @@ def solution(name: str):
     raise LookupError(f"no cell defines {name} in {NOTEBOOK}")
 
 
-def passed(result) -> bool:
-    return all(c.verdict == "PASS" for c in result.cases)
-
-
-def text_of(result) -> str:
-    return (" ".join(f"{c.message} {c.hint or ''}" for c in result.cases) + " " + " ".join(result.hints)).lower()
-
-
-def rejected(result, *words: str) -> None:
-    assert not passed(result), f"{result.exercise}: a known-bad implementation passed"
-    text = text_of(result)
-    for w in words:
-        assert w.lower() in text, f"{result.exercise}: expected {w!r} in: {text[:800]}"
-
-
 # -- exercise 1: pipeline_step ----------------------------------------------------------------------
 
 def test_pipeline_step_solution_passes_on_1_to_4_ranks(no_strays):
     result = hpdl.check("pipeline_step", solution("pipeline_step"), grade=True)
-    assert passed(result), text_of(result)
+    assert passed(result), hints(result)
     assert {c.ranks for c in result.cases} == {1, 2, 3, 4}
 
 
@@ -218,7 +203,7 @@ def test_pipeline_step_one_message_per_batch_rejected(no_strays):
 
 def test_column_parallel_linear_solution_passes_on_1_to_4_ranks(no_strays):
     result = hpdl.check("column_parallel_linear", solution("column_parallel_linear"), grade=True)
-    assert passed(result), text_of(result)
+    assert passed(result), hints(result)
     assert {c.ranks for c in result.cases} == {1, 2, 3, 4}
     assert any(c.params.get("out") == 7 for c in result.cases if c.ranks == 4)
 
