@@ -3,6 +3,7 @@ reported against the defaults (128 MiB × 1 ms).
 
     .venv/bin/python benchmarks/horovod_fusion_grid.py
     .venv/bin/python benchmarks/horovod_fusion_grid.py --fusion 1,4,16,64,128 --cycle 0.5,1,2,5 --rounds 3
+    .venv/bin/python benchmarks/horovod_fusion_grid.py --autotune 300   # Horovod's own search instead
 
 Each setting is a fresh `mpiexec -n RANKS` job with HOROVOD_FUSION_THRESHOLD and
 HOROVOD_CYCLE_TIME in its environment, as on a cluster: restarting Horovod inside one job with
@@ -22,7 +23,7 @@ import sys
 from pathlib import Path
 
 
-def one_setting(layers: int, width: int, steps: int) -> None:
+def one_setting(layers: int, width: int, steps: int, untimed: bool = False) -> None:
     """Run on the ranks of one job: time training steps under this job's Horovod settings."""
     from mpi4py import MPI  # first, so MPI is MPICH's and outlives Horovod
 
@@ -46,6 +47,11 @@ def one_setting(layers: int, width: int, steps: int) -> None:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
+    if untimed:  # the autotuner measures (and logs) by itself
+        for _ in range(steps):
+            step()
+        hvd.shutdown()
+        return
     ms = 1000 * statistics.median(dp.step_times(step, steps=steps, warmup=3, comm=MPI.COMM_WORLD))
     if hvd.rank() == 0:
         print(json.dumps({"ms": ms}), flush=True)
@@ -65,6 +71,27 @@ def run(ranks: int, fusion_mib: float, cycle_ms: float, args) -> float:
     return json.loads(lines[-1])["ms"]
 
 
+def autotune(ranks: int, steps: int, args) -> list[list[str]]:
+    """One job trained with HOROVOD_AUTOTUNE=1; the rows of its log (header first).
+
+    Horovod's autotuner scores samples of HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE steps each (Bayesian
+    optimisation over fusion threshold, cycle time and more) and writes one CSV row per sample.
+    """
+    import csv
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="hpdl-autotune-") as tmp:
+        log = Path(tmp) / "autotune.csv"
+        env = dict(os.environ, HOROVOD_AUTOTUNE="1", HOROVOD_AUTOTUNE_LOG=str(log), OMP_NUM_THREADS="1",
+                   HOROVOD_AUTOTUNE_WARMUP_SAMPLES="1", HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE="5")
+        cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks), sys.executable, __file__, "--one",
+               "--untimed", "--layers", str(args.layers), "--width", str(args.width), "--steps", str(steps)]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            raise SystemExit(f"the autotuned job failed:\n{(out.stdout + out.stderr)[-2000:]}")
+        return list(csv.reader(log.open())) if log.exists() else []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
@@ -75,10 +102,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="print the grid as one JSON line at the end")
+    ap.add_argument("--autotune", type=int, metavar="STEPS", help="instead of the grid: train STEPS steps with "
+                    "HOROVOD_AUTOTUNE=1 and print its log (one JSON line of rows, header first)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--untimed", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        return one_setting(args.layers, args.width, args.steps)
+        return one_setting(args.layers, args.width, args.steps, args.untimed)
+    if args.autotune:
+        rows = autotune(args.ranks, args.autotune, args)
+        print(f"HOROVOD_AUTOTUNE, {args.ranks} ranks, {args.autotune} steps: {max(len(rows) - 1, 0)} samples logged")
+        print(json.dumps(rows))
+        return None
     fusions = [float(f) for f in args.fusion.split(",")]
     cycles = [float(c) for c in args.cycle.split(",")]
     best: dict[tuple[float, float], float] = {}

@@ -120,15 +120,37 @@ def tuning_json(table: Sequence[tuple[int | None, str]]) -> dict:
         if name not in CONTAINERS:
             raise HpdlError(f"{name!r} is not an allreduce algorithm MPICH's tuning file knows: {sorted(CONTAINERS)}")
         key = "avg_msg_size=any" if upto is None else f"avg_msg_size<={int(upto)}"
-        leaf = {f"algorithm={CONTAINERS[name]}": {}}
-        if name == "reduce_scatter_allgather":  # MPICH asserts count >= pof2 and a built-in op (as its own rules guard)
-            rd = {f"algorithm={CONTAINERS['recursive_doubling']}": {}}
-            leaf = {"is_op_built_in=yes": {"count<pow2": rd, "count=any": leaf}, "is_op_built_in=no": rd}
-        intra[key] = leaf
+        intra[key] = {f"algorithm={CONTAINERS[name]}": {}}
     if "avg_msg_size=any" not in intra:
         raise HpdlError("the table's last row must cover all larger sizes: (None, algorithm)")
     return {"collective=allreduce": {"comm_type=intra": intra,
                                      "comm_type=inter": {"algorithm=MPIR_Allreduce_inter_reduce_exchange_bcast": {}}}}
+
+
+def guarded(tree: dict) -> dict:
+    """The allreduce tree with each reduce-scatter + allgather leaf behind the guard MPICH's own rules use.
+
+    That algorithm needs at least one element per rank of the power-of-two group and a built-in
+    operation; called otherwise, MPICH stops the job ("Assertion failed ... count >= pof2"). Its
+    built-in rules therefore send such calls (a 1-element allreduce, a user-defined op) to
+    recursive doubling. A size table says nothing about this, so the kit adds the same guard to
+    any tree it writes; a leaf already under a count or op test is left alone.
+    """
+    rsag = f"algorithm={CONTAINERS['reduce_scatter_allgather']}"
+    rd = {f"algorithm={CONTAINERS['recursive_doubling']}": {}}
+
+    def walk(node):
+        if not isinstance(node, dict):
+            return node
+        if list(node) == [rsag]:
+            return {"is_op_built_in=yes": {"count<pow2": rd, "count=any": node}, "is_op_built_in=no": rd}
+        if any(k.startswith(("count", "is_op_built_in")) for k in node):
+            return node
+        return {k: walk(v) for k, v in node.items()}
+
+    if not isinstance(tree, dict) or not isinstance(tree.get("collective=allreduce"), dict):
+        return tree
+    return {**tree, "collective=allreduce": walk(tree["collective=allreduce"])}
 
 
 def mpich_defaults() -> dict:
@@ -156,12 +178,13 @@ def mpich_defaults() -> dict:
 def write_tuning_file(table_or_json, path: str | Path) -> Path:
     """Write MPICH's tuning file: its own rules, with allreduce's from a table or a JSON tree.
 
-    Returns the path. Whatever the tree holds (even something MPICH will refuse) is written,
-    so that MPICH, not this function, has the last word on it.
+    Returns the path. Reduce-scatter + allgather leaves get MPICH's own guard (`guarded`);
+    otherwise whatever the tree holds (even something MPICH will refuse) is written, so that
+    MPICH, not this function, has the last word on it.
     """
     obj = table_or_json if isinstance(table_or_json, dict) else tuning_json(table_or_json)
     if isinstance(obj, dict):
-        obj = {**mpich_defaults(), **obj}
+        obj = {**mpich_defaults(), **guarded(obj)}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2) + "\n")
@@ -205,6 +228,8 @@ def problems(obj) -> list[str]:
         if bounds != sorted(bounds):
             out.append(f"{where}: size tests are tried in order, so they must grow: {bounds}")
         for k in keys:
+            if k == "count<pow2":  # MPICH's own test: fewer elements than the power-of-two group
+                continue
             if not (_SIZE_KEY.match(k) or "=" in k):
                 out.append(f"{where}: {k!r} is not a test MPICH knows (e.g. 'avg_msg_size<=1024')")
             elif "=" in k and not _SIZE_KEY.match(k):

@@ -219,3 +219,17 @@ def test_hpdl_tune_is_a_verb(capsys):
     with pytest.raises(SystemExit) as stop:
         cli.main(["tune", "--help"])
     assert stop.value.code == 0 and "--ranks" in capsys.readouterr().out
+
+
+def test_a_written_table_with_reduce_scatter_runs_small_and_user_op_allreduces(tmp_path, no_strays):
+    """MPICH stops on reduce-scatter + allgather below one element per rank or with a user op;
+    write_tuning_file guards those leaves as MPICH's own rules do, so a learner's plain size table
+    (what the exercise asks for) runs everything a job does, down to a 1-element allreduce."""
+    table = [(64, "reduce_scatter_allgather"), (65536, "recursive_doubling"), (None, "reduce_scatter_allgather")]
+    path = tune.write_tuning_file(tune.tuning_json(table), tmp_path / "t.json")
+    swept = tune.sweep_algorithm(None, ranks=4, sizes=[4, 64, 1 << 20], budget=0.01, tuning_file=path, timeout=120)
+    assert len(swept["seconds"]) == 3 and all(s > 0 for s in swept["seconds"])
+    seen = tune.probe([4, 64, 1 << 20], ranks=4, tuning_file=path, timeout=120)   # a user-defined sum
+    assert tune.classify(seen[1 << 20], (1 << 20) // 4) == "recursive_doubling"
+    assert tune.guarded(tune.guarded(tune.tuning_json(table))) == tune.guarded(tune.tuning_json(table))
+    assert tune.problems(tune.guarded(tune.tuning_json(table))) == []
