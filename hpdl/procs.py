@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
@@ -179,7 +180,6 @@ def end(procs: Iterable[Proc] = (), groups: Iterable[Proc] = (), grace: float = 
     any more (`is_same`) are left alone. `before_kill`, if given, is called between the
     SIGTERM and the wait (e.g. to cancel Slurm jobs). Returns the /dev/shm files the tree
     mapped (read before the kill) so the caller can `remove_shared_memory` them."""
-    import psutil
 
     procs, groups = list(procs), list(groups)
     tree = _tree(procs)
@@ -190,13 +190,37 @@ def end(procs: Iterable[Proc] = (), groups: Iterable[Proc] = (), grace: float = 
         before_kill()
     for p in tree.values():
         _send(p, signal.SIGTERM)
-    _, left = psutil.wait_procs(list(tree.values()), timeout=grace)
+    left = _wait_gone(list(tree.values()), grace)
     for p in left:
         _send(p, signal.SIGKILL)
     for g in groups:
         _signal_group(g, signal.SIGKILL)
-    psutil.wait_procs(left, timeout=max(grace, 1.0))
+    _wait_gone(left, max(grace, 1.0))
     return shm
+
+
+def _wait_gone(ps: list, timeout: float) -> list:
+    """Wait up to `timeout` s for processes to end; returns those still running.
+
+    A zombie counts as ended: it has run its last instruction and only waits for its parent to
+    read its status (psutil.wait_procs would wait the whole timeout on one whose parent is
+    another process we are ending, e.g. an ipyparallel engine under its nanny)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for p in ps:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except psutil.NoSuchProcess:
+                continue
+            except psutil.Error:
+                left.append(p)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
 
 
 def end_popen(proc: subprocess.Popen, grace: float = 3.0) -> int | None:

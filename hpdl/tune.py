@@ -84,13 +84,16 @@ def mpich_algorithms(collective: str = "allreduce") -> list[str]:
 
 # -- the selection table and the tuning file --------------------------------------------------
 
-def selection_table(sweeps: Sequence[dict], *, keep: float = 1.0) -> list[tuple[int | None, str]]:
+def selection_table(sweeps: Sequence[dict], *, keep: float = 1.0,
+                    incumbent=None) -> list[tuple[int | None, str]]:
     """[(up_to_bytes, algorithm), ..., (None, algorithm)] from sweeps measured on the same sizes.
 
     Each sweep is an `hpdl.bench` dict named after its algorithm. For every size the fastest
     wins; neighbouring sizes with the same winner merge into one row; the boundary between two
-    rows is the larger size of the first one. `keep` > 1 keeps the previous row's algorithm
-    while it is within that factor of the fastest (fewer switches on noisy measurements).
+    rows is the larger size of the first one. `keep` > 1 keeps an algorithm while it is within
+    that factor of the fastest (fewer switches on noisy measurements): first the `incumbent`'s
+    choice at that size (a function bytes -> algorithm, e.g. `mpich_choice`: change the
+    library's own pick only where something is clearly faster), then the previous row's.
     """
     if not sweeps:
         raise ValueError("give at least one sweep")
@@ -101,8 +104,11 @@ def selection_table(sweeps: Sequence[dict], *, keep: float = 1.0) -> list[tuple[
     winners: list[str] = []
     for i in range(len(sizes)):
         best = min(sweeps, key=lambda s: s["seconds"][i])
+        own = next((s for s in sweeps if incumbent and s["name"] == incumbent(sizes[i])), None)
         prev = next((s for s in sweeps if winners and s["name"] == winners[-1]), None)
-        if prev is not None and prev["seconds"][i] <= keep * best["seconds"][i]:
+        if own is not None and own["seconds"][i] <= keep * best["seconds"][i]:
+            best = own
+        elif prev is not None and prev["seconds"][i] <= keep * best["seconds"][i]:
             best = prev
         winners.append(best["name"])
     table: list[tuple[int | None, str]] = []
@@ -125,6 +131,45 @@ def tuning_json(table: Sequence[tuple[int | None, str]]) -> dict:
         raise HpdlError("the table's last row must cover all larger sizes: (None, algorithm)")
     return {"collective=allreduce": {"comm_type=intra": intra,
                                      "comm_type=inter": {"algorithm=MPIR_Allreduce_inter_reduce_exchange_bcast": {}}}}
+
+
+def mpich_choice(nbytes: int, ranks: int, rules: dict | None = None, itemsize: int = 4) -> str:
+    """The allreduce algorithm MPICH's own rules pick for a float sum of `nbytes` per rank on
+    `ranks` ranks of one node (its built-in tree, walked as csel.c walks it), e.g. 'ring'.
+
+    `rules`: a whole tuning tree (default: MPICH's built-in one, `mpich_defaults()`). Tests the
+    tree does not depend on for a plain MPI_SUM (commutative, built in, not in place) take
+    their first branch.
+    """
+    count = max(1, nbytes // itemsize)
+    pof2 = 1 << (max(1, ranks).bit_length() - 1)
+    facts = {"avg_msg_size": count * itemsize, "total_msg_size": count * itemsize * ranks, "comm_size": ranks,
+             "count": count}
+    yes = {"comm_type": "intra", "collective": "allreduce", "is_commutative": "yes", "is_op_built_in": "yes",
+           "is_sbuf_inplace": "no", "is_multi_threaded": "no"}
+    node = (rules if rules is not None else mpich_defaults()).get("collective=allreduce", {})
+    while node:
+        for key, child in node.items():
+            k = key.replace(" ", "")
+            if k.startswith("algorithm="):
+                name = k[len("algorithm="):]
+                return next((a for a, c in CONTAINERS.items() if c == name), name.replace("MPIR_Allreduce_intra_", ""))
+            m = _SIZE_KEY.match(k)
+            if m:
+                value, bound = facts[m.group(1)], int(m.group(3))
+                if value <= bound if m.group(2) == "<=" else value < bound:
+                    node = child
+                    break
+            elif k == "count<pow2":
+                if count < pof2:
+                    node = child
+                    break
+            elif k.endswith("=any") or yes.get(k.split("=")[0]) == k.split("=")[1]:
+                node = child
+                break
+        else:
+            node = next(iter(node.values()))  # a test this walk does not know: its first branch
+    return "unknown"
 
 
 def guarded(tree: dict) -> dict:

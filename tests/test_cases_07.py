@@ -233,3 +233,18 @@ def test_a_written_table_with_reduce_scatter_runs_small_and_user_op_allreduces(t
     assert tune.classify(seen[1 << 20], (1 << 20) // 4) == "recursive_doubling"
     assert tune.guarded(tune.guarded(tune.tuning_json(table))) == tune.guarded(tune.tuning_json(table))
     assert tune.problems(tune.guarded(tune.tuning_json(table))) == []
+
+
+def test_mpich_choice_walks_its_rules_and_the_table_keeps_it_unless_clearly_beaten():
+    rules = tune.guarded(tune.tuning_json([(64, "ring"), (None, "recursive_doubling")]))
+    assert [tune.mpich_choice(n, 4, rules) for n in (16, 64, 68)] == ["ring", "ring", "recursive_doubling"]
+    rsag = tune.guarded(tune.tuning_json([(None, "reduce_scatter_allgather")]))
+    assert tune.mpich_choice(8, 4, rsag) == "recursive_doubling"      # 2 floats < 4 ranks: MPICH's guard
+    assert tune.mpich_choice(16, 4, rsag) == "reduce_scatter_allgather"
+    assert tune.mpich_choice(1 << 20, 4) == "reduce_scatter_allgather"  # MPICH 5's built-in pick
+    sizes = [64, 1024]
+    sweeps = [{"name": "recursive_doubling", "sizes": sizes, "seconds": [1.0, 1.0]},
+              {"name": "ring", "sizes": sizes, "seconds": [0.95, 0.5]}]
+    assert tune.selection_table(sweeps, keep=1.1, incumbent=lambda n: "recursive_doubling") == [
+        (64, "recursive_doubling"), (None, "ring")]
+    assert tune.selection_table(sweeps) == [(None, "ring")]

@@ -86,6 +86,25 @@ def test_end_kills_what_ignores_sigterm():
     stubborn.wait(timeout=10)
 
 
+def test_a_zombie_counts_as_ended_but_its_living_parent_does_not():
+    """Stopping ranks waits for the tree to end; a child that has exited but whose parent has not
+    yet read its status (an engine's nanny) must not hold that wait until the grace runs out."""
+    parent = subprocess.Popen([sys.executable, "-c", "import os, time\nif os.fork() == 0:\n    os._exit(0)\n"
+                               "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout.readline().strip() == b"ready"
+        zombie = psutil.Process(_children(parent.pid, 1)[0])
+        deadline = time.monotonic() + 10
+        while zombie.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.02)
+        me = psutil.Process(parent.pid)
+        assert procs._wait_gone([zombie], 0) == []
+        assert procs._wait_gone([me, zombie], 0) == [me]
+    finally:
+        parent.kill()
+        parent.wait()
+
+
 def test_shared_memory_is_found_through_maps_and_removed_only_in_dev_shm(tmp_path):
     name = f"/dev/shm/mpich_shm_hpdltest_{uuid.uuid4().hex[:8]}"
     holder = subprocess.Popen([sys.executable, "-c", f"import mmap, os, time\nfd = os.open({name!r}, os.O_CREAT | "

@@ -221,6 +221,11 @@ def _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet) -> Clust
         timeout = kwargs.pop("start_timeout", 60 + 5 * n)
     else:
         kwargs.pop("start_timeout", None)
+    # The hub admits an engine at its first heartbeat, and pings every 3 s by default: pinged
+    # every 0.5 s, ranks are ready ~4 s sooner; 60 missed pings still mean the same 30 s of
+    # silence before an engine is given up.
+    kwargs["controller_args"] = [*kwargs.get("controller_args", []), "--HeartMonitor.period=500",
+                                 "--HeartMonitor.max_heartmonitor_misses=60"]
     ipp_cluster = ipp.Cluster(
         n=n,
         cluster_id=cluster_id,
