@@ -136,7 +136,7 @@ def _notebook(fifo: Path) -> dict:
     cells = [
         "import hpdl\nhpdl.start(n=2, frameworks=())",
         "hpdl.panel(every=0.5, stuck_after=2)",
-        f"%%px --timeout 300\nhpdl.panel.step(0.0125)\nif rank == 1:\n    open({str(fifo)!r}).read()\n"
+        f"%%px --timeout 300\nimport hpdl; hpdl.panel.step(0.0125)\nif rank == 1:\n    open({str(fifo)!r}).read()\n"
         "print(f'rank {rank} released')",
         "hpdl.stop()",
     ]
