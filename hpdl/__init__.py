@@ -5,6 +5,7 @@ A notebook needs only these names:
     import hpdl
     hpdl.start(n=4)        # engines that are MPI ranks; %%px runs a cell on every rank
     hpdl.check("ring_allreduce", ring_allreduce)   # autograded check on fresh ranks
+    hpdl.panel()           # a live table of the ranks: state, line, last step, memory
     hpdl.stop()
 
 and the helper modules hpdl.data, hpdl.models, hpdl.plots, hpdl.bench, hpdl.predict, hpdl.tune (imported on first use).
@@ -23,7 +24,7 @@ _FUNCTIONS = {
     "view": "hpdl.cluster",
     "check": "hpdl.check",
 }
-_MODULES = {"data", "models", "plots", "bench", "dp", "timeline", "predict", "published", "tune"}
+_MODULES = {"data", "models", "plots", "bench", "dp", "timeline", "predict", "published", "tune", "panel"}
 
 __all__ = sorted(_FUNCTIONS) + sorted(_MODULES)
 
@@ -38,7 +39,7 @@ def __getattr__(name: str):
 
 
 def _hpdl_line_magic(line: str):
-    """%hpdl start [-n N] [--launcher L] [--frameworks torch,horovod] | stop | restart | status"""
+    """%hpdl start [-n N] [--launcher L] [--frameworks torch,horovod] | stop | restart | status | panel"""
     from hpdl.magics import hpdl_magic
 
     return hpdl_magic(line)

@@ -158,8 +158,11 @@ def step_times(step: Callable[[], object], steps: int = 10, warmup: int = 2, com
 
     The slowest rank decides a data-parallel step, so each time is the maximum over ranks. On a
     GPU each step is timed until its kernels have finished (CUDA synchronised), not just launched.
+    Each step is also marked for the live panel (hpdl.panel), which shows the last one.
     """
     from mpi4py import MPI
+
+    from hpdl import watch
 
     comm = comm or MPI.COMM_WORLD
     for _ in range(warmup):
@@ -172,6 +175,7 @@ def step_times(step: Callable[[], object], steps: int = 10, warmup: int = 2, com
         step()
         _synchronize(device)
         times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+        watch.step(times[-1])
     return times
 
 

@@ -231,6 +231,11 @@ DEADLOCK_HINT = (
     "Sendrecv avoids both."
 )
 
+PANEL_HINT = (
+    "The rank panel, hpdl.panel() (or %hpdl panel), shows every rank's state and line live while a "
+    "cell runs: open it before the cell to watch where each rank stops."
+)
+
 
 def ranks_text(ranks: Iterable[int]) -> str:
     """'0–3' for a run of three or more, else '0, 2'."""
@@ -320,6 +325,6 @@ def hang_message(headline: str, stuck: Mapping[int, Mapping | str | None], finis
 
 __all__ = [
     "REQUEST", "answer_path", "fault_path", "is_learner_file", "frame_dict", "learner_where", "snapshot",
-    "Answerer", "install_faulthandler", "ask", "parse_fault", "NO_ANSWER", "DEADLOCK_HINT", "ranks_text",
-    "rank_word", "place_text", "stuck_text", "report_lines", "summary", "hang_message",
+    "Answerer", "install_faulthandler", "ask", "parse_fault", "NO_ANSWER", "DEADLOCK_HINT", "PANEL_HINT",
+    "ranks_text", "rank_word", "place_text", "stuck_text", "report_lines", "summary", "hang_message",
 ]

@@ -2,6 +2,7 @@
 
     %hpdl start -n 4 --frameworks torch
     %hpdl status
+    %hpdl panel          # the live table of the ranks (hpdl.panel())
 
 (`%%px`, which runs a cell on every rank, is hpdl/cluster/px.py, registered by hpdl.start().)
 """
@@ -15,18 +16,19 @@ from IPython.core.error import UsageError
 from hpdl.cluster import lifecycle
 from hpdl.errors import HpdlError
 
-VERBS = ("start", "stop", "restart", "status")
-USAGE = "%hpdl start [-n N] [--launcher L] [--frameworks torch,horovod] [--timeout S] | stop | restart | status"
+VERBS = ("start", "stop", "restart", "status", "panel")
+USAGE = ("%hpdl start [-n N] [--launcher L] [--frameworks torch,horovod] [--timeout S] | stop | restart | status "
+         "| panel")
 
 
 @magic_arguments.magic_arguments(name="hpdl")
-@magic_arguments.argument("verb", nargs="?", help="start | stop | restart | status")
+@magic_arguments.argument("verb", nargs="?", help="start | stop | restart | status | panel")
 @magic_arguments.argument("-n", "--n", dest="n", metavar="N", help="number of ranks")
 @magic_arguments.argument("-l", "--launcher", help="local, slurm or auto")
 @magic_arguments.argument("--frameworks", help="comma list, e.g. torch,horovod; '' for MPI only")
 @magic_arguments.argument("--timeout", dest="cell_timeout", metavar="SECONDS", help="time limit of each %%%%px cell")
 def hpdl_magic(line: str):
-    """Start, stop, restart or look at the ranks."""
+    """Start, stop, restart or look at the ranks (status, or the live panel)."""
     usage = USAGE
     try:  # shell quoting, so that --frameworks '' means none
         args = hpdl_magic.parser.parse_args(shlex.split(line))
@@ -59,6 +61,10 @@ def hpdl_magic(line: str):
         lifecycle.stop()
     elif verb == "restart":
         lifecycle.restart(**opts)
+    elif verb == "panel":
+        from hpdl import panel
+
+        return panel.show()
     else:
         return lifecycle.status()
     return None

@@ -162,16 +162,19 @@ def init_horovod() -> dict[str, Any]:
 
 
 _answerer = None
+_reporter = None
 
 
 def _answer_hang_requests(run_dir: str, rank: int) -> bool:
-    """Let the client ask where this rank is stuck (hpdl.hang), once per engine. True when
-    SIGUSR1 makes faulthandler dump the stack (else the client must not send it: it would kill)."""
-    global _answerer
-    from hpdl import hang
+    """Let the client ask where this rank is stuck (hpdl.hang), once per engine, and let the live
+    panel (hpdl.watch) ask how it is, on the same thread. True when SIGUSR1 makes faulthandler dump
+    the stack (else the client must not send it: it would kill)."""
+    global _answerer, _reporter
+    from hpdl import hang, watch
 
     if _answerer is None:
-        _answerer = hang.Answerer(run_dir, rank)
+        _reporter = watch.Reporter(run_dir, rank)
+        _answerer = hang.Answerer(run_dir, rank, on_tick=_reporter.tick)
         _answerer.start()
         try:
             _answerer.fault_file = hang.install_faulthandler(run_dir, rank)
@@ -206,6 +209,8 @@ def setup(namespace: dict, run_dir: str | None = None,
 
         device, info["threads"], note = place(MPI.COMM_WORLD.allgather)
         info["device"] = str(device)
+        if _reporter is not None and device.type == "cuda":
+            _reporter.device_index = device.index  # the panel reads this GPU's memory
         if note:
             info["device_note"] = note
         namespace.update(torch=torch, device=device)

@@ -220,16 +220,23 @@ def chromium() -> str:
 
 
 @pytest.fixture
-def lab(tmp_path, no_strays):
-    """JupyterLab started with `make lab`'s flags (no browser), serving the repository on a
-    free port with our token. Yields (base_url, token, server process, log path); afterwards
+def lab_root() -> Path:
+    """The folder JupyterLab serves: the repository, as `make lab` does. A test module may
+    override this fixture to serve a folder of its own (notebooks written for the test)."""
+    return ROOT
+
+
+@pytest.fixture
+def lab(tmp_path, no_strays, lab_root):
+    """JupyterLab started with `make lab`'s flags (no browser), serving `lab_root` (the repository)
+    on a free port with our token. Yields (base_url, token, server process, log path); afterwards
     its kernels are shut down, then the server, and nothing it started may remain."""
     token, port = uuid.uuid4().hex, free_port()
     log = tmp_path / "jupyterlab.log"
     cmd = [
         str(BIN / "jupyter"), "lab",
         # the flags of `make lab`
-        "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", f"--ServerApp.root_dir={ROOT}",
+        "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", f"--ServerApp.root_dir={lab_root}",
         # ours: no browser of its own, our token, this port or fail, a fresh user
         "--no-browser", f"--IdentityProvider.token={token}", "--ServerApp.port_retries=0",
         *as_root(), *lab_settings(tmp_path),

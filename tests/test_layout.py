@@ -15,8 +15,8 @@ PKG = Path(__file__).resolve().parents[1] / "hpdl"
 # grader move to hpdl.procs next; empty this list then (each entry is a path under hpdl/).
 NOT_YET_ON_PROCS: tuple[str, ...] = ()
 
-ENGINE_SIDE = ("hpdl.rank", "hpdl.hang", "hpdl.errors")  # run on every rank: no client-side imports
-CLIENT_SIDE = ("hpdl.cluster", "hpdl.magics", "hpdl.check", "hpdl.grade", "hpdl.launchers", "hpdl.reaper",
+ENGINE_SIDE = ("hpdl.rank", "hpdl.hang", "hpdl.watch", "hpdl.errors")  # run on every rank: no client-side imports
+CLIENT_SIDE = ("hpdl.cluster", "hpdl.magics", "hpdl.panel", "hpdl.check", "hpdl.grade", "hpdl.launchers", "hpdl.reaper",
                "hpdl.cli", "hpdl.doctor")
 
 

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 RESTART_ADVICE = (
     "Stuck ranks cannot be interrupted: run hpdl.restart() for fresh ranks (variables on the "
-    "engines are lost), then re-run your set-up cells. To allow more time: %%px --timeout 600."
+    "engines are lost), then re-run your set-up cells. To allow more time: %%px --timeout 600.\n"
+    + hang.PANEL_HINT
 )
 
 
