@@ -133,7 +133,8 @@ def _silent(folder: Path, n: int, why: str, output: Path) -> HpdlError:
             lines.append(f"  rank {r}: never started (no word from it)")
         elif seen[r]["phase"] != "done":
             lines.append(f"  rank {r} on {seen[r]['host']}: stuck {seen[r]['phase']}")
-    tail = output.read_text(errors="replace").strip().splitlines()[-12:] if output.exists() else []
+    text = output.read_text(errors="replace") if output.exists() else ""
+    tail = [s for s in text.strip().splitlines() if "<frozen " not in s][-12:]  # a stack dump: our lines
     return HpdlError("\n".join(lines + ([f"the job's output ({output}) ends with:"] if tail else [])
                                + ["    " + s for s in tail]))
 
