@@ -303,10 +303,21 @@ def render(result: dict) -> str:
     return "\n".join(lines + ["", f"NO-GO: {bad} check(s) failed (reasons above)." if bad else "GO: no check failed."])
 
 
+def _cell(v, tag: str = "td") -> str:
+    text = str(v)
+    if v is None:
+        text = "—"
+    elif isinstance(v, bool):
+        text = "yes" if v else "no"
+    elif isinstance(v, float):
+        text = f"{v:.3g}" if v < 1000 else f"{v:,.0f}"  # 5.59, 0.0172, 8,830: three figures, no exponents
+    return f"<{tag}>{html.escape(text)}</{tag}>"
+
+
 def _table(head: list[str], body: list[list], classes: list[str] | None = None) -> str:
-    cells = lambda row, tag: "".join(f"<{tag}>{html.escape('—' if v is None else str(v))}</{tag}>" for v in row)  # noqa: E731
-    rows = "".join(f"<tr class='{c}'>{cells(r, 'td')}</tr>" for r, c in zip(body, classes or [""] * len(body)))
-    return f"<table><tr>{cells(head, 'th')}</tr>{rows}</table>"
+    rows = "".join(f"<tr class='{c}'>" + "".join(map(_cell, r)) + "</tr>"
+                   for r, c in zip(body, classes or [""] * len(body)))
+    return "<table><tr>" + "".join(_cell(h, "th") for h in head) + f"</tr>{rows}</table>"
 
 
 RANK_COLUMNS = ("rank", "host", "local_rank", "device", "memory_GB", "torch", "cuda", "nccl", "mpi", "mpi_file",
@@ -322,7 +333,7 @@ def write_html(result: dict, folder: Path) -> Path:
     sweeps += [("across nodes", ranks[0]["across"])] if ranks[0]["across"] else []
     sweep_html = "".join(f"<h3>MPI_Allreduce {html.escape(name)}, {s['ranks']} ranks</h3>" + _table(
         ["size", "median µs", "busbw GB/s"],
-        [[size_label(n), f"{t * 1e6:.3g}", f"{b / 1e9:.3g}"] for n, t, b in zip(s["sizes"], s["seconds"], s["busbw"])])
+        [[size_label(n), t * 1e6, b / 1e9] for n, t, b in zip(s["sizes"], s["seconds"], s["busbw"])])
         for name, s in sweeps)
     keys = ["verdict", "check", "where", "measured", "expected", "reason"]
     page = f"""<!doctype html><meta charset="utf-8"><title>hpdl preflight: {verdict}</title>

@@ -44,7 +44,7 @@ SLURM_KEYS: dict[str, tuple[type, str]] = {
 EXPECT_KEYS: dict[str, tuple[type, str]] = {
     "gpus_per_node": (int, "GPUs in use on every node, one per rank (0: a CPU site)"),
     "cuda_aware_mpi": (bool, "the MPI library each rank loads says it is CUDA-aware"),
-    "mpi_library_contains": (str, 'text MPI_Get_library_version() must contain, e.g. "MVAPICH2-GDR"'),
+    "mpi_library_contains": (str, 'text in the first line of MPI_Get_library_version(), e.g. "MVAPICH2-GDR"'),
     "within_node_8B_us_max": (float, "µs, at most: median 8-byte MPI_Allreduce among the ranks of one node"),
     "across_nodes_8B_us_max": (float, "µs, at most: median 8-byte MPI_Allreduce among one rank per node"),
     "within_node_busbw_GBps_min": (float, "GB/s, at least: allreduce bus bandwidth within a node, largest size"),

@@ -79,7 +79,7 @@ def test_preflight_job_on_slurm_reports_every_rank_and_goes(tmp_path, capsys, no
     assert "GO: no check failed." in printed.out
     page = (out / "index.html").read_text()
     assert "<h1>hpdl preflight: <span class=\"go\">GO</span></h1>" in page
-    assert "<td>rank 0 (local 0)</td>" in page and "<td>within_node_8B_us_max</td><td>1000000.0</td>" in page
+    assert "<td>rank 0 (local 0)</td>" in page and "<td>within_node_8B_us_max</td><td>1,000,000</td>" in page
     assert "src=" not in page and "href=" not in page  # one page, nothing to fetch
 
 
