@@ -25,6 +25,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -133,6 +134,9 @@ def _silent(folder: Path, n: int, why: str, output: Path) -> HpdlError:
             lines.append(f"  rank {r}: never started (no word from it)")
         elif seen[r]["phase"] != "done":
             lines.append(f"  rank {r} on {seen[r]['host']}: stuck {seen[r]['phase']}")
+    if not seen:
+        lines.append(f"  (no rank wrote to {folder}: if the job ran, that folder is not on a file system the "
+                     "compute nodes see; run from one they do, or pass --out there)")
     text = output.read_text(errors="replace") if output.exists() else ""
     tail = [s for s in text.strip().splitlines() if "<frozen " not in s][-12:]  # a stack dump: our lines
     return HpdlError("\n".join(lines + ([f"the job's output ({output}) ends with:"] if tail else [])
@@ -147,6 +151,18 @@ def batch_script(site: SlurmSite, nodes: int, per_node: int, program: list[str],
     step = ["srun", f"--mpi={site.pmi}", "--kill-on-bad-exit=1", *resource_options(job), *site.srun,
             *rank_wrapper(site), *site.wrap, *program]
     return "\n".join(["#!/bin/bash", *(f"#SBATCH {o}" for o in opts), shlex.join(step)]) + "\n"
+
+
+# Why a job pends (squeue %r) when waiting will not help: the request exceeds what the partition,
+# account or QOS allows. Other reasons (Resources, Priority, BeginTime, ...) pass with time.
+NEVER_STARTS = {"PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints", "InvalidAccount",
+                "InvalidQOS", "AssocMaxNodesPerJobLimit", "AssocMaxCpuPerJobLimit", "AssocMaxWallDurationPerJobLimit",
+                "QOSMaxNodePerJobLimit", "QOSMaxCpuPerJobLimit", "QOSMaxWallDurationPerJobLimit"}
+
+
+def _pending_reason(job: str) -> str:
+    p = subprocess.run(["squeue", "-h", "-j", job, "-o", "%r"], capture_output=True, text=True, timeout=30)
+    return p.stdout.strip()
 
 
 def _slurm(site: SlurmSite, nodes: int, per_node: int, program: list[str], folder: Path,
@@ -169,9 +185,11 @@ def _slurm(site: SlurmSite, nodes: int, per_node: int, program: list[str], folde
             state = job_state(job)
             if state is None:
                 raise _silent(folder / "ranks", n, f"Slurm job {job} ended before every rank answered:", output)
+            why = _pending_reason(job) if state == "PENDING" else ""
+            if why in NEVER_STARTS:
+                raise HpdlError(f"Slurm job {job} can never start as asked (reason: {why}) and was cancelled: ask "
+                                f"for fewer --nodes or --ranks-per-node, or fix the [slurm] settings of {site.source}.")
             if state == "PENDING" and time.monotonic() > queued_until:
-                why = subprocess.run(["squeue", "-h", "-j", job, "-o", "%r"], capture_output=True, text=True,
-                                     timeout=30).stdout.strip()
                 raise HpdlError(f"Slurm job {job} was still pending after {queue_timeout:.0f} s (reason: {why or '?'})"
                                 " and was cancelled. Run it when the queue is quieter, ask for fewer --nodes or "
                                 "another partition, or wait longer with --queue-timeout.")
@@ -398,8 +416,12 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     site = load_site(args.site)
     per_node = args.ranks_per_node or site.ranks_per_node or int(site.expect.get("gpus_per_node", 0)) or 2
-    result = run(site, nodes=args.nodes, ranks_per_node=per_node, launcher=args.launcher, out=args.out,
-                 largest=args.largest_mib << 20, timeout=args.timeout, queue_timeout=args.queue_timeout)
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # e.g. `timeout`: cancel the job first
+    try:
+        result = run(site, nodes=args.nodes, ranks_per_node=per_node, launcher=args.launcher, out=args.out,
+                     largest=args.largest_mib << 20, timeout=args.timeout, queue_timeout=args.queue_timeout)
+    finally:
+        signal.signal(signal.SIGTERM, before)
     print(render(result) + f"\nreport: {result['html']}")
     return 0 if result["go"] else 1
 

@@ -125,15 +125,18 @@ def test_a_rank_that_never_starts_is_named(tmp_path, monkeypatch, no_strays):
 
 @pytest.mark.slurm
 @pytest.mark.usefixtures("slurm", "outside_slurm")
-def test_a_job_pending_past_its_deadline_is_cancelled_with_slurms_reason(tmp_path, no_strays):
+def test_a_job_that_pends_too_long_or_can_never_start_is_cancelled_with_slurms_reason(tmp_path, no_strays):
     site = sites.load_site(str(_site(tmp_path, LENIENT)))
+    with pytest.raises(HpdlError) as never:  # the local Slurm has one node
+        preflight.run(site, nodes=2, ranks_per_node=1, out=tmp_path / "r")
     site.sbatch = ["--begin=now+3600"]  # queued for an hour
-    with pytest.raises(HpdlError) as err:
+    with pytest.raises(HpdlError) as late:
         preflight.run(site, out=tmp_path / "r", queue_timeout=2)
-    text = str(err.value)
-    assert "still pending after 2 s (reason: BeginTime)" in text and "--queue-timeout" in text
-    job = re.search(r"Slurm job (\d+)", text).group(1)
-    assert squeue("-j", job, "-o", "%i") == ""
+    assert "can never start as asked (reason: PartitionNodeLimit)" in str(never.value)
+    assert "still pending after 2 s (reason: BeginTime)" in str(late.value) and "--queue-timeout" in str(late.value)
+    for err in (never, late):
+        job = re.search(r"Slurm job (\d+)", str(err.value)).group(1)
+        assert squeue("-j", job, "-o", "%i") == ""
 
 
 @pytest.mark.parametrize("text, named", [
