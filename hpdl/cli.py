@@ -10,6 +10,7 @@ VERBS = {
     "exercises": ("hpdl.workspace", "copy the exercises into your workspace, never overwriting your edits"),
     "grade": ("hpdl.grade", "grade a folder of submitted notebooks"),
     "cleanup": ("hpdl.cluster.cleanup", "stop clusters this kit started and left behind"),
+    "preflight": ("hpdl.preflight", "one short job on a site's nodes: GPUs, MPI, allreduce; a go/no-go report"),
     "tune": ("hpdl.tune", "measure MPI_Allreduce algorithms, write MPICH's tuning file and a report folder"),
 }
 

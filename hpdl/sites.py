@@ -2,8 +2,9 @@
 
 A site profile is a TOML file (cluster/sites/NAME.toml, chosen by HPDL_SITE=NAME or a path) with
 the Slurm settings (partition, account, PMI flavour, resources per rank) and the environment every
-rank needs (module loads, shell set-up lines, variables, the site's MPI library). HPDL_SLURM_<KEY>
-variables override single [slurm] keys. Two things are built here from one profile so they can
+rank needs (module loads, shell set-up lines, variables, the site's MPI library), and optionally
+[expect]: the numbers `hpdl preflight` checks the nodes against. HPDL_SLURM_<KEY> variables
+override single [slurm] keys. Two things are built here from one profile so they can
 never disagree: the resources a job asks for and the resources its engines' step asks for, and the
 shell lines that give every rank the site's environment, whichever way the ranks are started.
 
@@ -38,7 +39,19 @@ SLURM_KEYS: dict[str, tuple[type, str]] = {
     "controller_host": (str, "host name or address compute nodes use to reach this machine"),
     "start_timeout": (int, "seconds to wait for ranks, queue time included"),
 }
-TOP_KEYS = {"description": str, "modules": list, "setup": str, "mpi_library": str, "slurm": dict, "env": dict}
+# key: (type, unit and meaning) — the optional [expect] table: what `hpdl preflight` compares the
+# site's ranks with. A key left out is reported, not judged. GB/s are 10^9 bytes per second.
+EXPECT_KEYS: dict[str, tuple[type, str]] = {
+    "gpus_per_node": (int, "GPUs in use on every node, one per rank (0: a CPU site)"),
+    "cuda_aware_mpi": (bool, "the MPI library each rank loads says it is CUDA-aware"),
+    "mpi_library_contains": (str, 'text in the first line of MPI_Get_library_version(), e.g. "MVAPICH2-GDR"'),
+    "within_node_8B_us_max": (float, "µs, at most: median 8-byte MPI_Allreduce among the ranks of one node"),
+    "across_nodes_8B_us_max": (float, "µs, at most: median 8-byte MPI_Allreduce among one rank per node"),
+    "within_node_busbw_GBps_min": (float, "GB/s, at least: allreduce bus bandwidth within a node, largest size"),
+    "across_nodes_busbw_GBps_min": (float, "GB/s, at least: allreduce bus bandwidth across nodes, largest size"),
+}
+TOP_KEYS = {"description": str, "modules": list, "setup": str, "mpi_library": str, "slurm": dict, "env": dict,
+            "expect": dict}
 
 # site field -> the sbatch/srun option that asks for it; the job and its steps use the same three
 RESOURCES = (("ranks_per_node", "ntasks-per-node"), ("cpus_per_rank", "cpus-per-task"),
@@ -72,6 +85,7 @@ class SlurmSite:
     setup: str = ""
     mpi_library: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    expect: dict[str, int | float | bool | str] = field(default_factory=dict)
 
 
 def _site_file(spec: str) -> Path:
@@ -106,13 +120,15 @@ def _read_toml(path: Path) -> dict:
 
 
 def _check_type(where: str, key: str, value, kind: type) -> None:
-    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    accepted = (int, float) if kind is float else kind  # a TOML 20 is as good as 20.0
+    ok = isinstance(value, accepted) and (kind is bool or not isinstance(value, bool))
     if kind is list:
         ok = ok and all(isinstance(v, str) for v in value)
-    if kind is int:
+    if kind in (int, float):
         ok = ok and value >= 0
     if not ok:
-        want = {str: "a string", int: "a whole number ≥ 0", list: "a list of strings", dict: "a table"}[kind]
+        want = {str: "a string", int: "a whole number ≥ 0", float: "a number ≥ 0", bool: "true or false",
+                list: "a list of strings", dict: "a table"}[kind]
         raise HpdlError(f"{where}: {key} must be {want}; got {value!r}.")
 
 
@@ -139,6 +155,11 @@ def load_site(spec: str | None = None) -> SlurmSite:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise HpdlError(f"{where}: env.{key} is not a variable name.")
             site.env[key] = str(value)
+        for key, value in data.get("expect", {}).items():
+            if key not in EXPECT_KEYS:
+                raise HpdlError(f"{where}: unknown key expect.{key}; known: {', '.join(EXPECT_KEYS)}.")
+            _check_type(where, f"expect.{key}", value, EXPECT_KEYS[key][0])
+            site.expect[key] = value
         site.name, site.source = path.stem, where
         site.description = data.get("description", "")
         site.modules = list(data.get("modules", []))
@@ -273,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     print("per-rank step:   srun --mpi=" + " ".join([site.pmi, *resource_options(site), *site.srun]))
     prologue = rank_prologue(site)
     print("on every rank:\n" + ("\n".join("    " + line for line in prologue.splitlines()) or "    (nothing)"))
+    if site.expect:
+        print("expected (hpdl preflight): " + ", ".join(f"{k} = {v}" for k, v in site.expect.items()))
     return 0
 
 

@@ -1,0 +1,160 @@
+"""`hpdl preflight` on real ranks: one Slurm job on the local Slurm (2 CPU ranks) that reports every
+rank and goes against a lenient profile; a local mpiexec run that is a no-go against impossible
+expectations; a rank that never starts, named; a job pending past its deadline, cancelled; bad site
+files and a machine without Slurm, told in one line. No GPU here: GPU fields must read "none".
+"""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import textwrap
+from pathlib import Path
+
+import pytest
+from test_slurm import outside_slurm, slurm, squeue  # noqa: F401  (the local Slurm and a login-node environment)
+
+from hpdl import cli, preflight, sites
+from hpdl.errors import HpdlError
+
+LENIENT = """
+description = "this machine, judged leniently"
+[slurm]
+time = "00:10:00"
+[expect]
+gpus_per_node = 0
+within_node_8B_us_max = 1e6
+within_node_busbw_GBps_min = 1e-6
+across_nodes_8B_us_max = 1e6
+"""
+
+IMPOSSIBLE = """
+description = "what no machine can do: 8-byte allreduce in a nanosecond, and a GPU per rank"
+[expect]
+gpus_per_node = 1
+cuda_aware_mpi = true
+mpi_library_contains = "MVAPICH2-GDR"
+within_node_8B_us_max = 0.001
+within_node_busbw_GBps_min = 1e-6
+"""
+
+
+def _site(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "site.toml"
+    path.write_text(text)
+    return path
+
+
+def _rows(result: dict) -> dict[tuple[str, str], dict]:
+    return {(r["check"], r["where"]): r for r in result["rows"]}
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm", "outside_slurm")
+def test_preflight_job_on_slurm_reports_every_rank_and_goes(tmp_path, capsys, no_strays):
+    out = tmp_path / "report"
+    rc = cli.main(["preflight", "--site", str(_site(tmp_path, LENIENT)), "--nodes", "1", "--ranks-per-node", "2",
+                   "--out", str(out), "--largest-mib", "1", "--timeout", "120", "--queue-timeout", "120"])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.out + printed.err
+    result = json.loads((out / "preflight.json").read_text())
+    job = re.fullmatch(r"Slurm job (\d+), 1 node\(s\) × 2", result["launched"]).group(1)
+    assert squeue("-j", job, "-o", "%i") == ""  # the job has ended, nothing left queued
+    ranks = result["ranks"]
+    assert [(r["rank"], r["local_rank"], r["size"]) for r in ranks] == [(0, 0, 2), (1, 1, 2)]
+    assert {r["host"] for r in ranks} == {socket.gethostname()}
+    assert [(r["device"], r["memory_GB"], r["cuda"], r["nccl"]) for r in ranks] == [("none", None, None, None)] * 2
+    assert [(r["mpi"].split()[0], r["cuda_aware"]) for r in ranks] == [("MPICH", False)] * 2
+    within = ranks[0]["within"]
+    assert within == ranks[1]["within"] and within["ranks"] == 2
+    assert within["sizes"][0] == 8 and within["sizes"][-1] == 1 << 20
+    assert all(t > 0 for t in within["seconds"]) and all(b > 0 for b in within["busbw"])
+    assert ranks[0]["across"] is None  # one node
+    rows = _rows(result)
+    host = socket.gethostname()
+    assert rows[("allreduce within a node", host)]["verdict"] == "go"
+    assert rows[("allreduce across nodes", "1 node(s)")]["verdict"] == "n/a"
+    assert rows[("rank 1 (local 1)", host)]["measured"].startswith("none · CUDA — · NCCL — · MPICH")
+    assert result["go"] and not [r for r in result["rows"] if r["verdict"] == "no-go"]
+    assert "GO: no check failed." in printed.out
+    page = (out / "index.html").read_text()
+    assert "<h1>hpdl preflight: <span class=\"go\">GO</span></h1>" in page
+    assert "<td>rank 0 (local 0)</td>" in page and "<td>within_node_8B_us_max</td><td>1,000,000</td>" in page
+    assert "src=" not in page and "href=" not in page  # one page, nothing to fetch
+
+
+def test_local_run_is_a_no_go_against_impossible_expectations(tmp_path, capsys, no_strays):
+    out = tmp_path / "report"
+    rc = cli.main(["preflight", "--site", str(_site(tmp_path, IMPOSSIBLE)), "--launcher", "local",
+                   "--ranks-per-node", "2", "--out", str(out), "--largest-mib", "1", "--timeout", "60"])
+    printed = capsys.readouterr().out
+    assert rc == 1, printed
+    result = json.loads((out / "preflight.json").read_text())
+    rows, host = _rows(result), socket.gethostname()
+    within = rows[("allreduce within a node", host)]
+    assert within["verdict"] == "no-go"
+    assert re.search(r"8 B allreduce took [\d.e+-]+ µs, more than 0\.001 µs", within["reason"])
+    assert "bus bandwidth" not in within["reason"]  # that expectation is met
+    for rank in (0, 1):
+        reason = rows[(f"rank {rank} (local {rank})", host)]["reason"]
+        assert "no GPU of its own" in reason and "not CUDA-aware (MPIX_Query_cuda_support())" in reason
+        assert "not MVAPICH2-GDR" in reason
+    assert rows[("GPUs of the node", host)]["reason"] == "0 GPU(s) in use, 1 expected"
+    assert "NO-GO: 4 check(s) failed" in printed
+    assert "<span class=\"no-go\">NO-GO</span>" in (out / "index.html").read_text()
+
+
+def test_a_rank_that_never_starts_is_named(tmp_path, monkeypatch, no_strays):
+    stall = tmp_path / "stall"
+    stall.mkdir()
+    (stall / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os, time
+        if os.environ.get("PMI_RANK") == "1":  # rank 1 never gets as far as the kit's code
+            time.sleep(120)
+    """))
+    monkeypatch.setenv("PYTHONPATH", str(stall))
+    with pytest.raises(HpdlError) as err:
+        preflight.run(sites.load_site(str(_site(tmp_path, LENIENT))), launcher="local", out=tmp_path / "r",
+                      largest=1 << 10, timeout=3)
+    text = str(err.value)
+    assert "before every rank answered" in text
+    assert "rank 1: never started" in text
+    assert f"rank 0 on {socket.gethostname()}: stuck starting MPI" in text
+    assert "Timeout" in text  # rank 0's own stack dump, from the job's output
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm", "outside_slurm")
+def test_a_job_that_pends_too_long_or_can_never_start_is_cancelled_with_slurms_reason(tmp_path, no_strays):
+    site = sites.load_site(str(_site(tmp_path, LENIENT)))
+    with pytest.raises(HpdlError) as never:  # the local Slurm has one node
+        preflight.run(site, nodes=2, ranks_per_node=1, out=tmp_path / "r")
+    site.sbatch = ["--begin=now+3600"]  # queued for an hour
+    with pytest.raises(HpdlError) as late:
+        preflight.run(site, out=tmp_path / "r", queue_timeout=2)
+    assert re.search(r"can never start as asked \(reason: Partition(NodeLimit|Config)\)", str(never.value))
+    assert "still pending after 2 s (reason: BeginTime)" in str(late.value) and "--queue-timeout" in str(late.value)
+    for err in (never, late):
+        job = re.search(r"Slurm job (\d+)", str(err.value)).group(1)
+        assert squeue("-j", job, "-o", "%i") == ""
+
+
+@pytest.mark.parametrize("text, named", [
+    ('[expect]\nwithin_node_8B_us_max = "fast"\n', "expect.within_node_8B_us_max must be a number"),
+    ('[expect]\nlatency_us = 3\n', "unknown key expect.latency_us"),
+    ('[expect]\ncuda_aware_mpi = "yes"\n', "expect.cuda_aware_mpi must be true or false"),
+    ('[expect]\ngpus_per_node = 1.5\n', "expect.gpus_per_node must be a whole number"),
+    ('[slurm]\npartition = \n', "not valid TOML"),
+])
+def test_a_bad_site_file_is_one_line_naming_the_key(text, named, tmp_path, capsys):
+    rc = cli.main(["preflight", "--site", str(_site(tmp_path, text)), "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert rc == 1 and named in err and str(tmp_path / "site.toml") in err
+    assert "Traceback" not in err
+
+
+def test_without_slurm_it_says_what_to_do(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch anywhere
+    rc = cli.main(["preflight", "--site", str(_site(tmp_path, LENIENT)), "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "no Slurm here (sbatch is not on PATH)" in err and "--launcher local" in err
