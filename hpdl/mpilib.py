@@ -15,6 +15,37 @@ from typing import Mapping
 
 log = logging.getLogger(__name__)
 
+# name -> ABI family. MPICH, Intel MPI, MVAPICH2 and Cray MPICH share the MPICH ABI (libmpi.so.12):
+# code built against one runs on the others, and Hydra, mpirun_rsh or srun can start any of them.
+# Open MPI has its own ABI (libmpi.so.40) and its own launcher (prterun behind mpiexec).
+IMPLEMENTATIONS = {"MPICH": "MPICH", "Intel MPI": "MPICH", "MVAPICH2": "MPICH", "Cray MPICH": "MPICH",
+                   "Open MPI": "Open MPI"}
+
+
+def implementation(text: str) -> str:
+    """Which MPI a version text names: `MPI.Get_library_version()` or `mpiexec --version` output.
+
+    One of IMPLEMENTATIONS' names, or "unknown". Pure, so it is tested on texts of MPIs this
+    machine does not have (MVAPICH2, Cray MPICH).
+    """
+    t = text.upper()
+    if "OPEN MPI" in t or "OPENRTE" in t or "PRTE" in t.replace("-", " ").split() or "OPEN-MPI" in t:
+        return "Open MPI"
+    if "INTEL" in t and "MPI" in t:
+        return "Intel MPI"
+    if "MVAPICH" in t:
+        return "MVAPICH2"
+    if "CRAY" in t and "MPICH" in t:
+        return "Cray MPICH"
+    if "MPICH" in t or "HYDRA" in t:
+        return "MPICH"
+    return "unknown"
+
+
+def abi(name: str) -> str:
+    """The ABI family of an implementation name ("MPICH" or "Open MPI"; "unknown" if we cannot tell)."""
+    return IMPLEMENTATIONS.get(name, "unknown")
+
 
 def library_files(maps: str) -> list[str]:
     """The MPI library files (libmpi*.so*) in a /proc/PID/maps text, in load order, once each."""

@@ -83,9 +83,9 @@ def test_not_a_function_and_no_function_found():
 def test_missing_mpiexec_says_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    from hpdl.check import runner
+    from hpdl import launchers
 
-    runner._MPI_FLAVOUR.clear()
+    launchers._IMPLEMENTATION.clear()  # what each mpiexec is, remembered per path
     with pytest.raises(HpdlError, match="make lab"):
         hpdl.check("ring_allreduce", L.ring_ok, ranks=[1])
 

@@ -53,10 +53,19 @@ if [ -z "$wheel" ]; then
   export HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
   export MAKEFLAGS="${MAKEFLAGS:--j$(nproc 2>/dev/null || echo 2)}"
   # mpicc/mpicxx from the same MPI as mpi4py (the mpich wheel puts them beside python)
-  export PATH="$(cd "$(dirname "$PYTHON")" && pwd):$PATH"
+  bindir="$(cd "$(dirname "$PYTHON")" && pwd)"
+  export PATH="$bindir:$PATH"
+  # Intel MPI's wheel (impi-devel) ships compiler wrappers whose prefix is a placeholder
+  # (I_MPI_SUBSTITUTE_INSTALLDIR) unless I_MPI_ROOT names the installation: here, the venv.
+  if "$bindir/mpicxx" -show 2>/dev/null | grep -q I_MPI_SUBSTITUTE_INSTALLDIR; then
+    export I_MPI_ROOT="${I_MPI_ROOT:-$(dirname "$bindir")}"
+  fi
   log="$dest/build.log"
   start=$(date +%s)
-  if ! "$PYTHON" -m pip wheel --no-build-isolation --no-deps -w "$dest" "horovod==$HOROVOD_VERSION" >"$log" 2>&1; then
+  # --no-cache-dir: pip's own wheel cache keys a built sdist by its URL only, so it would hand
+  # back a Horovod built against another MPI (or torch) in 1 s; ours is keyed by both.
+  if ! "$PYTHON" -m pip wheel --no-cache-dir --no-build-isolation --no-deps -w "$dest" \
+      "horovod==$HOROVOD_VERSION" >"$log" 2>&1; then
     echo "horovod: build failed; the last lines of $log:" >&2
     tail -n 30 "$log" >&2
     exit 1
@@ -73,4 +82,9 @@ if [ ! -e "$dest/.relocatable" ]; then
 fi
 "$PYTHON" -m pip install -q --no-deps --force-reinstall "$wheel"
 "$PYTHON" -m pip install -q cloudpickle psutil pyyaml packaging
+if [ "$(mpi_libs horovod.torch)" != "$(mpi_libs mpi4py.MPI)" ]; then
+  echo "horovod: $wheel loads $(mpi_libs horovod.torch), mpi4py $(mpi_libs mpi4py.MPI): built against another" \
+       "MPI; remove $dest and run this script again" >&2
+  exit 1
+fi
 "$PYTHON" -c "import horovod.torch as hvd; print('horovod:', 'mpi' if hvd.mpi_built() else '', 'gloo' if hvd.gloo_built() else '', 'nccl' if hvd.nccl_built() else '')"

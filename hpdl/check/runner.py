@@ -5,25 +5,13 @@ both start here, through `launchers.side_job_command`, so a new launcher changes
 """
 from __future__ import annotations
 
-import subprocess
 import sys
-
-_MPI_FLAVOUR: dict[str, str] = {}
-
 
 def mpiexec_command(size: int) -> list[str]:
     """`mpiexec -n size` for this Python's MPI (HpdlError saying what to do when there is none)."""
-    from hpdl.launchers import find_mpiexec
+    from hpdl.launchers import mpiexec_command as command
 
-    exe = find_mpiexec()
-    if exe not in _MPI_FLAVOUR:
-        try:
-            out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            out = ""
-        _MPI_FLAVOUR[exe] = "openmpi" if "Open MPI" in out or "OpenRTE" in out else "other"
-    extra = ["--oversubscribe"] if _MPI_FLAVOUR[exe] == "openmpi" else []
-    return [exe, *extra, "-n", str(size)]
+    return command(size)
 
 
 def job_command(size: int, module: str, job_dir: str) -> list[str]:

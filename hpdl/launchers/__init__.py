@@ -157,21 +157,63 @@ def find_mpiexec() -> str:
     )
 
 
-_OPEN_MPI: dict[str, bool] = {}
+_IMPLEMENTATION: dict[str, str] = {}
+
+# Variables a rank needs from the kernel's environment. Hydra (MPICH, Intel MPI) hands every
+# rank the whole environment; Open MPI only on this machine, so on other hosts it needs `-x NAME`.
+PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "MPI4PY_LIBMPI", "VIRTUAL_ENV", "PYTHONPATH")
+
+
+def mpiexec_implementation(exe: str | None = None) -> str:
+    """Which MPI an mpiexec belongs to ("MPICH", "Open MPI", "Intel MPI", ...), from its --version."""
+    import subprocess
+
+    from hpdl.mpilib import implementation
+
+    exe = exe or find_mpiexec()
+    if exe not in _IMPLEMENTATION:
+        try:
+            p = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10)
+            out = p.stdout + p.stderr
+        except (OSError, subprocess.TimeoutExpired):
+            out = ""
+        _IMPLEMENTATION[exe] = implementation(out)
+    return _IMPLEMENTATION[exe]
+
+
+def mpiexec_flags(implementation: str, env_names: list[str] | tuple[str, ...] = (), as_root: bool = False) -> list[str]:
+    """The flags the kit gives `mpiexec` of each MPI, so every implementation starts ranks alike:
+    more ranks than cores allowed, no pinning (a rank sets its own thread count; two ranks pinned
+    to one core would halve both), the engines' environment on every host, and running as root
+    (containers, CI) allowed.
+
+    MPICH's Hydra already behaves so. Open MPI refuses more ranks than cores and running as root,
+    binds each rank to a core, and passes environment variables to other hosts only when named
+    with -x. Intel MPI pins each rank to cores unless I_MPI_PIN=0. Pure, so tested without MPI.
+    """
+    if implementation == "Open MPI":
+        flags = ["--oversubscribe", "--bind-to", "none"]
+        flags += ["--allow-run-as-root"] if as_root else []
+        for name in env_names:
+            flags += ["-x", name]
+        return flags
+    if implementation == "Intel MPI":
+        return ["-genv", "I_MPI_PIN", "0"]
+    return []
+
+
+def launch_flags(exe: str | None = None) -> list[str]:
+    """`mpiexec_flags` for the mpiexec found here and this process's environment."""
+    names = [k for k in (*engine_env(), *PASSED_ENV) if k in os.environ or k in engine_env()]
+    names += sorted(k for k in os.environ if k.startswith(("HPDL_", "HOROVOD_", "OMP_", "MPIR_CVAR_")))
+    as_root = hasattr(os, "geteuid") and os.geteuid() == 0
+    return mpiexec_flags(mpiexec_implementation(exe), list(dict.fromkeys(names)), as_root)
 
 
 def mpiexec_command(n: int) -> list[str]:
-    """`mpiexec -n N` for this Python's MPI (Open MPI's also told it may put more ranks than cores)."""
-    import subprocess
-
+    """`mpiexec -n N` for this Python's MPI, with the flags its implementation needs (mpiexec_flags)."""
     exe = find_mpiexec()
-    if exe not in _OPEN_MPI:
-        try:
-            out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            out = ""
-        _OPEN_MPI[exe] = "Open MPI" in out or "OpenRTE" in out
-    return [exe, *(["--oversubscribe"] if _OPEN_MPI[exe] else []), "-n", str(n)]
+    return [exe, *launch_flags(exe), "-n", str(n)]
 
 
 def secure_profile(profile_dir: str | os.PathLike) -> None:

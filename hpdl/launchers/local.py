@@ -1,7 +1,7 @@
 """The engines as ranks of one `mpiexec -n N` job on this machine (the kit's default)."""
 from __future__ import annotations
 
-from hpdl.launchers import Launcher, find_mpiexec
+from hpdl.launchers import Launcher, find_mpiexec, launch_flags, mpiexec_implementation
 
 
 class Local(Launcher):
@@ -14,9 +14,13 @@ class Local(Launcher):
         return True
 
     def configure(self, config, n: int) -> dict:
-        config.MPIEngineSetLauncher.mpi_cmd = [find_mpiexec()]  # ipyparallel adds "-n N" and the engine
+        exe = find_mpiexec()
+        # ipyparallel adds "-n N" and the engine; the flags make Open MPI and Intel MPI start
+        # ranks as MPICH does (hpdl.launchers.mpiexec_flags says which and why)
+        config.MPIEngineSetLauncher.mpi_cmd = [exe, *launch_flags(exe)]
         config.MPIEngineSetLauncher.mpi_args = []
         return {"engines": "mpi", "controller_ip": "127.0.0.1"}
 
     def describe(self) -> str:
-        return f"mpiexec on this machine ({find_mpiexec()})"
+        exe = find_mpiexec()
+        return f"mpiexec on this machine ({exe}, {mpiexec_implementation(exe)})"
