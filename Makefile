@@ -27,7 +27,7 @@ PYTEST_ARGS ?=
 # JupyterLab refuses to run as root (containers, CI) unless told
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: lab test test-mpi lint setup horovod build check-build bench doctor clean-venv cleanup
+.PHONY: lab test test-mpi test-hub hub lint setup horovod build check-build bench doctor clean-venv cleanup
 
 lab: setup
 	@echo "hpdl: starting JupyterLab (stop with Ctrl-C; ranks you started stop with it)"
@@ -37,6 +37,14 @@ lab: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The workshop hub (cluster/jupyterhub): its environment, and its end-to-end test (minutes; root,
+# the local Slurm, Chromium). HPDL_KIT_VENV: the kit's venv learners run, if not $(VENV).
+hub: setup
+	HPDL_KIT_VENV="$${HPDL_KIT_VENV:-$(CURDIR)/$(VENV)}" bash cluster/jupyterhub/install.sh
+
+test-hub: setup
+	$(PY) -m pytest -m hub tests/test_hub.py $(PYTEST_ARGS)
 
 setup: $(STAMP)
 

@@ -1,0 +1,113 @@
+"""JupyterHub for an hpdl workshop on Slurm: each attendee's JupyterLab is a Slurm job of theirs.
+
+    .venv-hub/bin/jupyterhub -f cluster/jupyterhub/jupyterhub_config.py      (as root, or see README)
+
+Learners log in with their cluster account (PAM; members of HPDL_HUB_GROUP). batchspawner's
+SlurmSpawner submits singleuser.sbatch as the learner: JupyterLab runs in the job's batch step and
+a notebook's `hpdl.start()` puts its ranks on the job's tasks (one `srun` step). Stopping a server
+cancels the job; jupyterhub-idle-culler stops servers nobody has used for HPDL_HUB_IDLE_TIMEOUT.
+
+Settings come from the environment (defaults in brackets), so the file itself needs no edits:
+  HPDL_DIR               the kit's folder, shared with the compute nodes   [two levels up from here]
+  HPDL_KIT_VENV          the kit's venv, runnable by every learner          [$HPDL_DIR/.venv]
+  HPDL_HUB_ENV           the hub's venv (install.sh)                        [$HPDL_DIR/.venv-hub]
+  HPDL_HUB_STATE         the hub's database and cookie secret (root only)   [/var/lib/hpdl-hub]
+  HPDL_HUB_GROUP         the Unix group whose members may log in            [hpdl-learners]
+  HPDL_HUB_ADMINS        comma-separated instructors' user names            []
+  HPDL_HUB_RANKS         Slurm tasks per learner (= ranks hpdl.start may use) [4]
+  HPDL_HUB_TIME          the job's time limit                                [02:00:00]
+  HPDL_HUB_PARTITION, HPDL_HUB_ACCOUNT, HPDL_HUB_QOS, HPDL_HUB_SBATCH (extra #SBATCH options)
+  HPDL_HUB_MODULES       `module load` line(s) for the job                    []
+  HPDL_SITE              the kit's site profile for the ranks (cluster/sites) [generic]
+  HPDL_HUB_IDLE_TIMEOUT  seconds without use before a server is stopped       [3600]
+  HPDL_HUB_CULL_EVERY    how often the culler looks, seconds                  [300]
+  HPDL_HUB_CONNECT_HOST  the hub's name as compute nodes reach it             [this host's name]
+  HPDL_HUB_SITE_CONFIG   a Python file loaded last, for anything else (ports, TLS, another
+                         authenticator such as LDAP or OAuth)                 []
+"""
+import os
+import socket
+import sysconfig
+from pathlib import Path
+
+c = get_config()  # noqa: F821  (JupyterHub's config loader provides it)
+
+HERE = Path(__file__).resolve().parent
+KIT = Path(os.environ.get("HPDL_DIR", HERE.parents[1]))
+KIT_VENV = Path(os.environ.get("HPDL_KIT_VENV", KIT / ".venv"))
+HUB_ENV = Path(os.environ.get("HPDL_HUB_ENV", KIT / ".venv-hub"))
+STATE = Path(os.environ.get("HPDL_HUB_STATE", "/var/lib/hpdl-hub"))
+IDLE_TIMEOUT = int(os.environ.get("HPDL_HUB_IDLE_TIMEOUT", "3600"))
+CULL_EVERY = int(os.environ.get("HPDL_HUB_CULL_EVERY", "300"))
+# How fresh the hub's idea of "last used" is: well inside the idle timeout.
+ACTIVITY_EVERY = max(5, min(300, IDLE_TIMEOUT // 4))
+
+
+def env(name: str, default: str = "") -> str:
+    return os.environ.get(name, default).strip()
+
+
+# -- the hub ------------------------------------------------------------------------------------
+STATE.mkdir(mode=0o700, parents=True, exist_ok=True)
+c.JupyterHub.db_url = f"sqlite:///{STATE / 'jupyterhub.sqlite'}"
+c.JupyterHub.cookie_secret_file = str(STATE / "jupyterhub_cookie_secret")
+c.ConfigurableHTTPProxy.pid_file = str(STATE / "jupyterhub-proxy.pid")
+c.ConfigurableHTTPProxy.command = [str(HUB_ENV / "node_modules" / ".bin" / "configurable-http-proxy")]
+# Single-user servers run on compute nodes and call the hub's API: it listens beyond localhost.
+c.JupyterHub.hub_ip = "0.0.0.0"
+c.JupyterHub.hub_connect_ip = env("HPDL_HUB_CONNECT_HOST") or socket.gethostname()
+c.JupyterHub.last_activity_interval = ACTIVITY_EVERY
+c.JupyterHub.cleanup_servers = True  # stopping the hub cancels every learner's job
+
+# -- who may log in -----------------------------------------------------------------------------
+# The machine's own accounts (PAM), members of one group. Sites with LDAP or OAuth set
+# c.JupyterHub.authenticator_class in HPDL_HUB_SITE_CONFIG; the spawner needs only that the hub's
+# user name is the learner's Unix account on the cluster.
+c.JupyterHub.authenticator_class = "pam"
+c.PAMAuthenticator.allowed_groups = {env("HPDL_HUB_GROUP", "hpdl-learners")}
+c.Authenticator.admin_users = {u.strip() for u in env("HPDL_HUB_ADMINS").split(",") if u.strip()}
+
+# -- each learner's JupyterLab: a Slurm job of theirs ---------------------------------------------
+c.JupyterHub.spawner_class = "batchspawner.SlurmSpawner"
+c.SlurmSpawner.batch_script = (HERE / "singleuser.sbatch").read_text()
+# Submitting, querying and cancelling run as the learner: `sudo -E -u NAME` (a hub running as a
+# service user with a sudoers rule for sbatch/squeue/scancel), or runuser when the hub is root.
+c.SlurmSpawner.exec_prefix = "runuser -u {username} --" if os.geteuid() == 0 else "sudo -E -u {username}"
+# The job's log in the learner's home is theirs alone (sbatch hands its umask to the job).
+c.SlurmSpawner.batch_submit_cmd = "sh -c 'umask 077; exec sbatch --parsable'"
+c.SlurmSpawner.req_srun = ""  # JupyterLab in the batch step: the ranks' srun step gets the job's tasks
+c.SlurmSpawner.req_nprocs = env("HPDL_HUB_RANKS", "4")
+c.SlurmSpawner.req_runtime = env("HPDL_HUB_TIME", "02:00:00")
+c.SlurmSpawner.req_partition = env("HPDL_HUB_PARTITION")
+c.SlurmSpawner.req_account = env("HPDL_HUB_ACCOUNT")
+c.SlurmSpawner.req_qos = env("HPDL_HUB_QOS")
+c.SlurmSpawner.req_options = env("HPDL_HUB_SBATCH")
+hub_site = sysconfig.get_paths(vars={"base": str(HUB_ENV), "platbase": str(HUB_ENV)})["purelib"]
+c.SlurmSpawner.req_prologue = "\n".join(
+    ([f"module load {env('HPDL_HUB_MODULES')}"] if env("HPDL_HUB_MODULES") else [])
+    + [f'export HPDL_DIR="{KIT}" HPDL_PYTHON="{KIT_VENV / "bin" / "python"}"',
+       f'export HPDL_HUB_ENV="{HUB_ENV}" HPDL_HUB_SITE_PACKAGES="{hub_site}"',
+       f'export HPDL_SITE="{env("HPDL_SITE", "generic")}"']
+)
+c.SlurmSpawner.batchspawner_singleuser_cmd = '"$PY" -m batchspawner.singleuser'
+c.SlurmSpawner.cmd = ["jupyterhub-singleuser"]
+c.SlurmSpawner.default_url = "/lab/tree/notebooks/00_welcome.ipynb"
+c.SlurmSpawner.environment = {"JUPYTERHUB_ACTIVITY_INTERVAL": str(ACTIVITY_EVERY)}
+c.SlurmSpawner.start_timeout = 600  # a queued job is still starting
+c.SlurmSpawner.http_timeout = 180  # JupyterLab's first start on a busy node
+c.SlurmSpawner.startup_poll_interval = 1.0
+
+# -- idle servers are stopped (their jobs cancelled) ----------------------------------------------
+c.JupyterHub.services = [{
+    "name": "idle-culler",
+    "command": [str(HUB_ENV / "bin" / "python"), "-m", "jupyterhub_idle_culler",
+                f"--timeout={IDLE_TIMEOUT}", f"--cull-every={CULL_EVERY}"],
+}]
+c.JupyterHub.load_roles = [{
+    "name": "idle-culler",
+    "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"],
+    "services": ["idle-culler"],
+}]
+
+if env("HPDL_HUB_SITE_CONFIG"):
+    load_subconfig(env("HPDL_HUB_SITE_CONFIG"))  # noqa: F821  (JupyterHub's config loader provides it)

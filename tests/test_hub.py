@@ -1,0 +1,534 @@
+"""The workshop hub (cluster/jupyterhub): JupyterHub + batchspawner's SlurmSpawner on the local Slurm.
+
+Two local accounts log in at once in a real browser (Debian's Chromium, Playwright), PAM checking
+their passwords; each one's JupyterLab is a Slurm job of theirs, and notebook 00 starts its ranks
+inside that job (one srun step). Then, for real: neither can read the other's connection files or
+workspace nor drive the other's ranks; stopping one server from the hub's API ends that job and
+every process of that user; the idle culler stops the other.
+
+The whole story is one test (a hub, two jobs, eight ranks: minutes on two cores), so it is behind
+a marker, not in `make test`:
+
+    flock /tmp/hpdl-mpi.lock make test-hub
+
+It needs root (accounts, a hub as root), the local Slurm (tests/test_slurm.py's fixture), Chromium,
+and the hub's environment (`make hub`; built here when missing). Where one of them cannot be had,
+it skips saying which. The configuration itself is checked by the cheap test at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+from test_browser import CHROMIUM_ARGS, chromium, free_port  # noqa: F401  (a fixture, and helpers)
+from test_slurm import slurm, wait_until as wait_for  # noqa: F401  (the local Slurm; a wait with a message)
+
+ROOT = Path(__file__).resolve().parents[1]
+HUB_DIR = ROOT / "cluster" / "jupyterhub"
+HUB_ENV = ROOT / ".venv-hub"
+SHARED_VENV = ROOT / ".venv-shared"  # the kit for learners when ours lives where they cannot enter
+GROUP = "hpdl-learners"
+LEARNERS = ("hpdl-ada", "hpdl-bob")
+IDLE_TIMEOUT, CULL_EVERY = 40, 5  # s: short, so the culler acts within the test
+AGREEMENT = "all 4 ranks agree: 10 three times over"
+NOTEBOOK_TIMEOUT = 480  # s: two notebooks at once, eight ranks with torch and Horovod, on two cores
+_LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+# -- what the test needs: root, the learners' kit, the hub's environment, two accounts -------------
+def runnable_by_others(python: Path) -> bool:
+    return subprocess.run(["runuser", "-u", "nobody", "--", str(python), "-c", "import hpdl"],
+                          capture_output=True, timeout=120).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def kit_venv() -> Path:
+    """The kit's venv as learners run it: ours if they may, else .venv-shared built from Debian's
+    Python (a venv of a Python under /root is closed to every other account)."""
+    if os.geteuid() != 0 or not shutil.which("runuser"):
+        pytest.skip("the hub test creates accounts and runs the hub as root: run it as root")
+    own = Path(sys.prefix)
+    if runnable_by_others(own / "bin" / "python"):
+        return own
+    if not runnable_by_others(SHARED_VENV / "bin" / "python"):
+        base = Path("/usr/bin/python3")
+        if not base.exists():
+            pytest.skip(f"learners cannot run {own}/bin/python and there is no {base} to build a shared kit from")
+        p = subprocess.run(["make", "--no-print-directory", "setup", f"VENV={SHARED_VENV.name}", f"PYTHON={base}"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        assert p.returncode == 0, f"building {SHARED_VENV} failed:\n{p.stdout[-2000:]}{p.stderr[-2000:]}"
+    return SHARED_VENV
+
+
+@pytest.fixture(scope="module")
+def hub_env(kit_venv) -> Path:
+    p = subprocess.run(["bash", str(HUB_DIR / "install.sh")], capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "HPDL_KIT_VENV": str(kit_venv), "HPDL_HUB_ENV": str(HUB_ENV)})
+    if p.returncode == 3:
+        pytest.skip(p.stderr.strip().splitlines()[-1])
+    assert p.returncode == 0, f"install.sh failed:\n{p.stdout}{p.stderr}"
+    return HUB_ENV
+
+
+@dataclass
+class Learner:
+    name: str
+    password: str
+    uid: int
+    home: Path
+
+
+def user_processes(uid: int) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["uids", "status"]):
+        try:
+            if p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.Error, TypeError):
+            continue
+    return found
+
+
+def describe(procs: list[psutil.Process]) -> list[str]:
+    out = []
+    for p in procs:
+        try:
+            out.append(f"{p.pid}: {' '.join(p.cmdline())[:160]}")
+        except psutil.Error:
+            continue
+    return out
+
+
+def squeue_user(name: str) -> str:
+    return subprocess.run(["squeue", "-h", "-u", name, "-o", "%i %T"], capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+
+
+def nothing_left_of(learner: "Learner", after: str, timeout: float = 60) -> None:
+    """No process of the learner's runs any more (their JupyterLab, kernels, ranks, watchmen)."""
+    deadline = time.monotonic() + timeout
+    while (left := user_processes(learner.uid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"still running as {learner.name} after {after}: {describe(left)}"
+
+
+def _remove_account(name: str) -> None:
+    try:
+        uid = int(subprocess.run(["id", "-u", name], capture_output=True, text=True, check=True).stdout)
+    except subprocess.CalledProcessError:
+        return
+    subprocess.run(["scancel", "-u", name], capture_output=True, timeout=30)
+    for p in user_processes(uid):  # the test's own accounts: nothing of theirs outlives it
+        try:
+            p.kill()
+        except psutil.Error:
+            continue
+    for seg in Path("/dev/shm").glob("mpich_shm_*"):  # what Slurm-ended ranks leave (cluster/README.md)
+        try:
+            if seg.stat().st_uid == uid:
+                seg.unlink()
+        except OSError:
+            continue
+    subprocess.run(["userdel", "-r", name], capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def learners(slurm) -> dict[str, Learner]:  # noqa: F811  (the fixture imported above)
+    """Two fresh local accounts in the learners' group, with passwords; removed afterwards."""
+    subprocess.run(["groupadd", "-f", GROUP], check=True, timeout=30)
+    made = {}
+    for name in LEARNERS:
+        _remove_account(name)  # a fresh home each run
+        subprocess.run(["useradd", "-m", "-s", "/bin/bash", "-G", GROUP, name], check=True, timeout=30)
+        password = secrets.token_urlsafe(12)
+        subprocess.run(["chpasswd"], input=f"{name}:{password}\n", text=True, check=True, timeout=30)
+        made[name] = Learner(name, password, int(subprocess.check_output(["id", "-u", name])),
+                             Path(os.path.expanduser(f"~{name}")))
+    yield made
+    for name in LEARNERS:
+        _remove_account(name)
+
+
+@dataclass
+class Hub:
+    url: str
+    token: str
+    log: Path
+    proc: subprocess.Popen
+
+    def api(self, path: str, method: str = "GET") -> tuple[int, object]:
+        req = urllib.request.Request(f"{self.url}/hub/api{path}", method=method)
+        req.add_header("Authorization", f"token {self.token}")
+        try:
+            with _LOCAL.open(req, timeout=60) as r:
+                body = r.read()
+                return r.status, json.loads(body) if body else None
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+
+    def servers(self, name: str) -> dict:
+        status, user = self.api(f"/users/{name}")
+        assert status == 200, user
+        return user["servers"]
+
+
+@pytest.fixture
+def hub(hub_env, kit_venv, learners, tmp_path) -> Hub:
+    """The hub of cluster/jupyterhub as an instructor starts it, on free ports, with a short idle
+    timeout and one extra service: this test's token for the admin API."""
+    port, hub_port, api_port = free_port(), free_port(), free_port()
+    token = secrets.token_hex(24)
+    site = tmp_path / "site_config.py"
+    site.write_text(f"""
+c.JupyterHub.bind_url = "http://127.0.0.1:{port}"
+c.JupyterHub.hub_port = {hub_port}
+c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{api_port}"
+c.JupyterHub.services.append({{"name": "hpdl-test", "api_token": "{token}"}})
+c.JupyterHub.load_roles.append({{"name": "hpdl-test", "services": ["hpdl-test"],
+                                 "scopes": ["admin:users", "admin:servers", "list:users"]}})
+""")
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
+           "HPDL_KIT_VENV": str(kit_venv), "HPDL_HUB_ENV": str(hub_env), "HPDL_HUB_STATE": str(tmp_path / "state"),
+           "HPDL_HUB_SITE_CONFIG": str(site), "HPDL_HUB_GROUP": GROUP,
+           "HPDL_HUB_IDLE_TIMEOUT": str(IDLE_TIMEOUT), "HPDL_HUB_CULL_EVERY": str(CULL_EVERY)}
+    log = tmp_path / "jupyterhub.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(hub_env / "bin" / "jupyterhub"), "-f", str(HUB_DIR / "jupyterhub_config.py")],
+                                cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    h = Hub(f"http://127.0.0.1:{port}", token, log, proc)
+    family = []
+    try:
+        def up():
+            if proc.poll() is not None:
+                raise AssertionError(f"the hub exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            try:
+                return h.api("/")[0] == 200
+            except OSError:
+                return False
+        wait_for(up, 60, "the hub did not answer")
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        yield h
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the hub stops its servers (their jobs) and the proxy
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        left = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        for p in left:
+            p.kill()
+        print(f"hub log: {log}")
+    assert not left, f"left running after the hub stopped: {describe(left)}"
+
+
+# -- helpers run as a learner ----------------------------------------------------------------------
+def as_user(learner: Learner, python: Path, code: str, *args: str, timeout: float = 120) -> dict:
+    """Run `code` with the kit's Python as the learner; it prints one JSON object."""
+    p = subprocess.run(["runuser", "-u", learner.name, "--", str(python), "-c", code, *args],
+                       capture_output=True, text=True, timeout=timeout, cwd="/",
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(learner.home), "LANG": "C.UTF-8"})
+    assert p.returncode == 0, f"as {learner.name}: {p.stderr[-2000:]}"
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+TRY_READ = """
+import json, os, sys
+seen = {}
+for path in json.loads(sys.argv[1]):
+    try:
+        if os.path.isdir(path):
+            os.listdir(path)
+        else:
+            open(path, "rb").read(1)
+        seen[path] = "read"
+    except OSError as e:
+        seen[path] = type(e).__name__
+print(json.dumps(seen))
+"""
+
+TRY_CLIENT = """
+import json, os, sys
+import ipyparallel as ipp
+url_file, timeout = sys.argv[1], float(sys.argv[2])
+try:
+    c = ipp.Client(url_file=url_file, timeout=timeout)
+    c.wait_for_engines(4, timeout=timeout)
+    print(json.dumps({"connected": True, "engine_uids": c[:].apply_sync(os.getuid)}))
+    c.close()
+except Exception as e:
+    print(json.dumps({"connected": False, "error": f"{type(e).__name__}: {e}"}))
+"""
+
+
+def secrets_of(learner: Learner, job: str) -> dict[str, list[str]]:
+    """What only this learner may read while their ranks run (found as root)."""
+    h = learner.home
+    server = [p for p in user_processes(learner.uid) if "jupyterhub-singleuser" in " ".join(p.cmdline())]
+    found = {
+        "controller connection files": sorted(map(str, (h / ".hpdl" / "profile" / "security").glob("*.json"))),
+        "kernel connection files": sorted(map(str, (h / ".local/share/jupyter/runtime").glob("kernel-*.json"))),
+        "hpdl run folders": sorted(map(str, (h / ".hpdl" / "runs").glob("*"))),
+        "workspace": [str(h / "hpdl" / "workspace"), *map(str, sorted((h / "hpdl" / "workspace").glob("*.ipynb")))],
+        "job log": [str(h / f"hpdl-hub-{job}.log")],
+        "server's environment (its hub token)": [f"/proc/{p.pid}/environ" for p in server],
+    }
+    for what, paths in found.items():
+        assert paths and all(os.path.exists(p) for p in paths), f"{learner.name}: no {what} found: {paths}"
+    return found
+
+
+# -- the browser -----------------------------------------------------------------------------------
+def log_in(page, hub: Hub, learner: Learner, password: str | None = None) -> None:
+    page.goto(f"{hub.url}/hub/login", wait_until="domcontentloaded")
+    page.fill("#username_input", learner.name)
+    page.fill("#password_input", password or learner.password)
+    page.click("#login_submit")
+
+
+def run_notebook_00_but_its_last_cell(page, learner: Learner) -> None:
+    """Open notebook 00, select its last code cell (hpdl.stop()) and Run → Run All Above Selected
+    Cell: everything runs, and the ranks stay up for what the test does next."""
+    from playwright.sync_api import expect
+
+    from playwright.sync_api import TimeoutError as PageTimeout
+
+    page.wait_for_url(re.compile(rf"/user/{learner.name}/lab"), timeout=300_000)  # spawned: the job runs
+    code_cells = page.locator(".jp-NotebookPanel .jp-CodeCell")
+    expect(code_cells.last).to_contain_text("hpdl.stop()", timeout=120_000)
+    expect(page.locator(".jp-StatusBar-Widget", has_text=re.compile(r"\| Idle"))).to_be_attached(timeout=120_000)
+    # A run asked for before the kernel is attached clears the cells and runs nothing (JupyterLab's
+    # CodeCell.execute): look for the first cell to start, and ask again if it did not.
+    for _ in range(3):
+        code_cells.last.locator(".jp-InputPrompt").click()
+        page.locator("#jp-MainMenu .lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
+        page.locator("#jp-mainmenu-run .lm-Menu-item[data-command='notebook:run-all-above']:not(.lm-mod-disabled)") \
+            .click()
+        try:
+            # "[*]" (queued) shows even when nothing runs; a number only once the kernel ran the cell
+            expect(code_cells.first.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=30_000)
+            return
+        except (AssertionError, PageTimeout):
+            continue
+    raise AssertionError(f"{learner.name}: Run All Above Selected Cell did not start notebook 00")
+
+
+def outputs_text(page) -> str:
+    return "\n".join(page.locator(".jp-OutputArea-output").all_text_contents())
+
+
+def job_of(hub: Hub, learner: Learner) -> str:
+    return hub.servers(learner.name)[""]["state"]["job_id"]
+
+
+# -- the test --------------------------------------------------------------------------------------
+@pytest.mark.hub
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_two_learners_on_the_hub_each_in_their_own_slurm_job(chromium, hub, learners, kit_venv, tmp_path):  # noqa: F811
+    from playwright.sync_api import expect, sync_playwright
+
+    ada, bob = learners["hpdl-ada"], learners["hpdl-bob"]
+    python = kit_venv / "bin" / "python"
+    t0 = time.monotonic()
+    times = {}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
+        pages = {}
+        try:
+            for learner in (ada, bob):
+                ctx = browser.new_context(viewport={"width": 1400, "height": 1600})
+                pages[learner.name] = ctx.new_page()
+                pages[learner.name].set_default_timeout(60_000)
+            # PAM checks the password: a wrong one is refused
+            log_in(pages[bob.name], hub, bob, password="not-" + bob.password)
+            expect(pages[bob.name].locator("body")).to_contain_text("Invalid username or password")
+            # both log in, one after the other, without waiting: their jobs start side by side
+            for learner in (ada, bob):
+                log_in(pages[learner.name], hub, learner)
+            for learner in (ada, bob):
+                run_notebook_00_but_its_last_cell(pages[learner.name], learner)
+            times["log in, spawn, open notebook 00"] = time.monotonic() - t0
+            for learner in (ada, bob):
+                expect(pages[learner.name].locator(".jp-OutputArea-output").filter(has_text=AGREEMENT).first) \
+                    .to_be_attached(timeout=NOTEBOOK_TIMEOUT * 1000)
+            times["both notebooks run"] = time.monotonic() - t0
+
+            # -- each notebook ran its ranks inside its learner's own Slurm job --------------------
+            jobs = {}
+            for learner in (ada, bob):
+                text = outputs_text(pages[learner.name])
+                assert re.search(r"hpdl: 4 ranks ready in [\d.]+ s \(Slurm,", text), text[-2000:]
+                for r in range(4):
+                    assert f"rank {r} of 4 on " in text
+                jobs[learner.name] = job = job_of(hub, learner)
+                assert squeue_user(learner.name) == f"{job} RUNNING"
+                ranks = {}
+                for proc in user_processes(learner.uid):
+                    if "ipyparallel.engine" in " ".join(proc.cmdline()) or "ipengine" in " ".join(proc.cmdline()):
+                        e = proc.environ()
+                        ranks[e["SLURM_PROCID"]] = (e["SLURM_JOB_ID"], e.get("SLURM_STEP_ID"))
+                assert sorted(ranks) == ["0", "1", "2", "3"], ranks
+                assert {j for j, _ in ranks.values()} == {job}  # the ranks are tasks of this learner's job
+                assert len({s for _, s in ranks.values()}) == 1  # ... one srun step of it
+            assert jobs[ada.name] != jobs[bob.name]
+
+            # -- neither can read the other's connection files, run folders, workspace, log -----------
+            found = {learner.name: secrets_of(learner, jobs[learner.name]) for learner in (ada, bob)}
+            for owner, other in ((ada, bob), (bob, ada)):
+                paths = [p for ps in found[owner.name].values() for p in ps]
+                mine = as_user(owner, python, TRY_READ, json.dumps(paths))
+                assert set(mine.values()) == {"read"}, mine  # the owner can: the attempt below means something
+                theirs = as_user(other, python, TRY_READ, json.dumps(paths))
+                readable = [p for p, v in theirs.items() if v != "PermissionError"]
+                assert not readable, f"{other.name} could read {owner.name}'s: {readable}"
+                for path in found[owner.name]["controller connection files"]:
+                    assert os.stat(path).st_mode & 0o077 == 0, path
+                # no secret of the owner on any command line on the machine (`ps` shows them to all)
+                key = json.loads(Path(found[owner.name]["controller connection files"][0]).read_text())["key"]
+                environ = Path(found[owner.name]["server's environment (its hub token)"][0]).read_text()
+                token = dict(kv.split("=", 1) for kv in environ.split("\0") if "=" in kv)["JUPYTERHUB_API_TOKEN"]
+                for proc in psutil.process_iter(["cmdline"]):
+                    line = " ".join(proc.info["cmdline"] or [])
+                    assert key not in line and token not in line, f"a secret of {owner.name} on: {line[:200]}"
+
+            # -- neither can drive the other's ranks: a real client with a guessed key gets nowhere ---
+            # Ports are no secret (/proc/net/tcp shows them to everyone); the key in the 0600 file is.
+            attempts = {}
+            for owner, other in ((ada, bob), (bob, ada)):
+                client_file = next(p for p in found[owner.name]["controller connection files"] if "client" in p)
+                info = json.loads(Path(client_file).read_text())
+                forged = other.home / f"forged-{owner.name}.json"
+                forged.write_text(json.dumps({**info, "key": secrets.token_hex(16)}))
+                shutil.chown(forged, other.name)
+                forged.chmod(0o600)
+                attempts[(owner.name, "owner")] = subprocess.Popen(
+                    ["runuser", "-u", owner.name, "--", str(python), "-c", TRY_CLIENT, client_file, "30"],
+                    stdout=subprocess.PIPE, text=True, cwd="/", env={"PATH": "/usr/bin:/bin", "HOME": str(owner.home)})
+                attempts[(owner.name, "other")] = subprocess.Popen(
+                    ["runuser", "-u", other.name, "--", str(python), "-c", TRY_CLIENT, str(forged), "10"],
+                    stdout=subprocess.PIPE, text=True, cwd="/", env={"PATH": "/usr/bin:/bin", "HOME": str(other.home)})
+            results = {k: json.loads(a.communicate(timeout=120)[0].strip().splitlines()[-1])
+                       for k, a in attempts.items()}
+            for owner in (ada, bob):
+                mine, theirs = results[(owner.name, "owner")], results[(owner.name, "other")]
+                assert mine == {"connected": True, "engine_uids": [owner.uid] * 4}, mine
+                assert not theirs["connected"] and "timed out" in theirs["error"], theirs
+
+            # -- through the hub, one learner cannot open the other's server ------------------------
+            for owner, other in ((ada, bob), (bob, ada)):
+                url = f"{hub.url}/user/{owner.name}/api/contents/workspace"
+                mine = pages[owner.name].context.request.get(url)
+                assert mine.status == 200 and any(i["name"].endswith(".ipynb") for i in mine.json()["content"])
+                theirs = pages[other.name].context.request.get(url)
+                assert theirs.status == 403, (theirs.status, theirs.text()[:300])
+            times["isolation checked"] = time.monotonic() - t0
+
+            # -- bob runs the notebook's last cell (hpdl.stop()), then leaves: his server goes idle ---
+            page = pages[bob.name]
+            stop_cell = page.locator(".jp-NotebookPanel .jp-CodeCell").last
+            stop_cell.locator(".jp-InputPrompt").click()
+            page.keyboard.press("Shift+Enter")
+            expect(stop_cell.locator(".jp-OutputArea-output")).to_contain_text("hpdl: stopped 4 ranks", timeout=120_000)
+            wait_for(lambda: not [p for p in user_processes(bob.uid) if "ipyparallel.engine" in " ".join(p.cmdline())],
+                     30, "bob's ranks did not end after hpdl.stop()")
+            assert squeue_user(bob.name) == f"{jobs[bob.name]} RUNNING"  # his JupyterLab still runs
+            page.context.close()
+            bob_left = time.monotonic()
+
+            # -- the hub stops ada's server: her job, JupyterLab, kernel and ranks all end -----------
+            assert [p for p in user_processes(ada.uid) if "ipyparallel.engine" in " ".join(p.cmdline())]
+            status, body = hub.api(f"/users/{ada.name}/server", method="DELETE")
+            assert status in (202, 204), body
+            wait_for(lambda: not hub.servers(ada.name), 120, "ada's server was not stopped")
+            wait_for(lambda: squeue_user(ada.name) == "", 60, f"ada's job {jobs[ada.name]} did not end")
+            nothing_left_of(ada, "her server was stopped")
+            times["ada's server stopped"] = time.monotonic() - t0
+
+            # -- the idle culler stops bob's server ---------------------------------------------------
+            wait_for(lambda: not hub.servers(bob.name), IDLE_TIMEOUT + 4 * CULL_EVERY + 120,
+                     "the idle culler did not stop bob's server")
+            culled_after = time.monotonic() - bob_left
+            assert re.search(rf"[Cc]ulling server {bob.name}\b", hub.log.read_text()), "not culled by the idle culler"
+            wait_for(lambda: squeue_user(bob.name) == "", 60, f"bob's job {jobs[bob.name]} did not end")
+            nothing_left_of(bob, "the culler stopped his server")
+            times["bob's server culled"] = time.monotonic() - t0
+            # nobody was culled while working: ada's server was stopped by the API, not the culler
+            assert not re.search(rf"[Cc]ulling server {ada.name}\b", hub.log.read_text())
+        finally:
+            for page in pages.values():
+                try:
+                    page.screenshot(path=str(tmp_path / f"{page.url.split('/user/')[-1].split('/')[0]}.png"))
+                except Exception as exc:  # a closed page has nothing to show
+                    print(f"no screenshot: {exc}")
+            browser.close()
+    print("hub test timeline (s from the first page):", {k: round(v, 1) for k, v in times.items()},
+          f"bob culled {culled_after:.0f} s after he left (idle timeout {IDLE_TIMEOUT} s)")
+
+
+# -- the configuration, without a hub (cheap; part of `make test`) ----------------------------------
+def load_hub_config(monkeypatch, tmp_path, **env: str):
+    """jupyterhub_config.py as JupyterHub loads it (get_config(), then the file's statements)."""
+    from traitlets.config import Config
+
+    monkeypatch.setenv("HPDL_HUB_STATE", str(tmp_path / "state"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = Config()
+    path = HUB_DIR / "jupyterhub_config.py"
+    exec(compile(path.read_text(), str(path), "exec"), {"get_config": lambda: config, "__file__": str(path)})
+    return config
+
+
+def render_batch_script(config, **req: str) -> str:
+    """singleuser.sbatch as batchspawner fills it: Jinja, the spawner's req_* values by short name."""
+    import jinja2
+
+    s = config.SlurmSpawner
+    values = {"nprocs": s.req_nprocs, "runtime": s.req_runtime, "partition": s.req_partition,
+              "account": s.req_account, "qos": s.req_qos, "options": s.req_options, "prologue": s.req_prologue,
+              "reservation": "", "gres": "", "homedir": "/home/ada", "username": "ada",
+              "keepvars": "PATH,LANG,JUPYTERHUB_API_TOKEN,HOME,USER,SHELL",
+              "cmd": " ".join([s.batchspawner_singleuser_cmd, *s.cmd]), **req}
+    return jinja2.Template(s.batch_script).render(**values)
+
+
+def test_hub_configuration_renders_a_job_that_runs_lab_in_the_batch_step(monkeypatch, tmp_path):
+    config = load_hub_config(monkeypatch, tmp_path, HPDL_HUB_RANKS="8", HPDL_HUB_PARTITION="gpu",
+                             HPDL_HUB_MODULES="mvapich2-gdr/2.3.7", HPDL_HUB_IDLE_TIMEOUT="1800",
+                             HPDL_SITE="mvapich2-gdr")
+    script = render_batch_script(config)
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0, script
+    assert "{{" not in script and "{%" not in script
+    sbatch = re.findall(r"^#SBATCH (.*)$", script, re.M)
+    assert "--ntasks=8" in sbatch and "--partition=gpu" in sbatch and "--time=02:00:00" in sbatch
+    assert not any(o.startswith(("--account", "--qos", "--gres")) for o in sbatch), sbatch  # only what is set
+    assert "module load mvapich2-gdr/2.3.7" in script and 'HPDL_SITE="mvapich2-gdr"' in script
+    assert script.index("umask 077") < script.index("mkdir")  # before the job writes anything
+    # JupyterLab runs in the batch step (no srun around it): its ranks' srun step gets the job's tasks
+    assert script.rstrip().splitlines()[-1] == 'exec "$PY" -m batchspawner.singleuser jupyterhub-singleuser'
+    assert config.SlurmSpawner.req_srun == ""
+    assert "{username}" in config.SlurmSpawner.exec_prefix  # submitted as the learner
+    # idle servers are culled by a hub service holding just the scopes it needs
+    culler = next(s for s in config.JupyterHub.services if s["name"] == "idle-culler")
+    assert culler["command"][1:3] == ["-m", "jupyterhub_idle_culler"] and "--timeout=1800" in culler["command"]
+    role = next(r for r in config.JupyterHub.load_roles if r["name"] == "idle-culler")
+    assert set(role["scopes"]) == {"list:users", "read:users:activity", "read:servers", "delete:servers"}
+    # the hub learns of activity well inside the timeout
+    assert config.JupyterHub.last_activity_interval <= 1800 // 4
+    assert config.PAMAuthenticator.allowed_groups == {"hpdl-learners"}
