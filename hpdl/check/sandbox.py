@@ -21,9 +21,25 @@ import resource
 import shutil
 import subprocess
 import uuid
+import dataclasses
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
+
+
+def file_limit() -> int:
+    """Bytes any one file a sandboxed process writes may reach (the captured output included):
+    256 MiB, which stops a flood. Intel MPI sizes its shared-memory file between ranks (a sparse
+    file in /dev/shm) past 2 GiB on 4 ranks, and the cap would kill its ranks (SIGXFSZ), so
+    with Intel MPI's mpiexec the cap is 64 GiB."""
+    try:
+        from hpdl import launchers
+
+        if launchers.mpiexec_implementation() == "Intel MPI":
+            return 64 * 2**30
+    except Exception as exc:  # no mpiexec at all: the job will say so itself
+        log.debug("which MPI runs the job: %s", exc)
+    return 256 * 2**20
 
 
 @dataclass
@@ -33,7 +49,7 @@ class Limits:
     cpu_seconds: int = 600
     memory_bytes: int = 8 * 2**30  # address space per process (torch reserves a lot of it)
     processes: int = 1024  # tasks (threads count) in its pids cgroup; beyond the user's own under RLIMIT_NPROC
-    file_bytes: int = 256 * 2**20  # any one file written, the captured output included
+    file_bytes: int = dataclasses.field(default_factory=lambda: file_limit())  # any one file written
 
     def start(self) -> "Limits":
         """In the parent, before starting the child: a pids cgroup where one can be made (root,
