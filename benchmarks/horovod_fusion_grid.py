@@ -58,12 +58,18 @@ def one_setting(layers: int, width: int, steps: int, untimed: bool = False) -> N
     hvd.shutdown()
 
 
+def _job(ranks: int, args, steps: int, *extra: str) -> list[str]:
+    """One fresh `mpiexec -n RANKS` job of this script (the kit's mpiexec, with its MPI's flags)."""
+    from hpdl.launchers import mpiexec_command
+
+    return [*mpiexec_command(ranks), sys.executable, __file__, "--one", *extra, "--layers", str(args.layers),
+            "--width", str(args.width), "--steps", str(steps)]
+
+
 def run(ranks: int, fusion_mib: float, cycle_ms: float, args) -> float:
     env = dict(os.environ, HOROVOD_FUSION_THRESHOLD=str(int(fusion_mib * 2**20)), HOROVOD_CYCLE_TIME=str(cycle_ms),
                OMP_NUM_THREADS="1")
-    bindir = Path(sys.executable).parent
-    cmd = [str(bindir / "mpiexec"), "-n", str(ranks), sys.executable, __file__, "--one",
-           "--layers", str(args.layers), "--width", str(args.width), "--steps", str(args.steps)]
+    cmd = _job(ranks, args, args.steps)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if not lines:
@@ -84,8 +90,7 @@ def autotune(ranks: int, steps: int, args) -> list[list[str]]:
         log = Path(tmp) / "autotune.csv"
         env = dict(os.environ, HOROVOD_AUTOTUNE="1", HOROVOD_AUTOTUNE_LOG=str(log), OMP_NUM_THREADS="1",
                    HOROVOD_AUTOTUNE_WARMUP_SAMPLES="1", HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE="5")
-        cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks), sys.executable, __file__, "--one",
-               "--untimed", "--layers", str(args.layers), "--width", str(args.width), "--steps", str(steps)]
+        cmd = _job(ranks, args, steps, "--untimed")
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if out.returncode != 0:
             raise SystemExit(f"the autotuned job failed:\n{(out.stdout + out.stderr)[-2000:]}")

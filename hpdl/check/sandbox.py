@@ -21,8 +21,7 @@ import resource
 import shutil
 import subprocess
 import uuid
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ class Limits:
     cpu_seconds: int = 600
     memory_bytes: int = 8 * 2**30  # address space per process (torch reserves a lot of it)
     processes: int = 1024  # tasks (threads count) in its pids cgroup; beyond the user's own under RLIMIT_NPROC
-    file_bytes: int = dataclasses.field(default_factory=lambda: file_limit())  # any one file written
+    file_bytes: int = field(default_factory=file_limit)  # any one file written (see file_limit)
 
     def start(self) -> "Limits":
         """In the parent, before starting the child: a pids cgroup where one can be made (root,
