@@ -250,8 +250,11 @@ def main(argv: list[str] | None = None) -> int:
 
         hvd.shutdown()
     else:
+        import gc
+
         import torch.distributed as dist
 
+        gc.collect()  # the DDP model (which holds the group) goes now, so its Gloo threads end before Python does
         dist.destroy_process_group()
     return 0
 

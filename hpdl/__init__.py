@@ -6,6 +6,7 @@ A notebook needs only these names:
     hpdl.start(n=4)        # engines that are MPI ranks; %%px runs a cell on every rank
     hpdl.check("ring_allreduce", ring_allreduce)   # autograded check on fresh ranks
     hpdl.panel()           # a live table of the ranks: state, line, last step, memory
+    !{hpdl.job_command(2)} python train.py   # a separate 2-rank job (mpiexec here, srun on Slurm)
     hpdl.stop()
 
 and the helper modules hpdl.data, hpdl.models, hpdl.plots, hpdl.bench, hpdl.predict, hpdl.tune (imported on first use).
@@ -23,6 +24,7 @@ _FUNCTIONS = {
     "status": "hpdl.cluster",
     "view": "hpdl.cluster",
     "check": "hpdl.check",
+    "job_command": "hpdl.launchers",
 }
 _MODULES = {"data", "models", "plots", "bench", "dp", "timeline", "predict", "published", "tune", "panel"}
 

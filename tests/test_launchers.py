@@ -9,6 +9,7 @@ one mpi4py loads (shown with a copy of the venv's own libmpi standing in for MVA
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -100,6 +101,8 @@ def test_side_job_outside_slurm_is_the_venvs_mpiexec(monkeypatch):
                           "got = c.gather((c.rank, c.size, c.allreduce(c.rank + 1))); c.rank or print(got)"],
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[(0, 3, 6), (1, 3, 6), (2, 3, 6)]", out.stderr
+    # what a lesson's `!{hpdl.job_command(3)} python ...` line runs is this very command
+    assert shlex.split(hpdl.job_command(3)) == cmd
 
 
 def test_side_job_inside_an_allocation_overlaps_the_engines_step(monkeypatch, tmp_path):
@@ -114,6 +117,8 @@ def test_side_job_inside_an_allocation_overlaps_the_engines_step(monkeypatch, tm
     monkeypatch.setenv("HPDL_SLURM_PMI", "pmix")
     assert launchers.side_job_command(4)[:7] == ["srun", "--overlap", "--mpi=pmix", "--kill-on-bad-exit=1",
                                                   "--job-name=hpdl-side", "-n", "4"]
+    # a lesson's `!` line inside JupyterLab's Slurm job: an overlapping step, not an mpiexec that queues
+    assert hpdl.job_command(4).startswith("srun --overlap --mpi=pmix ")
 
 
 # -- one source for the job's and the step's resources --------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -132,6 +133,16 @@ def side_job_command(n: int) -> list[str]:
     runs beside the engines' step instead of waiting for its CPUs (an mpiexec there would itself
     go through srun and queue behind the engines). Append the program and its arguments."""
     return detected().side_job_command(n)
+
+
+def job_command(n: int) -> str:
+    """The shell command that starts an `n`-rank MPI job from here, for a notebook's `!` line.
+
+    A lesson shows it rather than a bare `mpiexec`: on a laptop it is this venv's mpiexec with
+    the flags its MPI needs; inside a Slurm job (JupyterLab from Open OnDemand, the workshop hub,
+    jupyter.sbatch) an `srun --overlap` step, because an mpiexec there would go through srun and
+    wait for the CPUs the engines hold. Append the program: `!{hpdl.job_command(2)} python x.py`."""
+    return shlex.join(side_job_command(n))
 
 
 def engine_env() -> dict[str, str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import hashlib
 import json
 import os
@@ -172,6 +173,11 @@ def main() -> None:
         result = {"rank": rank, "world_size": world_size, "launcher": launcher, "losses": losses,
                   "first_epoch": first_epoch, "accuracy": accuracy if losses else None, "digest": digest}
         (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    # DDP holds the process group: let go of it first, so that destroying the group joins Gloo's
+    # worker threads now. Left to interpreter shutdown, a worker may drop its last tensor after
+    # Python has stopped and the rank aborts ("terminate called without an active exception").
+    del model
+    gc.collect()
     dist.destroy_process_group()
 
 
