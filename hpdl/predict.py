@@ -70,6 +70,10 @@ class System:
     step with 1, 2, … ranks of a node computing at once (no communication) over one rank's
     alone; ranks that each have a core still share memory bandwidth, caches and clocks. Entry
     i is for i + 1 ranks; past its end the last entry holds.
+
+    `staging`: a hierarchical all-reduce whose across-node step runs in host memory (Gloo's
+    CUDA algorithms with their default host workspace) copies each node's reduced buffer over
+    this link to the host before it and back after it — two crossings per all-reduce, in series.
     """
 
     name: str
@@ -81,6 +85,7 @@ class System:
     inter_algorithm: str = "ring"
     cores: int | None = None
     contention: tuple[float, ...] = ()
+    staging: Network | None = None
     source: str = ""
 
     def __post_init__(self):
@@ -176,6 +181,14 @@ def hierarchical_seconds(nbytes: float, nodes: int, per_node: int, intra: Networ
     return scatter + across + inside
 
 
+def staging_seconds(nbytes: float, nodes: int, system: System) -> float:
+    """Copying a node's reduced buffer to the host and back around the across-node all-reduce
+    (System.staging); nothing when the ranks fit in one node or the network reads device memory."""
+    if system.staging is None or nodes <= 1 or system.algorithm != "hierarchical":
+        return 0.0
+    return 2 * (system.staging.alpha + nbytes * system.staging.beta)
+
+
 def comm_seconds(nbytes: float, p: int, system: System) -> float:
     """One all-reduce of `nbytes` over `p` ranks placed `system.per_node` to a node.
 
@@ -187,7 +200,7 @@ def comm_seconds(nbytes: float, p: int, system: System) -> float:
     nodes = math.ceil(p / system.per_node)
     if system.algorithm == "hierarchical":
         return hierarchical_seconds(nbytes, nodes, min(p, system.per_node), system.intra, system.inter,
-                                    system.gamma, system.inter_algorithm)
+                                    system.gamma, system.inter_algorithm) + staging_seconds(nbytes, nodes, system)
     link = system.inter if nodes > 1 else system.intra
     return allreduce_seconds(nbytes, p, link.alpha, link.beta, system.gamma, system.algorithm)
 

@@ -105,6 +105,17 @@ def test_predict_efficiency_and_oversubscription():
     assert strong[1]["batch"] == 32 and strong[1]["efficiency"] <= 1.0
 
 
+def test_host_staging_crosses_the_link_twice_across_nodes_only():
+    link = predict.Network("net", 1e-5, 1e-10)
+    pcie = predict.Network("pcie", 5e-6, 1 / 12e9)
+    plain = predict.System("s", link, link, 0.0, per_node=8, algorithm="hierarchical")
+    staged = predict.System("s", link, link, 0.0, per_node=8, algorithm="hierarchical", staging=pcie)
+    n = 1e8
+    assert predict.comm_seconds(n, 64, staged) - predict.comm_seconds(n, 64, plain) == pytest.approx(
+        2 * (5e-6 + n / 12e9))
+    assert predict.comm_seconds(n, 8, staged) == predict.comm_seconds(n, 8, plain)  # one node: no host copy
+
+
 def test_measured_contention_slows_compute():
     shm = predict.Network("shm", 1e-6, 1e-10)
     here = predict.System("laptop", shm, shm, gamma=1e-10, per_node=4, cores=2, contention=(1.0, 1.2))
