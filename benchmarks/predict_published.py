@@ -6,7 +6,9 @@ efficiencies within 5 percentage points.
     .venv/bin/python benchmarks/predict_published.py --what-if   # faster network, fp16, more GPUs per node
 
 Printed: for every published configuration the predicted and the published efficiency, then
-every input with its source, and last `max |predicted − published| = X pp`. Nothing is fitted:
+every input with its source; for Goyal et al. where the all-reduce's time goes, their own timing
+(as a check, not an input) and what the model lacks to explain it; and last
+`max |predicted − published| = X pp`. Nothing is fitted:
 the inputs are line rates, NCCL's own latency table, single-GPU throughputs from the TensorFlow
 benchmark page, and parameter counts and FLOPs of the models in hpdl/models.py. The model and
 what it leaves out are described in hpdl/predict.py; the data and sources in hpdl/published.py.
@@ -57,9 +59,60 @@ def _system_lines(s: predict.System) -> list[str]:
     for label, link in [("within a node", s.intra), ("between nodes", s.inter)]:
         out.append(f"    {label}: {link.name}: α = {link.alpha * 1e6:.1f} µs, β = 1/({link.gbytes_per_s:.2f} GB/s)"
                    f" — {link.source}")
+    if s.staging is not None:
+        out.append(f"    host staging: {s.staging.name}, α = {s.staging.alpha * 1e6:.1f} µs, "
+                   f"β = 1/({s.staging.gbytes_per_s:.2f} GB/s), twice per all-reduce — {published.GLOO_STAGING}")
     out.append(f"    γ = 1/({1e-9 / s.gamma:.0f} GB/s) — a P100 adds two buffers at HBM2's 732 GB/s "
                "(2 bytes read, 1 written per byte)")
     return out
+
+
+def goyal_account(r: published.Published) -> float:
+    """Where the model's time for Goyal et al. goes, what the paper itself says about its timing,
+    and what would be needed to explain the gap. Returns the exposed time the published
+    efficiency implies, in seconds."""
+    w, s = r.workload, r.system
+    k, n, g = w.bucket_count, w.grad_bytes, s.per_node
+    nodes = r.ranks // g
+    lg = (nodes - 1).bit_length()
+    row = predict.step(w, s, r.ranks)
+    parts = {
+        "inside the server: reduce, then broadcast (NVLink)":
+            k * predict.hierarchical_seconds(n / k, 1, g, s.intra, s.inter, s.gamma),
+        f"host staging: to host memory and back ({s.staging.name})": k * predict.staging_seconds(n / k, nodes, s),
+        f"across {nodes} servers, bandwidth: 2(N−1)/N · {n / 1e6:.0f} MB over one {s.inter.name} NIC":
+            2 * (nodes - 1) / nodes * n * s.inter.beta + (nodes - 1) / nodes * n / g * s.gamma,
+        f"across servers, latency: {k} all-reduces × 2⌈lg {nodes}⌉ = {2 * lg} rounds × α":
+            k * 2 * lg * s.inter.alpha,
+    }
+    assert abs(sum(parts.values()) - row["comm"]) < 1e-9 * row["comm"] + 1e-12
+    backprop = w.backward_share * row["compute"]
+    print(f"\nGoyal et al. — where the model's {row['comm'] * 1e3:.0f} ms of all-reduce per iteration go:")
+    for label, t in parts.items():
+        print(f"  {t * 1e3:6.1f} ms  {label}")
+    print(f"  all of it can run during backprop ({backprop * 1e3:.0f} ms, their figure), one layer's gradient after "
+          f"another, so the model exposes only one all-reduce's share ({row['exposed'] * 1e3:.1f} ms)")
+    iterations = published.GOYAL_IMAGES / (w.batch * r.baseline)
+    baseline_step = published.GOYAL_BASELINE_EPOCH_MIN * 60 / iterations
+    base = predict.step(w, s, r.baseline)
+    lost = baseline_step / r.efficiency - baseline_step
+    growth = published.GOYAL_ITERATION_GROWTH
+    print(f"Their own timing (§5.5, Figs. 7–8; outputs, used only as checks):\n"
+          f"  8-GPU iteration ≥ {baseline_step * 1e3:.0f} ms (\"over 16 minutes\" per epoch of {iterations:.0f} "
+          f"iterations) — the model's {base['step'] * 1e3:.0f} ms ({base['compute'] * 1e3:.0f} ms compute) is "
+          f"{baseline_step / base['step'] - 1:.0%} below it\n"
+          f"  ~90% efficiency: ≈ {lost * 1e3:.0f} ms more per iteration on {r.ranks} GPUs; the time per iteration "
+          f"grows {growth:.0%} up to 352 GPUs (≈ {growth * baseline_step * 1e3:.0f} ms)")
+    print("  Not in the model — each needs an input nobody published:\n"
+          "   · stragglers: a synchronous step waits for the slowest of 256 GPUs instead of 8 (needs the spread of\n"
+          "     per-GPU iteration times);\n"
+          "   · the host: Gloo reduces in host memory, on the CPUs that also run Caffe2's executor threads and\n"
+          "     launch the GPUs' kernels (needs the host CPU, its memory bandwidth and its load; with the P100's γ\n"
+          "     used above, the host's reduction is taken as almost free);\n"
+          "   · a timeline of one 256-GPU iteration (Fig. 7 gives only totals) would tell which one it is.\n"
+          "  The last all-reduce cannot be it: backprop's last gradients (layer1, conv1) are the smallest, each well\n"
+          "  under a millisecond end to end; nor the NIC shared by 8 GPUs (already in the 31.7 ms), nor host staging.")
+    return lost
 
 
 def _workload_lines(w: predict.Workload) -> list[str]:
@@ -100,9 +153,17 @@ def main() -> int:
     rows = published.results()
     worst = table(rows)
     inputs(rows)
+    for r in rows:
+        if r.system.algorithm == "hierarchical":
+            goyal_account(r)
     if args.what_if:
         what_if()
-    print(f"\nmax |predicted − published| = {worst:.1f} pp")
+    ring = [r for r in rows if r.system.algorithm == "ring"]
+    horovod = max(abs(100 * (predict.efficiency(r.workload, r.system, r.ranks, r.baseline) - r.efficiency))
+                  for r in ring)
+    print(f"\nHorovod benchmark only ({len(ring)} configurations): max |predicted − published| = {horovod:.1f} pp")
+    print(f"goal ≤ 5 pp: {'met' if worst <= 5 else 'not met — Goyal et al., see above'}")
+    print(f"max |predicted − published| = {worst:.1f} pp")
     return 0
 
 

@@ -22,10 +22,14 @@ Scaling efficiency is throughput per rank with p ranks over throughput per rank 
 baseline (one device, or one node): 1.0 means perfect. The published configurations it is
 checked against, with every input and its source, live in hpdl/published.py.
 
+On CPUs, ranks on one node slow each other's compute down (System.contention, measured with
+the ranks computing at once) and, once they outnumber the cores, take turns (⌈ranks / cores⌉).
+
 What the model leaves out, on purpose: stragglers (a synchronous step waits for the slowest
 rank), the input pipeline, communication slowing compute down (both share memory and, on
-GPUs, streaming multiprocessors), and the negotiation of Horovod's background thread. Where
-a prediction misses a measurement, one of these is the first suspect.
+GPUs, streaming multiprocessors), ranks that take turns on a core also taking turns to
+communicate (a message waits for its receiver's turn), and the negotiation of Horovod's
+background thread. Where a prediction misses a measurement, one of these is the first suspect.
 
 Pure Python, no torch: it runs in the notebook's kernel, on the ranks and in the checker.
 """
@@ -57,8 +61,19 @@ class System:
     by `inter`; γ is the seconds per byte of adding two buffers on a device.
 
     `algorithm` is the all-reduce used across all ranks; "hierarchical" reduces inside nodes
-    first and runs `inter_algorithm` across nodes. `cores`: on CPUs, the cores of a node —
-    when its ranks outnumber them, they take turns and compute slows down by ranks / cores.
+    first and runs `inter_algorithm` across nodes.
+
+    `cores`: on CPUs, the cores of a node. When its ranks outnumber them, they take turns: the
+    busiest core runs ⌈ranks / cores⌉ of them, one after another, and a synchronous step waits
+    for its last one (the scheduler does not even them out within a step: measured here, 3
+    ranks on 2 cores take as long as 4). `contention`: measured, not fitted — compute time per
+    step with 1, 2, … ranks of a node computing at once (no communication) over one rank's
+    alone; ranks that each have a core still share memory bandwidth, caches and clocks. Entry
+    i is for i + 1 ranks; past its end the last entry holds.
+
+    `staging`: a hierarchical all-reduce whose across-node step runs in host memory (Gloo's
+    CUDA algorithms with their default host workspace) copies each node's reduced buffer over
+    this link to the host before it and back after it — two crossings per all-reduce, in series.
     """
 
     name: str
@@ -69,12 +84,23 @@ class System:
     algorithm: str = "ring"
     inter_algorithm: str = "ring"
     cores: int | None = None
+    contention: tuple[float, ...] = ()
+    staging: Network | None = None
     source: str = ""
 
     def __post_init__(self):
         for a in (self.algorithm, self.inter_algorithm):
             if a not in ALGORITHMS:
                 raise ValueError(f"algorithm {a!r}: choose one of {', '.join(ALGORITHMS)}")
+
+    def compute_slowdown(self, ranks_here: int) -> tuple[float, int]:
+        """(contention, turns) for `ranks_here` ranks on one node: compute per step is multiplied
+        by both. contention: the measured slowdown with as many ranks computing at once as the
+        node has cores for; turns: ⌈ranks / cores⌉, the ranks the busiest core runs in turn."""
+        busy = min(ranks_here, self.cores) if self.cores else ranks_here
+        shared = self.contention[min(busy, len(self.contention)) - 1] if self.contention else 1.0
+        turns = math.ceil(ranks_here / self.cores) if self.cores else 1
+        return shared, turns
 
 
 @dataclass(frozen=True)
@@ -155,6 +181,14 @@ def hierarchical_seconds(nbytes: float, nodes: int, per_node: int, intra: Networ
     return scatter + across + inside
 
 
+def staging_seconds(nbytes: float, nodes: int, system: System) -> float:
+    """Copying a node's reduced buffer to the host and back around the across-node all-reduce
+    (System.staging); nothing when the ranks fit in one node or the network reads device memory."""
+    if system.staging is None or nodes <= 1 or system.algorithm != "hierarchical":
+        return 0.0
+    return 2 * (system.staging.alpha + nbytes * system.staging.beta)
+
+
 def comm_seconds(nbytes: float, p: int, system: System) -> float:
     """One all-reduce of `nbytes` over `p` ranks placed `system.per_node` to a node.
 
@@ -166,7 +200,7 @@ def comm_seconds(nbytes: float, p: int, system: System) -> float:
     nodes = math.ceil(p / system.per_node)
     if system.algorithm == "hierarchical":
         return hierarchical_seconds(nbytes, nodes, min(p, system.per_node), system.intra, system.inter,
-                                    system.gamma, system.inter_algorithm)
+                                    system.gamma, system.inter_algorithm) + staging_seconds(nbytes, nodes, system)
     link = system.inter if nodes > 1 else system.intra
     return allreduce_seconds(nbytes, p, link.alpha, link.beta, system.gamma, system.algorithm)
 
@@ -204,14 +238,14 @@ def step(workload: Workload, system: System, p: int, *, global_batch: int | None
     device is as fast per sample on a small batch as on a large one, which GPUs are not).
     """
     batch = workload.batch if global_batch is None else global_batch / p
-    ranks_here = min(p, system.per_node)
-    slowdown = max(1.0, ranks_here / system.cores) if system.cores else 1.0
-    compute = batch * workload.seconds_per_sample * slowdown
+    shared, turns = system.compute_slowdown(min(p, system.per_node))
+    compute = batch * workload.seconds_per_sample * shared * turns
     k = workload.bucket_count
     t_comm = k * comm_seconds(workload.grad_bytes / k, p, system)
     exposed = 0.0 if p <= 1 else max(t_comm - overlap_fraction(workload) * compute, t_comm / k)
     return {"ranks": p, "batch": batch, "compute": compute, "comm": t_comm, "exposed": exposed,
-            "hidden": t_comm - exposed, "step": compute + exposed, "oversubscribed": slowdown}
+            "hidden": t_comm - exposed, "step": compute + exposed, "contention": shared,
+            "oversubscribed": turns}
 
 
 def predict(workload: Workload, system: System, ranks, *, baseline: int = 1,

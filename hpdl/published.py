@@ -42,11 +42,20 @@ HOROVOD_CLUSTER = System(
     "Horovod benchmark: servers of 4 Pascal GPUs, RoCE 25 Gbit/s", intra=PCIE3, inter=ROCE_25G, gamma=P100_GAMMA,
     per_node=4, algorithm="ring",
     source="Horovod docs/benchmarks.rst; NCCL 2 ring over all GPUs (hierarchical all-reduce is off by default)")
+GLOO_STAGING = ("Gloo's CudaAllreduceHalvingDoubling (gloo/cuda_allreduce_halving_doubling.h): default workspace "
+                "CudaHostWorkspace — the server's reduced buffer is copied to host memory, halved and doubled there, "
+                "and copied back before the broadcast")
 BIG_BASIN = System(
     "Big Basin: servers of 8 P100 (NVLink), 50 Gbit Ethernet", intra=NVLINK1, inter=ETH_50G, gamma=P100_GAMMA,
-    per_node=8, algorithm="hierarchical", inter_algorithm="rabenseifner",
-    source="Goyal et al. 2017: reduce within the server, recursive halving and doubling across servers, "
-           "broadcast within the server")
+    per_node=8, algorithm="hierarchical", inter_algorithm="rabenseifner", staging=PCIE3,
+    source="Goyal et al. 2017 §4.1–4.2: reduce within the server (NCCL), recursive halving and doubling across "
+           "servers (Gloo), broadcast within the server; one 50 Gbit NIC per server")
+
+# What Goyal et al. publish about their own timing (§5.5, Figs. 7 and 8) — outputs, printed as checks
+# of the inputs, never fed into the model
+GOYAL_BASELINE_EPOCH_MIN = 16  # "from over 16 minutes" per epoch on 8 GPUs (kn = 256)
+GOYAL_IMAGES = 1.28e6          # "∼1.28 million ImageNet training images"
+GOYAL_ITERATION_GROWTH = 0.12  # "the time per iteration increases only 12%" from kn = 256 to 11k (352 GPUs)
 
 HOROVOD_FUSION = 64 * 2**20  # bytes; Horovod's default threshold until v0.21 (PRs #15, #2468)
 

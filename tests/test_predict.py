@@ -97,10 +97,34 @@ def test_predict_efficiency_and_oversubscription():
     w = predict.Workload("tiny", params=1000, seconds_per_sample=1e-3, batch=32, overlap=False)
     rows = predict.predict(w, here, [1, 2, 3, 4])
     assert rows[0]["efficiency"] == 1.0
-    assert [r["oversubscribed"] for r in rows] == [1.0, 1.0, 1.5, 2.0]
+    # the busiest core runs ⌈ranks / cores⌉ ranks in turn: 3 ranks on 2 cores are as slow as 4
+    assert [r["oversubscribed"] for r in rows] == [1, 1, 2, 2]
     assert rows[3]["efficiency"] == pytest.approx(0.5, rel=0.01)  # 4 ranks take turns on 2 cores
+    assert rows[2]["efficiency"] == pytest.approx(0.5, rel=0.01)
     strong = predict.predict(w, here, [1, 2], global_batch=64)
     assert strong[1]["batch"] == 32 and strong[1]["efficiency"] <= 1.0
+
+
+def test_host_staging_crosses_the_link_twice_across_nodes_only():
+    link = predict.Network("net", 1e-5, 1e-10)
+    pcie = predict.Network("pcie", 5e-6, 1 / 12e9)
+    plain = predict.System("s", link, link, 0.0, per_node=8, algorithm="hierarchical")
+    staged = predict.System("s", link, link, 0.0, per_node=8, algorithm="hierarchical", staging=pcie)
+    n = 1e8
+    assert predict.comm_seconds(n, 64, staged) - predict.comm_seconds(n, 64, plain) == pytest.approx(
+        2 * (5e-6 + n / 12e9))
+    assert predict.comm_seconds(n, 8, staged) == predict.comm_seconds(n, 8, plain)  # one node: no host copy
+
+
+def test_measured_contention_slows_compute():
+    shm = predict.Network("shm", 1e-6, 1e-10)
+    here = predict.System("laptop", shm, shm, gamma=1e-10, per_node=4, cores=2, contention=(1.0, 1.2))
+    w = predict.Workload("tiny", params=1000, seconds_per_sample=1e-3, batch=32, overlap=False)
+    rows = predict.predict(w, here, [1, 2, 3, 4])
+    assert [r["contention"] for r in rows] == [1.0, 1.2, 1.2, 1.2]  # past the cores: the last entry
+    assert rows[1]["compute"] == pytest.approx(1.2 * 0.032)
+    assert rows[3]["compute"] == pytest.approx(2 * 1.2 * 0.032)  # both cores busy, two turns each
+    assert rows[1]["efficiency"] == pytest.approx(1 / 1.2, rel=0.01)
 
 
 def test_published_configurations_predicted():
