@@ -41,6 +41,12 @@ def wait_gone(pids, timeout=15.0) -> list[int]:
     return alive
 
 
+# every thread's nice level on a rank (Linux: a thread id names one thread)
+NICES = ("\nimport os\n"
+         "nices = sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir('/proc/self/task')})\n"
+         "assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the cell's own thread\n")
+
+
 def test_four_ranks_agree_on_three_allreduces(no_strays):
     c = hpdl.start(n=4, quiet=True)
     try:
@@ -58,10 +64,11 @@ def test_four_ranks_agree_on_three_allreduces(no_strays):
                 h = hvd.allreduce(x, op=hvd.Sum)
                 out = (a.tolist(), b.tolist(), h.tolist(), rank, world_size, torch.get_num_threads())
                 """
-            ),
+            ) + NICES,
             block=True,
         )
         outs = view.pull("out", block=True)
+        assert view.pull("nices", block=True) == [[0]] * 4  # Horovod's thread left as it comes by default
         for a, b, h, rank, size, threads in outs:
             assert a == b == h == [10.0, 60.0]
             assert size == 4
@@ -70,6 +77,15 @@ def test_four_ranks_agree_on_three_allreduces(no_strays):
     finally:
         hpdl.stop(quiet=True)
     assert hpdl.status() == {"running": False}
+
+
+def test_horovods_thread_is_reniced_on_cpu_ranks_when_asked(no_strays):
+    with hpdl.start(n=2, env={"HPDL_HOROVOD_NICE": "10"}, quiet=True):
+        view = hpdl.view()
+        view.execute(NICES + "\nh = hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist()\n", block=True)
+        # the threads hvd.init() started at nice 10, the rank's own (the learner's cell) at 0
+        assert view.pull("nices", block=True) == [[0, 10]] * 2
+        assert view.pull("h", block=True) == [[2.0, 2.0, 2.0]] * 2  # and Horovod still reduces
 
 
 def test_start_again_reuses_healthy_ranks_and_restarts_on_change(no_strays):
