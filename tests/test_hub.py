@@ -21,6 +21,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -203,6 +204,7 @@ c.JupyterHub.load_roles.append({{"name": "hpdl-test", "services": ["hpdl-test"],
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
            "HPDL_KIT_VENV": str(kit_venv), "HPDL_HUB_ENV": str(hub_env), "HPDL_HUB_STATE": str(tmp_path / "state"),
            "HPDL_HUB_SITE_CONFIG": str(site), "HPDL_HUB_GROUP": GROUP,
+           "HPDL_SITE": "local-slurm",  # this machine's Slurm (cluster/slurm/local-slurm.sh) as a site
            "HPDL_HUB_IDLE_TIMEOUT": str(IDLE_TIMEOUT), "HPDL_HUB_CULL_EVERY": str(CULL_EVERY)}
     log = tmp_path / "jupyterhub.log"
     with open(log, "wb") as out:
@@ -508,6 +510,11 @@ def render_batch_script(config, **req: str) -> str:
     return jinja2.Template(s.batch_script).render(**values)
 
 
+def sbatch_options(script: str) -> list[str]:
+    """The options of a job script's #SBATCH lines, one or more a line, as sbatch reads them."""
+    return [o for line in re.findall(r"^#SBATCH (.*)$", script, re.M) for o in shlex.split(line)]
+
+
 def test_hub_configuration_renders_a_job_that_runs_lab_in_the_batch_step(monkeypatch, tmp_path):
     config = load_hub_config(monkeypatch, tmp_path, HPDL_HUB_RANKS="8", HPDL_HUB_PARTITION="gpu",
                              HPDL_HUB_MODULES="mvapich2-gdr/2.3.7", HPDL_HUB_IDLE_TIMEOUT="1800",
@@ -515,9 +522,12 @@ def test_hub_configuration_renders_a_job_that_runs_lab_in_the_batch_step(monkeyp
     script = render_batch_script(config)
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0, script
     assert "{{" not in script and "{%" not in script
-    sbatch = re.findall(r"^#SBATCH (.*)$", script, re.M)
+    sbatch = sbatch_options(script)
     assert "--ntasks=8" in sbatch and "--partition=gpu" in sbatch and "--time=02:00:00" in sbatch
     assert not any(o.startswith(("--account", "--qos", "--gres")) for o in sbatch), sbatch  # only what is set
+    # the job holds what its ranks' step asks for: the profile's resources per rank, its sbatch options
+    for option in ("--ntasks-per-node=4", "--cpus-per-task=8", "--gpus-per-task=1", "--exclusive"):
+        assert option in sbatch, (option, sbatch)
     assert "module load mvapich2-gdr/2.3.7" in script and 'HPDL_SITE="mvapich2-gdr"' in script
     assert script.index("umask 077") < script.index("mkdir")  # before the job writes anything
     # JupyterLab runs in the batch step (no srun around it): its ranks' srun step gets the job's tasks
@@ -532,3 +542,19 @@ def test_hub_configuration_renders_a_job_that_runs_lab_in_the_batch_step(monkeyp
     # the hub learns of activity well inside the timeout
     assert config.JupyterHub.last_activity_interval <= 1800 // 4
     assert config.PAMAuthenticator.allowed_groups == {"hpdl-learners"}
+
+
+def test_hub_job_follows_the_site_profile_and_its_overrides_reach_the_ranks(monkeypatch, tmp_path):
+    """Without HPDL_HUB_* settings the job takes the profile's partition and time; an HPDL_SLURM_*
+    override in the hub's environment changes the job and is exported to it, so the ranks' step
+    (which loads the profile again inside the job) reads the same profile."""
+    for name in ("HPDL_HUB_PARTITION", "HPDL_HUB_TIME", "HPDL_HUB_SBATCH"):
+        monkeypatch.delenv(name, raising=False)
+    config = load_hub_config(monkeypatch, tmp_path, HPDL_SITE="local-slurm", HPDL_SLURM_CPUS_PER_RANK="2",
+                             HPDL_SLURM_SBATCH="--mem=0")
+    script = render_batch_script(config)
+    sbatch = sbatch_options(script)
+    assert {"--ntasks=4", "--partition=debug", "--time=02:00:00", "--cpus-per-task=2", "--mem=0"} <= set(sbatch), sbatch
+    exports = re.findall(r"^export (HPDL_SITE|HPDL_SLURM_\w+)=(.*)$", script, re.M)
+    assert dict(exports) == {"HPDL_SITE": '"local-slurm"', "HPDL_SLURM_CPUS_PER_RANK": "2",
+                             "HPDL_SLURM_SBATCH": "--mem=0"}, exports
