@@ -510,7 +510,7 @@ def test_jupyter_sbatch_serves_jupyterlab_inside_the_job(slurm, outside_slurm, t
 # -- site profiles (no Slurm needed) ------------------------------------------------------------
 
 def _render(site: launchers.SlurmSite, n: int = 4) -> str:
-    prefix = shlex.join(sites.rank_wrapper(site, {"HOROVOD_CYCLE_TIME": "5"}))
+    prefix = shlex.join(sites.rank_wrapper(site, ["HOROVOD_CYCLE_TIME"]))
     return EvalFormatter().format(launchers.sbatch_template(site), n=n, cluster_id="hpdl-x",
                                   output_file="/tmp/o.log", program="/venv/bin/python -m ipyparallel.engine",
                                   program_args="--profile-dir=/p", hpdl_exports="export HOROVOD_CYCLE_TIME=5",
