@@ -16,6 +16,7 @@ import os
 import re
 import shlex
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -245,21 +246,33 @@ _FIND_MODULE = (
 )
 
 
-def rank_prologue(site: SlurmSite, exports: dict[str, str] | None = None) -> str:
+def rank_prologue(site: SlurmSite, keep: Iterable[str] = ()) -> str:
     """Shell lines run on every rank before its engine starts, in every launch mode.
 
-    In order: module loads, the site's set-up lines, its [env], then `exports` (the learner's
-    hpdl.start(env=...), which win), then the site's MPI library put first: LD_PRELOAD loads it
-    before anything else and MPI4PY_LIBMPI points mpi4py at it. Without that, mpi4py's loader
-    tries the venv's lib/ (where the `mpich` wheel's libmpi.so.12 lives) before LD_LIBRARY_PATH,
-    and the ranks silently run the wheel's MPI instead of, say, MVAPICH2-GDR."""
+    In order: module loads, the site's set-up lines, its [env], then the variables named in `keep`
+    (the engines' own: the learner's hpdl.start(env=...), ipyparallel's connection info) put back
+    as the rank inherited them, so they win over the site's; then the site's MPI library put first:
+    LD_PRELOAD loads it before anything else and MPI4PY_LIBMPI points mpi4py at it. Without that,
+    mpi4py's loader tries the venv's lib/ (where the `mpich` wheel's libmpi.so.12 lives) before
+    LD_LIBRARY_PATH, and the ranks silently run the wheel's MPI instead of, say, MVAPICH2-GDR.
+
+    Only the names of `keep` are written here, never their values: this text becomes a command
+    line (`bash -c ...`) that every user on the node can read (`ps`), and ipyparallel's connection
+    info holds the key that lets a client drive the ranks. The values reach the rank through its
+    environment (the step exports the kernel's, see launchers.slurm.STEP_EXPORT)."""
+    names = [k for k in dict.fromkeys(keep) if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
     lines = []
+    saving = (site.modules or site.setup.strip() or site.env) and names
+    if saving:  # what the site's lines could change: saved first, as `declare -px` quotes it
+        lines.append(f"hpdl_kept=$(declare -px {' '.join(names)} 2>/dev/null)")
     if site.modules:
         lines += [_FIND_MODULE, "module load " + " ".join(shlex.quote(m) for m in site.modules)]
     if site.setup.strip():
         lines.append(site.setup.strip())
-    for key, value in {**site.env, **(exports or {})}.items():
+    for key, value in site.env.items():
         lines.append(f"export {key}={shlex.quote(value)}")
+    if saving:
+        lines.append('eval "$hpdl_kept"; unset hpdl_kept')
     if site.mpi_library:
         # the path may name variables a module set ($MV2_GDR_HOME): expand on the node, keep quoted
         lib = '"' + site.mpi_library.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`") + '"'
@@ -270,9 +283,9 @@ def rank_prologue(site: SlurmSite, exports: dict[str, str] | None = None) -> str
     return "\n".join(lines)
 
 
-def rank_wrapper(site: SlurmSite, exports: dict[str, str] | None = None) -> list[str]:
+def rank_wrapper(site: SlurmSite, keep: Iterable[str] = ()) -> list[str]:
     """A command prefix that runs the prologue on the rank, then execs the rest of the line."""
-    prologue = rank_prologue(site, exports)
+    prologue = rank_prologue(site, keep)
     if not prologue:
         return []
     return ["bash", "-c", prologue + '\nexec "$@"', "hpdl-rank"]

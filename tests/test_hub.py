@@ -21,6 +21,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -46,6 +47,9 @@ IDLE_TIMEOUT, CULL_EVERY = 40, 5  # s: short, so the culler acts within the test
 AGREEMENT = "all 4 ranks agree: 10 three times over"
 NOTEBOOK_TIMEOUT = 480  # s: two notebooks at once, eight ranks with torch and Horovod, on two cores
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# runuser lives in /usr/sbin; the learners' commands below run with PATH=/usr/bin:/bin, where
+# subprocess would look for it: name it by its full path
+RUNUSER = shutil.which("runuser") or "runuser"
 
 
 # -- what the test needs: root, the learners' kit, the hub's environment, two accounts -------------
@@ -203,6 +207,7 @@ c.JupyterHub.load_roles.append({{"name": "hpdl-test", "services": ["hpdl-test"],
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
            "HPDL_KIT_VENV": str(kit_venv), "HPDL_HUB_ENV": str(hub_env), "HPDL_HUB_STATE": str(tmp_path / "state"),
            "HPDL_HUB_SITE_CONFIG": str(site), "HPDL_HUB_GROUP": GROUP,
+           "HPDL_SITE": "local-slurm",  # this machine's Slurm (cluster/slurm/local-slurm.sh) as a site
            "HPDL_HUB_IDLE_TIMEOUT": str(IDLE_TIMEOUT), "HPDL_HUB_CULL_EVERY": str(CULL_EVERY)}
     log = tmp_path / "jupyterhub.log"
     with open(log, "wb") as out:
@@ -240,7 +245,7 @@ c.JupyterHub.load_roles.append({{"name": "hpdl-test", "services": ["hpdl-test"],
 # -- helpers run as a learner ----------------------------------------------------------------------
 def as_user(learner: Learner, python: Path, code: str, *args: str, timeout: float = 120) -> dict:
     """Run `code` with the kit's Python as the learner; it prints one JSON object."""
-    p = subprocess.run(["runuser", "-u", learner.name, "--", str(python), "-c", code, *args],
+    p = subprocess.run([RUNUSER, "-u", learner.name, "--", str(python), "-c", code, *args],
                        capture_output=True, text=True, timeout=timeout, cwd="/",
                        env={"PATH": "/usr/bin:/bin", "HOME": str(learner.home), "LANG": "C.UTF-8"})
     assert p.returncode == 0, f"as {learner.name}: {p.stderr[-2000:]}"
@@ -267,7 +272,7 @@ import json, os, sys
 import ipyparallel as ipp
 url_file, timeout = sys.argv[1], float(sys.argv[2])
 try:
-    c = ipp.Client(url_file=url_file, timeout=timeout)
+    c = ipp.Client(url_file, timeout=timeout)  # positional: ipyparallel 9 ignores url_file= (a keyword it keeps)
     c.wait_for_engines(4, timeout=timeout)
     print(json.dumps({"connected": True, "engine_uids": c[:].apply_sync(os.getuid)}))
     c.close()
@@ -400,12 +405,16 @@ def test_two_learners_on_the_hub_each_in_their_own_slurm_job(chromium, hub, lear
                 for path in found[owner.name]["controller connection files"]:
                     assert os.stat(path).st_mode & 0o077 == 0, path
                 # no secret of the owner on any command line on the machine (`ps` shows them to all)
-                key = json.loads(Path(found[owner.name]["controller connection files"][0]).read_text())["key"]
+                # (the signing key is in the ipcontroller-*-client/engine files; cluster-*.json has none)
+                infos = [json.loads(Path(f).read_text()) for f in found[owner.name]["controller connection files"]]
+                keys = {info["key"] for info in infos if info.get("key")}
+                assert keys, f"no signing key in {owner.name}'s connection files"
                 environ = Path(found[owner.name]["server's environment (its hub token)"][0]).read_text()
                 token = dict(kv.split("=", 1) for kv in environ.split("\0") if "=" in kv)["JUPYTERHUB_API_TOKEN"]
                 for proc in psutil.process_iter(["cmdline"]):
                     line = " ".join(proc.info["cmdline"] or [])
-                    assert key not in line and token not in line, f"a secret of {owner.name} on: {line[:200]}"
+                    assert token not in line and not any(k in line for k in keys), \
+                        f"a secret of {owner.name} on: {line[:200]}"
 
             # -- neither can drive the other's ranks: a real client with a guessed key gets nowhere ---
             # Ports are no secret (/proc/net/tcp shows them to everyone); the key in the 0600 file is.
@@ -418,10 +427,10 @@ def test_two_learners_on_the_hub_each_in_their_own_slurm_job(chromium, hub, lear
                 shutil.chown(forged, other.name)
                 forged.chmod(0o600)
                 attempts[(owner.name, "owner")] = subprocess.Popen(
-                    ["runuser", "-u", owner.name, "--", str(python), "-c", TRY_CLIENT, client_file, "30"],
+                    [RUNUSER, "-u", owner.name, "--", str(python), "-c", TRY_CLIENT, client_file, "30"],
                     stdout=subprocess.PIPE, text=True, cwd="/", env={"PATH": "/usr/bin:/bin", "HOME": str(owner.home)})
                 attempts[(owner.name, "other")] = subprocess.Popen(
-                    ["runuser", "-u", other.name, "--", str(python), "-c", TRY_CLIENT, str(forged), "10"],
+                    [RUNUSER, "-u", other.name, "--", str(python), "-c", TRY_CLIENT, str(forged), "10"],
                     stdout=subprocess.PIPE, text=True, cwd="/", env={"PATH": "/usr/bin:/bin", "HOME": str(other.home)})
             results = {k: json.loads(a.communicate(timeout=120)[0].strip().splitlines()[-1])
                        for k, a in attempts.items()}
@@ -508,6 +517,11 @@ def render_batch_script(config, **req: str) -> str:
     return jinja2.Template(s.batch_script).render(**values)
 
 
+def sbatch_options(script: str) -> list[str]:
+    """The options of a job script's #SBATCH lines, one or more a line, as sbatch reads them."""
+    return [o for line in re.findall(r"^#SBATCH (.*)$", script, re.M) for o in shlex.split(line)]
+
+
 def test_hub_configuration_renders_a_job_that_runs_lab_in_the_batch_step(monkeypatch, tmp_path):
     config = load_hub_config(monkeypatch, tmp_path, HPDL_HUB_RANKS="8", HPDL_HUB_PARTITION="gpu",
                              HPDL_HUB_MODULES="mvapich2-gdr/2.3.7", HPDL_HUB_IDLE_TIMEOUT="1800",
@@ -515,9 +529,12 @@ def test_hub_configuration_renders_a_job_that_runs_lab_in_the_batch_step(monkeyp
     script = render_batch_script(config)
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0, script
     assert "{{" not in script and "{%" not in script
-    sbatch = re.findall(r"^#SBATCH (.*)$", script, re.M)
+    sbatch = sbatch_options(script)
     assert "--ntasks=8" in sbatch and "--partition=gpu" in sbatch and "--time=02:00:00" in sbatch
     assert not any(o.startswith(("--account", "--qos", "--gres")) for o in sbatch), sbatch  # only what is set
+    # the job holds what its ranks' step asks for: the profile's resources per rank, its sbatch options
+    for option in ("--ntasks-per-node=4", "--cpus-per-task=8", "--gpus-per-task=1", "--exclusive"):
+        assert option in sbatch, (option, sbatch)
     assert "module load mvapich2-gdr/2.3.7" in script and 'HPDL_SITE="mvapich2-gdr"' in script
     assert script.index("umask 077") < script.index("mkdir")  # before the job writes anything
     # JupyterLab runs in the batch step (no srun around it): its ranks' srun step gets the job's tasks
@@ -532,3 +549,19 @@ def test_hub_configuration_renders_a_job_that_runs_lab_in_the_batch_step(monkeyp
     # the hub learns of activity well inside the timeout
     assert config.JupyterHub.last_activity_interval <= 1800 // 4
     assert config.PAMAuthenticator.allowed_groups == {"hpdl-learners"}
+
+
+def test_hub_job_follows_the_site_profile_and_its_overrides_reach_the_ranks(monkeypatch, tmp_path):
+    """Without HPDL_HUB_* settings the job takes the profile's partition and time; an HPDL_SLURM_*
+    override in the hub's environment changes the job and is exported to it, so the ranks' step
+    (which loads the profile again inside the job) reads the same profile."""
+    for name in ("HPDL_HUB_PARTITION", "HPDL_HUB_TIME", "HPDL_HUB_SBATCH"):
+        monkeypatch.delenv(name, raising=False)
+    config = load_hub_config(monkeypatch, tmp_path, HPDL_SITE="local-slurm", HPDL_SLURM_CPUS_PER_RANK="2",
+                             HPDL_SLURM_SBATCH="--mem=0")
+    script = render_batch_script(config)
+    sbatch = sbatch_options(script)
+    assert {"--ntasks=4", "--partition=debug", "--time=02:00:00", "--cpus-per-task=2", "--mem=0"} <= set(sbatch), sbatch
+    exports = re.findall(r"^export (HPDL_SITE|HPDL_SLURM_\w+)=(.*)$", script, re.M)
+    assert dict(exports) == {"HPDL_SITE": '"local-slurm"', "HPDL_SLURM_CPUS_PER_RANK": "2",
+                             "HPDL_SLURM_SBATCH": "--mem=0"}, exports

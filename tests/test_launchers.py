@@ -147,17 +147,21 @@ def test_inside_an_allocation_the_step_asks_only_for_what_the_job_holds():
 # -- the site's environment on every rank ----------------------------------------------------------
 
 def _run_prologue(site: sites.SlurmSite, exports: dict, program: list[str], env: dict | None = None):
+    """The rank's wrapper as a step runs it: the engines' variables (`exports`) in its environment."""
     return subprocess.run([*sites.rank_wrapper(site, exports), *program], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **(env or {})})
+                          timeout=120, env={**os.environ, **exports, **(env or {})})
 
 
 def test_rank_prologue_order_site_then_learner(tmp_path):
-    site = sites.SlurmSite(setup='export HPDL_T_A="set up"\nexport HPDL_T_B=setup',
+    site = sites.SlurmSite(setup='export HPDL_T_A="set up"\nexport HPDL_T_B=setup\nexport HPDL_T_D=setup',
                            env={"HPDL_T_B": "site", "HPDL_T_C": "it's"})
-    out = _run_prologue(site, {"HPDL_T_C": "learner"},
-                        ["sh", "-c", 'echo "$HPDL_T_A|$HPDL_T_B|$HPDL_T_C|$0|$1"', "x", "y"])
-    assert out.stdout.strip() == "set up|site|learner|x|y", out.stderr
+    learner = {"HPDL_T_C": "learner's\n$secret \"key\"", "HPDL_T_D": ""}
+    out = _run_prologue(site, learner,
+                        ["sh", "-c", 'echo "$HPDL_T_A|$HPDL_T_B|$HPDL_T_C|$HPDL_T_D|$0|$1"', "x", "y"])
+    assert out.stdout.strip() == "set up|site|learner's\n$secret \"key\"||x|y", out.stderr
     assert sites.rank_wrapper(sites.SlurmSite(), {}) == []  # nothing to run: no wrapper at all
+    # the engines' values (ipyparallel's connection key among them) never appear on its command line
+    assert "secret" not in " ".join(sites.rank_wrapper(site, learner))
 
 
 def test_site_mpi_library_is_what_mpi4py_loads_not_the_venvs(tmp_path):

@@ -310,6 +310,31 @@ def test_in_job_step_runs_the_site_prologue_and_asks_only_what_the_job_holds(slu
         end_job(job)
 
 
+@pytest.mark.slurm
+def test_in_job_step_hands_the_ranks_the_kernels_environment_whatever_the_job_exported(
+        slurm, outside_slurm, monkeypatch, no_strays):
+    """A job submitted with `sbatch --export=LIST` (JupyterHub's SlurmSpawner) or `--export=NONE`
+    leaves SLURM_EXPORT_ENV set for every srun in it; the ranks still get the kernel's environment."""
+    job = salloc("-n", "2")
+    try:
+        inside(monkeypatch, job, 2)
+        monkeypatch.setenv("SLURM_EXPORT_ENV", "HOME,USER")  # as in a hub job: no PATH, no HPDL_*
+        monkeypatch.setenv("HPDL_T_KERNEL_ONLY", "from the kernel")
+        hpdl.start(frameworks=(), quiet=True)
+        try:
+            view = hpdl.view()
+            view.execute("import os; seen = os.environ.get('HPDL_T_KERNEL_ONLY')", block=True)
+            assert view.pull("seen", block=True) == ["from the kernel"] * 2
+            cmd = launchers.side_job_command(2) + [sys.executable, "-c",
+                                                   "import os; print(os.environ['HPDL_T_KERNEL_ONLY'])"]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            assert out.stdout.splitlines() == ["from the kernel"] * 2, out.stderr
+        finally:
+            hpdl.stop(quiet=True)
+    finally:
+        end_job(job)
+
+
 AFFINITY_SITE = """
 description = "{cpus} core(s) and one (stand-in) GPU per rank, bound to its cores"
 [slurm]
@@ -485,7 +510,7 @@ def test_jupyter_sbatch_serves_jupyterlab_inside_the_job(slurm, outside_slurm, t
 # -- site profiles (no Slurm needed) ------------------------------------------------------------
 
 def _render(site: launchers.SlurmSite, n: int = 4) -> str:
-    prefix = shlex.join(sites.rank_wrapper(site, {"HOROVOD_CYCLE_TIME": "5"}))
+    prefix = shlex.join(sites.rank_wrapper(site, ["HOROVOD_CYCLE_TIME"]))
     return EvalFormatter().format(launchers.sbatch_template(site), n=n, cluster_id="hpdl-x",
                                   output_file="/tmp/o.log", program="/venv/bin/python -m ipyparallel.engine",
                                   program_args="--profile-dir=/p", hpdl_exports="export HOROVOD_CYCLE_TIME=5",

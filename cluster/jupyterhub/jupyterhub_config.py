@@ -14,11 +14,12 @@ Settings come from the environment (defaults in brackets), so the file itself ne
   HPDL_HUB_STATE         the hub's database and cookie secret (root only)   [/var/lib/hpdl-hub]
   HPDL_HUB_GROUP         the Unix group whose members may log in            [hpdl-learners]
   HPDL_HUB_ADMINS        comma-separated instructors' user names            []
-  HPDL_HUB_RANKS         Slurm tasks per learner (= ranks hpdl.start may use) [4]
-  HPDL_HUB_TIME          the job's time limit                                [02:00:00]
-  HPDL_HUB_PARTITION, HPDL_HUB_ACCOUNT, HPDL_HUB_QOS, HPDL_HUB_SBATCH (extra #SBATCH options)
-  HPDL_HUB_MODULES       `module load` line(s) for the job                    []
   HPDL_SITE              the kit's site profile for the ranks (cluster/sites) [generic]
+  HPDL_HUB_RANKS         Slurm tasks per learner (= ranks hpdl.start may use) [4]
+  HPDL_HUB_TIME          the job's time limit                       [the profile's, else 02:00:00]
+  HPDL_HUB_PARTITION, HPDL_HUB_ACCOUNT, HPDL_HUB_QOS                [the profile's]
+  HPDL_HUB_SBATCH        extra #SBATCH options, after the profile's      []
+  HPDL_HUB_MODULES       `module load` line(s) for the job                    []
   HPDL_HUB_IDLE_TIMEOUT  seconds without use before a server is stopped       [3600]
   HPDL_HUB_CULL_EVERY    how often the culler looks, seconds                  [300]
   HPDL_HUB_CONNECT_HOST  the hub's name as compute nodes reach it             [this host's name]
@@ -26,9 +27,12 @@ Settings come from the environment (defaults in brackets), so the file itself ne
                          authenticator such as LDAP or OAuth)                 []
 """
 import os
+import shlex
 import socket
 import sysconfig
 from pathlib import Path
+
+from hpdl.sites import load_site, resource_options
 
 c = get_config()  # noqa: F821  (JupyterHub's config loader provides it)
 
@@ -76,18 +80,26 @@ c.SlurmSpawner.exec_prefix = "runuser -u {username} --" if os.geteuid() == 0 els
 # The job's log in the learner's home is theirs alone (sbatch hands its umask to the job).
 c.SlurmSpawner.batch_submit_cmd = "sh -c 'umask 077; exec sbatch --parsable'"
 c.SlurmSpawner.req_srun = ""  # JupyterLab in the batch step: the ranks' srun step gets the job's tasks
+# The job holds what its ranks' step will ask for: one task per rank, each with the site profile's
+# resources per rank (cores, GPUs, ranks per node) and extra sbatch options, as a job submitted
+# with `sbatch $(python -m hpdl.sites --sbatch)` would. Inside the job the step asks for what the
+# job holds (hpdl.launchers.slurm), so the two cannot disagree.
+SITE_SPEC = env("HPDL_SITE", "generic")
+SITE = load_site(SITE_SPEC)  # with this environment's HPDL_SLURM_* overrides, passed on to the job below
+SITE_OVERRIDES = {k: v for k, v in os.environ.items() if k.startswith("HPDL_SLURM_") and v.strip()}
 c.SlurmSpawner.req_nprocs = env("HPDL_HUB_RANKS", "4")
-c.SlurmSpawner.req_runtime = env("HPDL_HUB_TIME", "02:00:00")
-c.SlurmSpawner.req_partition = env("HPDL_HUB_PARTITION")
-c.SlurmSpawner.req_account = env("HPDL_HUB_ACCOUNT")
-c.SlurmSpawner.req_qos = env("HPDL_HUB_QOS")
-c.SlurmSpawner.req_options = env("HPDL_HUB_SBATCH")
+c.SlurmSpawner.req_runtime = env("HPDL_HUB_TIME") or SITE.time or "02:00:00"
+c.SlurmSpawner.req_partition = env("HPDL_HUB_PARTITION") or SITE.partition
+c.SlurmSpawner.req_account = env("HPDL_HUB_ACCOUNT") or SITE.account
+c.SlurmSpawner.req_qos = env("HPDL_HUB_QOS") or SITE.qos
+c.SlurmSpawner.req_options = " ".join([*resource_options(SITE), *SITE.sbatch, env("HPDL_HUB_SBATCH")]).strip()
 hub_site = sysconfig.get_paths(vars={"base": str(HUB_ENV), "platbase": str(HUB_ENV)})["purelib"]
 c.SlurmSpawner.req_prologue = "\n".join(
     ([f"module load {env('HPDL_HUB_MODULES')}"] if env("HPDL_HUB_MODULES") else [])
     + [f'export HPDL_DIR="{KIT}" HPDL_PYTHON="{KIT_VENV / "bin" / "python"}"',
        f'export HPDL_HUB_ENV="{HUB_ENV}" HPDL_HUB_SITE_PACKAGES="{hub_site}"',
-       f'export HPDL_SITE="{env("HPDL_SITE", "generic")}"']
+       f'export HPDL_SITE="{SITE_SPEC}"']
+    + [f"export {k}={shlex.quote(v)}" for k, v in sorted(SITE_OVERRIDES.items())]
 )
 c.SlurmSpawner.batchspawner_singleuser_cmd = '"$PY" -m batchspawner.singleuser'
 c.SlurmSpawner.cmd = ["jupyterhub-singleuser"]

@@ -32,7 +32,7 @@ class SrunEngineSetLauncher(MPIEngineSetLauncher):
 
     @property
     def program(self):
-        prefix = rank_wrapper(self.site, _exports(self.environment)) if self.site else []
+        prefix = rank_wrapper(self.site, _exports(self.environment).keys()) if self.site else []
         wrap = list(self.site.wrap) if self.site else []
         return prefix + wrap + self.engine_cmd + ["--mpi"]
 
@@ -90,7 +90,7 @@ class SbatchEngineSetLauncher(SlurmEngineSetLauncher):
         secure_profile(self.profile_dir)
         os.makedirs(os.path.dirname(self.batch_file), exist_ok=True)
         exports = _exports(self.environment)
-        prefix = rank_wrapper(self.site, exports) if self.site else []
+        prefix = rank_wrapper(self.site, exports.keys()) if self.site else []
         self.namespace = {**self.namespace,
                           "hpdl_exports": "\n".join(f"export {k}={shlex.quote(v)}" for k, v in exports.items()),
                           "hpdl_rank_prefix": shlex.join(prefix)}

@@ -25,6 +25,13 @@ from hpdl.launchers import Launcher, mpiexec_command
 from hpdl.launchers._slurm_queue import cancel_job, job_state, step_of  # noqa: F401  (importable from here)
 from hpdl.sites import SlurmSite, job_resource_options, load_site, resource_mismatch, resource_options, rank_wrapper
 
+# A step started inside a job hands the ranks this process's whole environment (the kit's venv on
+# PATH, HPDL_*, the learner's hpdl.start(env=...)). Without it srun exports what SLURM_EXPORT_ENV
+# names, and a job submitted with `sbatch --export=NONE` or `--export=LIST` (batchspawner's
+# SlurmSpawner, many sites' advice) sets that for every step in it: the ranks would start with no
+# PATH at all (slurmstepd: "execve(): bash: No such file or directory").
+STEP_EXPORT = "--export=ALL"
+
 
 class Slurm(Launcher):
     name = "slurm"
@@ -61,7 +68,7 @@ class Slurm(Launcher):
             return mpiexec_command(n)
         site = load_site()
         return ["srun", "--overlap", f"--mpi={site.pmi}", "--kill-on-bad-exit=1", "--job-name=hpdl-side",
-                "-n", str(n), *rank_wrapper(site)]
+                "-n", str(n), STEP_EXPORT, *rank_wrapper(site)]
 
     def configure(self, config, n: int) -> dict:
         if not shutil.which("srun") or not shutil.which("sbatch"):
@@ -97,7 +104,7 @@ class Slurm(Launcher):
                 f"hpdl: the site profile {site.name} asks per rank for {short}; the ranks get what the job "
                 f"holds. Submit the job with the profile's options: `sbatch $(python -m hpdl.sites --sbatch) "
                 f"-n {n} ...`.", stacklevel=4)
-        args = ["--kill-on-bad-exit=1"]
+        args = ["--kill-on-bad-exit=1", STEP_EXPORT]
         if os.environ.get("SLURM_STEP_ID"):  # the kernel itself runs in a step: share its CPUs
             args.append("--overlap")
         config.SrunEngineSetLauncher.mpi_cmd = ["srun", f"--mpi={site.pmi}"]
@@ -110,7 +117,7 @@ def step_command(site: SlurmSite | None = None) -> list[str]:
     """Inside a job: an srun step over the job's tasks, asking for what the job holds, each task
     running the site prologue first. run.sbatch runs scripts with it: `python -m hpdl.launchers srun CMD...`."""
     site = site or load_site()
-    return ["srun", f"--mpi={site.pmi}", "--kill-on-bad-exit=1", *job_resource_options(), *site.srun,
+    return ["srun", f"--mpi={site.pmi}", "--kill-on-bad-exit=1", STEP_EXPORT, *job_resource_options(), *site.srun,
             *rank_wrapper(site)]
 
 
