@@ -38,7 +38,7 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The workshop hub (cluster/jupyterhub): its environment, and its end-to-end test (minutes; root,
+# The workshop hub (cluster/jupyterhub): its environment, and its end-to-end test alone (in make test too; root,
 # the local Slurm, Chromium). HPDL_KIT_VENV: the kit's venv learners run, if not $(VENV).
 hub: setup
 	HPDL_KIT_VENV="$${HPDL_KIT_VENV:-$(CURDIR)/$(VENV)}" bash cluster/jupyterhub/install.sh

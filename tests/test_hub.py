@@ -6,8 +6,8 @@ inside that job (one srun step). Then, for real: neither can read the other's co
 workspace nor drive the other's ranks; stopping one server from the hub's API ends that job and
 every process of that user; the idle culler stops the other.
 
-The whole story is one test (a hub, two jobs, eight ranks: minutes on two cores), so it is behind
-a marker, not in `make test`:
+The whole story is one test (a hub, two jobs, eight ranks: about 1.5 min on two cores, plus the
+hub's and the shared kit's environments the first time). `make test` runs it; alone:
 
     flock /tmp/hpdl-mpi.lock make test-hub
 
