@@ -113,3 +113,24 @@ def test_submissions_that_break_things_get_no_points_and_leave_nothing(attack, v
     result = hpdl.check("ring_allreduce", attack, ranks=[2], timeout=3)
     no_points(result)
     assert {c.verdict for c in result.cases} <= verdicts, result
+
+
+@pytest.mark.skipif(not sandbox.available(), reason="needs bubblewrap (apt-get install bubblewrap)")
+def test_a_kit_installed_under_tmp_still_runs_in_the_sandbox(tmp_path):
+    """The sandbox's /tmp is private; a venv made under /tmp must still be there inside it."""
+    import subprocess
+    import tempfile
+
+    venv = Path(tempfile.mkdtemp(dir="/tmp", prefix="hpdl-venv-")) / "venv"
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+        kit = str(Path(sandbox.__file__).resolve().parents[2])
+        code = ("import subprocess, sys\nfrom hpdl.check import sandbox\n"
+                "cmd = sandbox.wrap([sys.executable, '-c', 'import sys; print(sys.prefix)'])\n"
+                "done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)\n"
+                "print(done.returncode, done.stdout.strip(), done.stderr.strip()[-300:])\n")
+        out = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                             timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": kit})
+        assert out.stdout.split()[:2] == ["0", str(venv)], out.stdout + out.stderr
+    finally:
+        subprocess.run(["rm", "-rf", str(venv.parent)], check=False)

@@ -20,8 +20,10 @@ import os
 import resource
 import shutil
 import subprocess
+import sys
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +151,18 @@ def _works(exe: str) -> bool:
 
 def _base_args() -> list[str]:
     return ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-            "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+            *_kit_under_tmp(), "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+
+
+def _kit_under_tmp() -> list[str]:
+    """The kit and its Python bound back, read-only, when they live under /tmp (a clone or a venv
+    made there): the private /tmp would otherwise hide the very interpreter the sandbox runs."""
+    kit = Path(__file__).resolve().parents[2]
+    places = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.executable, kit)}
+    tmp = os.path.realpath("/tmp")
+    under = sorted(p for p in places if p.startswith(tmp + os.sep) and os.path.exists(p))
+    keep = [p for p in under if not any(p.startswith(q + os.sep) for q in under if q != p)]
+    return [arg for p in keep for arg in ("--ro-bind", p, p)]
 
 
 def _devices() -> list[str]:
