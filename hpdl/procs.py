@@ -14,6 +14,7 @@ under it, and which MPI shared-memory files did it leave in RAM — and each ans
 - MPICH ranks share memory through files in /dev/shm (mpich_shm_*). MPI_Finalize removes them,
   which a killed rank never reaches, and once every rank is gone nothing maps them any more:
   read them with `shared_memory_of` *before* the kill, then `remove_shared_memory` after.
+  What was killed by someone else (a kernel restart) is found later by `orphaned_shared_memory`.
 
 Used on the client side (cluster stop, `hpdl cleanup`, the reaper, the doctor, check jobs and the
 grader); it imports only the standard library and psutil.
@@ -284,6 +285,34 @@ def singleton_shared_memory(pid: int) -> set[str]:
     return {path} if os.path.exists(path) else set()
 
 
+def orphaned_shared_memory(min_age: float = 60.0) -> set[str]:
+    """Our MPICH segments in /dev/shm that no process maps any more and that are older than
+    `min_age` seconds: what a kernel killed before MPI_Finalize left behind (a restart that
+    waited too long sends SIGTERM, then SIGKILL), or a rank killed outside the kit.
+
+    Why by mapping and not by name: a segment is named after the pid of a process that started
+    MPI by itself, or after a hash for a job; neither says whether a rank still uses it, but a
+    live user has it mapped. Only our own processes can map our files (MPICH makes them 0600).
+    The age spares a segment in the microseconds between its creation and its first mapping."""
+    try:
+        names = [e for e in os.scandir(SHM_DIR) if e.name.startswith("mpich_shm_")]
+    except OSError:
+        return set()
+    now, uid = time.time(), os.getuid()
+    candidates = set()
+    for e in names:
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if st.st_uid == uid and now - st.st_mtime >= min_age:
+            candidates.add(e.path)
+    if not candidates:
+        return set()
+    mine = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    return candidates - shared_memory_of(mine)
+
+
 def remove_shared_memory(paths: Iterable[str]) -> list[str]:
     """Remove these /dev/shm files if they are ours (same uid); returns those removed."""
     removed = []
@@ -305,5 +334,5 @@ def remove_shared_memory(paths: Iterable[str]) -> list[str]:
 __all__ = [
     "Proc", "record", "is_same", "is_alive", "pid_alive", "boot_id", "start_time",
     "end", "end_popen", "end_group_now", "signal_engines", "signal_process",
-    "shared_memory_of", "singleton_shared_memory", "remove_shared_memory",
+    "shared_memory_of", "singleton_shared_memory", "orphaned_shared_memory", "remove_shared_memory",
 ]

@@ -180,10 +180,14 @@ def init_horovod(device: Any = None) -> dict[str, Any]:
     """
     import horovod.torch as hvd
 
-    before = _threads()
+    raw = os.environ.get("HPDL_HOROVOD_NICE", str(HOROVOD_NICE))
+    try:
+        nice = int(raw) if getattr(device, "type", "cpu") == "cpu" else 0
+    except ValueError:
+        raise ValueError(f"HPDL_HOROVOD_NICE is a niceness from 0 to 19 (e.g. 10), not {raw!r}") from None
+    before = _threads() if nice else set()
     hvd.init()
-    nice = int(os.environ.get("HPDL_HOROVOD_NICE", HOROVOD_NICE))
-    if nice and getattr(device, "type", "cpu") == "cpu":
+    if nice:
         _renice(_threads() - before, nice)
     return {
         "hvd_rank": hvd.rank(),

@@ -157,3 +157,38 @@ def test_hpdl_cleanup_ends_an_orphaned_cluster_but_never_a_stale_record(tmp_path
     finally:
         ours.kill()
         ours.wait()
+
+
+def test_a_killed_kernels_mpi_shared_memory_is_swept_and_a_live_ones_is_kept(tmp_path, monkeypatch):
+    """A kernel that imported mpi4py.MPI (lesson 03's exercises do) holds MPICH's segment
+    /dev/shm/mpich_shm_<pid>_0; a restart that kills it leaves the file in RAM. `hpdl cleanup`
+    (and every hpdl.start) removes it once nothing maps it, never while its process lives."""
+    monkeypatch.setenv("HPDL_HOME", str(tmp_path))
+    code = ("from mpi4py import MPI\nimport os, sys, time\nprint('ready', flush=True)\n"
+            "sys.stdin.readline()\nos._exit(0)")  # a real MPI start; exits as a kill would: no Finalize
+    kernels = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+               for _ in range(2)]
+    try:
+        for k in kernels:
+            assert k.stdout.readline().strip() == b"ready"
+        killed, alive = ({f"/dev/shm/mpich_shm_{k.pid:x}_0"} for k in kernels)
+        assert procs.shared_memory_of([k.pid for k in kernels]) == killed | alive
+        kernels[0].kill()
+        kernels[0].wait()
+        assert all(os.path.exists(s) for s in killed | alive)  # nothing removed the dead one's file
+        assert not procs.orphaned_shared_memory(min_age=3600)  # too young to judge
+        assert procs.orphaned_shared_memory(min_age=0) >= killed
+        assert not procs.orphaned_shared_memory(min_age=0) & alive
+        old = time.time() - 120
+        for s in killed | alive:
+            os.utime(s, (old, old))
+        out = subprocess.run([sys.executable, "-m", "hpdl.cli", "cleanup"], capture_output=True, text=True, timeout=60)
+        assert "removed 1 MPI shared-memory file" in out.stdout, out.stdout + out.stderr
+        assert not any(os.path.exists(s) for s in killed) and all(os.path.exists(s) for s in alive)
+    finally:
+        for k in kernels:
+            k.kill()
+            k.wait()
+        for s in (f"/dev/shm/mpich_shm_{k.pid:x}_0" for k in kernels):
+            if os.path.exists(s):
+                os.unlink(s)

@@ -4,6 +4,8 @@ While a cluster starts, `record()` keeps the reaper's state file up to date with
 it must end should the kernel die (as hpdl.procs records, so a reused pid is never signalled)
 and the MPI shared memory the ranks map. `force_stop()` ends everything a cluster started and
 removes its run folder; `main()` is `hpdl cleanup`, for clusters whose kernel is gone.
+`sweep_shared_memory()` (at every start and in `hpdl cleanup`) removes MPI shared memory that
+processes killed outside the kit left in RAM.
 """
 from __future__ import annotations
 
@@ -95,5 +97,13 @@ def main(argv: list[str]) -> int:
             reaper.kill_all(state)
             shutil.rmtree(state_file.parent, ignore_errors=True)
             n += 1
-    print(f"hpdl cleanup: ended {n} cluster{'s' if n != 1 else ''}.")
+    removed = sweep_shared_memory()
+    print(f"hpdl cleanup: ended {n} cluster{'s' if n != 1 else ''}"
+          + (f"; removed {len(removed)} MPI shared-memory file(s) nothing used any more." if removed else "."))
     return 0
+
+
+def sweep_shared_memory() -> list[str]:
+    """Remove the MPI shared memory of processes killed outside the kit (a kernel restart
+    kills a kernel that started MPI before its MPI_Finalize runs): RAM nothing gives back."""
+    return procs.remove_shared_memory(procs.orphaned_shared_memory())
