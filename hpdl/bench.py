@@ -239,6 +239,25 @@ def fit_alpha_beta_gamma(pingpong_result: dict, reduce_result: dict) -> dict[str
     return {"alpha": alpha, "beta": beta, "gamma": gamma}
 
 
+def fit_allreduce(sweep_result: dict, reduce_result: dict) -> dict[str, float]:
+    """α and β of lesson 04's ring model fitted to a measured all-reduce on p ≥ 2 ranks
+    (a `sweep` of `library("allreduce")`), γ from a local add (`local_reduce`):
+    seconds ≈ 2(p−1)·α + (2(p−1)/p·β + (p−1)/p·γ)·n.
+
+    Why not the ping-pong's: a ping-pong times one message between two otherwise idle ranks,
+    while an all-reduce's messages take turns with additions that evict them from the caches,
+    and go through the library's own algorithm. Fitted on the collective itself (over the sizes
+    that matter, e.g. around a model's gradient), α and β predict that collective — the
+    per-algorithm calibration of lesson 07."""
+    p = int(sweep_result["ranks"])
+    if p < 2:
+        raise ValueError("an all-reduce sweep on one rank says nothing about α and β: use 2 or more ranks")
+    a, b = fit_line(sweep_result["sizes"], sweep_result["seconds"])
+    _, gamma = fit_line(reduce_result["sizes"], reduce_result["seconds"])
+    share = (p - 1) / p
+    return {"alpha": a / (2 * (p - 1)), "beta": max(0.0, (b - share * gamma) / (2 * share)), "gamma": gamma}
+
+
 _BUS_FACTOR = {
     "allreduce": lambda p: 2 * (p - 1) / p,
     "allgather": lambda p: (p - 1) / p,

@@ -145,10 +145,12 @@ def _silent(folder: Path, n: int, why: str, output: Path) -> HpdlError:
 
 def batch_script(site: SlurmSite, nodes: int, per_node: int, program: list[str], output: Path, minutes: int) -> str:
     """The preflight job: the profile's sbatch options and rank prologue, `nodes` x `per_node` tasks."""
+    from hpdl.launchers.slurm import STEP_EXPORT  # here: the ranks import this module, not the launchers
+
     job = dataclasses.replace(site, ranks_per_node=per_node, time=str(minutes))
     opts = ["--job-name=hpdl-preflight", f"--nodes={nodes}", f"--ntasks={nodes * per_node}",
             f"--output={output}", *sbatch_args(job)]
-    step = ["srun", f"--mpi={site.pmi}", "--kill-on-bad-exit=1", *resource_options(job), *site.srun,
+    step = ["srun", f"--mpi={site.pmi}", "--kill-on-bad-exit=1", STEP_EXPORT, *resource_options(job), *site.srun,
             *rank_wrapper(site), *site.wrap, *program]
     return "\n".join(["#!/bin/bash", *(f"#SBATCH {o}" for o in opts), shlex.join(step)]) + "\n"
 

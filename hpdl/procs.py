@@ -313,6 +313,12 @@ def orphaned_shared_memory(min_age: float = 60.0) -> set[str]:
     return candidates - shared_memory_of(mine)
 
 
+def remove_orphaned_shared_memory() -> list[str]:
+    """Remove what `orphaned_shared_memory` finds (at every hpdl.start and in `hpdl cleanup`):
+    RAM that a kernel restarted after it had started MPI would otherwise never give back."""
+    return remove_shared_memory(orphaned_shared_memory())
+
+
 def remove_shared_memory(paths: Iterable[str]) -> list[str]:
     """Remove these /dev/shm files if they are ours (same uid); returns those removed."""
     removed = []
@@ -334,5 +340,6 @@ def remove_shared_memory(paths: Iterable[str]) -> list[str]:
 __all__ = [
     "Proc", "record", "is_same", "is_alive", "pid_alive", "boot_id", "start_time",
     "end", "end_popen", "end_group_now", "signal_engines", "signal_process",
-    "shared_memory_of", "singleton_shared_memory", "orphaned_shared_memory", "remove_shared_memory",
+    "shared_memory_of", "singleton_shared_memory", "orphaned_shared_memory",
+    "remove_orphaned_shared_memory", "remove_shared_memory",
 ]

@@ -41,6 +41,24 @@ def test_fit_alpha_beta_gamma_combines_two_measurements():
     assert fit["gamma"] == pytest.approx(3e-11)
 
 
+def test_fit_allreduce_recovers_the_ring_models_alpha_and_beta():
+    from hpdl import predict
+
+    n = bench.message_sizes(1 << 16, 4 << 20, 2)
+    local = {"sizes": n, "seconds": [s * 4e-11 for s in n]}
+    for p in (2, 3, 4):
+        seconds = [predict.allreduce_seconds(s, p, 3e-6, 1e-10, 4e-11, "ring") for s in n]
+        fit = bench.fit_allreduce({"ranks": p, "sizes": n, "seconds": seconds}, local)
+        assert fit["alpha"] == pytest.approx(3e-6, rel=1e-6) and fit["beta"] == pytest.approx(1e-10, rel=1e-6)
+        assert fit["gamma"] == pytest.approx(4e-11, rel=1e-6)
+    # an all-reduce no slower than its own additions leaves β at 0, never negative
+    slow_add = {"sizes": n, "seconds": [s * 1e-10 for s in n]}
+    fast = {"ranks": 2, "sizes": n, "seconds": [1e-5 + s * 1e-12 for s in n]}
+    assert bench.fit_allreduce(fast, slow_add)["beta"] == 0
+    with pytest.raises(ValueError, match="2 or more ranks"):
+        bench.fit_allreduce({"ranks": 1, "sizes": n, "seconds": [1.0] * len(n)}, local)
+
+
 def test_bus_bandwidth_factors():
     assert bench.busbw([1e9], [1.0], 2)[0] == pytest.approx(1e9)  # 2(p-1)/p = 1 at p = 2
     assert bench.busbw([1e9], [1.0], 4)[0] == pytest.approx(1.5e9)

@@ -51,9 +51,17 @@ def _rows(result: dict) -> dict[tuple[str, str], dict]:
 
 @pytest.mark.slurm
 @pytest.mark.usefixtures("slurm", "outside_slurm")
-def test_preflight_job_on_slurm_reports_every_rank_and_goes(tmp_path, capsys, no_strays):
+@pytest.mark.parametrize("sbatch_export", [None, "HOME,USER"], ids=["default", "sbatch-export-list"])
+def test_preflight_job_on_slurm_reports_every_rank_and_goes(sbatch_export, tmp_path, capsys, monkeypatch, no_strays):
+    """Also where sbatch is told to pass a list of variables without PATH (batchspawner does so,
+    some sites' defaults too): Slurm hands that list to every step of the job, and a site's rank
+    prologue (bash) would not even start unless the step asks for the script's own environment."""
+    text = LENIENT
+    if sbatch_export:
+        monkeypatch.setenv("SBATCH_EXPORT", sbatch_export)
+        text += '[env]\nHPDL_PREFLIGHT_PROBE = "1"\n'  # a prologue: bash, found through PATH
     out = tmp_path / "report"
-    rc = cli.main(["preflight", "--site", str(_site(tmp_path, LENIENT)), "--nodes", "1", "--ranks-per-node", "2",
+    rc = cli.main(["preflight", "--site", str(_site(tmp_path, text)), "--nodes", "1", "--ranks-per-node", "2",
                    "--out", str(out), "--largest-mib", "1", "--timeout", "120", "--queue-timeout", "120"])
     printed = capsys.readouterr()
     assert rc == 0, printed.out + printed.err

@@ -523,7 +523,8 @@ def test_example_site_profiles_load_and_render(name, outside_slurm):
     script = _render(site)
     assert f"#SBATCH --partition={site.partition}" in script
     assert "#SBATCH --ntasks=4" in script
-    assert f"srun --mpi={site.pmi} --kill-on-bad-exit=1" in script
+    # the step passes the batch script's environment on, whatever sbatch was told (--export=NONE)
+    assert f"srun --mpi={site.pmi} --kill-on-bad-exit=1 --export=ALL" in script
     assert script.rstrip().endswith("/venv/bin/python -m ipyparallel.engine --mpi --profile-dir=/p")
     for key, value in site.env.items():
         assert f"export {key}={value}" in script

@@ -4,8 +4,8 @@ While a cluster starts, `record()` keeps the reaper's state file up to date with
 it must end should the kernel die (as hpdl.procs records, so a reused pid is never signalled)
 and the MPI shared memory the ranks map. `force_stop()` ends everything a cluster started and
 removes its run folder; `main()` is `hpdl cleanup`, for clusters whose kernel is gone.
-`sweep_shared_memory()` (at every start and in `hpdl cleanup`) removes MPI shared memory that
-processes killed outside the kit left in RAM.
+It also removes MPI shared memory that processes killed outside the kit left in RAM
+(procs.remove_orphaned_shared_memory, also called at every start).
 """
 from __future__ import annotations
 
@@ -84,26 +84,28 @@ def force_stop(cluster: "Cluster") -> None:
         f.unlink(missing_ok=True)
 
 
-def main(argv: list[str]) -> int:
-    """`hpdl cleanup [--all]`: end clusters whose kernel is gone (the reaper normally does this
-    by itself). Clusters recorded on another host (a $HOME shared by a cluster's nodes) are left
-    alone, even with --all; processes are signalled only if they are still the ones recorded."""
+def end_orphaned_clusters(everything: bool = False) -> int:
+    """End the clusters recorded on this host whose kernel is gone (all of them with
+    `everything`), and remove their run folders; returns how many."""
     n = 0
     for state_file in sorted((home() / "runs").glob("*/reaper.json")):
         state = reaper.read_state(state_file)
         if state is None or not reaper.on_this_host(state):
             continue
-        if "--all" in argv or reaper.orphaned(state):
+        if everything or reaper.orphaned(state):
             reaper.kill_all(state)
             shutil.rmtree(state_file.parent, ignore_errors=True)
             n += 1
-    removed = sweep_shared_memory()
+    return n
+
+
+def main(argv: list[str]) -> int:
+    """`hpdl cleanup [--all]`: end clusters whose kernel is gone (the reaper normally does this
+    by itself). Clusters recorded on another host (a $HOME shared by a cluster's nodes) are left
+    alone, even with --all; processes are signalled only if they are still the ones recorded.
+    Then MPI shared memory that nothing maps any more is removed (see procs.orphaned_shared_memory)."""
+    n = end_orphaned_clusters("--all" in argv)
+    removed = procs.remove_orphaned_shared_memory()
     print(f"hpdl cleanup: ended {n} cluster{'s' if n != 1 else ''}"
           + (f"; removed {len(removed)} MPI shared-memory file(s) nothing used any more." if removed else "."))
     return 0
-
-
-def sweep_shared_memory() -> list[str]:
-    """Remove the MPI shared memory of processes killed outside the kit (a kernel restart
-    kills a kernel that started MPI before its MPI_Finalize runs): RAM nothing gives back."""
-    return procs.remove_shared_memory(procs.orphaned_shared_memory())

@@ -195,7 +195,7 @@ def start(
         stop(quiet=True)
 
     t0 = time.perf_counter()
-    swept = cleanup.sweep_shared_memory()  # e.g. from a kernel restarted after it had started MPI
+    swept = procs.remove_orphaned_shared_memory()  # e.g. a kernel restarted after it had started MPI
     if swept:
         log.info("removed MPI shared memory nothing used any more: %s", swept)
     cluster = _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet)

@@ -159,7 +159,7 @@ def sbatch_template(site: SlurmSite) -> str:
         "{hpdl_exports}",  # hpdl.start(env=...): the learner's settings
         "echo \"hpdl: job $SLURM_JOB_ID: $SLURM_NTASKS ranks on $SLURM_JOB_NODELIST\"",
     ]
-    srun = ["srun", f"--mpi={site.pmi}", "--kill-on-bad-exit=1", *resources]
+    srun = ["srun", f"--mpi={site.pmi}", "--kill-on-bad-exit=1", STEP_EXPORT, *resources]
     srun += [shlex.quote(_fmt_escape(a)) for a in site.srun]
     wrap = " ".join(shlex.quote(_fmt_escape(w)) for w in site.wrap)
     srun.append("{hpdl_rank_prefix}" + (f" {wrap}" if wrap else ""))
