@@ -161,7 +161,10 @@ def main() -> int:
     for k, (group, sub) in groups.items():
         if sub != MPI.COMM_NULL:
             sub.Free()
-    dist.destroy_process_group()
+    models.clear()  # the DDP models hold the groups
+    from hpdl.rank import teardown
+
+    teardown()
     return 0
 
 

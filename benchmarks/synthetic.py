@@ -245,17 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     device = setup(args.framework, args.threads)
     run(args.framework, args.model, args.batch_size, args.num_warmup_batches, args.num_batches_per_iter,
         args.num_iters, args.fp16_allreduce, args.scaling, device, image_size=args.image_size)
-    if args.framework == "horovod":
-        import horovod.torch as hvd
+    from hpdl.rank import teardown
 
-        hvd.shutdown()
-    else:
-        import gc
-
-        import torch.distributed as dist
-
-        gc.collect()  # the DDP model (which holds the group) goes now, so its Gloo threads end before Python does
-        dist.destroy_process_group()
+    teardown()  # Horovod, or the DDP model and its group, let go while Python is still alive
     return 0
 
 

@@ -271,7 +271,14 @@ def setup(namespace: dict, run_dir: str | None = None,
 
 
 def teardown() -> None:
-    """Let go of Horovod and torch.distributed so the engine can exit promptly on stop."""
+    """Let go of Horovod and torch.distributed so the process can exit promptly and cleanly
+    (engines on stop; scripts at their end).
+
+    A DDP model holds its process group, and DDP's objects sit in reference cycles that only the
+    garbage collector breaks: left to interpreter shutdown, a Gloo worker thread can drop its
+    last tensor after Python has stopped, and the rank aborts ("terminate called without an
+    active exception", seen under load). Collected first, the group really goes here."""
+    import gc
     import sys
 
     if "horovod.torch" in sys.modules:
@@ -287,6 +294,7 @@ def teardown() -> None:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                gc.collect()
                 dist.destroy_process_group()
         except Exception as exc:
             log.warning("torch.distributed did not shut down cleanly: %s", exc)

@@ -131,7 +131,7 @@ def test_job_and_step_resources_come_from_the_same_site_fields():
     script = launchers.sbatch_template(site)
     assert [f"#SBATCH {o}" in script for o in opts] == [True] * 3
     srun_line = next(line for line in script.splitlines() if line.startswith("srun "))
-    assert srun_line.split()[3:6] == opts  # srun --mpi=... --kill-on-bad-exit=1 <the same three>
+    assert srun_line.split()[3:7] == ["--export=ALL", *opts]  # srun --mpi=... --kill-on-bad-exit=1 ... the same three
 
 
 def test_inside_an_allocation_the_step_asks_only_for_what_the_job_holds():
