@@ -36,7 +36,7 @@ def main() -> None:
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
     me, size = comm.Get_rank(), comm.Get_size()
-    device = ranklib.pick_device(comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank())
+    device, _, _ = ranklib.place()  # a GPU of its own per rank where there are GPUs, else the CPU
     ranklib.init_torch_distributed(me, size, device)
     torch.set_num_threads(1)
     x = torch.randn(args.batch, args.width, device=device)
@@ -72,7 +72,9 @@ def main() -> None:
             print(f"{name:<48} {t:8.2f} ms  {default / t:5.2f}× default")
         top = min((n for n in best if "view" not in n), key=best.get)
         print(f"best bucket: {top}, {default / best[top]:.2f}× the default (25 MB)")
-    dist.destroy_process_group()
+    from hpdl.rank import teardown
+
+    teardown()  # collects the DDP models first: Gloo's threads end while Python lives
 
 
 if __name__ == "__main__":

@@ -143,7 +143,9 @@ def main() -> None:
         best = min((k for k in med if k.startswith("DDP")), key=med.get)
         print(f"\nbest: {best}, {flat / med[best]:.2f}x the step speed of one all-reduce after backward "
               f"(medians of {args.rounds * args.steps} steps; machine shared, numbers are noisy)")
-    dist.destroy_process_group()
+    from hpdl.rank import teardown
+
+    teardown()  # collects the DDP models first: Gloo's threads end while Python lives
 
 
 if __name__ == "__main__":

@@ -154,7 +154,9 @@ def main() -> None:
             print(f"1F1B peak activations at p={p}, m={m}: {ratio:.2f} of GPipe's, claim <= p/m = {p / m:.2f} "
                   f"(+{args.tolerance:.0%}): {'holds' if ok else 'FAILS'}")
     dist.barrier()
-    dist.destroy_process_group()
+    from hpdl.rank import teardown
+
+    teardown()  # collects the DDP models first: Gloo's threads end while Python lives
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -97,8 +98,17 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, 
 
 
 def _probe(code: str, timeout: float = 120) -> tuple[dict | None, str]:
-    """Run a probe in a fresh Python; (its JSON, '') or (None, the last lines of its error)."""
-    rc, out, err = _run([sys.executable, "-c", code], timeout)
+    """Run a probe in a fresh Python; (its JSON, '') or (None, the last lines of its error).
+
+    A probe starts MPI by itself (no mpiexec), and Open MPI 5 then leaves its 16 MB segment in RAM
+    when it exits (only mpiexec's PMIx server would remove it): Open MPI is told to keep it in a
+    folder of ours instead, removed afterwards. Other MPIs ignore the variable."""
+    scratch = tempfile.mkdtemp(prefix="hpdl-probe-")
+    try:
+        rc, out, err = _run([sys.executable, "-c", code], timeout,
+                            env=dict(os.environ, OMPI_MCA_btl_sm_backing_directory=scratch))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     if rc == 0:
         try:
             return json.loads(out.strip().splitlines()[-1]), ""

@@ -33,6 +33,8 @@ from typing import Iterable
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
+# MPI's files there: MPICH's, and Open MPI's shared-memory transport (sm; vader before Open MPI 5)
+SEGMENT_PREFIXES = ("mpich_shm_", "sm_segment.", "vader_segment.")
 
 
 # -- who a process is ---------------------------------------------------------------------------
@@ -286,16 +288,17 @@ def singleton_shared_memory(pid: int) -> set[str]:
 
 
 def orphaned_shared_memory(min_age: float = 60.0) -> set[str]:
-    """Our MPICH segments in /dev/shm that no process maps any more and that are older than
+    """Our MPI segments in /dev/shm that no process maps any more and that are older than
     `min_age` seconds: what a kernel killed before MPI_Finalize left behind (a restart that
     waited too long sends SIGTERM, then SIGKILL), or a rank killed outside the kit.
 
     Why by mapping and not by name: a segment is named after the pid of a process that started
     MPI by itself, or after a hash for a job; neither says whether a rank still uses it, but a
-    live user has it mapped. Only our own processes can map our files (MPICH makes them 0600).
+    live user has it mapped. Only our own processes can map our files (MPIs make them 0600).
+    Open MPI 5 leaves one behind even after a clean exit of a process that started MPI by itself.
     The age spares a segment in the microseconds between its creation and its first mapping."""
     try:
-        names = [e for e in os.scandir(SHM_DIR) if e.name.startswith("mpich_shm_")]
+        names = [e for e in os.scandir(SHM_DIR) if e.name.startswith(SEGMENT_PREFIXES)]
     except OSError:
         return set()
     now, uid = time.time(), os.getuid()

@@ -11,6 +11,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SHM = Path("/dev/shm")
+# MPI's shared-memory files between ranks: MPICH's, and Open MPI's (its sm transport)
+SHM_PATTERNS = ("mpich_shm_*", "sm_segment.*")
+
+
+def mpi_shared_memory() -> set[Path]:
+    return {f for pattern in SHM_PATTERNS for f in SHM.glob(pattern)}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -44,7 +50,7 @@ def no_strays(request):
     """Fail a test that leaves engines, controllers or MPI launchers behind."""
     me = psutil.Process()
     before = {p.pid for p in kit_processes()} | {c.pid for c in me.children(recursive=True)}
-    shm_before = set(SHM.glob("mpich_shm_*"))
+    shm_before = mpi_shared_memory()
     yield
     deadline = psutil.time.time() + 10
     while True:
@@ -61,7 +67,7 @@ def no_strays(request):
     assert not names, f"processes left behind: {names}"
     # MPI's shared memory between ranks lives in RAM until someone removes it. Ranks that Slurm
     # ends are Slurm's to clean (sites do it in the epilog; see cluster/README.md), so not here.
-    shm_left = sorted(str(f) for f in set(SHM.glob("mpich_shm_*")) - shm_before)
+    shm_left = sorted(str(f) for f in mpi_shared_memory() - shm_before)
     for f in shm_left:
         os.unlink(f)
     if not request.node.get_closest_marker("slurm"):
@@ -100,3 +106,13 @@ def rejected(result, *words: str) -> None:
     text = hints(result).lower()
     for w in words:
         assert w.lower() in text, f"{result.exercise}: expected {w!r} in: {text[:800]}"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Test modules that stand for a learner's code import mpi4py.MPI into this process, which
+    then holds MPI's segment of a process that started MPI by itself. MPICH removes it at exit;
+    Open MPI 5 leaves it in RAM (16 MB) even then, so it goes now (the mapping lives until exit)."""
+    if "mpi4py.MPI" in sys.modules:
+        from hpdl import procs
+
+        procs.remove_shared_memory(procs.shared_memory_of([os.getpid()]))

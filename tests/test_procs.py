@@ -192,3 +192,29 @@ def test_a_killed_kernels_mpi_shared_memory_is_swept_and_a_live_ones_is_kept(tmp
         for s in (f"/dev/shm/mpich_shm_{k.pid:x}_0" for k in kernels):
             if os.path.exists(s):
                 os.unlink(s)
+
+
+def test_open_mpis_segments_are_swept_too_and_only_when_nothing_maps_them():
+    """Open MPI 5 leaves a process that started MPI by itself its sm_segment.* file in RAM even
+    after a clean exit; the sweep takes those too, and never one still mapped."""
+    tag = uuid.uuid4().hex[:8]
+    left, held = f"/dev/shm/sm_segment.hpdltest.{tag}.0", f"/dev/shm/sm_segment.hpdltest.{tag}.1"
+    holder = subprocess.Popen([sys.executable, "-c", f"import mmap, os, time\nfd = os.open({held!r}, os.O_CREAT | "
+                               "os.O_RDWR, 0o600)\nos.ftruncate(fd, 4096)\nm = mmap.mmap(fd, 4096)\n"
+                               "print('ready', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"ready"
+        with open(left, "wb") as f:
+            f.write(b"\0" * 4096)
+        old = time.time() - 120
+        for s in (left, held):
+            os.utime(s, (old, old))
+        found = procs.orphaned_shared_memory()
+        assert left in found and held not in found
+        assert left in procs.remove_orphaned_shared_memory() and not os.path.exists(left) and os.path.exists(held)
+    finally:
+        holder.kill()
+        holder.wait()
+        for s in (left, held):
+            if os.path.exists(s):
+                os.unlink(s)
