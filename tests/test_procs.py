@@ -105,13 +105,19 @@ def test_a_zombie_counts_as_ended_but_its_living_parent_does_not():
         parent.wait()
 
 
-def test_shared_memory_is_found_through_maps_and_removed_only_in_dev_shm(tmp_path):
-    name = f"/dev/shm/mpich_shm_hpdltest_{uuid.uuid4().hex[:8]}"
-    holder = subprocess.Popen([sys.executable, "-c", f"import mmap, os, time\nfd = os.open({name!r}, os.O_CREAT | "
+def _holding(path: str) -> subprocess.Popen:
+    """A process that creates `path` and keeps it mapped, as an MPI rank keeps its segment."""
+    holder = subprocess.Popen([sys.executable, "-c", f"import mmap, os, time\nfd = os.open({path!r}, os.O_CREAT | "
                                "os.O_RDWR, 0o600)\nos.ftruncate(fd, 4096)\nm = mmap.mmap(fd, 4096)\n"
                                "print('ready', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE)
+    assert holder.stdout.readline().strip() == b"ready"
+    return holder
+
+
+def test_shared_memory_is_found_through_maps_and_removed_only_in_dev_shm(tmp_path):
+    name = f"/dev/shm/mpich_shm_hpdltest_{uuid.uuid4().hex[:8]}"
+    holder = _holding(name)
     try:
-        assert holder.stdout.readline().strip() == b"ready"
         segments = procs.end([procs.record(holder.pid)], grace=1)
         assert segments == {name}
         assert os.path.exists(name)  # a killed MPI rank leaves its segment behind ...
@@ -199,11 +205,8 @@ def test_open_mpis_segments_are_swept_too_and_only_when_nothing_maps_them():
     after a clean exit; the sweep takes those too, and never one still mapped."""
     tag = uuid.uuid4().hex[:8]
     left, held = f"/dev/shm/sm_segment.hpdltest.{tag}.0", f"/dev/shm/sm_segment.hpdltest.{tag}.1"
-    holder = subprocess.Popen([sys.executable, "-c", f"import mmap, os, time\nfd = os.open({held!r}, os.O_CREAT | "
-                               "os.O_RDWR, 0o600)\nos.ftruncate(fd, 4096)\nm = mmap.mmap(fd, 4096)\n"
-                               "print('ready', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE)
+    holder = _holding(held)
     try:
-        assert holder.stdout.readline().strip() == b"ready"
         with open(left, "wb") as f:
             f.write(b"\0" * 4096)
         old = time.time() - 120
