@@ -8,7 +8,8 @@
 - `vgg16()`, `inception_v3()`: the other models of published scaling benchmarks (lesson 08),
   layer for layer as torchvision defines them, so their parameter counts match torchvision's.
 - `train_flops(make_model, shape)`: the floating-point operations of one forward and backward
-  pass, counted by torch on the meta device (no memory, no compute).
+  pass, counted by torch on the meta device (no memory, no compute); `gradient_ready(...)`,
+  when backward produces each gradient.
 """
 from __future__ import annotations
 
@@ -302,3 +303,30 @@ def train_flops(make_model, input_shape: Sequence[int], backward: bool = True) -
             outs = out if isinstance(out, tuple) else (out,)
             sum(o.sum() for o in outs).backward()
     return int(counter.get_total_flops())
+
+
+def gradient_ready(make_model, input_shape: Sequence[int]) -> list[tuple[int, float]]:
+    """When each gradient exists during backward: (values in the tensor, share of backward's
+    FLOPs done when it is accumulated), in the order backward produces them — the last layer's
+    first. Counted on the meta device, like train_flops().
+
+    Why: a data-parallel framework can start a tensor's all-reduce only then, so this order and
+    these times decide how much communication backward can hide (hpdl.predict.serial_schedule).
+    Backward's time is taken as proportional to its FLOPs (convolutions and matrix products;
+    the element-wise work of batch norm and activations is not counted).
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = make_model()
+        x = torch.empty(*input_shape)
+    marks: list[tuple[int, int]] = []
+    with FlopCounterMode(display=False) as counter:
+        out = model(x)
+        forward = counter.get_total_flops()
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda t: marks.append((t.numel(), counter.get_total_flops())))
+        outs = out if isinstance(out, tuple) else (out,)
+        sum(o.sum() for o in outs).backward()
+        backward = counter.get_total_flops() - forward
+    return [(n, (flops - forward) / backward) for n, flops in marks]

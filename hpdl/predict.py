@@ -223,6 +223,18 @@ def predict_step_time(compute: float, nbytes: float, alpha: float, beta: float, 
     return compute + exposed
 
 
+def serial_schedule(ready: list[float], costs: list[float]) -> float:
+    """When the last of a series of all-reduces ends, run one at a time in the order given, each
+    starting once its gradient is ready (`ready`, seconds into backward) and the one before it
+    is done. A finer account of overlap than overlap_fraction's even buckets: with each
+    tensor's size and ready time (hpdl.models.gradient_ready) it shows whether backward's order
+    leaves the network idle early and busy late. Exposed communication = end − backward."""
+    end = 0.0
+    for t, c in zip(ready, costs, strict=True):
+        end = max(end, t) + c
+    return end
+
+
 def overlap_fraction(workload: Workload) -> float:
     """The share of compute that communication can hide behind: backward after the first bucket."""
     if not workload.overlap:

@@ -127,6 +127,28 @@ def test_measured_contention_slows_compute():
     assert rows[1]["efficiency"] == pytest.approx(1 / 1.2, rel=0.01)
 
 
+def test_gradient_ready_follows_backward_order_and_its_flops():
+    # 64 → 128 → 10: backward's matrix products are 2·b·(1280 for the last layer's input gradient,
+    # 1280 for its weight, 8192 for the first layer's weight; the input needs none)
+    ready = models.gradient_ready(models.DigitsMLP, (4, 64))
+    assert sorted(ready[:2]) == [(10, pytest.approx(2560 / 10752)), (1280, pytest.approx(2560 / 10752))]
+    assert sorted(ready[2:]) == [(128, 1.0), (8192, 1.0)]
+    resnet = models.gradient_ready(models.resnet50, (2, 3, 224, 224))
+    assert len(resnet) == published.model_facts("resnet50")["tensors"]
+    assert sum(n for n, _ in resnet) == published.model_facts("resnet50")["params"]
+    shares = [f for _, f in resnet]
+    assert shares == sorted(shares) and shares[-1] == 1.0 and shares[0] < 0.01
+    assert resnet[1][0] == 2048 * 1000  # the classifier's weight is among the first ready
+
+
+def test_serial_schedule_waits_for_each_gradient_and_for_the_all_reduce_before():
+    assert predict.serial_schedule([0.0, 0.0, 5.0], [2.0, 2.0, 1.0]) == 6.0  # idle from 4 to 5
+    assert predict.serial_schedule([0.0, 1.0, 2.0], [3.0, 3.0, 3.0]) == 9.0  # queued behind each other
+    assert predict.serial_schedule([], []) == 0.0
+    with pytest.raises(ValueError):
+        predict.serial_schedule([0.0], [1.0, 2.0])
+
+
 def test_published_configurations_predicted():
     rows = published.results()
     assert len(rows) == 7
