@@ -23,20 +23,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hpdl import models, predict, published  # noqa: E402
+from hpdl import predict, published  # noqa: E402
 
 
 def table(rows: list[published.Published]) -> float:
     print(f"{'model':<13}{'GPUs':>5}{'vs':>4}  {'system':<56}{'buckets':>8}{'compute':>9}{'comm':>8}"
-          f"{'exposed':>9}{'predicted':>11}{'published':>11}{'Δ pp':>7}")
+          f"{'exposed':>9}{'predicted':>11}{'published':>11}{'Δ pp':>7}{'in order':>10}{'Δ pp':>7}")
     worst = 0.0
     for r in rows:
         s = predict.predict(r.workload, r.system, [r.ranks], baseline=r.baseline)[0]
         delta = 100 * (s["efficiency"] - r.efficiency)
         worst = max(worst, abs(delta))
+        ordered = in_backprop_order(r)
         print(f"{r.workload.name:<13}{r.ranks:>5}{r.baseline:>4}  {r.system.name[:55]:<56}{r.workload.bucket_count:>8}"
               f"{s['compute'] * 1e3:>7.0f}ms{s['comm'] * 1e3:>6.0f}ms{s['exposed'] * 1e3:>7.0f}ms"
-              f"{s['efficiency']:>11.1%}{r.efficiency:>11.0%}{delta:>+7.1f}")
+              f"{s['efficiency']:>11.1%}{r.efficiency:>11.0%}{delta:>+7.1f}{ordered:>10.1%}"
+              f"{100 * (ordered - r.efficiency):>+7.1f}")
+    print("predicted: buckets spread evenly over backward, the last one exposed (hpdl.predict.step). in order: "
+          "each gradient\nwhen backward produces it (hpdl.models.gradient_ready), fused by Horovod's background thread "
+          f"every {published.HOROVOD_CYCLE * 1e3:.0f} ms\n(its default then) or, for Goyal et al., one all-reduce per "
+          "tensor, one at a time")
     return worst
 
 
@@ -121,18 +127,30 @@ def expected_max_normal(n: int) -> float:
     return total
 
 
-def in_backprop_order(r: published.Published, system: predict.System, ready: list[tuple[int, float]],
-                      sigma: float = 0.0) -> float:
-    """Efficiency with every gradient tensor's all-reduce started as backward produces it, one at a
-    time (predict.serial_schedule), plus a synchronous step's wait for its slowest rank when
-    per-rank step times spread by `sigma` seconds."""
-    w = r.workload
+def in_backprop_order(r: published.Published, system: predict.System | None = None, sigma: float = 0.0) -> float:
+    """Efficiency with every gradient tensor all-reduced as backward produces it
+    (published.gradient_ready): fused by Horovod's background thread every cycle where the
+    workload fuses (Horovod), one tensor at a time where it does not (Goyal et al.: one
+    all-reduce per layer); plus, with `sigma`, a synchronous step's wait for its slowest rank
+    when per-rank step times spread by sigma seconds."""
+    system, w = system or r.system, r.workload
+    ready = published.gradient_ready(r.model)
     compute = w.batch * w.seconds_per_sample
     backprop = w.backward_share * compute
+    times = [f * backprop for _, f in ready]
+    sizes = [n * w.bytes_per_value for n, _ in ready]
 
     def step_time(p: int) -> float:
-        end = predict.serial_schedule([f * backprop for _, f in ready],
-                                      [predict.comm_seconds(n * w.bytes_per_value, p, system) for n, _ in ready])
+        if p <= 1:
+            return compute
+
+        def cost(nbytes: float) -> float:
+            return predict.comm_seconds(nbytes, p, system)
+
+        if w.fusion_bytes:
+            end = predict.cycle_schedule(times, sizes, cost, published.HOROVOD_CYCLE, w.fusion_bytes)
+        else:
+            end = predict.serial_schedule(times, [cost(b) for b in sizes])
         return compute + max(0.0, end - backprop) + sigma * expected_max_normal(p)
 
     return step_time(r.baseline) / step_time(r.ranks)
@@ -150,19 +168,19 @@ def what_it_would_take(r: published.Published, base_step: float) -> None:
     """Gradient by gradient in backprop order, and what input would have to change to lose the
     published points — each alone. Diagnostics, never fed back into the prediction."""
     s, w = r.system, r.workload
-    ready = models.gradient_ready(models.resnet50, (2, 3, 224, 224))
+    ready = published.gradient_ready(r.model)
     assert len(ready) == w.bucket_count
     first_half = sum(n for n, f in ready if f <= 0.5) / sum(n for n, _ in ready)
-    eff = in_backprop_order(r, s, ready)
+    eff = in_backprop_order(r)
     print(f"  In backprop order (hpdl.models.gradient_ready: each tensor's all-reduce once its layer's backward is\n"
           f"  done, one at a time): {first_half:.0%} of the bytes are ready in backprop's first half; "
           f"efficiency {eff:.1%}.")
-    alpha = _solve(lambda a: in_backprop_order(r, replace(s, inter=replace(s.inter, alpha=a)), ready),
+    alpha = _solve(lambda a: in_backprop_order(r, replace(s, inter=replace(s.inter, alpha=a))),
                    s.inter.alpha, 1e-2, r.efficiency)
-    gbit = _solve(lambda g: in_backprop_order(r, replace(s, inter=replace(s.inter, beta=1 / (g * published.GBIT))),
-                                              ready), 1 / (s.inter.beta * published.GBIT), 0.1, r.efficiency)
+    gbit = _solve(lambda g: in_backprop_order(r, replace(s, inter=replace(s.inter, beta=1 / (g * published.GBIT)))),
+                  1 / (s.inter.beta * published.GBIT), 0.1, r.efficiency)
     e_base, e_all = expected_max_normal(r.baseline), expected_max_normal(r.ranks)
-    sigma = _solve(lambda x: in_backprop_order(r, s, ready, sigma=x), 1e-6, 1.0, r.efficiency)
+    sigma = _solve(lambda x: in_backprop_order(r, sigma=x), 1e-6, 1.0, r.efficiency)
     print(f"  What it would take to lose the published {1 - r.efficiency:.0%}, each alone:\n"
           f"   · every round across servers costing ≥ {alpha * 1e6:.0f} µs instead of {s.inter.alpha * 1e6:.1f} µs "
           f"(Gloo over TCP publishes no latency);\n"
@@ -223,7 +241,13 @@ def main() -> int:
     ring = [r for r in rows if r.system.algorithm == "ring"]
     horovod = max(abs(100 * (predict.efficiency(r.workload, r.system, r.ranks, r.baseline) - r.efficiency))
                   for r in ring)
+    ordered = [100 * (in_backprop_order(r) - r.efficiency) for r in rows]
     print(f"\nHorovod benchmark only ({len(ring)} configurations): max |predicted − published| = {horovod:.1f} pp")
+    print(f"  Gradient by gradient in backprop order (the last column) all {len(rows)} come out optimistic, by "
+          f"{min(ordered):+.1f} to {max(ordered):+.1f} pp:\n  Horovod's cycle hides much of what the even buckets "
+          "expose, so the agreement above rests on that\n  simplification. Both published systems lose several "
+          "points that a communication model, told in full,\n  does not find — see Goyal et al. above for what it "
+          "would take.")
     print(f"goal ≤ 5 pp: {'met' if worst <= 5 else 'not met — Goyal et al., see above'}")
     print(f"max |predicted − published| = {worst:.1f} pp")
     return 0

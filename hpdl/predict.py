@@ -18,6 +18,10 @@ inside each node). With k buckets spread evenly over backward, bucket j is ready
 j/k of backward, so the communication can run alongside the last (1 − 1/k) of it:
 `overlap = backward share × (1 − 1/k)`; without overlap (one all-reduce after backward) it is 0.
 
+Finer, gradient by gradient: serial_schedule() and cycle_schedule() take when backward produces
+each gradient (hpdl.models.gradient_ready) and run the all-reduces one at a time or, as Horovod
+does, fused every cycle — a check on the even buckets above (benchmarks/predict_published.py).
+
 Scaling efficiency is throughput per rank with p ranks over throughput per rank on the
 baseline (one device, or one node): 1.0 means perfect. The published configurations it is
 checked against, with every input and its source, live in hpdl/published.py.
@@ -232,6 +236,27 @@ def serial_schedule(ready: list[float], costs: list[float]) -> float:
     end = 0.0
     for t, c in zip(ready, costs, strict=True):
         end = max(end, t) + c
+    return end
+
+def cycle_schedule(ready: list[float], sizes: list[float], cost, cycle: float, fusion_bytes: float) -> float:
+    """When the last all-reduce ends under Horovod's background thread: every `cycle` seconds
+    (or as soon as its previous all-reduces end, if later) it takes the gradients ready by
+    then, in order, fuses them into all-reduces of at most `fusion_bytes` (a larger tensor goes
+    alone) and runs those one after another. `cost(nbytes)`: seconds for one all-reduce.
+    Why: fusion saves the latency of small tensors, the cycle makes a ready gradient wait."""
+    if len(ready) != len(sizes):
+        raise ValueError("ready and sizes must have one entry per gradient")
+    wake, end, i = cycle, 0.0, 0
+    while i < len(ready):
+        busy, fused = wake, 0.0
+        while i < len(ready) and ready[i] <= wake:
+            if fused and fused + sizes[i] > fusion_bytes:
+                busy, fused = busy + cost(fused), 0.0
+            fused += sizes[i]
+            i += 1
+        if fused:
+            end = busy + cost(fused)
+        wake = max(wake + cycle, end)
     return end
 
 

@@ -58,11 +58,13 @@ GOYAL_IMAGES = 1.28e6          # "∼1.28 million ImageNet training images"
 GOYAL_ITERATION_GROWTH = 0.12  # "the time per iteration increases only 12%" from kn = 256 to 11k (352 GPUs)
 
 HOROVOD_FUSION = 64 * 2**20  # bytes; Horovod's default threshold until v0.21 (PRs #15, #2468)
+HOROVOD_CYCLE = 0.005  # seconds between the background thread's rounds; Horovod's default until v0.21 (PR #2468)
 
 
 @dataclass(frozen=True)
 class Published:
-    """One published result: `efficiency` on `ranks` GPUs relative to `baseline` GPUs."""
+    """One published result: `efficiency` on `ranks` GPUs relative to `baseline` GPUs, for the
+    model named `model` (a key of COUNTED)."""
 
     workload: Workload
     system: System
@@ -70,6 +72,7 @@ class Published:
     baseline: int
     efficiency: float
     source: str
+    model: str
 
 
 # What count_model_facts() finds (tests/test_predict.py checks that it still does); kept here
@@ -89,16 +92,31 @@ def model_facts(name: str) -> dict:
     return dict(COUNTED[name])
 
 
+def _model_and_input(name: str):
+    import hpdl.models as models
+
+    return {
+        "inception_v3": (models.inception_v3, 299), "resnet50": (models.resnet50, 224),
+        "resnet101": (models.resnet101, 224), "resnet152": (lambda: models.resnet(152), 224),
+        "vgg16": (models.vgg16, 224),
+    }[name]
+
+
+@functools.lru_cache(maxsize=None)
+def gradient_ready(name: str) -> tuple[tuple[int, float], ...]:
+    """hpdl.models.gradient_ready for a published model on its ImageNet-sized input (~1 s each)."""
+    import hpdl.models as models
+
+    make, size = _model_and_input(name)
+    return tuple(models.gradient_ready(make, (2, 3, size, size)))
+
+
 @functools.lru_cache(maxsize=None)
 def count_model_facts(name: str) -> dict:
     """model_facts(), counted afresh on the meta device from hpdl.models (ImageNet-sized input)."""
     import hpdl.models as models
 
-    make, size = {
-        "inception_v3": (models.inception_v3, 299), "resnet50": (models.resnet50, 224),
-        "resnet101": (models.resnet101, 224), "resnet152": (lambda: models.resnet(152), 224),
-        "vgg16": (models.vgg16, 224),
-    }[name]
+    make, size = _model_and_input(name)
     import torch
 
     with torch.device("meta"):
@@ -157,8 +175,9 @@ def results() -> list[Published]:
     hv_old = "Horovod README (2017): 32 servers × 4 Pascal GPUs, RoCE 25 Gbit/s"
     rows = []
     for name, e512, e128 in [("inception_v3", 0.90, 0.90), ("resnet101", 0.90, 0.90), ("vgg16", 0.68, 0.79)]:
-        rows.append(Published(w[name], HOROVOD_CLUSTER, 512, 1, e512, hv_new))
-        rows.append(Published(w[name], HOROVOD_CLUSTER, 128, 1, e128, hv_old))
+        rows.append(Published(w[name], HOROVOD_CLUSTER, 512, 1, e512, hv_new, name))
+        rows.append(Published(w[name], HOROVOD_CLUSTER, 128, 1, e128, hv_old, name))
     rows.append(Published(w["resnet50"], BIG_BASIN, 256, 8, 0.90,
-                          "Goyal et al. 2017 (arXiv 1706.02677): ~90% scaling efficiency from 8 to 256 GPUs"))
+                          "Goyal et al. 2017 (arXiv 1706.02677): ~90% scaling efficiency from 8 to 256 GPUs",
+                          "resnet50"))
     return rows

@@ -149,6 +149,22 @@ def test_serial_schedule_waits_for_each_gradient_and_for_the_all_reduce_before()
         predict.serial_schedule([0.0], [1.0, 2.0])
 
 
+def test_cycle_schedule_fuses_what_is_ready_at_each_wake():
+    def cost(nbytes):  # 1 ms a message plus 1 ms a byte
+        return 0.001 + 0.001 * nbytes
+
+    # both ready at the first wake (5 ms): one fused all-reduce, or two when the threshold splits them
+    assert predict.cycle_schedule([0, 0], [1, 1], cost, 0.005, 2) == pytest.approx(0.008)
+    assert predict.cycle_schedule([0, 0], [1, 1], cost, 0.005, 1) == pytest.approx(0.009)
+    # ready at 6 ms waits for the wake at 10 ms; a tensor over the threshold goes alone
+    assert predict.cycle_schedule([0.006], [1], cost, 0.005, 1) == pytest.approx(0.012)
+    assert predict.cycle_schedule([0, 0], [3, 1], cost, 0.005, 2) == pytest.approx(0.011)
+    # a wake busy past the next one starts the next as soon as it ends
+    assert predict.cycle_schedule([0, 0.006], [9, 1], cost, 0.005, 64) == pytest.approx(0.005 + 0.010 + 0.002)
+    with pytest.raises(ValueError):
+        predict.cycle_schedule([0], [], cost, 0.005, 1)
+
+
 def test_published_configurations_predicted():
     rows = published.results()
     assert len(rows) == 7
