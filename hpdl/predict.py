@@ -40,6 +40,7 @@ Pure Python, no torch: it runs in the notebook's kernel, on the ranks and in the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 ALGORITHMS = ("ring", "tree", "recursive_doubling", "rabenseifner", "hierarchical")
@@ -238,7 +239,9 @@ def serial_schedule(ready: list[float], costs: list[float]) -> float:
         end = max(end, t) + c
     return end
 
-def cycle_schedule(ready: list[float], sizes: list[float], cost, cycle: float, fusion_bytes: float) -> float:
+
+def cycle_schedule(ready: list[float], sizes: list[float], cost: Callable[[float], float], cycle: float,
+                   fusion_bytes: float) -> float:
     """When the last all-reduce ends under Horovod's background thread: every `cycle` seconds
     (or as soon as its previous all-reduces end, if later) it takes the gradients ready by
     then, in order, fuses them into all-reduces of at most `fusion_bytes` (a larger tensor goes
