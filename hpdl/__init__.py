@@ -66,7 +66,24 @@ def _register_magic() -> None:
         logging.getLogger(__name__).debug("%%hpdl not registered: %s", exc)
 
 
+def _finalize_mpi_first_at_exit() -> None:
+    # A kernel that imported mpi4py started MPI alone; finalized first at exit, its MPICH segment
+    # goes even when the kernel dies later in its shutdown (hpdl.procs.finalize_singleton_mpi).
+    import atexit
+    import sys
+
+    if "IPython" in sys.modules and sys.modules["IPython"].get_ipython() is not None:
+        atexit.register(_finalize_mpi)
+
+
+def _finalize_mpi() -> None:
+    from hpdl.procs import finalize_singleton_mpi
+
+    finalize_singleton_mpi()
+
+
 _register_magic()
+_finalize_mpi_first_at_exit()
 
 
 def load_ipython_extension(ip) -> None:

@@ -287,6 +287,32 @@ def singleton_shared_memory(pid: int) -> set[str]:
     return {path} if os.path.exists(path) else set()
 
 
+def finalize_singleton_mpi() -> bool:
+    """Finalize MPI now if this process started it alone (a notebook kernel that imported
+    mpi4py; COMM_WORLD of one) and nothing else here still needs it. Returns whether it did.
+
+    Why: mpi4py finalizes at the very end of the interpreter's shutdown, after every atexit
+    handler and after other libraries have been torn down, and MPI_Finalize is what removes
+    MPICH's /dev/shm segment of a process that started MPI by itself. A kernel that dies in
+    between (libzmq aborts in its context teardown now and then: seen in CI) would leave the
+    segment in RAM. Registered as a kernel's first exit step by `import hpdl`."""
+    import sys
+
+    mpi = sys.modules.get("mpi4py.MPI")
+    try:
+        if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() or mpi.COMM_WORLD.Get_size() != 1:
+            return False
+        hvd = sys.modules.get("horovod.torch")
+        dist = sys.modules.get("torch.distributed")
+        if (hvd is not None and hvd.is_initialized()) or (dist is not None and dist.is_initialized()):
+            return False  # their own shutdown still talks to MPI or holds its group
+        mpi.Finalize()
+        return True
+    except Exception as exc:  # at exit: never worse than mpi4py's own finalize later
+        log.debug("MPI not finalized early: %s", exc)
+        return False
+
+
 def orphaned_shared_memory(min_age: float = 60.0) -> set[str]:
     """Our MPI segments in /dev/shm that no process maps any more and that are older than
     `min_age` seconds: what a kernel killed before MPI_Finalize left behind (a restart that

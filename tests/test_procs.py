@@ -221,3 +221,44 @@ def test_open_mpis_segments_are_swept_too_and_only_when_nothing_maps_them():
         for s in (left, held):
             if os.path.exists(s):
                 os.unlink(s)
+
+
+# A kernel that started MPI by itself, then dies in its interpreter's teardown (after the atexit
+# handlers, before mpi4py's own finalize), as a kernel does when libzmq aborts at exit.
+DIES_IN_TEARDOWN = """
+from mpi4py import MPI
+import os, sys
+{hpdl}
+class _DiesInTeardown:
+    def __del__(self, _exit=os._exit):  # bound now: the kernel clears its namespace on the way out
+        _exit(0)
+sys.modules["_dies_in_teardown"] = _DiesInTeardown()
+print(f"/dev/shm/mpich_shm_{{os.getpid():x}}_0")
+"""
+
+
+def _kernel_segment(code: str) -> str:
+    """Run `code` in a real Jupyter kernel, shut it down politely; the segment path it printed."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    printed = []
+    try:
+        kc.execute_interactive(code, timeout=60, output_hook=lambda m: printed.append(m["content"].get("text", "")))
+        path = "".join(printed).strip().splitlines()[-1]
+        assert os.path.exists(path), f"MPI did not start a singleton segment: {printed}"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+    return path
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_a_kernel_with_hpdl_frees_its_mpi_segment_even_when_it_dies_in_teardown(no_strays):
+    leaked = _kernel_segment(DIES_IN_TEARDOWN.format(hpdl=""))  # the premise: without hpdl it leaks
+    try:
+        assert os.path.exists(leaked), "a kernel dying in teardown no longer leaks: this test proves nothing"
+    finally:
+        procs.remove_shared_memory([leaked])
+    kept = _kernel_segment(DIES_IN_TEARDOWN.format(hpdl="import hpdl"))
+    assert not os.path.exists(kept), "hpdl did not finalize the kernel's MPI before its teardown"
