@@ -187,9 +187,20 @@ def test_the_panel_updates_in_a_real_browser_while_a_cell_runs(chromium, lab, la
             cells = page.locator(".jp-NotebookPanel .jp-Cell")
             see(cells.nth(3), "the notebook's 4 cells", 120)
             see(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']"), "the kernel idle", 120)
-            # run the first three cells as a learner does, one Shift+Enter each (they queue)
-            cells.first.click()
-            for _ in range(3):
+            # run the first three cells as a learner does, one Shift+Enter each (they queue). A
+            # keystroke sent before the freshly opened notebook has the focus is lost (seen in CI):
+            # the first cell's prompt must show it running before the other two are queued
+            started = cells.first.locator(".jp-InputPrompt", has_text=re.compile(r"\[(\*|\d+)\]"))
+            for attempt in range(3):
+                cells.first.click()
+                page.keyboard.press("Shift+Enter")
+                try:
+                    expect(started).to_be_visible(timeout=20_000)
+                    break
+                except (AssertionError, PageTimeout):
+                    print(f"the first cell did not start on Shift+Enter #{attempt + 1}")
+            see(started, "the first cell running after Shift+Enter", 1)
+            for _ in range(2):
                 page.keyboard.press("Shift+Enter")
 
             panel = page.locator(".hpdl-panel")
