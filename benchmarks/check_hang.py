@@ -44,11 +44,15 @@ def main() -> None:
     latencies, totals, startups = [], [], []
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as stamps:
+            saved = os.environ.get("HPDL_NO_SANDBOX")
             os.environ["HPDL_NO_SANDBOX"] = "1"
             try:
                 result = hpdl.check("ring_allreduce", make_deadlock(stamps), ranks=[args.ranks], timeout=args.timeout)
             finally:
-                del os.environ["HPDL_NO_SANDBOX"]
+                if saved is None:
+                    del os.environ["HPDL_NO_SANDBOX"]
+                else:
+                    os.environ["HPDL_NO_SANDBOX"] = saved
             t1 = time.time()
             _assert_hang(result, args.ranks)
             hang_began = min(float(Path(stamps, f).read_text()) for f in os.listdir(stamps))
