@@ -17,13 +17,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
 
-from hpdl import mpilib, procs
+from hpdl import mpilib
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -82,19 +81,17 @@ _PROBE_RANKS = ("import os; from mpi4py import MPI; c = MPI.COMM_WORLD; "
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, str]:
-    """Run a command in its own session; on timeout kill the whole group (mpiexec has children)."""
+    """(exit code, stdout, stderr) of a probe, run as a side job (hpdl.sidejob): on timeout the
+    whole job (mpiexec has children) is ended, and -1 returned."""
+    from hpdl import sidejob
+
     try:
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                             text=True, env=env, start_new_session=True)
+        done = sidejob.run(cmd, timeout, env=env, errors_apart=True)
     except OSError as exc:
         return 127, "", str(exc)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        procs.end_group_now(p)
-        out, err = p.communicate()
-        return -1, out, (err or "") + f"\n(timed out after {timeout:.0f} s)"
-    return p.returncode, out, err
+    if done.timed_out:
+        return -1, done.output, done.errors + f"\n(timed out after {timeout:.0f} s)"
+    return done.returncode, done.output, done.errors
 
 
 def _probe(code: str, timeout: float = 120) -> tuple[dict | None, str]:

@@ -32,7 +32,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -191,6 +190,7 @@ class Running:
     """One submission under way: its sandboxed runner process and its check service."""
 
     def __init__(self, sub: Submission, work: Path, out: Path, limit: float, hidden: list[str]):
+        from hpdl import sidejob
         from hpdl.check import sandbox
         from hpdl.check.grade_service import Service
 
@@ -212,34 +212,27 @@ class Running:
                str(self.status), str(limit)]
         sub.sandboxed = sandbox.available()
         cmd = sandbox.wrap(cmd, writable=[str(work)], hidden=hidden, cwd=str(work))
-        self.limits = limits = sandbox.Limits(cpu_seconds=int(limit * 2) + 60, processes=2048).start()
-        self.log = open(work / "run.log", "wb")
-        self.proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=limits.apply)
-        self.started = time.time()
+        # Outside a sandbox a daemon can leave the process group: the job's marker finds it (sweep).
+        self.job = sidejob.SideJob(cmd, output=work / "run.log", env=env, cwd=work, timeout=limit,
+                                   limits=sandbox.Limits(cpu_seconds=int(limit * 2) + 60, processes=2048),
+                                   shared_memory=not sub.sandboxed, sweep=True)
 
     def poll(self) -> bool:
         """True when finished (by itself or by the time limit)."""
         self.service.poll()
-        if self.proc.poll() is not None:
+        if not self.job.running():
             self.service.poll()
             self.finish(timed_out=False)
             return True
-        if time.time() - self.started > self.limit:
+        if self.job.expired():
             self.finish(timed_out=True)
             return True
         return False
 
     def finish(self, timed_out: bool) -> None:
         sub = self.sub
-        sub.seconds = time.time() - self.started
-        kill_tree(self.proc.pid, self.home)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            sub.detail += " (its runner could not be ended)"
-        self.log.close()
-        self.limits.stop()
+        sub.seconds = self.job.elapsed()
+        self.job.end(now=True)  # its result is in; whatever it still runs is ended with it
         self.service.finish()
         if timed_out:
             sub.status, sub.detail = "timeout", f"stopped after {self.limit:g} s (the submission's time limit)"
@@ -250,7 +243,7 @@ class Running:
                 sub.detail, sub.cell_errors = str(st.get("detail", ""))[:600], int(st.get("cell_errors", 0))
             except (OSError, ValueError, KeyError, TypeError):
                 tail = _tail(self.work / "run.log")
-                code = self.proc.returncode
+                code = self.job.returncode
                 why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
                 sub.status, sub.detail = "runner failed", f"the notebook's runner ended ({why}): {tail}"
         sub.checks = dict(self.service.results)  # the grader's own results, never the kernel's
@@ -274,29 +267,6 @@ def _tail(path: Path, lines: int = 5) -> str:
     except OSError:
         return ""
     return " | ".join(text.strip().splitlines()[-lines:])[:600]
-
-
-def kill_tree(pid: int, home: Path) -> None:
-    """End a submission's process group and everything under it; without a sandbox (whose PID
-    namespace ends everything in it) also any process still carrying its HPDL_HOME (a daemon
-    that left the group), and remove the MPI shared memory they mapped (through hpdl.procs)."""
-    import psutil
-
-    from hpdl import procs
-
-    found = [r for r in [procs.record(pid)] if r is not None]
-    mine = os.getpid()
-    for p in psutil.process_iter():
-        try:
-            if p.pid != mine and p.environ().get("HPDL_HOME") == str(home):
-                rec = procs.record(p.pid)
-                if rec is not None:
-                    found.append(rec)
-        except psutil.Error:
-            continue
-    leader = procs.record(pid)
-    segments = procs.end(found, groups=[leader] if leader else [], grace=0.0)
-    procs.remove_shared_memory(segments)
 
 
 def _write_private(path: Path, data: bytes | str) -> None:

@@ -211,36 +211,21 @@ def _slurm(site: SlurmSite, nodes: int, per_node: int, program: list[str], folde
 
 
 def _local(n: int, program: list[str], folder: Path, timeout: float) -> str:
-    import psutil
+    """Preflight's job on this machine: a side job like a check's (hpdl.sidejob), its output kept."""
+    from hpdl import launchers, sidejob
 
-    from hpdl import launchers, procs
-    from hpdl.tune import job_env
-
-    output, segments = folder / "job.out", set()
-    with open(output, "w") as out:
-        proc = subprocess.Popen(launchers.mpiexec_command(n) + program, env=job_env(), stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + timeout + GRACE
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                segments |= procs.shared_memory_of(c.pid for c in psutil.Process(proc.pid).children(recursive=True))
-            except psutil.Error:
-                pass  # the job ended between poll() and this look: the loop's test sees it next
-            time.sleep(0.2)
-        if proc.poll() is None:
+    output, cmd = folder / "job.out", launchers.side_job_command(n)
+    with sidejob.SideJob(cmd + program, output=output, env=sidejob.job_env(),
+                         timeout=timeout + GRACE) as job:
+        code = job.wait(poll=0.2)
+        if code is None:
+            job.end(now=True)
             raise _silent(folder / "ranks", n, f"not every rank answered within {timeout:.0f} s; the job was "
                           "stopped:", output)
-    finally:
-        if proc.poll() is None:
-            rec = procs.record(proc.pid)
-            segments |= procs.end([rec], grace=0) if rec else set()
-            procs.end_popen(proc, grace=10)
-        procs.remove_shared_memory(segments)  # MPICH's, left behind only by an aborted job
     if not _all_done(folder / "ranks", n):
-        raise _silent(folder / "ranks", n, f"the job ended (exit code {proc.returncode}) before every rank "
+        raise _silent(folder / "ranks", n, f"the job ended (exit code {code}) before every rank "
                       "answered:", output)
-    return f"mpiexec -n {n}"
+    return f"{os.path.basename(cmd[0])} -n {n}"
 
 
 # -- verdicts, the table, the page -----------------------------------------------------------------

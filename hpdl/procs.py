@@ -147,22 +147,31 @@ def _tree(procs: Iterable[Proc]) -> dict:
     return found
 
 
-def _signal_group(leader: Proc, sig: int) -> None:
-    """Signal the process group led by `leader`. The leader may be gone while its group lives on
-    (Linux never reuses a pid still naming a group), but if the pid now runs a different process,
-    or the record is from another host or boot, the group is not ours."""
+def _signal_group(leader: Proc, sig: int) -> bool:
+    """Signal the process group led by `leader`; True when sent. The leader may be gone while its
+    group lives on (Linux never reuses a pid still naming a group), but if the pid now runs a
+    different process, or the record is from another host or boot, the group is not ours."""
     if leader.host != socket.gethostname() or leader.boot != boot_id():
-        return
+        return False
     now = start_time(leader.pid)
     if now is not None and now != leader.start:
         log.info("not signalling group %s: its pid now belongs to another process", leader.pid)
-        return
+        return False
     try:
         os.killpg(leader.pid, sig)
+        return True
     except ProcessLookupError:
-        pass
+        return False
     except OSError as exc:
         log.debug("killpg(%s, %s): %s", leader.pid, sig, exc)
+        return False
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 def _send(p, sig: int) -> None:
@@ -179,20 +188,22 @@ def _send(p, sig: int) -> None:
 def end(procs: Iterable[Proc] = (), groups: Iterable[Proc] = (), grace: float = 2.0,
         before_kill=None) -> set[str]:
     """End recorded processes with all their descendants, and recorded process groups:
-    SIGTERM, up to `grace` seconds to exit, then SIGKILL. Records that are not the same process
-    any more (`is_same`) are left alone. `before_kill`, if given, is called between the
+    SIGTERM, up to `grace` seconds to exit, then SIGKILL (grace 0: SIGKILL at once). Records
+    that are not the same process any more (`is_same`) are left alone. `before_kill`, if given, is called between the
     SIGTERM and the wait (e.g. to cancel Slurm jobs). Returns the /dev/shm files the tree
     mapped (read before the kill) so the caller can `remove_shared_memory` them."""
 
     procs, groups = list(procs), list(groups)
     tree = _tree(procs)
     shm = shared_memory_of(tree)
-    for g in groups:
-        _signal_group(g, signal.SIGTERM)
+    if grace > 0:  # else at once: SIGKILL only (a SIGTERM handler would still get to run)
+        termed = {g.pid for g in groups if _signal_group(g, signal.SIGTERM)}
     if before_kill is not None:
         before_kill()
-    for p in tree.values():
-        _send(p, signal.SIGTERM)
+    if grace > 0:
+        for p in tree.values():
+            if _group_of(p.pid) not in termed:  # one SIGTERM each: a second may land while it exits
+                _send(p, signal.SIGTERM)
     left = _wait_gone(list(tree.values()), grace)
     for p in left:
         _send(p, signal.SIGKILL)

@@ -24,7 +24,7 @@ reduction operation records how many elements MPICH hands it at each call on eac
 each algorithm leaves its own pattern (recursive doubling: lg p calls of the whole vector;
 reduce-scatter + allgather: halves, quarters, ...; ring: p-1 calls of n/p).
 
-Everything that starts ranks here runs a fresh `mpiexec` job (the engines keep running).
+Everything that starts ranks here runs a fresh side job (hpdl.sidejob; the engines keep running).
 """
 from __future__ import annotations
 
@@ -32,9 +32,7 @@ import argparse
 import html
 import json
 import logging
-import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,8 +54,6 @@ CONTAINERS = {
 # compute wrong sums here, so tables stick to the three above.)
 # The ones `hpdl tune` builds its table from (the tree also has a fingerprint in `classify`).
 TABLE_ALGORITHMS = ("recursive_doubling", "reduce_scatter_allgather", "ring")
-# Variables of the MPI job we may be running inside; a child job must not inherit them.
-_JOB_VARS = ("PMI_", "HYDRA_", "HYDI_", "PMIX_", "OMPI_", "MPIR_CVAR_", "SLURM_STEP", "I_MPI_")
 
 
 def _bindir() -> Path:
@@ -69,7 +65,9 @@ def mpich_algorithms(collective: str = "allreduce") -> list[str]:
     mpivars = _bindir() / "mpivars"
     if not mpivars.exists():
         raise HpdlError(f"no {mpivars}: this needs MPICH (pip install mpich) in the kit's venv.")
-    text = subprocess.run([str(mpivars)], capture_output=True, text=True, timeout=60).stdout
+    from hpdl import sidejob
+
+    text = sidejob.run([str(mpivars)], 60).output
     names, inside = [], False
     head = f"MPIR_CVAR_{collective.upper()}_INTRA_ALGORITHM"
     for line in text.splitlines():
@@ -300,71 +298,25 @@ def algorithm_for(table: Sequence[tuple[int | None, str]], nbytes: int) -> str:
 
 # -- running fresh MPI jobs with a setting ----------------------------------------------------
 
-def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment without the variables of an MPI job it may be part of."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_JOB_VARS)}
-    env["PATH"] = f"{_bindir()}{os.pathsep}{env.get('PATH', '')}"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.update(extra or {})
-    return env
-
-
 def run_job(ranks: int, args: list[str], env: dict[str, str] | None = None, timeout: float = 120.0) -> str:
-    """Run `python -m hpdl.tune ARGS` as a fresh `mpiexec -n ranks` job; rank 0's JSON line back."""
-    cmd = [str(_bindir() / "mpiexec"), "-n", str(ranks), sys.executable, "-m", "hpdl.tune", *args]
-    # Same process group as the caller, so whoever stops the caller's group stops this job too;
-    # on our own time limit the whole tree (mpiexec, its proxies, the ranks) is killed here.
-    # Output goes to files, not pipes, so a chatty job never blocks on a full pipe.
-    import tempfile
+    """Run `python -m hpdl.tune ARGS` as a fresh `ranks`-rank side job; rank 0's JSON line back.
 
-    from hpdl import procs
+    Started as every side job is (hpdl.launchers: mpiexec here, an overlapping srun step inside a
+    Slurm allocation) and supervised by hpdl.sidejob: at the time limit or on an interrupt the
+    whole job is ended and its MPI shared memory removed."""
+    from hpdl import launchers, sidejob
 
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, env=job_env(env), stdout=out, stderr=err, text=True)
-        segments: set[str] = set()  # MPICH's /dev/shm files of this job: an aborted job leaves them
-        deadline = time.monotonic() + timeout
-        try:
-            while proc.poll() is None:
-                if time.monotonic() > deadline:
-                    _kill_tree(proc)
-                    raise HpdlError(f"the MPI job `{' '.join(args)}` did not finish in {timeout:.0f} s; it was stopped")
-                segments |= procs.shared_memory_of(_tree_pids(proc))
-                time.sleep(0.05)
-        except BaseException:  # timed out or interrupted: leave no ranks behind
-            _kill_tree(proc)
-            raise
-        finally:
-            for path in procs.remove_shared_memory(segments):
-                log.info("removed %s, left by an MPI job that ended abnormally", path)
-        out.seek(0)
-        err.seek(0)
-        done = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
-    for line in done.stdout.splitlines():
+    cmd = [*launchers.side_job_command(ranks), sys.executable, "-m", "hpdl.tune", *args]
+    done = sidejob.run(cmd, timeout, env=sidejob.job_env(env))
+    if done.timed_out:
+        raise HpdlError(f"the MPI job `{' '.join(args)}` did not finish in {timeout:.0f} s; it was stopped")
+    for line in done.output.splitlines():
         if line.startswith("HPDL-TUNE "):
             return line[len("HPDL-TUNE "):]
-    lines = (done.stdout + done.stderr).strip().splitlines()
+    lines = done.output.strip().splitlines()
     causes = [line for line in lines if "Assertion" in line or "rror" in line][:4]   # MPICH's own words first
     tail = "\n".join(causes + lines[-8:])
     raise HpdlError(f"the MPI job ended (exit code {done.returncode}) without a result:\n{tail}")
-
-
-def _tree_pids(proc: subprocess.Popen) -> list[int]:
-    import psutil
-
-    try:
-        return [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """End the MPI job we started (mpiexec and its ranks) at once, and reap it."""
-    from hpdl import procs
-
-    rec = procs.record(proc.pid)
-    if rec is not None:
-        procs.end([rec], grace=0)
-    procs.end_popen(proc, grace=10)
 
 
 def probe(sizes: Iterable[int], *, ranks: int = 4, tuning_file: str | Path | None = None,

@@ -67,11 +67,22 @@ def no_strays(request):
     assert not names, f"processes left behind: {names}"
     # MPI's shared memory between ranks lives in RAM until someone removes it. Ranks that Slurm
     # ends are Slurm's to clean (sites do it in the epilog; see cluster/README.md), so not here.
-    shm_left = sorted(str(f) for f in mpi_shared_memory() - shm_before)
+    shm_left = sorted(str(f) for f in mpi_shared_memory() - shm_before - _others_shared_memory())
     for f in shm_left:
         os.unlink(f)
     if not request.node.get_closest_marker("slurm"):
         assert not shm_left, f"MPI shared memory left in /dev/shm: {shm_left}"
+
+
+def _others_shared_memory() -> set[Path]:
+    """Segments that processes outside this test session map now (another suite or a notebook
+    on the same machine): not this test's leak. Ours: this process, its descendants, and the
+    processes that carry this session's HPDL_HOME."""
+    from hpdl import procs
+
+    me = psutil.Process()
+    ours = {me.pid} | {c.pid for c in me.children(recursive=True)} | {p.pid for p in kit_processes()}
+    return {Path(f) for f in procs.shared_memory_of(p for p in psutil.pids() if p not in ours)}
 
 
 def learner_copy(*functions):

@@ -26,19 +26,17 @@ are removed; and the ranks end themselves should this process die.
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpdl import hang, procs
+from hpdl import hang, procs, sidejob
 from hpdl.check import sandbox
 from hpdl.check.cases import Case
 from hpdl.check.report import CaseResult, Verdict, rank_word
@@ -51,35 +49,12 @@ VERIFY_TIMEOUT = 60.0  # s: for the reference job's verify() once the learner's 
 MAX_EVENT_BYTES = 1 << 20  # one event line from a learner's rank; longer ones are cut
 POLL = 0.02
 
-_live_jobs: set["Job"] = set()
-
 
 @dataclass
 class Planned:
     index: int
     case: Case
     timeout: float
-
-
-# -- ending processes: through hpdl.procs, the one module that signals and removes /dev/shm files ----
-
-def _end(job: "Job", grace: float) -> set[str]:
-    """End mpiexec (or bwrap) and everything under it, reap it; the /dev/shm files it mapped."""
-    from hpdl import procs
-
-    shm = procs.end([job.record], groups=[job.record], grace=grace) if job.record else set()
-    try:
-        job.proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        procs.end_group_now(job.proc)
-        procs.end_popen(job.proc, grace=0)
-    return shm
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    for job in list(_live_jobs):
-        job.end()
 
 
 # -- one mpiexec job -----------------------------------------------------------------------------
@@ -94,7 +69,7 @@ class Job:
         self.sandboxed = sandboxed
         slack = VERIFY_TIMEOUT if kind == "reference" else 30
         self.spec = dict(spec, size=size, client_pid=0 if sandboxed else os.getpid(),
-                         deadline=time.time() + START_TIMEOUT + sum(p.timeout for p in todo) + slack * len(todo) + 30,
+                         lifetime=START_TIMEOUT + sum(p.timeout for p in todo) + slack * len(todo) + 30,
                          cases=[(p.index, p.case.to_dict()) for p in todo])
         if kind == "reference":
             self.spec.pop("code", None)  # the learner's code never enters the reference job
@@ -106,26 +81,23 @@ class Job:
         bindir = str(Path(sys.executable).parent)
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HPDL_CHECK_JOB=self.dir,
                    PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}")
-        self.output = open(os.path.join(self.dir, "output.txt"), "wb")
         module = "hpdl.check.learner_job" if kind == "learner" else "hpdl.check.reference_job"
         cmd = job_command(size, module, self.dir)
-        self.limits = None
+        limits = None
         if kind == "learner":
             cmd = sandbox.wrap(cmd, writable=[self.dir], hidden=spec.get("hidden", []))
-            self.limits = sandbox.Limits(cpu_seconds=int(START_TIMEOUT + sum(p.timeout for p in todo) + 60),
-                                         processes=256 + 64 * size).start()  # tasks: threads count too
-        limits = self.limits
-        self.proc = subprocess.Popen(cmd, stdout=self.output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True, preexec_fn=limits.apply if limits else None)
-        self.record = procs.record(self.proc.pid)
-        _live_jobs.add(self)
-        self.launched = time.time()
+            limits = sandbox.Limits(cpu_seconds=int(START_TIMEOUT + sum(p.timeout for p in todo) + 60),
+                                    processes=256 + 64 * size)  # tasks: threads count too
+        # a sandbox has its own /dev/shm and PID namespace, gone with it; outside one, the learner's
+        # processes are swept by the job's marker too (a daemon that left the process group)
+        self.side = sidejob.SideJob(cmd, output=os.path.join(self.dir, "output.txt"), env=env, limits=limits,
+                                    shared_memory=not sandboxed, sweep=kind == "learner" and not sandboxed)
+        self.launched = time.monotonic()
         self.offsets = [0] * size
         self.partial = [""] * size
         self.ready: dict[int, int] = {}  # rank -> pid
         self.rank_procs: dict[int, procs.Proc] = {}  # rank -> recorded process (outside a sandbox)
-        self.segments: set[str] = set()  # /dev/shm files of its ranks, removed when it is killed
-        self.starts: dict[int, float] = {}  # case index -> earliest start (wall clock)
+        self.starts: dict[int, float] = {}  # case index -> earliest start (monotonic clock)
         self.ends: dict[int, dict[int, dict]] = {}  # case index -> rank -> end event
         self.problem_at: dict[int, float] = {}  # case index -> when the first rank raised
         self.crash: dict | None = None
@@ -163,20 +135,20 @@ class Job:
                 rec = procs.record(ev["pid"])
                 if rec is not None:
                     self.rank_procs[rank] = rec
-                # remembered now: should the job die before kill() (MPI aborting every rank when
-                # one fails), nothing would map them any more by then
-                self.segments |= procs.shared_memory_of([ev["pid"]])
+                # remembered now: should the job die before it is ended (MPI aborting every rank
+                # when one fails), nothing would map them any more by then
+                self.side.segments |= procs.shared_memory_of([ev["pid"]])
         elif kind == "start" and isinstance(case, int) and isinstance(ev.get("t"), (int, float)):
-            self.starts.setdefault(case, time.time())
+            self.starts.setdefault(case, time.monotonic())
         elif kind == "end" and isinstance(case, int):
             self.ends.setdefault(case, {})[rank] = ev
             if ev.get("status") in ("error", "forbidden"):
-                self.problem_at.setdefault(case, time.time())
+                self.problem_at.setdefault(case, time.monotonic())
         elif kind == "crash" and self.crash is None:
             self.crash = dict(ev, rank=rank)
 
     def exited(self) -> bool:
-        return self.proc.poll() is not None
+        return not self.side.running()
 
     def stacks(self, ranks: list[int], code: dict, wait: float = 1.0) -> dict[int, dict]:
         """Ask ranks where they are (hpdl.hang's protocol, the same as for `%%px` cells)."""
@@ -186,35 +158,21 @@ class Job:
         return {r: _clean_stack(a) for r, a in answers.items() if isinstance(a, dict)}
 
     def output_tail(self, lines: int = 12) -> str:
-        try:
-            with open(os.path.join(self.dir, "output.txt"), "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 8192))
-                text = f.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
-        return "\n".join(text.strip().splitlines()[-lines:])
+        return "\n".join(self.side.output_text(8192).strip().splitlines()[-lines:])
 
-    def end(self, grace: float | None = None) -> None:
-        segments: set[str] = set()
-        try:
-            segments = _end(self, grace=(0.0 if self.must_stop else 0.5) if grace is None else grace)
-        finally:
-            self.output.close()
-            _live_jobs.discard(self)
-            if not self.sandboxed:  # MPI_Finalize removes these; a killed rank never reaches it
-                procs.remove_shared_memory(segments | self.segments)
-            if self.limits is not None:
-                self.limits.stop()
+    def end(self) -> None:
+        """End the job now: its result is decided (or it hung), nothing it does next counts."""
+        self.side.end(now=True)
 
     def wind_down(self, wait: float = 1.0) -> None:
-        """All cases decided: let the ranks exit on their own briefly, then end the tree."""
+        """All cases decided: let the ranks exit on their own briefly (MPI_Finalize), then end it."""
         if not self.must_stop:
-            try:
-                self.proc.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                pass  # ended below
-        self.end()
+            self.side.wait(timeout=wait)
+        self.side.end(now=self.must_stop)
+
+    @property
+    def live(self) -> bool:
+        return self.side in sidejob.live()
 
 
 def _clean_stack(data: dict) -> dict:
@@ -261,7 +219,11 @@ class SizeRun:
         self.runner, self.size, self.tmp = runner, size, tmp
         self.todo = list(todo)
         self.reference = Job("reference", runner.spec, size, todo, tmp, sandboxed=False)
-        self.learner: Job | None = self._learner(todo)
+        try:
+            self.learner: Job | None = self._learner(todo)
+        except BaseException:
+            self.reference.end()
+            raise
         self.verifying: dict[int, float] = {}  # case index -> when its outputs went to the reference job
         self.broken: dict | None = None  # the reference job failed: the checker's own fault
 
@@ -294,7 +256,7 @@ class SizeRun:
                     self.todo.pop(0)
                     self._next_learner()
                     continue
-                if ref.crash or ref.exited() or time.time() - self.verifying[cur.index] > VERIFY_TIMEOUT:
+                if ref.crash or ref.exited() or time.monotonic() - self.verifying[cur.index] > VERIFY_TIMEOUT:
                     self._checker_failed(decided, ref)
                 break
             if ref.crash or (ref.exited() and cur.index not in ref.ends):
@@ -308,7 +270,7 @@ class SizeRun:
             if exited:
                 job.read()
             ends = job.ends.get(cur.index, {})
-            now = time.time()
+            now = time.monotonic()
             result = None
             if len(ends) == self.size:
                 if all(e.get("status") == "ok" for e in ends.values()):
@@ -360,7 +322,7 @@ class SizeRun:
         seconds = {str(r): e.get("seconds") if isinstance(e.get("seconds"), (int, float)) else 0.0
                    for r, e in ends.items()}
         self._go(cur.index, True, seconds)
-        self.verifying[cur.index] = time.time()
+        self.verifying[cur.index] = time.monotonic()
 
     def _next_learner(self) -> None:
         """After a verdict: a learner job that has no case left winds down."""
@@ -395,9 +357,9 @@ class SizeRun:
         self.todo = []
 
     def close(self) -> None:
-        if self.learner is not None and self.learner in _live_jobs:
+        if self.learner is not None and self.learner.live:
             self.learner.end()
-        if self.reference in _live_jobs:
+        if self.reference.live:
             self.reference.wind_down(wait=0.5)
         self.learner = None
 
@@ -420,7 +382,9 @@ class Runner:
         tmp = tempfile.mkdtemp(prefix="hpdl-check-")
         runs: list[SizeRun] = []
         try:
-            runs = [SizeRun(self, size, todo, tmp) for size, todo in self.plan.items() if todo]
+            for size, todo in self.plan.items():
+                if todo:
+                    runs.append(SizeRun(self, size, todo, tmp))
             while runs:
                 for run in list(runs):
                     for planned, result in run.step():
@@ -434,9 +398,6 @@ class Runner:
         finally:
             for run in runs:
                 run.close()
-            for job in list(_live_jobs):
-                if job.dir.startswith(tmp):
-                    job.end()
             if not os.environ.get("HPDL_CHECK_KEEP"):
                 shutil.rmtree(tmp, ignore_errors=True)
         return results

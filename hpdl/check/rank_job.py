@@ -55,7 +55,8 @@ class RankJob:
         self.log = open(os.path.join(job_dir, f"rank{self.rank}.jsonl"), "a", buffering=1)
         self._fault = hang.install_faulthandler(job_dir, self.rank)
         self.client = int(self.spec.get("client_pid") or 0)  # 0 in a sandbox: bwrap ends us with the client
-        self.deadline = float(self.spec["deadline"])
+        # the job's whole allowance, counted on this rank's monotonic clock from its start
+        self.deadline = time.monotonic() + float(self.spec["lifetime"])
         hang.Answerer(job_dir, self.rank, poll=0.05, files=self.files, line_offset=state["offset"],
                       extra=lambda: {"case": state["case"], "phase": state["phase"], "call": self.current_call()},
                       on_tick=self._tick).start()
@@ -72,7 +73,7 @@ class RankJob:
         """Never outlive the client, nor the job's deadline."""
         from hpdl import procs
 
-        if time.time() > self.deadline or (self.client and not procs.pid_alive(self.client)):
+        if time.monotonic() > self.deadline or (self.client and not procs.pid_alive(self.client)):
             _unlink_shared_memory(self.client)  # MPI_Finalize, which would, never comes
             os._exit(70)
 

@@ -19,7 +19,6 @@ import logging
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import uuid
 from dataclasses import dataclass, field
@@ -143,9 +142,11 @@ def bwrap() -> str | None:
 
 @functools.lru_cache(maxsize=4)
 def _works(exe: str) -> bool:
+    from hpdl import sidejob
+
     try:
-        return subprocess.run([exe, *_base_args(), "true"], capture_output=True, timeout=20).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
+        return sidejob.run([exe, *_base_args(), "true"], 20, shared_memory=False).returncode == 0
+    except OSError:
         return False
 
 

@@ -1,0 +1,137 @@
+"""The side-job supervisor (hpdl.sidejob): real processes, real MPI jobs, real signals.
+
+One grace policy, deadlines on the monotonic clock, nothing left behind (tree, group, a daemon
+that left both, MPI shared memory), and one place in the package that starts side jobs."""
+from __future__ import annotations
+
+import re
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+
+import hpdl
+from hpdl import launchers, sidejob
+
+PKG = Path(__file__).resolve().parents[1] / "hpdl"
+FIXTURES = Path(__file__).parent / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+import learner_ring as L  # noqa: E402  (a learner's ring: it starts MPI in this process, once)
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def test_a_job_that_exits_by_itself_gives_its_code_and_output(no_strays):
+    done = sidejob.run(_py("import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"), 30,
+                       errors_apart=True)
+    assert (done.returncode, done.output.strip(), done.errors.strip(), done.timed_out) == (3, "out", "err", False)
+
+
+def test_past_its_time_the_whole_tree_and_group_end_at_once(no_strays, tmp_path):
+    # a child in the job's group and a grandchild: both gone when the time is up
+    pids = tmp_path / "pids"
+    done = sidejob.run(_py(f"""
+        import os, subprocess, sys, time
+        kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(2)]
+        open({str(pids)!r}, "w").write(" ".join(str(k.pid) for k in kids))
+        time.sleep(600)
+    """), 3)
+    assert done.timed_out and done.returncode is None and 2.5 < done.seconds < 20
+    for pid in map(int, pids.read_text().split()):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_one_grace_policy_done_work_gets_sigterm_then_grace_decided_work_is_killed(no_strays, tmp_path):
+    code = """
+        import signal, sys, time
+        def bye(*_):
+            open(sys.argv[1], "w").write("cleaned up")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, bye)
+        open(sys.argv[1] + ".ready", "w").close()
+        time.sleep(600)
+    """
+    for now, expect in ((False, True), (True, False)):
+        mark = tmp_path / f"now-{now}"
+        job = sidejob.SideJob([*_py(code), str(mark)])
+        deadline = time.monotonic() + 30
+        while not Path(str(mark) + ".ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        job.end(now=now)
+        assert mark.exists() is expect, f"end(now={now})"
+        assert job.returncode == (0 if expect else -9)
+
+
+def test_sweep_ends_a_daemon_that_left_the_tree_and_the_group(no_strays, tmp_path):
+    pidfile = tmp_path / "daemon"
+    daemon = f"""
+        import os, time
+        if os.fork():
+            os._exit(0)
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        open({str(pidfile)!r}, "w").write(str(os.getpid()))
+        time.sleep(600)
+    """
+    job = sidejob.SideJob(_py(daemon), sweep=True)
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline, "the daemon never started"
+        time.sleep(0.05)
+    pid = int(pidfile.read_text())
+    assert psutil.Process(pid).ppid() != job.pid and psutil.Process(pid).pid not in job.pids()
+    job.end()
+    psutil.wait_procs([psutil.Process(pid)] if psutil.pid_exists(pid) else [], timeout=5)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_an_mpi_job_killed_mid_run_leaves_no_rank_and_no_shared_memory(no_strays):
+    # no_strays fails the test if a rank or an MPICH /dev/shm segment is left
+    program = _py("""
+        from mpi4py import MPI
+        import numpy as np, time
+        a = np.ones(1 << 16)
+        MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, a)
+        print("reduced", MPI.COMM_WORLD.Get_rank(), flush=True)
+        time.sleep(600)
+    """)
+    with sidejob.SideJob([*launchers.side_job_command(2), *program], env=sidejob.job_env(), timeout=60) as job:
+        deadline = time.monotonic() + 60
+        while job.output_text().count("reduced") < 2:
+            assert job.running() and time.monotonic() < deadline, job.output_text()
+            time.sleep(0.1)
+        job.running()  # one more look at the ranks' segments
+        assert job.segments or launchers.mpiexec_implementation() != "MPICH"
+        job.end(now=True)
+
+
+def test_a_wall_clock_step_during_a_check_changes_no_verdict(no_strays, monkeypatch):
+    """Deadlines that decide grades count on the monotonic clock: a wall clock that steps ahead
+    mid-check (NTP, a resumed laptop) is no HANG and no 'ranks did not start'. Here it runs a
+    thousand times fast, a step at every look."""
+    real, t0 = time.time, time.time()
+    monkeypatch.setattr(time, "time", lambda: t0 + (real() - t0) * 1000)
+    result = hpdl.check("ring_allreduce", L.ring_ok, ranks=[2], timeout=5)
+    assert set(result.verdicts.values()) == {"PASS"}, result
+
+
+def test_only_the_supervisor_starts_or_polls_side_jobs():
+    """Processes are started in one place per kind: side jobs by hpdl/sidejob.py, the reaper by
+    cluster/cleanup.py (a watchman, not a side job), engines by ipyparallel (cluster/lifecycle.py)."""
+    allowed = {"sidejob.py": "side jobs", "cluster/cleanup.py": "the reaper",
+               "launchers/__main__.py": "a rank's prologue, which becomes its engine (exec)"}
+    found = {}
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).as_posix()
+        text = path.read_text()
+        if re.search(r"subprocess\.Popen\(|os\.(spawn|fork|exec)\w*\(", text) and rel not in allowed:
+            found[rel] = "starts a process"
+        if re.search(r"\.communicate\(|procs\.end\(|procs\.end_popen\(|procs\.end_group_now\(", text) \
+                and rel not in ("sidejob.py", "reaper.py", "cluster/cleanup.py", "procs.py"):
+            found[rel] = "ends a process itself"
+    assert not found, f"start side jobs through hpdl.sidejob: {found}"
