@@ -216,9 +216,11 @@ try:
     view.execute("import os; who = (rank, comm.allreduce(rank + 1), os.environ.get('PBS_JOBID'))", block=True)
     who = sorted(view.pull("who", block=True))
     status = hpdl.status()["launcher"]
+    view.execute("shm = sorted({l.split()[-1] for l in open('/proc/self/maps') if '/dev/shm/' in l})", block=True)
+    shm = sorted({path for paths in view.pull("shm", block=True) for path in paths})
 finally:
     hpdl.stop(quiet=True)
-print(json.dumps({"who": who, "status": status}))
+print(json.dumps({"who": who, "status": status, "shm": shm, "shm_left": [p for p in shm if os.path.exists(p)]}))
 """
 
 
@@ -227,6 +229,7 @@ def test_hpdl_start_runs_its_ranks_inside_the_plugins_batch_job(plugins, stub_pb
     job = "8000001.stub"
     assert got["status"] == "pbs"
     assert got["who"] == [[0, 3, job], [1, 3, job]]  # two ranks of one MPI job, inside the stub's job
+    assert got["shm"] and got["shm_left"] == []  # the ranks' MPI segment went with the job
     submitted = (stub_pbs / "qsub.log").read_text().splitlines()
     assert len(submitted) == 1 and submitted[0].startswith(f"{job} ")
     script = (stub_pbs / f"{job}.sh").read_text()
