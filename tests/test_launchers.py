@@ -1,8 +1,10 @@
 """Launchers are objects in a registry; site profiles give every rank the site's environment.
 
-A launcher defined here, in a test file, the way docs/LAUNCHERS.md shows a newcomer adding PBS,
-must be found by name, chosen by "auto" when it detects its environment, listed when a name is
-wrong, and really start ranks through hpdl.start(). The rest needs no Slurm: side jobs, the
+A launcher class defined here, in a test file, must be found by name, chosen by "auto" when it
+detects its environment, listed when a name is wrong, and really start ranks through hpdl.start();
+an entry point that names something else than a launcher is refused with a message, the registry
+unchanged (a whole outside package, installed, is tests/test_launcher_plugin.py). The rest needs no
+Slurm: side jobs, the
 resource options a job and its step share, and the prologue that makes a site's MPI library the
 one mpi4py loads (shown with a copy of the venv's own libmpi standing in for MVAPICH2-GDR).
 """
@@ -198,31 +200,36 @@ def test_site_profiles_still_read_and_comments_are_harmless(tmp_path, monkeypatc
     assert sites.main(["generic"]) == 0
 
 
-def test_the_pbs_example_in_the_docs_is_a_working_launcher(monkeypatch, tmp_path):
-    """docs/LAUNCHERS.md's one-file PBS launcher, run as written: registered, chosen by name and by
-    "auto" inside a PBS job, and it fills ipyparallel's PBS configuration."""
-    import re
+def test_a_bad_entry_point_is_refused_with_a_message_and_changes_nothing(tmp_path, monkeypatch):
+    from importlib import metadata
 
-    from traitlets.config import Config
+    from hpdl.launchers import base
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "LAUNCHERS.md").read_text()
-    example = next(b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "class Pbs" in b)
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    (fake_bin / "qsub").write_text("#!/bin/sh\nexit 1\n")
-    (fake_bin / "qsub").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
-    for var in ("SLURM_JOB_ID", "HPDL_LAUNCHER"):
-        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "hpdl_t_site.py").write_text(
+        "from hpdl.launchers import Launcher\n\n\n"
+        "class Lsf(Launcher):\n    name = 'lsf-old'\n\n\n"
+        "class MyLocal(Launcher):\n    name = 'local'\n\n\n"
+        "def not_a_class():\n    pass\n\n\n"
+        "class Flaky(Launcher):\n    name = 'flaky'\n    priority = 99\n\n"
+        "    def detect(self):\n        raise RuntimeError('no batch system here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = dict(launchers._REGISTRY)
+    cases = {"lsf = hpdl_t_site:Lsf": "whose name is 'lsf-old': give both the same name",
+             "local = hpdl_t_site:MyLocal": "takes the name of hpdl.launchers.local.Local",
+             "odd = hpdl_t_site:not_a_class": "not a subclass of hpdl.launchers.Launcher",
+             "gone = hpdl_t_nowhere:Gone": "ModuleNotFoundError"}
     try:
-        exec(compile(example, "docs/LAUNCHERS.md", "exec"), {"__name__": "pbs_example"})
-        assert "pbs" in launchers.known() and launchers.resolve("auto") == "local"
-        monkeypatch.setenv("PBS_JOBID", "123.server")
-        assert launchers.resolve("auto") == "pbs"
-        config = Config()
-        kwargs = launchers.configure("pbs", config, 8)
-        assert kwargs["engines"] == "pbs" and kwargs["start_timeout"] == 900
-        template = config.PBSEngineSetLauncher.batch_template
-        assert "#PBS -N {cluster_id}" in template and template.endswith("{program} --mpi {program_args}")
+        for line, says in cases.items():
+            name, _, value = (part.strip() for part in line.partition("="))
+            problem = base._load(metadata.EntryPoint(name, value, base.GROUP))
+            assert problem and says in problem and f"entry point `{line}`" in problem, problem
+            assert launchers._REGISTRY == before  # the module's classes registered on import went again
+        assert launchers.get("local").__class__.__module__ == "hpdl.launchers.local"
+        # a launcher whose detect() fails is passed over by "auto", not fatal to it
+        assert base._load(metadata.EntryPoint("flaky", "hpdl_t_site:Flaky", base.GROUP)) is None
+        monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+        monkeypatch.delenv("HPDL_LAUNCHER", raising=False)
+        assert launchers.resolve("auto") == "local" and "flaky" in launchers.known()
     finally:
-        launchers._REGISTRY.pop("pbs", None)
+        launchers._REGISTRY.clear()
+        launchers._REGISTRY.update(before)

@@ -20,56 +20,85 @@ CLIENT_SIDE = ("hpdl.cluster", "hpdl.magics", "hpdl.panel", "hpdl.check", "hpdl.
                "hpdl.cli", "hpdl.doctor")
 
 
-def _modules() -> dict[str, Path]:
+def _modules(pkg: Path = PKG) -> dict[str, Path]:
     mods = {}
-    for path in sorted(PKG.rglob("*.py")):
-        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    for path in sorted(pkg.rglob("*.py")):
+        parts = list(path.relative_to(pkg.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         mods[".".join(parts)] = path
     return mods
 
 
+def _packages_around(name: str) -> set[str]:
+    """The packages a module lives in: hpdl.launchers.slurm -> {hpdl, hpdl.launchers}."""
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+def _compared_strings(node: ast.AST) -> list[ast.AST]:
+    """Strings a module's name is only compared with (`package == "hpdl.check"`,
+    `name.startswith("hpdl.check.cases")`): they name a module without importing it."""
+    if isinstance(node, ast.Compare):
+        operands = [node.left, *node.comparators]
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+            and node.func.attr in ("startswith", "endswith"):
+        operands = list(node.args)
+    else:
+        return []
+    return [e for o in operands for e in (o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [o])]
+
+
 def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
-    """Every hpdl module `name` imports, at the top or inside a function, by an import statement
-    or by a string naming it (importlib.import_module, `python -m`). Left out: imports for type
-    checkers only (`if TYPE_CHECKING:`), and a module's own parent packages, which Python has
-    always loaded before the module itself."""
+    """Every module of the package `name` imports, at the top or inside a function, by an import
+    statement or by a string naming it (importlib.import_module, `python -m`; not one it is only
+    compared with), as Python runs it:
+    importing hpdl.launchers.slurm first imports the package hpdl.launchers (its __init__.py), so
+    that counts too. Left out: imports for type checkers only (`if TYPE_CHECKING:`), and the packages
+    `name` itself lives in when it only passes through them to a sibling (they are loaded, or being
+    loaded, before it runs). Naming its own package (`from hpdl.launchers import Launcher` inside
+    hpdl.launchers.slurm) counts: that is the half-loaded package, a cycle if its __init__.py
+    imports the module back."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):  # drop `if TYPE_CHECKING:` blocks
         if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
             node.body = []
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    top = name.split(".")[0]
+    around = _packages_around(name)
     found: set[str] = set()
 
     def add(target: str) -> None:
         while target and target not in mods:  # `from hpdl.x import function` -> hpdl.x
             target = target.rpartition(".")[0]
-        if target and target != name and not name.startswith(target + "."):
-            found.add(target)
+        if not target or target == name:
+            return
+        found.add(target)
+        found.update(_packages_around(target) - around - {name})
 
+    compared = {id(c) for node in ast.walk(tree) for c in _compared_strings(node)}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.split(".")[0] == "hpdl":
+                if alias.name.split(".")[0] == top:
                     add(alias.name)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(up + ([base] if base else []))
-            if base.split(".")[0] != "hpdl":
+            if base.split(".")[0] != top:
                 continue
             for alias in node.names:
                 add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in mods else base)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value \
-                and node.value in mods:
+                and node.value in mods and id(node) not in compared:
             add(node.value)
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    mods = _modules()
+def _graph(pkg: Path = PKG) -> dict[str, set[str]]:
+    mods = _modules(pkg)
     return {name: _imports(name, path, mods) for name, path in mods.items()}
 
 
@@ -115,6 +144,41 @@ def test_the_import_walk_sees_lazy_imports():
     assert "hpdl.reaper" in graph["hpdl.cluster.cleanup"]  # `python -m hpdl.reaper` and an import
     assert "hpdl.cluster" in graph["hpdl"]  # importlib by name
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    # importing hpdl.launchers.slurm runs hpdl/launchers/__init__.py first: both count
+    assert {"hpdl.launchers.slurm", "hpdl.launchers"} <= graph["hpdl.preflight"]
+
+
+def _write_package(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root / "pkg"
+
+
+def test_a_package_and_a_module_importing_each_other_is_a_cycle(tmp_path):
+    """The launchers' old shape: the package's __init__.py imports its launchers to register them,
+    and each launcher imports Launcher from the half-loaded package. A walk that skips a module's
+    own parent packages saw nothing; this one sees the cycle, and not the fixed shape (the class
+    in a base module that imports no launcher; a launcher passing through the package to it)."""
+    old = _write_package(tmp_path / "old", {
+        "pkg/__init__.py": "",
+        "pkg/launchers/__init__.py": "class Launcher:\n    pass\n\n\nfrom pkg.launchers.slurm import job_state\n",
+        "pkg/launchers/slurm.py": "from pkg.launchers import Launcher\n\n\ndef job_state(): ...\n",
+    })
+    assert _cycles(_graph(old)) == [["pkg.launchers", "pkg.launchers.slurm"]]
+    fixed = _write_package(tmp_path / "new", {
+        "pkg/__init__.py": "",
+        "pkg/launchers/__init__.py": "from pkg.launchers.base import Launcher\nfrom pkg.launchers.slurm import Slurm\n",
+        "pkg/launchers/base.py": "class Launcher:\n    pass\n",
+        "pkg/launchers/slurm.py": "from pkg.launchers.base import Launcher\n\n\nclass Slurm(Launcher): ...\n",
+        "pkg/check.py": 'def is_launcher(name):\n    return name == "pkg.launchers" or name.startswith(("pkg.x.y",))\n',
+    })
+    graph = _graph(fixed)
+    assert _cycles(graph) == [] and graph["pkg.launchers.slurm"] == {"pkg.launchers.base"}
+    assert graph["pkg.check"] == set()  # a module name it only compares with is no import
+    # from outside, reaching a launcher imports the package around it first
+    (fixed / "user.py").write_text("def start():\n    from pkg.launchers.slurm import Slurm\n")
+    assert _graph(fixed)["pkg.user"] == {"pkg.launchers", "pkg.launchers.slurm"}
 
 
 def test_no_import_cycles_in_hpdl():

@@ -15,7 +15,7 @@ from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLau
 from traitlets import Any, CRegExp, Integer
 
 from hpdl.errors import HpdlError
-from hpdl.launchers import secure_profile
+from hpdl.launchers.base import secure_profile
 from hpdl.launchers._slurm_queue import cancel_job, job_state, step_of
 from hpdl.sites import rank_wrapper
 

@@ -21,7 +21,8 @@ import socket
 import warnings
 
 from hpdl.errors import HpdlError
-from hpdl.launchers import Launcher, mpiexec_command
+from hpdl.launchers.base import Launcher
+from hpdl.launchers.mpiexec import mpiexec_command
 from hpdl.launchers._slurm_queue import cancel_job, job_state, step_of  # noqa: F401  (importable from here)
 from hpdl.sites import SlurmSite, job_resource_options, load_site, resource_mismatch, resource_options, rank_wrapper
 

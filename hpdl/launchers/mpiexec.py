@@ -1,0 +1,95 @@
+"""`mpiexec` on this machine: which one belongs to this Python, which MPI it is, and the flags that
+make every MPI implementation start ranks alike.
+
+A module of its own, importing no launcher, because the local launcher, the Slurm launcher's
+fallback, side jobs, benchmarks and a site's own launcher package all start `mpiexec` the same way.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from hpdl.errors import HpdlError
+
+_IMPLEMENTATION: dict[str, str] = {}
+
+# Variables a rank needs from the kernel's environment. Hydra (MPICH, Intel MPI) hands every
+# rank the whole environment; Open MPI only on this machine, so on other hosts it needs `-x NAME`.
+PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "MPI4PY_LIBMPI", "VIRTUAL_ENV", "PYTHONPATH")
+
+
+def engine_env() -> dict[str, str]:
+    """Environment every engine starts with: one thread until the rank sets its share."""
+    env = {"OMP_NUM_THREADS": "1", "IPP_NONINTERACTIVE": "1", "PYTHONUNBUFFERED": "1"}
+    # The venv's bin first, so ranks find the same MPI and Python as the kernel.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return env
+
+
+def find_mpiexec() -> str:
+    """The mpiexec that belongs to this Python's MPI (the venv's first), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found:
+        return found
+    raise HpdlError(
+        "No mpiexec found: this Python has no MPI launcher next to it and none is on PATH.\n"
+        "Run `make lab` from the kit's folder (it installs MPI into .venv), or on a cluster "
+        "`module load` your site's MPI before starting JupyterLab."
+    )
+
+
+def mpiexec_implementation(exe: str | None = None) -> str:
+    """Which MPI an mpiexec belongs to ("MPICH", "Open MPI", "Intel MPI", ...), from its --version."""
+    import subprocess
+
+    from hpdl.mpilib import implementation
+
+    exe = exe or find_mpiexec()
+    if exe not in _IMPLEMENTATION:
+        try:
+            p = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10)
+            out = p.stdout + p.stderr
+        except (OSError, subprocess.TimeoutExpired):
+            out = ""
+        _IMPLEMENTATION[exe] = implementation(out)
+    return _IMPLEMENTATION[exe]
+
+
+def mpiexec_flags(implementation: str, env_names: list[str] | tuple[str, ...] = (), as_root: bool = False) -> list[str]:
+    """The flags the kit gives `mpiexec` of each MPI, so every implementation starts ranks alike:
+    more ranks than cores allowed, no pinning (a rank sets its own thread count; two ranks pinned
+    to one core would halve both), the engines' environment on every host, and running as root
+    (containers, CI) allowed.
+
+    MPICH's Hydra already behaves so. Open MPI refuses more ranks than cores and running as root,
+    binds each rank to a core, and passes environment variables to other hosts only when named
+    with -x. Intel MPI pins each rank to cores unless I_MPI_PIN=0. Pure, so tested without MPI.
+    """
+    if implementation == "Open MPI":
+        flags = ["--oversubscribe", "--bind-to", "none"]
+        flags += ["--allow-run-as-root"] if as_root else []
+        for name in env_names:
+            flags += ["-x", name]
+        return flags
+    if implementation == "Intel MPI":
+        return ["-genv", "I_MPI_PIN", "0"]
+    return []
+
+
+def launch_flags(exe: str | None = None) -> list[str]:
+    """`mpiexec_flags` for the mpiexec found here and this process's environment."""
+    names = [k for k in (*engine_env(), *PASSED_ENV) if k in os.environ or k in engine_env()]
+    names += sorted(k for k in os.environ if k.startswith(("HPDL_", "HOROVOD_", "OMP_", "MPIR_CVAR_")))
+    as_root = hasattr(os, "geteuid") and os.geteuid() == 0
+    return mpiexec_flags(mpiexec_implementation(exe), list(dict.fromkeys(names)), as_root)
+
+
+def mpiexec_command(n: int) -> list[str]:
+    """`mpiexec -n N` for this Python's MPI, with the flags its implementation needs (mpiexec_flags)."""
+    exe = find_mpiexec()
+    return [exe, *launch_flags(exe), "-n", str(n)]
