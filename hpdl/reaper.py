@@ -11,7 +11,8 @@ The state file (JSON, written by hpdl.cluster) records processes as hpdl.procs r
 start time, host, boot id — so a pid reused after the kernel died, or a state file read on
 another node or after a reboot, never gets a signal:
 
-    {"watch": PROC, "procs": [PROC, ...], "groups": [PROC, ...], "slurm_jobs": ["123"], "shm": [PATH, ...]}
+    {"watch": PROC, "procs": [PROC, ...], "groups": [PROC, ...], "launcher": "slurm", "jobs": ["123"],
+     "shm": [PATH, ...]}
 
     python -m hpdl.reaper STATE_FILE
 """
@@ -22,7 +23,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,13 +37,15 @@ _alive = procs.pid_alive  # kept for hpdl/check/worker.py until it uses hpdl.pro
 
 
 def write_state(path: Path, watch: procs.Proc | None, recorded: list[procs.Proc], groups: list[procs.Proc],
-                slurm_jobs: list[str], shm: list[str]) -> None:
-    """Write the state atomically (the reaper may read it at any moment)."""
+                jobs: list[str], shm: list[str], launcher: str = "local") -> None:
+    """Write the state atomically (the reaper may read it at any moment). `jobs` are the batch
+    jobs `launcher` submitted for the ranks: the reaper cancels them through that launcher."""
     state = {
         "watch": watch.to_dict() if watch else None,
         "procs": [p.to_dict() for p in recorded],
         "groups": [p.to_dict() for p in groups],
-        "slurm_jobs": list(slurm_jobs),
+        "launcher": launcher,
+        "jobs": list(jobs),
         "shm": sorted(shm),
     }
     tmp = path.with_suffix(".tmp")
@@ -81,14 +83,26 @@ def orphaned(state: dict) -> bool:
 
 
 def kill_all(state: dict, grace: float = 2.0) -> None:
-    """End the recorded trees and groups (TERM, then KILL after `grace` s), cancel the Slurm
-    jobs, and remove the MPI shared memory the ranks mapped or were recorded with."""
+    """End the recorded trees and groups (TERM, then KILL after `grace` s), cancel the batch
+    jobs through the launcher that submitted them (Slurm's, or a site's own: hpdl.launchers),
+    and remove the MPI shared memory the ranks mapped or were recorded with."""
     def cancel() -> None:
-        for job in state.get("slurm_jobs", []):
+        jobs = state.get("jobs", [])
+        if not jobs:
+            return
+        from hpdl import launchers
+        from hpdl.errors import HpdlError
+
+        try:
+            launcher = launchers.get(str(state.get("launcher", "")))
+        except HpdlError as exc:
+            log.warning("could not cancel jobs %s: %s", jobs, exc)
+            return
+        for job in jobs:
             try:
-                subprocess.run(["scancel", str(job)], capture_output=True, timeout=30)
-            except (OSError, subprocess.SubprocessError) as exc:
-                log.warning("could not cancel Slurm job %s: %s", job, exc)
+                launcher.cancel(str(job))
+            except Exception as exc:  # one job that cannot be cancelled must not spare the others
+                log.warning("could not cancel %s job %s: %s", launcher.name, job, exc)
 
     recorded = [procs.Proc.from_dict(d) for d in state.get("procs", [])]
     groups = [procs.Proc.from_dict(d) for d in state.get("groups", [])]

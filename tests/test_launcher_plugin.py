@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,41 @@ def test_hpdl_start_runs_its_ranks_inside_the_plugins_batch_job(plugins, stub_pb
     assert len(submitted) == 1 and submitted[0].startswith(f"{job} ")
     script = (stub_pbs / f"{job}.sh").read_text()
     assert re.search(r"^#PBS -N hpdl-\d+-\w+$", script, re.M) and "-n 2 " in script and " --mpi " in script
-    assert (stub_pbs / "qdel.log").read_text().split() == ["8000001"]  # hpdl.stop() deleted the job
+    # hpdl.stop() deleted the job (ipyparallel's stop and the kit's own sweep both ask qdel)
+    assert set((stub_pbs / "qdel.log").read_text().split()) == {"8000001"}
     gone = subprocess.run([str(stub_pbs / "qstat"), job], capture_output=True, text=True, timeout=60)
     assert gone.returncode == 153 and "Unknown Job Id" in gone.stderr
+
+
+KILLED = """
+import json, sys, time
+import hpdl
+c = hpdl.start(n=2, launcher="pbs", frameworks=(), quiet=True)
+print(json.dumps({"state": str(c.state_file)}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_kernels_batch_job_is_cancelled_through_its_own_launcher(plugins, stub_pbs, no_strays):
+    """The reaper cancels what a launcher submitted through that launcher (here qdel), never by
+    assuming Slurm: a site's PBS job must not outlive a dead kernel, nor its id reach scancel."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(plugins)]),
+           "PATH": f"{stub_pbs}{os.pathsep}{os.environ['PATH']}"}
+    for var in ("SLURM_JOB_ID", "HPDL_LAUNCHER", "PBS_JOBID"):
+        env.pop(var, None)
+    kernel = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED)], stdout=subprocess.PIPE, text=True,
+                              env=env, cwd=stub_pbs.parent)
+    try:
+        state = json.loads(kernel.stdout.readline())["state"]
+        assert json.loads(Path(state).read_text())["launcher"] == "pbs"
+        kernel.kill()
+        kernel.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while not (stub_pbs / "qdel.log").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "8000001" in (stub_pbs / "qdel.log").read_text()
+        assert not (stub_pbs / "scancel.log").exists()
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()
+            kernel.wait()

@@ -160,7 +160,7 @@ def test_submitted_job_ranks_allreduce_and_stop_leaves_nothing(slurm, outside_sl
         view.execute("t = torch.tensor([float(rank + 1)]); dist.all_reduce(t); tsum = t.item()", block=True)
         assert view.pull("tsum", block=True) == [3.0, 3.0]
         # the reaper knows the job, so a killed kernel cancels it
-        assert json.loads(c.state_file.read_text())["slurm_jobs"] == [job]
+        assert json.loads(c.state_file.read_text())["jobs"] == [job]
         # connection files: only the user may read them
         modes = security_modes(Path(os.environ["HPDL_HOME"]))
         assert modes.pop("security/") == 0o700
@@ -197,7 +197,7 @@ def test_inside_an_allocation_engines_are_one_srun_step(slurm, outside_slurm, mo
             assert len(steps) == 1 and None not in steps
             step = f"{job}.{steps.pop()}"
             assert squeue("-s", "-j", job, "-o", "%i %j").splitlines() == [f"{step} {c.ipp.cluster_id}"]
-            assert json.loads(c.state_file.read_text())["slurm_jobs"] == [step]
+            assert json.loads(c.state_file.read_text())["jobs"] == [step]
         finally:
             hpdl.stop(quiet=True)
         wait_until(lambda: squeue("-s", "-j", job, "-o", "%i") == "", 30, "the engines' step did not end")
@@ -391,7 +391,7 @@ KERNEL = textwrap.dedent(
     """
     import json, sys, time, hpdl
     c = hpdl.start(n=2, launcher="slurm", frameworks=(), quiet=True)
-    print(json.dumps({"job": json.load(open(c.state_file))["slurm_jobs"][0],
+    print(json.dumps({"job": json.load(open(c.state_file))["jobs"][0],
                       "pids": [r["pid"] for r in c.ranks]}), flush=True)
     time.sleep(600)
     """

@@ -89,7 +89,7 @@ def test_reaper_kills_the_tree_when_the_watched_process_dies(tmp_path):
     state = tmp_path / "reaper.json"
     record = procs.record(tree.pid).to_dict()
     state.write_text(json.dumps({"watch": procs.record(kernel.pid).to_dict(), "procs": [record], "groups": [record],
-                                 "slurm_jobs": []}))
+                                 "jobs": []}))
     reaper = subprocess.Popen([sys.executable, "-m", "hpdl.reaper", str(state)])
     time.sleep(1.0)
     assert psutil.pid_exists(child) and reaper.poll() is None  # nothing happens while the kernel lives
@@ -104,7 +104,7 @@ def test_reaper_kills_the_tree_when_the_watched_process_dies(tmp_path):
 def test_reaper_leaves_quietly_after_a_clean_stop(tmp_path):
     state = tmp_path / "reaper.json"
     state.write_text(json.dumps({"watch": procs.record(os.getpid()).to_dict(), "procs": [], "groups": [],
-                                 "slurm_jobs": []}))
+                                 "jobs": []}))
     reaper = subprocess.Popen([sys.executable, "-m", "hpdl.reaper", str(state)])
     time.sleep(0.8)
     assert reaper.poll() is None

@@ -42,7 +42,7 @@ def start_reaper(state_file: Path) -> subprocess.Popen:
 
 
 def record(cluster: "Cluster") -> None:
-    """Tell the reaper what to end should the kernel die: process trees, groups, Slurm jobs."""
+    """Tell the reaper what to end should the kernel die: process trees, groups, batch jobs."""
     pids, jobs = [], []
     ctl = getattr(cluster.ipp, "controller", None)
     if ctl is not None and getattr(ctl, "pid", None):
@@ -60,7 +60,7 @@ def record(cluster: "Cluster") -> None:
     # MPI's shared-memory segments between ranks: a killed job leaves them in RAM (/dev/shm),
     # and once its ranks are gone nothing maps them any more, so remember them now.
     shm = sorted(procs.shared_memory_of(ranks))
-    reaper.write_state(cluster.state_file, procs.record(os.getpid()), recorded, groups, jobs, shm)
+    reaper.write_state(cluster.state_file, procs.record(os.getpid()), recorded, groups, jobs, shm, cluster.launcher)
 
 
 def force_stop(cluster: "Cluster") -> None:
