@@ -270,8 +270,6 @@ class SizeRun:
             if exited:
                 job.read()
             ends = job.ends.get(cur.index, {})
-            now = time.monotonic()
-            result = None
             if len(ends) == self.size:
                 if all(e.get("status") == "ok" for e in ends.values()):
                     self._hand_over(cur, job, ends)
@@ -281,20 +279,7 @@ class SizeRun:
                 decided.append((cur, result))
                 self.todo.pop(0)
                 continue
-            if job.crash is not None:
-                result = runner.internal_error(cur, self.size, job.crash)
-            elif cur.index in job.problem_at and now - job.problem_at[cur.index] > GRACE_AFTER_ERROR and not exited:
-                where = job.stacks([r for r in range(self.size) if r not in ends], runner.spec["code"])
-                result = runner.from_learner(cur, self.size, ends, left_waiting=where)
-            elif cur.index in job.starts and now - job.starts[cur.index] > cur.timeout and not exited:
-                stuck = [r for r in range(self.size) if r not in ends]
-                where = job.stacks(stuck, runner.spec["code"])
-                result = runner.hang(cur, self.size, ends, where, now - job.starts[cur.index])
-                job.hung = True
-            elif exited:
-                result = runner.died(cur, self.size, ends, job.ready, job.output_tail())
-            elif cur.index not in job.starts and now - job.launched > START_TIMEOUT:
-                result = runner.no_start(cur, self.size, job.ready, job.output_tail())
+            result = self._stopped(cur, job, ends, exited)
             if result is None:
                 break
             decided.append((cur, result))
@@ -305,6 +290,25 @@ class SizeRun:
             self._after_stop(job, decided)
             break
         return decided
+
+    def _stopped(self, cur: Planned, job: Job, ends: dict, exited: bool) -> CaseResult | None:
+        """The case's result when the learner job must stop before every rank returned (a crash
+        of ours, a rank that raised, the time limit, a dead or unstarted job); None: not yet."""
+        runner, now = self.runner, time.monotonic()
+        if job.crash is not None:
+            return runner.internal_error(cur, self.size, job.crash)
+        if cur.index in job.problem_at and now - job.problem_at[cur.index] > GRACE_AFTER_ERROR and not exited:
+            where = job.stacks([r for r in range(self.size) if r not in ends], runner.spec["code"])
+            return runner.from_learner(cur, self.size, ends, left_waiting=where)
+        if cur.index in job.starts and now - job.starts[cur.index] > cur.timeout and not exited:
+            where = job.stacks([r for r in range(self.size) if r not in ends], runner.spec["code"])
+            job.hung = True
+            return runner.hang(cur, self.size, ends, where, now - job.starts[cur.index])
+        if exited:
+            return runner.died(cur, self.size, ends, job.ready, job.output_tail())
+        if cur.index not in job.starts and now - job.launched > START_TIMEOUT:
+            return runner.no_start(cur, self.size, job.ready, job.output_tail())
+        return None
 
     def _hand_over(self, cur: Planned, job: Job, ends: dict) -> None:
         """The learner's ranks all returned: their output bytes go to the reference job."""
