@@ -23,7 +23,7 @@ _FUNCTIONS = {
     "restart": "hpdl.cluster",
     "status": "hpdl.cluster",
     "view": "hpdl.cluster",
-    "check": "hpdl.check",
+    "check": "hpdl.checker",
     "job_command": "hpdl.launchers",
 }
 _MODULES = {"data", "models", "plots", "bench", "dp", "timeline", "predict", "published", "tune", "panel"}

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import hpdl
-from hpdl.check import source
-from hpdl.check.report import CaseResult, CheckResult
+from hpdl.checker import source
+from hpdl.checker.report import CaseResult, CheckResult
 from hpdl.errors import HpdlError
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -58,7 +58,7 @@ def test_messages_are_escaped_in_html():
 
 
 def test_hpdl_check_stays_callable_after_its_package_is_imported():
-    import hpdl.check.report  # noqa: F401  (binds hpdl.check to the package)
+    import hpdl.checker.report  # noqa: F401  (binds hpdl.check to the package)
 
     assert callable(hpdl.check)
     with pytest.raises(HpdlError, match="No checks for an exercise named 'no_such_exercise'"):

@@ -16,8 +16,8 @@ PKG = Path(__file__).resolve().parents[1] / "hpdl"
 NOT_YET_ON_PROCS: tuple[str, ...] = ()
 
 ENGINE_SIDE = ("hpdl.rank", "hpdl.hang", "hpdl.watch", "hpdl.errors")  # run on every rank: no client-side imports
-CLIENT_SIDE = ("hpdl.cluster", "hpdl.magics", "hpdl.panel", "hpdl.check", "hpdl.grade", "hpdl.launchers", "hpdl.reaper",
-               "hpdl.cli", "hpdl.doctor")
+CLIENT_SIDE = ("hpdl.cluster", "hpdl.magics", "hpdl.panel", "hpdl.checker", "hpdl.grade", "hpdl.launchers",
+               "hpdl.reaper", "hpdl.cli", "hpdl.doctor")
 
 
 def _modules() -> dict[str, Path]:

@@ -29,7 +29,7 @@ __all__ = ["Cluster", "DEFAULT_CELL_TIMEOUT", "current", "home", "restart", "run
 
 
 def __getattr__(name: str):
-    # hpdl/check/run.py reads `cluster._current` until it switches to `running()`; remove then.
+    # hpdl/checker/run.py reads `cluster._current` until it switches to `running()`; remove then.
     if name == "_current":
         return running()
     raise AttributeError(f"module 'hpdl.cluster' has no attribute {name!r}")
