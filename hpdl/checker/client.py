@@ -47,18 +47,23 @@ def run_check(name: str, fn=None, *, ranks=None, grade: bool | None = None, time
 
 # -- the learner's function ---------------------------------------------------------------------
 
+def _running_cluster():
+    """The learner's running cluster, or None (also where ipyparallel is missing: a check needs none)."""
+    try:
+        from hpdl.cluster import running
+    except ImportError:
+        return None
+    return running()
+
+
 def learner_code(name: str, fn, caller=None) -> dict:
     """The packed function: `fn` itself, else `name` from rank 0 of the cluster, else from the caller."""
     if fn is not None:
         return _package(fn, name)
     problem = None
-    try:
-        from hpdl import cluster
-    except Exception:  # the cluster module is optional for checking
-        cluster = None
-    running = cluster is not None and getattr(cluster, "_current", None) is not None
+    c = _running_cluster()
+    running = c is not None
     if running:
-        c = cluster._current
         problem = c.problem()
         if problem is None:
             code = _from_rank0(c, name)
