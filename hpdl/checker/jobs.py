@@ -41,8 +41,9 @@ from pathlib import Path
 from hpdl import hang, procs
 from hpdl.checker import sandbox
 from hpdl.checker.cases import Case
-from hpdl.checker.report import CaseResult, Verdict, rank_word
+from hpdl.checker.report import CaseResult, Verdict
 from hpdl.checker.runner import job_command
+from hpdl.hang import rank_word
 
 GRACE_AFTER_ERROR = 0.2  # s: let the other ranks end the case on their own before aborting
 SHORT_FUSE = 1.0  # s: the time limit for the cases left at a rank count after one hung

@@ -10,6 +10,8 @@ import html
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
+from hpdl.hang import ranks_text
+
 
 class Verdict(str, Enum):
     """How one case ended. A str, so `case.verdict == "PASS"` and JSON keep working."""
@@ -34,18 +36,6 @@ class Verdict(str, Enum):
 VERDICTS = tuple(v.value for v in Verdict)
 EARNS_POINTS = ("PASS", "SLOW")  # SLOW is advisory: the result was right
 _COLOURS = {"PASS": "#1a7f37", "SLOW": "#9a6700", "WRONG": "#cf222e", "ERROR": "#cf222e", "HANG": "#8250df"}
-
-
-def ranks_text(ranks) -> str:
-    """[0, 1, 2, 3] -> '0–3'; [0, 2] -> '0, 2'."""
-    ranks = sorted(set(ranks))
-    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}–{ranks[-1]}"
-    return ", ".join(str(r) for r in ranks)
-
-
-def rank_word(ranks) -> str:
-    return f"rank{'s' if len(set(ranks)) != 1 else ''} {ranks_text(ranks)}"
 
 
 @dataclass
