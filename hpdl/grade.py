@@ -480,21 +480,21 @@ def _csv(header_rows: list[list], dict_rows: list[dict] | None = None) -> str:
 def _html(subs: list[Submission], exercises: list[str], worth: dict[str, float], total: float,
           sandbox_text: str) -> str:
     from hpdl.checker.report import CheckResult
+    from hpdl.tables import Html, html_table
 
     e = html.escape
-    td = "style='padding:3px 8px;border-bottom:1px solid #d0d7de;text-align:left'"
-    head = "".join(f"<th {td}>{e(x)}</th>" for x in ["submission", "status", "score", *exercises, "time"])
+    td = {"style": "padding:3px 8px;border-bottom:1px solid #d0d7de;text-align:left"}
     body, details = [], []
     for i, s in enumerate(subs):
         colour = "#1a7f37" if s.status == "ok" else "#cf222e"
-        cells = [f"<a href='#s{i}'>{e(s.name)}</a>", f"<span style='color:{colour}'>{e(s.status)}</span>",
-                 f"<b>{s.score(worth):g}</b> / {total:g}"]
+        cells = [Html(f"<a href='#s{i}'>{e(s.name)}</a>"), Html(f"<span style='color:{colour}'>{e(s.status)}</span>"),
+                 Html(f"<b>{s.score(worth):g}</b> / {total:g}")]
         for ex in exercises:
             c = s.checks.get(ex)
             cells.append(f"{float(c['score']):g} / {worth[ex]:g}" if c
-                         else "<span style='color:#57606a'>not reached</span>")
+                         else Html("<span style='color:#57606a'>not reached</span>"))
         cells.append(f"{s.seconds:.0f} s")
-        body.append("<tr>" + "".join(f"<td {td}>{c}</td>" for c in cells) + "</tr>")
+        body.append(cells)
         parts = [f"<h3 id='s{i}'>{e(s.name)} — {s.score(worth):g} / {total:g}</h3>"]
         if s.detail:
             parts.append(f"<p>{e(s.status)}: {e(s.detail)}</p>")
@@ -515,7 +515,8 @@ def _html(subs: list[Submission], exercises: list[str], worth: dict[str, float],
         "<body style='font-family:system-ui,sans-serif;font-size:14px;margin:20px'>"
         f"<h1>Grades</h1><p style='{warn}'>{e(sandbox_text)}</p>"
         f"<p>{len(subs)} submissions · {time.strftime('%Y-%m-%d %H:%M')}</p>"
-        f"<table style='border-collapse:collapse'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+        + html_table(["submission", "status", "score", *exercises, "time"], body,
+                     attrs={"style": "border-collapse:collapse"}, th=td, td=td)
         + "".join(f"<section>{d}</section>" for d in details)
         + "</body></html>\n"
     )

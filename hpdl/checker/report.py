@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 
 from hpdl.hang import ranks_text
+from hpdl.tables import Html, html_table
 
 
 class Verdict(str, Enum):
@@ -200,23 +201,17 @@ class CheckResult:
         e = html.escape
         head = f"<div style='font-weight:600;margin:2px 0 4px'>{e(self._headline())}</div>"
         cells = "padding:2px 8px;text-align:left;vertical-align:top;border-bottom:1px solid #d0d7de"
+        text = f"{cells};white-space:pre-wrap;font-family:var(--jp-code-font-family,monospace);font-size:11px"
         rows = []
-        for ranks, name, verdict, pts, text in self._rows():
+        for ranks, name, verdict, pts, message in self._rows():
             colour = _COLOURS.get(verdict, "#57606a")
-            badge = (f"<span style='color:#fff;background:{colour};border-radius:3px;padding:0 5px;"
-                     f"font-size:11px;font-weight:600'>{verdict}</span>")
-            rows.append(
-                f"<tr><td style='{cells}'>{e(ranks)}</td><td style='{cells}'>{e(name)}</td>"
-                f"<td style='{cells}'>{badge}</td><td style='{cells};white-space:nowrap'>{e(pts)}</td>"
-                f"<td style='{cells};white-space:pre-wrap;font-family:var(--jp-code-font-family,monospace);"
-                f"font-size:11px'>{e(text)}</td></tr>"
-            )
-        table = (
-            "<table style='border-collapse:collapse;font-size:12px'>"
-            f"<thead><tr><th style='{cells}'>ranks</th><th style='{cells}'>case</th><th style='{cells}'>verdict</th>"
-            f"<th style='{cells}'>points</th><th style='{cells}'>what happened</th></tr></thead>"
-            f"<tbody>{''.join(rows)}</tbody></table>"
-        )
+            badge = Html(f"<span style='color:#fff;background:{colour};border-radius:3px;padding:0 5px;"
+                         f"font-size:11px;font-weight:600'>{e(verdict)}</span>")
+            rows.append([ranks, name, badge, pts, message])  # the learner's text: escaped by html_table
+        columns = [{"style": cells}] * 3 + [{"style": f"{cells};white-space:nowrap"}, {"style": text}]
+        table = html_table(["ranks", "case", "verdict", "points", "what happened"], rows,
+                           attrs={"style": "border-collapse:collapse;font-size:12px"}, th={"style": cells},
+                           td=columns)
         notes = "".join(f"<div style='font-size:12px;margin-top:4px'>{e(n)}</div>" for n in self._footer())
         return f"<div class='hpdl-check'>{head}{table}{notes}</div>"
 
