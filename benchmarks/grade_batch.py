@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hpdl import build, grade  # noqa: E402
-from hpdl.check import sandbox  # noqa: E402
+from hpdl.checker import sandbox  # noqa: E402
 
 FORK_BOMB = ("import os, time\nfor _ in range(100000):\n    if os.fork() == 0:\n"
              "        time.sleep(600)\n        os._exit(0)")

@@ -3,13 +3,13 @@
     hpdl grade SUBMISSIONS_DIR --out report [--timeout 600] [--jobs 1] [--exercises a,b]
 
 Each notebook (SUBMISSIONS_DIR/*.ipynb, or one folder per learner) is copied to a folder of
-its own and executed there by nbclient, in a bubblewrap sandbox (check/sandbox.py: the kit and
+its own and executed there by nbclient, in a bubblewrap sandbox (checker/sandbox.py: the kit and
 everything else read-only, other submissions and the reports invisible, private /tmp, no
 network, its own PID namespace, rlimits on CPU, memory, processes and file size) or, where
 there is none, under the same rlimits in a process group of its own; the report says which.
 
 The submission's kernel decides nothing: each hpdl.check() in it hands the learner's function
-to this process (check/grade_service.py), which runs the check in grade mode (the exercise's
+to this process (checker/grade_service.py), which runs the check in grade mode (the exercise's
 own rank counts, time limits and hidden cases) and keeps the result. Points per exercise come
 from the case modules; the exercises scored are those named with --exercises, else those the
 submissions' notebooks call in at least half of them.
@@ -73,7 +73,7 @@ class Submission:
 def find_submissions(folder: Path) -> list[Submission]:
     if not folder.is_dir():
         raise HpdlError(f"{folder} is not a folder of submitted notebooks.")
-    from hpdl.check.cases import known
+    from hpdl.checker.cases import known
 
     exercises = set(known())
     subs = []
@@ -191,8 +191,8 @@ class Running:
 
     def __init__(self, sub: Submission, work: Path, out: Path, limit: float, hidden: list[str]):
         from hpdl import sidejob
-        from hpdl.check import sandbox
-        from hpdl.check.grade_service import Service
+        from hpdl.checker import sandbox
+        from hpdl.checker.grade_service import Service
 
         self.sub, self.work, self.limit = sub, work, limit
         self.home = work / "hpdl-home"
@@ -304,7 +304,7 @@ def _append(out: Path, sub: Submission) -> None:
 
 def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress: bool = True,
           exercises: list[str] | None = None) -> list[Submission]:
-    from hpdl.check import sandbox
+    from hpdl.checker import sandbox
 
     subs = find_submissions(folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -357,7 +357,7 @@ def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress
 
 def _done(out: Path, subs: list[Submission], sub: Submission, exercises, bar) -> None:
     """One submission finished: keep it, and rewrite the reports so far (a valid partial report)."""
-    from hpdl.check import sandbox
+    from hpdl.checker import sandbox
 
     _append(out, sub)
     write_reports(subs, out, exercises, sandbox.describe())
@@ -386,7 +386,7 @@ def scored_exercises(subs: list[Submission], exercises: list[str] | None = None)
 
 def planned_points(exercise: str) -> float:
     """All points of an exercise in grade mode: every case, hidden ones included, at its rank counts."""
-    from hpdl.check import cases
+    from hpdl.checker import cases
 
     module = cases.load(exercise)
     ranks = getattr(module, "RANKS", (1, 2, 3, 4))
@@ -449,22 +449,22 @@ def _csv(header_rows: list[list], dict_rows: list[dict] | None = None) -> str:
 
 def _html(subs: list[Submission], exercises: list[str], worth: dict[str, float], total: float,
           sandbox_text: str) -> str:
-    from hpdl.check.report import CheckResult
+    from hpdl.checker.report import CheckResult
+    from hpdl.tables import Html, html_table
 
     e = html.escape
-    td = "style='padding:3px 8px;border-bottom:1px solid #d0d7de;text-align:left'"
-    head = "".join(f"<th {td}>{e(x)}</th>" for x in ["submission", "status", "score", *exercises, "time"])
+    td = {"style": "padding:3px 8px;border-bottom:1px solid #d0d7de;text-align:left"}
     body, details = [], []
     for i, s in enumerate(subs):
         colour = "#1a7f37" if s.status == "ok" else "#cf222e"
-        cells = [f"<a href='#s{i}'>{e(s.name)}</a>", f"<span style='color:{colour}'>{e(s.status)}</span>",
-                 f"<b>{s.score(worth):g}</b> / {total:g}"]
+        cells = [Html(f"<a href='#s{i}'>{e(s.name)}</a>"), Html(f"<span style='color:{colour}'>{e(s.status)}</span>"),
+                 Html(f"<b>{s.score(worth):g}</b> / {total:g}")]
         for ex in exercises:
             c = s.checks.get(ex)
             cells.append(f"{float(c['score']):g} / {worth[ex]:g}" if c
-                         else "<span style='color:#57606a'>not reached</span>")
+                         else Html("<span style='color:#57606a'>not reached</span>"))
         cells.append(f"{s.seconds:.0f} s")
-        body.append("<tr>" + "".join(f"<td {td}>{c}</td>" for c in cells) + "</tr>")
+        body.append(cells)
         parts = [f"<h3 id='s{i}'>{e(s.name)} — {s.score(worth):g} / {total:g}</h3>"]
         if s.detail:
             parts.append(f"<p>{e(s.status)}: {e(s.detail)}</p>")
@@ -485,7 +485,8 @@ def _html(subs: list[Submission], exercises: list[str], worth: dict[str, float],
         "<body style='font-family:system-ui,sans-serif;font-size:14px;margin:20px'>"
         f"<h1>Grades</h1><p style='{warn}'>{e(sandbox_text)}</p>"
         f"<p>{len(subs)} submissions · {time.strftime('%Y-%m-%d %H:%M')}</p>"
-        f"<table style='border-collapse:collapse'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+        + html_table(["submission", "status", "score", *exercises, "time"], body,
+                     attrs={"style": "border-collapse:collapse"}, th=td, td=td)
         + "".join(f"<section>{d}</section>" for d in details)
         + "</body></html>\n"
     )
@@ -506,13 +507,13 @@ def main(argv: list[str]) -> int:
         raise HpdlError("--timeout must be positive seconds and --jobs at least 1.")
     wanted = None
     if args.exercises:
-        from hpdl.check.cases import known
+        from hpdl.checker.cases import known
 
         wanted = [x.strip() for x in args.exercises.split(",") if x.strip()]
         unknown = sorted(set(wanted) - set(known()))
         if unknown:
             raise HpdlError(f"No checks for {', '.join(unknown)}. Known exercises: {', '.join(known())}.")
-    from hpdl.check import sandbox
+    from hpdl.checker import sandbox
 
     print(f"hpdl grade: {sandbox.describe()}")
     subs = grade(args.submissions, args.out, limit=args.timeout, jobs=args.jobs, exercises=wanted)

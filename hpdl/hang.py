@@ -238,16 +238,17 @@ PANEL_HINT = (
 
 
 def ranks_text(ranks: Iterable[int]) -> str:
-    """'0–3' for a run of three or more, else '0, 2'."""
-    ranks = sorted(ranks)
+    """'0–3' for a run of three or more, else '0, 2'; each rank once, however often it is listed
+    (one rule for %%px, the panel and the checker, which all word rank lists with these two)."""
+    ranks = sorted(set(ranks))
     if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}–{ranks[-1]}"
     return ", ".join(str(r) for r in ranks)
 
 
 def rank_word(ranks: Iterable[int]) -> str:
-    """'rank 0' or 'ranks 1, 2'."""
-    ranks = sorted(set(ranks))
+    """'rank 0' or 'ranks 1, 2' (the count is of distinct ranks, as in ranks_text)."""
+    ranks = set(ranks)
     return f"rank{'s' if len(ranks) != 1 else ''} {ranks_text(ranks)}"
 
 

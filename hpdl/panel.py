@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from hpdl import hang, watch
 from hpdl.errors import HpdlError
+from hpdl.tables import Html, html_table
 from hpdl.watch import step
 
 log = logging.getLogger(__name__)
@@ -146,15 +147,15 @@ class Model:
 def _render(rows: list[Row], header: str, note: str = "", updates: int = 0) -> str:
     gpu = any(row.gpu for row in rows)
     cols = ["rank", "state", "where", "last step", "memory (RSS)"] + (["GPU memory"] if gpu else []) + ["process"]
-    th = "".join(f"<th style='text-align:left;padding:2px 10px'>{c}</th>" for c in cols)
-    body = []
+    body, marks = [], []
     for row in rows:
         colour = COLOURS.get(row.state, "#000")
-        cells = [str(row.rank), f"<b style='color:{colour}'>● {row.state}</b>", html.escape(row.detail),
-                 html.escape(row.step), row.memory] + ([row.gpu or "—"] if gpu else []) + [html.escape(row.process)]
-        tds = "".join(f"<td style='padding:2px 10px'>{c}</td>" for c in cells)
-        body.append(f"<tr class='hpdl-rank' data-rank='{row.rank}' data-state='{row.state}'>{tds}</tr>")
-    table = f"<table><thead><tr>{th}</tr></thead><tbody>{''.join(body)}</tbody></table>" if rows else ""
+        state = Html(f"<b style='color:{colour}'>● {html.escape(row.state)}</b>")
+        body.append([row.rank, state, row.detail, row.step, row.memory] + ([row.gpu or "—"] if gpu else [])
+                    + [row.process])
+        marks.append({"class": "hpdl-rank", "data-rank": row.rank, "data-state": row.state})
+    table = html_table(cols, body, th={"style": "text-align:left;padding:2px 10px"},
+                       td={"style": "padding:2px 10px"}, row_attrs=marks) if rows else ""
     foot = f"<div style='color:#6b7280;font-size:90%'>{html.escape(note)}</div>" if note else ""
     return (f"<div class='hpdl-panel' data-updates='{updates}' style='font-family:monospace;font-size:12px'>"
             f"<div><b>{html.escape(header)}</b></div>{table}{foot}</div>")

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from hpdl.errors import HpdlError
 from hpdl.sites import EXPECT_KEYS, SlurmSite, load_site, rank_wrapper, resource_options, sbatch_args
+from hpdl.tables import html_table
 
 GRACE = 15  # seconds the client waits beyond --timeout, so a stuck rank's own stack dump reaches the output
 RANK_VARS = ("SLURM_PROCID", "PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")  # who I am before MPI starts
@@ -308,21 +309,20 @@ def render(result: dict) -> str:
     return "\n".join(lines + ["", f"NO-GO: {bad} check(s) failed (reasons above)." if bad else "GO: no check failed."])
 
 
-def _cell(v, tag: str = "td") -> str:
-    text = str(v)
+def _text(v) -> str:
+    """A value as a table shows it: — for none, yes/no, three figures and no exponents for floats."""
     if v is None:
-        text = "—"
-    elif isinstance(v, bool):
-        text = "yes" if v else "no"
-    elif isinstance(v, float):
-        text = f"{v:.3g}" if v < 1000 else f"{v:,.0f}"  # 5.59, 0.0172, 8,830: three figures, no exponents
-    return f"<{tag}>{html.escape(text)}</{tag}>"
+        return "—"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.3g}" if v < 1000 else f"{v:,.0f}"  # 5.59, 0.0172, 8,830
+    return str(v)
 
 
 def _table(head: list[str], body: list[list], classes: list[str] | None = None) -> str:
-    rows = "".join(f"<tr class='{c}'>" + "".join(map(_cell, r)) + "</tr>"
-                   for r, c in zip(body, classes or [""] * len(body)))
-    return "<table><tr>" + "".join(_cell(h, "th") for h in head) + f"</tr>{rows}</table>"
+    return html_table(head, [[_text(v) for v in r] for r in body],
+                      row_attrs=[{"class": c} for c in classes] if classes else None)
 
 
 RANK_COLUMNS = ("rank", "host", "local_rank", "device", "memory_GB", "torch", "cuda", "nccl", "mpi", "mpi_file",

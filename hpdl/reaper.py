@@ -29,11 +29,7 @@ from pathlib import Path
 
 from hpdl import procs
 
-# hpdl/check and hpdl/grade.py still import these from here; they now live in hpdl.procs.
-from hpdl.procs import shared_memory_of, singleton_shared_memory  # noqa: F401
-
 log = logging.getLogger(__name__)
-_alive = procs.pid_alive  # kept for hpdl/check/worker.py until it uses hpdl.procs
 
 
 def write_state(path: Path, watch: procs.Proc | None, recorded: list[procs.Proc], groups: list[procs.Proc],

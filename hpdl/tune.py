@@ -29,7 +29,6 @@ Everything that starts ranks here runs a fresh side job (hpdl.sidejob; the engin
 from __future__ import annotations
 
 import argparse
-import html
 import json
 import logging
 import re
@@ -425,6 +424,7 @@ def report(folder: str | Path, sweeps: Sequence[dict], table: Sequence[tuple[int
     """Write the measured sweeps (CSV), the plot, the selection table, MPICH's tuning file and an
     index.html summing them up into `folder`; returns the HTML page's path."""
     from hpdl import plots
+    from hpdl.tables import html_table
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -435,13 +435,13 @@ def report(folder: str | Path, sweeps: Sequence[dict], table: Sequence[tuple[int
     write_tuning_file(table, folder / "mpich-allreduce.json")
     fig = plots.latency_bandwidth(list(sweeps), title=f"MPI_Allreduce, {sweeps[0]['ranks']} ranks")
     fig.savefig(folder / "allreduce.png", dpi=90)
-    rows = "".join(f"<tr><td>{'≤ ' + plots.size_label(u) if u else 'larger'}</td><td>{html.escape(a)}</td></tr>"
-                   for u, a in table)
+    selection = html_table(["message per rank", "algorithm"],
+                           [["≤ " + plots.size_label(u) if u else "larger", a] for u, a in table])
     ratio = ""
     if tuned and default:
-        cells = "".join(f"<tr><td>{plots.size_label(n)}</td><td>{d / t:.2f}×</td></tr>"
-                        for n, t, d in zip(tuned["sizes"], tuned["seconds"], default["seconds"]))
-        ratio = f"<h2>Tuned against MPICH's default (time ratio, &gt; 1: tuned faster)</h2><table>{cells}</table>"
+        ratio = "<h2>Tuned against MPICH's default (time ratio, &gt; 1: tuned faster)</h2>" + html_table(
+            None, [[plots.size_label(n), f"{d / t:.2f}×"]
+                   for n, t, d in zip(tuned["sizes"], tuned["seconds"], default["seconds"])])
     model = ""
     if fit:
         model = (f"<h2>α-β-γ on these ranks</h2><p>α = {fit['alpha'] * 1e6:.2f} µs, β = 1/({1 / fit['beta'] / 1e9:.2f}"
@@ -453,7 +453,7 @@ MPI_Allreduce of float32 sums. Files: <a href="allreduce.csv">allreduce.csv</a>,
 <a href="mpich-allreduce.json">mpich-allreduce.json</a> (use it with
 <code>{ENV_TUNING_FILE}=$PWD/mpich-allreduce.json</code>).</p>
 <img src="allreduce.png" style="max-width:100%"><h2>Selection table</h2>
-<table><tr><th>message per rank</th><th>algorithm</th></tr>{rows}</table>{ratio}{model}
+{selection}{ratio}{model}
 """
     path = folder / "index.html"
     path.write_text(page)

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import hpdl
-from hpdl.check.cases import column_parallel_linear as cpl_case
-from hpdl.check.cases import pipeline_step as pipe_case
+from hpdl.checker.cases import column_parallel_linear as cpl_case
+from hpdl.checker.cases import pipeline_step as pipe_case
 from conftest import hints, learner_copy, passed, rejected
 
 rows_of = learner_copy(cpl_case.rows_of)  # the learner's own copy: case modules are not importable in a check

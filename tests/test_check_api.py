@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import hpdl
-from hpdl.check import source
-from hpdl.check.report import CaseResult, CheckResult
+from hpdl.checker import source
+from hpdl.checker.report import CaseResult, CheckResult
 from hpdl.errors import HpdlError
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -57,10 +57,14 @@ def test_messages_are_escaped_in_html():
     assert "<script>" not in html and "&lt;script&gt;" in html
 
 
-def test_hpdl_check_stays_callable_after_its_package_is_imported():
-    import hpdl.check.report  # noqa: F401  (binds hpdl.check to the package)
+def test_hpdl_check_is_a_plain_function_even_after_the_checker_is_imported():
+    import inspect
 
-    assert callable(hpdl.check)
+    import hpdl.checker.client  # noqa: F401  (a subpackage binds its name on hpdl: not `check`)
+    import hpdl.checker.report  # noqa: F401
+
+    assert inspect.isfunction(hpdl.check) and hpdl.check.__module__ == "hpdl"
+    assert "check" in hpdl.__all__
     with pytest.raises(HpdlError, match="No checks for an exercise named 'no_such_exercise'"):
         hpdl.check("no_such_exercise", L.ring_ok)
 

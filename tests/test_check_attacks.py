@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import hpdl
-from hpdl.check import sandbox
+from hpdl.checker import sandbox
 from hpdl.errors import HpdlError
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -41,7 +41,7 @@ def test_reference_solutions_are_not_importable_while_checked(attack, no_strays)
 
 
 def test_a_function_of_the_kit_is_refused_with_a_clear_message():
-    from hpdl.check.cases import ring_allreduce
+    from hpdl.checker.cases import ring_allreduce
 
     with pytest.raises(HpdlError, match="defined in the kit itself"):
         hpdl.check("ring_allreduce", ring_allreduce.reference)
@@ -125,7 +125,7 @@ def test_a_kit_installed_under_tmp_still_runs_in_the_sandbox(tmp_path):
     try:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
         kit = str(Path(sandbox.__file__).resolve().parents[2])
-        code = ("import subprocess, sys\nfrom hpdl.check import sandbox\n"
+        code = ("import subprocess, sys\nfrom hpdl.checker import sandbox\n"
                 "cmd = sandbox.wrap([sys.executable, '-c', 'import sys; print(sys.prefix)'])\n"
                 "done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)\n"
                 "print(done.returncode, done.stdout.strip(), done.stderr.strip()[-300:])\n")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import hpdl
-from hpdl.check.runner import mpiexec_command
+from hpdl.checker.runner import mpiexec_command
 
 FIXTURES = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
@@ -28,7 +28,7 @@ def test_references_agree_with_serial_sums_and_copies(size, tmp_path):
         import copy
         import numpy as np
         from mpi4py import MPI
-        from hpdl.check.cases import load
+        from hpdl.checker.cases import load
         comm = MPI.COMM_WORLD
         rank, p = comm.Get_rank(), comm.Get_size()
         checked = 0

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 import hpdl
-from hpdl.reaper import shared_memory_of
+from hpdl.procs import shared_memory_of
 
 FIXTURES = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))

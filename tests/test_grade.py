@@ -125,7 +125,7 @@ if os.fork() == 0:
     os._exit(0)
 """
 CHEAT_CHECK = """import hpdl
-from hpdl.check.cases import ring_allreduce as key
+from hpdl.checker.cases import ring_allreduce as key
 try:
     hpdl.check("ring_allreduce", key.reference)
 except Exception as exc:
@@ -172,7 +172,7 @@ def _daemons() -> list:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attacks, tmp_path, no_strays):
-    from hpdl.check import sandbox
+    from hpdl.checker import sandbox
 
     if not sandbox.available():
         pytest.skip("bubblewrap is not available: a submission could reach the grader's files (the report says so)")

@@ -11,13 +11,9 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "hpdl"
 
-# Modules that still signal processes or remove shared memory themselves. The checker and the
-# grader move to hpdl.procs next; empty this list then (each entry is a path under hpdl/).
-NOT_YET_ON_PROCS: tuple[str, ...] = ()
-
 ENGINE_SIDE = ("hpdl.rank", "hpdl.hang", "hpdl.watch", "hpdl.errors")  # run on every rank: no client-side imports
-CLIENT_SIDE = ("hpdl.cluster", "hpdl.magics", "hpdl.panel", "hpdl.check", "hpdl.grade", "hpdl.launchers", "hpdl.reaper",
-               "hpdl.cli", "hpdl.doctor")
+CLIENT_SIDE = ("hpdl.cluster", "hpdl.magics", "hpdl.panel", "hpdl.checker", "hpdl.grade", "hpdl.launchers",
+               "hpdl.reaper", "hpdl.cli", "hpdl.doctor")
 
 
 def _modules(pkg: Path = PKG) -> dict[str, Path]:
@@ -37,8 +33,8 @@ def _packages_around(name: str) -> set[str]:
 
 
 def _compared_strings(node: ast.AST) -> list[ast.AST]:
-    """Strings a module's name is only compared with (`package == "hpdl.check"`,
-    `name.startswith("hpdl.check.cases")`): they name a module without importing it."""
+    """Strings a module's name is only compared with (`package == "hpdl.checker"`,
+    `name.startswith("hpdl.checker.cases")`): they name a module without importing it."""
     if isinstance(node, ast.Compare):
         operands = [node.left, *node.comparators]
     elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
@@ -246,8 +242,8 @@ def _offenders() -> tuple[list[str], list[str]]:
 
 def test_only_procs_signals_processes_and_removes_shared_memory():
     signals, unlinks = _offenders()
-    assert [s for s in signals if not s.startswith(NOT_YET_ON_PROCS)] == []
-    assert [u for u in unlinks if not u.startswith(NOT_YET_ON_PROCS)] == []
+    assert signals == []
+    assert unlinks == []
 
 
 def test_the_signal_and_unlink_scan_finds_what_it_looks_for(tmp_path):

@@ -21,6 +21,19 @@ def test_ranks_text_compacts_runs():
     assert hang.ranks_text([5]) == "5"
 
 
+def test_rank_lists_have_one_wording_and_one_dedup_rule():
+    """%%px, the panel and the checker's table and verdicts all word rank lists through hang."""
+    from hpdl.checker import jobs, report
+
+    assert report.ranks_text is hang.ranks_text and jobs.rank_word is hang.rank_word
+    assert hang.ranks_text([2, 0, 1, 1, 0]) == "0–2"  # a rank listed twice counts once
+    assert hang.ranks_text([3, 1, 3]) == "1, 3"
+    assert hang.rank_word([4, 4]) == "rank 4"
+    assert hang.rank_word([3, 1, 3]) == "ranks 1, 3"
+    r = report.CheckResult("x", [report.CaseResult("x", "a", n, "PASS", 1, 1) for n in (3, 1, 2, 2)])
+    assert "1–3 ranks" in repr(r)
+
+
 def test_launcher_resolution(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.delenv("HPDL_LAUNCHER", raising=False)

@@ -27,9 +27,3 @@ from hpdl.cluster.reports import wait
 __all__ = ["Cluster", "DEFAULT_CELL_TIMEOUT", "current", "home", "restart", "running", "start", "status", "stop",
            "view", "wait"]
 
-
-def __getattr__(name: str):
-    # hpdl/check/run.py reads `cluster._current` until it switches to `running()`; remove then.
-    if name == "_current":
-        return running()
-    raise AttributeError(f"module 'hpdl.cluster' has no attribute {name!r}")

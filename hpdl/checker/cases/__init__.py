@@ -1,0 +1,248 @@
+"""Exercise cases: one module per exercise, named after it.
+
+`hpdl.check("ring_allreduce", fn)` loads `hpdl/checker/cases/ring_allreduce.py` (or a module of
+that name in a folder listed in $HPDL_CASES_PATH) and runs `fn` on fresh MPI ranks, one job
+per rank count. The client imports the module too (for its cases and hints): keep imports
+light at module level and import torch or mpi4py.MPI inside the functions that run on ranks.
+
+A case module defines
+
+    SIGNATURE = "scale(comm, x: np.ndarray) -> np.ndarray"   # quoted in messages
+    RANKS = (1, 2, 3, 4)           # rank counts checked by default (optional)
+    TIMEOUT = 5.0                  # seconds per case before it is a HANG (optional)
+    FORBIDDEN = {"Allreduce": "build it from Send/Recv"}   # calls rejected (optional;
+                                   # hooks.DATA_COLLECTIVES and hooks.REDUCTIONS are ready lists)
+
+    def cases(size) -> list[Case]            # the cases for `size` ranks (hidden=True: grading only)
+    def inputs(case, rank, size) -> tuple    # this rank's arguments after `comm`
+    def reference(comm, *args)               # the model solution; its result is `expected`
+
+and may define
+
+    def call(fn, comm, args)                 # how to call the learner's fn (default:
+                                             # fn(comm, *args)); e.g. build a model first
+    def verify(case, ctx) -> Wrong | None    # default: hooks.compare(ctx.got, ctx.expected)
+    def diagnose(case, ctx) -> str | None    # a hint for a wrong result on one rank
+    def explain(results) -> str | None       # a hint from the pattern over all cases (client side)
+    HINT_ONLY_ROOT = "..."                   # shown when only rank 0 got it right
+
+The learner's function runs in a job of its own (one process per rank, sandboxed where
+possible) that holds only inputs() and call(); `reference` and verify() run in the checker's
+reference job, on the same inputs, and verify() sees what the learner's ranks returned, as
+plain data. `ctx.calls` lists the MPI (and torch.distributed) calls the learner made
+(name, dest, source, count: elements sent), recorded on every communicator they could reach.
+FORBIDDEN names are refused when called, wherever from (the source is read only for a hint).
+`ctx` holds rank, size, args (the pristine inputs), got, expected, calls, learner_seconds,
+reference_seconds, and comm: a communicator between the reference job's ranks, for checks
+across ranks. Those are collectives, so call them on every rank and
+before anything that may return early (a rank that skips one leaves the others waiting):
+hooks.same_on_all_ranks (parameters identical after a DDP or Horovod step), hooks.same_as_root
+(initial parameters broadcast), hooks.check_shards (sampler shards disjoint, covering, equal),
+hooks.gather_calls (every rank's recorded calls, e.g. to check the shape of a tree).
+Per-rank helpers: hooks.compare, hooks.only_peers (e.g. ring neighbours), hooks.max_sends
+(e.g. a tree's fan-out), hooks.params_of (arrays from a torch module or a list).
+
+Example, `hpdl/checker/cases/scale.py`:
+
+    import numpy as np
+    from hpdl.checker import hooks
+    from hpdl.checker.cases import Case
+
+    SIGNATURE = "scale(comm, x) -> np.ndarray   # x times the number of ranks"
+
+    def cases(size):
+        return [Case(f"n={n}", {"n": n}) for n in (1, 7)] + [Case("n=1000", {"n": 1000}, hidden=True)]
+
+    def inputs(case, rank, size):
+        return (np.random.default_rng(rank).random(case.params["n"]),)
+
+    def reference(comm, x):
+        return x * comm.Get_size()
+
+    def verify(case, ctx):
+        return hooks.compare(ctx.got, ctx.expected) or hooks.only_peers(ctx, set(), "no messages needed")
+
+Each case ends as a report.Verdict: PASS, WRONG (ranks, largest error, hint; `rejected` names the
+rule when a forbidden call was refused), ERROR (rank and the learner's line that raised), HANG
+(stuck ranks and their lines, finished ranks) or SLOW (right, but more than
+slow_factor x the reference's time + 0.25 s: advisory, full points). tests/fixtures/cases has
+two small modules of this kind, one with torch on the ranks. load() checks a module against
+this API (validate()) and says what is missing or malformed.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+LOCKED = False  # set in the learner's process: case modules (reference solutions) stay out of reach
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass
+class Case:
+    """One input set for one rank count. `params` must be JSON-serialisable."""
+
+    name: str
+    params: dict = field(default_factory=dict)
+    points: float = 1.0
+    hidden: bool = False  # run only when grading
+    timeout: float | None = None  # seconds; None: the module's TIMEOUT
+    slow_factor: float = 20.0  # SLOW when the learner takes > slow_factor x reference + 0.25 s
+    size: int = 0  # number of ranks, filled in by the runner
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Wrong:
+    """A wrong result on one rank: what is wrong, optionally a hint and the largest error."""
+
+    message: str
+    hint: str | None = None
+    max_error: float | None = None
+
+
+@dataclass
+class Call:
+    """One MPI call the learner made on the communicator handed to them."""
+
+    name: str
+    dest: int | None = None
+    source: int | None = None
+    count: int | None = None  # elements sent (point-to-point sends), when known
+
+
+class Context:
+    """What verify() and diagnose() see for one rank after the learner's function returned.
+
+    verify() runs in the checker's own reference job, one process per rank, never in the
+    learner's: `got` and `calls` arrived from the learner's rank as plain data (wire.py), and
+    `comm` connects the reference job's ranks, so the collective hooks work as before.
+
+    case, rank, size; args (this rank's inputs, untouched by the learner); got (what the
+    learner's function returned); expected (what reference() returned on this rank); calls
+    (the MPI calls the learner made); learner_seconds, reference_seconds; and comm, a fresh
+    communicator for checks across ranks (made on first use: collective, so when verify()
+    uses it on one rank it must use it on all).
+    """
+
+    def __init__(self, case: Case, rank: int, size: int, args: tuple, got: Any, expected: Any,
+                 calls: list[Call], world: Any = None, learner_seconds: float = 0.0, reference_seconds: float = 0.0):
+        self.case, self.rank, self.size, self.args = case, rank, size, args
+        self.got, self.expected, self.calls = got, expected, calls
+        self.learner_seconds, self.reference_seconds = learner_seconds, reference_seconds
+        self._world, self._comm = world, None
+
+    @property
+    def comm(self) -> Any:
+        if self._comm is None:
+            self._comm = self._world.Dup()
+        return self._comm
+
+
+def path_of(name: str) -> Path:
+    """The file of the case module for exercise `name`; HpdlError names the known ones."""
+    from hpdl.errors import HpdlError
+
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise HpdlError(f"{name!r} is not an exercise name; known exercises: {', '.join(known())}.")
+    for folder in _folders():
+        candidate = folder / f"{name}.py"
+        if candidate.is_file():
+            return candidate
+    raise HpdlError(f"No checks for an exercise named {name!r}. Known exercises: {', '.join(known())}.")
+
+
+def _folders() -> list[Path]:
+    extra = [Path(p) for p in os.environ.get("HPDL_CASES_PATH", "").split(os.pathsep) if p]
+    return [HERE, *extra]
+
+
+def known() -> list[str]:
+    names = set()
+    for folder in _folders():
+        names.update(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
+    return sorted(names)
+
+
+def load_file(path: str | Path) -> ModuleType:
+    """Import a case module from its file and check its interface (HpdlError saying what is wrong)."""
+    if LOCKED:
+        raise ImportError("case modules hold the checker's reference solutions: not loadable while your code "
+                          "is being checked")
+    path = Path(path).resolve()
+    if path.parent == HERE:
+        module = importlib.import_module(f"hpdl.checker.cases.{path.stem}")
+    else:
+        modname = f"hpdl_cases_{path.stem}"
+        if modname in sys.modules and getattr(sys.modules[modname], "__file__", None) == str(path):
+            module = sys.modules[modname]
+        else:
+            spec = importlib.util.spec_from_file_location(modname, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[modname] = module
+            spec.loader.exec_module(module)
+    validate(module, path)
+    return module
+
+
+#: What a case module must define, and what it may (see the docstring above).
+REQUIRED_FUNCTIONS = ("cases", "inputs", "reference")
+OPTIONAL_FUNCTIONS = ("call", "verify", "diagnose", "explain")
+
+
+def validate(module: ModuleType, path: Path | str | None = None) -> None:
+    """Fail at load time, naming the file and the attribute, when a case module breaks the API."""
+    from hpdl.errors import HpdlError
+
+    where = str(path or getattr(module, "__file__", module.__name__))
+    problems = []
+    if not isinstance(getattr(module, "SIGNATURE", None), str):
+        problems.append("SIGNATURE must be a string such as \"f(comm, x: np.ndarray) -> np.ndarray\"")
+    for name in REQUIRED_FUNCTIONS:
+        if not callable(getattr(module, name, None)):
+            problems.append(f"{name}() is missing (or not a function)")
+    for name in OPTIONAL_FUNCTIONS:
+        if hasattr(module, name) and not callable(getattr(module, name)):
+            problems.append(f"{name} must be a function when defined")
+    ranks = getattr(module, "RANKS", (1,))
+    if isinstance(ranks, int) and not isinstance(ranks, bool):
+        ranks = (ranks,)
+    try:
+        ok = bool(ranks) and all(int(r) == r and r >= 1 for r in ranks)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        problems.append(f"RANKS must be rank counts >= 1, e.g. (1, 2, 3, 4); got {getattr(module, 'RANKS', None)!r}")
+    timeout = getattr(module, "TIMEOUT", 1.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        problems.append(f"TIMEOUT must be positive seconds; got {timeout!r}")
+    forbidden = getattr(module, "FORBIDDEN", None)
+    if forbidden is not None:
+        names = forbidden if isinstance(forbidden, dict) else None
+        if names is None:
+            try:
+                names = list(forbidden)
+            except TypeError:
+                names = None
+        if names is None or not all(isinstance(n, str) for n in names):
+            problems.append("FORBIDDEN must map MPI method names to a reason (or list the names)")
+    hint = getattr(module, "HINT_ONLY_ROOT", None)
+    if hint is not None and not isinstance(hint, str):
+        problems.append("HINT_ONLY_ROOT must be a string")
+    if problems:
+        raise HpdlError(f"The checks in {where} do not follow the case-module API (hpdl/checker/cases/__init__.py): "
+                        + "; ".join(problems) + ".")
+
+
+def load(name: str) -> ModuleType:
+    return load_file(path_of(name))

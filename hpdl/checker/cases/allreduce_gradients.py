@@ -1,0 +1,114 @@
+"""Checks for lesson 05's second exercise: average the gradients with ONE all-reduce.
+
+    def allreduce_gradients(comm, model) -> None:
+        # after loss.backward(): replace every p.grad by its average over all ranks, using one
+        # all-reduce of one flat buffer (torch.distributed or comm), not one per tensor
+
+Each rank holds the same model and a different batch; `call()` runs forward and backward, then
+the learner's function, and reads back every p.grad. Checked: the gradients equal the average
+over the ranks (so the optimizer step is the same everywhere), and exactly one all-reduce was
+launched, however many tensors the model has.
+"""
+from __future__ import annotations
+
+from hpdl.checker.cases import Case, Wrong
+from hpdl.checker.cases import _dp
+
+SIGNATURE = "allreduce_gradients(comm, model) -> None   # p.grad := average over ranks, one all-reduce"
+RANKS = (1, 2, 3)
+TIMEOUT = 30.0  # the first case of a job pays for importing torch and joining the process group
+
+_MODELS = {
+    "mlp": (64, 32, 10),
+    "deep": (64, 48, 32, 24, 16, 10),
+    "wide": (64, 256, 10),
+}
+
+
+def cases(size):
+    slow = 1e6  # tiny tensors: timing says nothing here
+    return [
+        Case("MLP 64-32-10 (4 tensors)", {"model": "mlp", "batch": 8, "seed": 1}, slow_factor=slow),
+        Case("MLP of 5 layers (10 tensors)", {"model": "deep", "batch": 5, "seed": 2}, slow_factor=slow),
+        Case("wide MLP, one sample per rank", {"model": "wide", "batch": 1, "seed": 3}, hidden=True, slow_factor=slow),
+    ]
+
+
+def inputs(case, rank, size):
+    """The same model on every rank (seed fixed), a different batch on each."""
+    widths = _MODELS[case.params["model"]]
+    model = _dp.mlp(widths, seed=case.params["seed"])
+    x, y = _dp.batch(case.params["batch"], widths[0], widths[-1], seed=1000 * case.params["seed"] + rank)
+    return model, x, y
+
+
+def _backward(model, x, y):
+    import torch.nn.functional as F
+
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+
+
+def call(fn, comm, args):
+    _dp.ensure_process_group()
+    model, x, y = args
+    _backward(model, x, y)
+    own = _dp.grads(model)
+    before = _dp.launches()
+    returned = fn(comm, model)
+    return {"grads": _dp.grads(model), "own": own, "launches": _dp.launches() - before,
+            "returned": type(returned).__name__}
+
+
+def reference(comm, model, x, y):
+    from mpi4py import MPI
+
+    _dp.ensure_process_group()
+    _backward(model, x, y)
+    own = _dp.grads(model)
+    flat = __import__("numpy").concatenate([g.ravel() for g in own])
+    comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+    flat /= comm.Get_size()
+    grads, offset = [], 0
+    for g in own:
+        grads.append(flat[offset: offset + g.size].reshape(g.shape))
+        offset += g.size
+    return {"grads": grads, "own": own, "launches": 1}
+
+
+def verify(case, ctx):
+    got, expected, size = ctx.got, ctx.expected, ctx.size
+    err = _dp.close(got["grads"], expected["grads"], rtol=1e-5, atol=1e-7)
+    if err is not None:
+        return Wrong(f"after your function, p.grad is not the average over the {size} ranks "
+                     f"(largest difference {err:.3g})", max_error=err)
+    n, tensors = got["launches"], len(expected["grads"])
+    if size > 1 and n > 1:
+        return Wrong(f"{n} all-reduces for {tensors} gradient tensors; this exercise wants exactly one",
+                     hint="each all-reduce pays the full latency (α) once; for many small tensors that dominates. "
+                          "Concatenate all gradients into one flat buffer (torch.cat of p.grad.view(-1)), "
+                          "all-reduce it once, divide by the number of ranks, and copy the slices back.")
+    if size > 1 and n == 0:
+        return Wrong("the gradients are right but no all-reduce was seen",
+                     hint="use dist.all_reduce(flat) or comm.Allreduce(MPI.IN_PLACE, flat.numpy()) on one flat buffer.")
+    return None
+
+
+def diagnose(case, ctx):
+    got, expected, size = ctx.got, ctx.expected, ctx.size
+    if size == 1:
+        return None
+    k = _dp.ratio_to(got["grads"], expected["grads"])
+    if k is not None and abs(k - size) < 1e-3:
+        return ("the gradients look summed, not averaged: divide by the number of ranks (comm.Get_size()) "
+                "after the all-reduce.")
+    if k is not None and abs(k - 1 / size) < 1e-3:
+        return "the gradients look divided by the number of ranks twice."
+    if _dp.close(got["grads"], got["own"], rtol=0, atol=0) is None:
+        return ("p.grad still holds this rank's own gradients: write the averaged values back into p.grad "
+                "(e.g. p.grad.copy_(slice.view_as(p.grad))), not into a temporary copy.")
+    if k is not None and size == 2 and abs(k - 1.0) > 1e-3:
+        return (f"the gradients are {k:.3g} times the average: check the division "
+                "(use comm.Get_size(), not a fixed number).")
+    return ("the values are not the average over ranks: use comm.Get_size() or dist.get_world_size() for the number "
+            "of ranks (a global such as world_size from the notebook is fixed to the notebook's rank count).")

@@ -1,0 +1,76 @@
+"""Checks for average_gradients(comm, grads) -> the gradients averaged over all ranks.
+
+What a data-parallel step does after backward(): every rank holds its own gradients; after
+an Allreduce (sum) and a division by the number of ranks, every rank holds the average.
+Using MPI's Allreduce is the point here; returning the same list updated in place is fine.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hpdl.checker import hooks
+from hpdl.checker.cases import Case
+
+SIGNATURE = "average_gradients(comm, grads: list[np.ndarray]) -> list[np.ndarray]"
+RANKS = (1, 2, 3, 4)
+TIMEOUT = 5.0
+
+_SHAPES = {
+    "small model": ([(4, 3), (3,), (2, 2, 2)], "float32"),
+    "one large gradient": ([(100_000,)], "float32"),
+    "float64": ([(5,), (3, 3)], "float64"),
+    "many tensors": ([(i + 1,) for i in range(12)], "float32"),
+}
+
+
+def cases(size: int) -> list[Case]:
+    return [
+        Case("small model (3 float32 gradients)", {"shapes": "small model", "seed": 1}),
+        Case("one gradient of 100000 float32", {"shapes": "one large gradient", "seed": 2}),
+        Case("2 float64 gradients", {"shapes": "float64", "seed": 3}),
+        Case("12 float32 gradients", {"shapes": "many tensors", "seed": 4}, hidden=True),
+    ]
+
+
+def inputs(case, rank: int, size: int) -> tuple:
+    shapes, dtype = _SHAPES[case.params["shapes"]]
+    rng = np.random.default_rng(100 * case.params["seed"] + rank)
+    return ([rng.standard_normal(s).astype(dtype) for s in shapes],)
+
+
+def reference(comm, grads):
+    """The model solution: sum in place across ranks, then divide by their number."""
+    from mpi4py import MPI
+
+    for g in grads:
+        comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
+        g /= comm.Get_size()
+    return grads
+
+
+def verify(case, ctx):
+    return hooks.compare(ctx.got, ctx.expected, what="gradients")
+
+
+def diagnose(case, ctx) -> str | None:
+    got, expected, (mine,) = ctx.got, ctx.expected, ctx.args
+    p = ctx.size
+    if got is None:
+        return "the function returned None: return the list of averaged gradients."
+    if not isinstance(got, (list, tuple)) or len(got) != len(expected):
+        return None
+    try:
+        g = [np.asarray(a, dtype=np.float64) for a in got]
+        e = [np.asarray(a, dtype=np.float64) for a in expected]
+        own = [np.asarray(a, dtype=np.float64) for a in mine]
+        if any(a.shape != b.shape for a, b in zip(g, e)):
+            return None
+        if all(np.allclose(a, b * p, rtol=1e-4, atol=1e-5) for a, b in zip(g, e)):
+            return "looks summed but not averaged: divide by comm.Get_size() after the Allreduce."
+        if all(np.allclose(a * p, b, rtol=1e-4, atol=1e-5) for a, b in zip(g, e)):
+            return "looks divided by the number of ranks twice (or averaged before summing and again after)."
+        if p > 1 and all(np.allclose(a, b) for a, b in zip(g, own)):
+            return "these are this rank's own gradients, unchanged: nothing was exchanged with the other ranks."
+    except (TypeError, ValueError):
+        return None
+    return None

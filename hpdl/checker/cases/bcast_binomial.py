@@ -1,0 +1,106 @@
+"""Checks for bcast_binomial(comm, x, root) -> the root's array, on every rank.
+
+A binomial tree: counted from the root, rank v receives once from v minus its lowest set bit,
+then sends to v + 2^k for the smaller powers of two; the root sends at most ⌈lg p⌉ messages,
+and the broadcast takes ⌈lg p⌉ rounds. Non-root ranks get x=None: they learn the array from
+the message (comm.send/recv carry whole objects).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hpdl.checker import hooks
+from hpdl.checker.cases import Case, Wrong
+
+SIGNATURE = "bcast_binomial(comm, x: np.ndarray | None, root: int) -> np.ndarray"
+RANKS = (1, 2, 3, 4)
+TIMEOUT = 5.0
+FORBIDDEN = {
+    name: "the broadcast is to be built from point-to-point messages along a binomial tree, not from "
+          "MPI's collectives"
+    for name in hooks.DATA_COLLECTIVES
+}
+
+
+def cases(size: int) -> list[Case]:
+    p = size
+    out, seen = [], set()
+    wanted = [
+        (0, 5, "float64", False), (p - 1, 5, "float64", False), (p // 2, 1000, "float32", False),
+        (0, 1, "int64", False), (1 % p, 100_000, "float32", True), ((p + 1) // 2 % p, 7, "int32", True),
+    ]
+    for seed, (root, n, dtype, hidden) in enumerate(wanted):
+        if (root, n, dtype) in seen:
+            continue
+        seen.add((root, n, dtype))
+        out.append(Case(f"root={root} n={n} {dtype}", {"root": root, "n": n, "dtype": dtype, "seed": seed},
+                        hidden=hidden))
+    return out
+
+
+def inputs(case, rank: int, size: int) -> tuple:
+    params = case.params
+    root = params["root"]
+    if rank != root:
+        return (None, root)
+    rng = np.random.default_rng(params["seed"])
+    return ((rng.integers(-1000, 1000, params["n"]) + 0.5).astype(params["dtype"]), root)
+
+
+def reference(comm, x, root: int):
+    """The model solution: receive once from the parent, then send to the children."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    vr = (r - root) % p  # rank counted from the root
+    mask = 1
+    while mask < p:
+        if vr & mask:
+            x = comm.recv(source=(vr - mask + root) % p)
+            break
+        mask <<= 1
+    mask >>= 1
+    while mask > 0:
+        if vr + mask < p:
+            comm.send(x, dest=(vr + mask + root) % p)
+        mask >>= 1
+    return x
+
+
+def _lg(p: int) -> int:
+    return (p - 1).bit_length()  # ⌈lg p⌉
+
+
+def verify(case, ctx):
+    everyone = hooks.gather_calls(ctx)  # collective: first, on every rank
+    wrong = hooks.compare(ctx.got, ctx.expected) or hooks.max_sends(
+        ctx, _lg(ctx.size), "in a binomial tree no rank sends more than ⌈lg p⌉ messages; sending from the root to "
+                            "every rank is a linear broadcast")
+    if wrong is not None or ctx.rank != case.params["root"]:
+        return wrong
+    rounds = hooks.broadcast_rounds(everyone, case.params["root"])
+    if rounds is None:
+        return Wrong("the messages do not form a tree from the root: every other rank must receive the array "
+                     "exactly once, from a rank that already has it")
+    if rounds > _lg(ctx.size):
+        return Wrong(f"the messages form a tree that needs {rounds} rounds; a binomial tree needs ⌈lg p⌉ = "
+                     f"{_lg(ctx.size)} with {ctx.size} ranks (a chain or a linear broadcast is slower)",
+                     hint="rank v (counted from the root) receives once from v minus its lowest set bit, then "
+                          "sends to v + 2^k for the smaller powers of two: the number of ranks holding the data "
+                          "doubles every round.")
+    return None
+
+
+def diagnose(case, ctx) -> str | None:
+    if ctx.got is None:
+        return "this rank returned None: every rank must return the array it received."
+    root = case.params["root"]
+    if root != 0 and ctx.rank != root and hooks.compare(ctx.got, ctx.expected) is not None:
+        return f"the root here is rank {root}, not 0: count ranks relative to the root, (rank - root) % p."
+    return None
+
+
+def explain(results) -> str | None:
+    failed = [r for r in results if r.verdict in ("WRONG", "ERROR", "HANG")]
+    passed = [r for r in results if r.verdict in ("PASS", "SLOW")]
+    if failed and all(r.params.get("root") != 0 for r in failed) and any(r.params.get("root") == 0 for r in passed):
+        return "right for root 0 only: shift ranks by the root, vr = (rank - root) % p, and back when sending."
+    return None

@@ -1,0 +1,150 @@
+"""Checks for lesson 07's exercise (a): pick the allreduce algorithm with the least modelled cost.
+
+    def choose_algorithm(nbytes, p, alpha, beta, gamma) -> str
+        # "recursive_doubling", "reduce_scatter_allgather" or "ring": the cheapest in the α-β-γ
+        # model for `nbytes` per rank on `p` ranks
+
+The model (lesson 04, with the fold-in MPICH uses when p is not a power of two: p' the largest
+power of two ≤ p; the p − p' extra ranks first hand their vector to a partner and get the
+result back, which costs 2(α + nβ) + nγ more):
+
+    recursive doubling        lg p'·(α + nβ + nγ)                           [+ fold-in]
+    reduce-scatter+allgather  2 lg p'·α + 2(p'−1)/p'·nβ + (p'−1)/p'·nγ      [+ fold-in]
+    ring                      2(p−1)·α + 2(p−1)/p·nβ + (p−1)/p·nγ
+
+The function takes no communicator: `call()` evaluates it over a grid of sizes and rank counts
+(plus the points just either side of every crossover of the model, found by bisection) and
+`verify()` accepts any algorithm whose cost is within 1e-9 of the least (ties, e.g. p = 1 or 2).
+The usual slips land off the grid's crossovers: a fixed size threshold, a cost off by a factor
+(γ forgotten, 2(p−1)/p read as (p−1)/p, lg p read as p), ignoring the fold-in.
+"""
+from __future__ import annotations
+
+
+from hpdl.checker.cases import Case, Wrong
+
+SIGNATURE = 'choose_algorithm(nbytes, p, alpha, beta, gamma) -> str   # "recursive_doubling", ' \
+            '"reduce_scatter_allgather" or "ring"'
+RANKS = (1, 2)
+TIMEOUT = 20.0
+ALGORITHMS = ("recursive_doubling", "reduce_scatter_allgather", "ring")
+SIZES = [8 << (2 * i) for i in range(13)]  # 8 B … 128 MiB
+CLUSTERS = {
+    "this machine": (2e-6, 1 / 5e9, 1 / 5e9),
+    "InfiniBand cluster": (1.5e-6, 1 / 25e9, 1 / 20e9),
+    "slow Ethernet": (30e-6, 1 / 1.2e9, 1 / 8e9),
+    "NVLink node": (8e-6, 1 / 300e9, 1 / 1000e9),
+}
+
+
+def cost(name: str, n: float, p: int, a: float, b: float, g: float) -> float:
+    """Modelled seconds of allreduce `name` for n bytes per rank on p ranks."""
+    if p <= 1:
+        return 0.0
+    if name == "ring":
+        return 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * g
+    p2 = 1 << (p.bit_length() - 1)
+    lg = p2.bit_length() - 1
+    fold = 0.0 if p == p2 else 2 * (a + n * b) + n * g
+    if name == "recursive_doubling":
+        return lg * (a + n * b + n * g) + fold
+    if name == "reduce_scatter_allgather":
+        return 2 * lg * a + 2 * (p2 - 1) / p2 * n * b + (p2 - 1) / p2 * n * g + fold
+    raise ValueError(name)
+
+
+def best(n: float, p: int, a: float, b: float, g: float) -> str:
+    return min(ALGORITHMS, key=lambda name: cost(name, n, p, a, b, g))
+
+
+def crossovers(p: int, a: float, b: float, g: float) -> list[int]:
+    """Sizes (bytes) where the cheapest algorithm changes, between 1 B and 1 GiB."""
+    out, lo = [], 1.0
+    grid = [2.0 ** (k / 4) for k in range(0, 121)]
+    for x, y in zip(grid, grid[1:]):
+        if best(x, p, a, b, g) != best(y, p, a, b, g):
+            lo, hi = x, y
+            for _ in range(60):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if best(mid, p, a, b, g) == best(x, p, a, b, g) else (lo, mid)
+            out.append(int(round(hi)))
+    return out
+
+
+def cases(size):
+    def grid(name, ps, hidden=False):
+        a, b, g = CLUSTERS[name]
+        points = [(n, p) for p in ps for n in SIZES]
+        for p in ps:
+            for c in crossovers(p, a, b, g):
+                points += [(max(1, int(c * 0.97)), p), (int(c * 1.03) + 1, p)]
+        return Case(f"{name}: p = {', '.join(map(str, ps))}", {"alpha": a, "beta": b, "gamma": g, "points": points},
+                    hidden=hidden, slow_factor=1e6)
+
+    return [grid("this machine", [2, 4, 8]), grid("InfiniBand cluster", [16, 64, 1024]),
+            grid("slow Ethernet", [3, 6, 12, 48]), grid("NVLink node", [1, 5, 8, 7, 100], hidden=True)]
+
+
+def inputs(case, rank, size):
+    return (case.params,)
+
+
+def call(fn, comm, args):
+    (params,) = args
+    a, b, g = params["alpha"], params["beta"], params["gamma"]
+    return [fn(n, p, a, b, g) for n, p in params["points"]]
+
+
+def reference(comm, params):
+    a, b, g = params["alpha"], params["beta"], params["gamma"]
+    return [best(n, p, a, b, g) for n, p in params["points"]]
+
+
+def verify(case, ctx):
+    params = case.params
+    a, b, g = params["alpha"], params["beta"], params["gamma"]
+    got = ctx.got
+    if not isinstance(got, list) or len(got) != len(params["points"]):
+        return Wrong("the checker could not collect one answer per (nbytes, p)")
+    wrong = []
+    for (n, p), answer in zip(params["points"], got):
+        if answer not in ALGORITHMS:
+            return Wrong(f"choose_algorithm({n}, {p}, ...) returned {answer!r}; expected one of {list(ALGORITHMS)}")
+        least = min(cost(x, n, p, a, b, g) for x in ALGORITHMS)
+        mine = cost(answer, n, p, a, b, g)
+        if mine > least * (1 + 1e-9) + 1e-18:
+            wrong.append((n, p, answer, best(n, p, a, b, g), mine / least))
+    if not wrong:
+        return None
+    n, p, answer, right, factor = max(wrong, key=lambda w: w[4])
+    return Wrong(f"{len(wrong)} of {len(got)} choices are not the cheapest; e.g. {n} B on {p} ranks: {answer} "
+                 f"(modelled {factor:.2f}× slower than {right})", max_error=factor - 1)
+
+
+def diagnose(case, ctx):
+    params = case.params
+    a, b, g = params["alpha"], params["beta"], params["gamma"]
+    pts, got = params["points"], ctx.got
+    if not isinstance(got, list) or any(x not in ALGORITHMS for x in got):
+        return None
+    by_p: dict[int, list[tuple[int, str]]] = {}
+    for (n, p), x in zip(pts, got):
+        by_p.setdefault(p, []).append((n, x))
+    # the same switch size for every p and every machine: a fixed threshold, not the model
+    switches = {p: min((n for n, x in v if x != "recursive_doubling"), default=None) for p, v in by_p.items()}
+    if len(by_p) > 1 and len(set(switches.values())) == 1 and None not in switches.values():
+        return ("your switch point does not move with p, α, β or γ: compare the three modelled costs for each "
+                "call instead of using a fixed size threshold.")
+    right = [best(n, p, a, b, g) == x for (n, p), x in zip(pts, got)]
+    odd = [p & (p - 1) != 0 for n, p in pts]
+    if any(o and not r for o, r in zip(odd, right)) and all(r for o, r in zip(odd, right) if not o):
+        return ("right for powers of two, wrong for other p: recursive doubling and reduce-scatter + allgather "
+                "run on p' = the largest power of two ≤ p, plus the fold-in 2(α + nβ) + nγ.")
+    ring_late = any(x != "ring" and best(n, p, a, b, g) == "ring" for (n, p), x in zip(pts, got))
+    ring_early = any(x == "ring" and best(n, p, a, b, g) != "ring" for (n, p), x in zip(pts, got))
+    if ring_early and not ring_late:
+        return ("you pick the ring too early: its latency term is 2(p−1)·α, and its bandwidth term 2(p−1)/p·nβ "
+                "(check each term against the model: a factor is off).")
+    if ring_late and not ring_early:
+        return "you pick the ring too late: check each cost term against the model (a factor is off)."
+    return "compare your three cost formulas with the model in the exercise term by term (α, β and γ terms)."

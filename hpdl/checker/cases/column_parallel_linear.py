@@ -1,0 +1,152 @@
+"""Checks for lesson 09's second exercise: a column-parallel Linear (Megatron style), forward and backward.
+
+    def column_parallel_linear(comm, x, weight, bias, grad_y):
+        # The layer y = x @ weight.T + bias, with its OUTPUT features (rows of weight) split
+        # over the ranks: rank r holds rows torch.tensor_split(torch.arange(out), p)[r] (the
+        # first out % p ranks get one row more). weight and bias have the full layer's shape,
+        # but only this rank's rows are filled; the others are NaN, as if they lived elsewhere.
+        # x (B, in): the same input on every rank; grad_y (B, out): dLoss/dy, the same on every rank.
+        # Return (y, grad_x, grad_weight, grad_bias):
+        #   y (B, out): the whole output, this rank's columns gathered with everyone else's;
+        #   grad_x (B, in): dLoss/dx, which needs every rank's rows (an all-reduce);
+        #   grad_weight (rows, in), grad_bias (rows,): the gradients of this rank's rows only.
+
+Compared on every rank, 1–4 ranks, with torch.nn.Linear's forward and autograd backward on
+the full layer, including widths not divisible by the number of ranks and a layer with fewer
+output features than ranks. A rank that uses rows it does not hold gets NaN, so computing the
+whole layer locally, or splitting the rows differently, shows.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hpdl.checker import hooks
+from hpdl.checker.cases import Case, Wrong
+
+SIGNATURE = "column_parallel_linear(comm, x, weight, bias, grad_y) -> (y, grad_x, grad_weight, grad_bias)"
+RANKS = (1, 2, 3, 4)
+TIMEOUT = 30.0  # the first case of a job pays for importing torch
+
+
+def cases(size):
+    slow = 1e6
+    return [
+        Case("Linear(6, 8), batch 4", {"batch": 4, "fan_in": 6, "out": 8, "seed": 1}, slow_factor=slow),
+        Case("Linear(5, 7), batch 3: 7 not divisible by 2, 3 or 4", {"batch": 3, "fan_in": 5, "out": 7, "seed": 2},
+             slow_factor=slow),
+        Case("Linear(4, 10), batch 2", {"batch": 2, "fan_in": 4, "out": 10, "seed": 3}, slow_factor=slow),
+        Case("Linear(3, 3), batch 5: fewer outputs than ranks", {"batch": 5, "fan_in": 3, "out": 3, "seed": 4},
+             hidden=True, slow_factor=slow),
+    ]
+
+
+def rows_of(rank: int, size: int, out: int) -> tuple[int, int]:
+    """This rank's rows [lo, hi), as torch.tensor_split cuts range(out) into `size` parts."""
+    base, extra = divmod(out, size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+def _full(params):
+    import torch
+
+    g = torch.Generator().manual_seed(params["seed"])
+    layer = torch.nn.Linear(params["fan_in"], params["out"])
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(params["out"], params["fan_in"], generator=g))
+        layer.bias.copy_(torch.randn(params["out"], generator=g))
+    x = torch.randn(params["batch"], params["fan_in"], generator=g)
+    grad_y = torch.randn(params["batch"], params["out"], generator=g)
+    return layer, x, grad_y
+
+
+def inputs(case, rank, size):
+    """x, this rank's view of the weight and bias (others' rows NaN), grad_y; all float32 tensors."""
+    import torch
+
+    layer, x, grad_y = _full(case.params)
+    lo, hi = rows_of(rank, size, case.params["out"])
+    weight = torch.full_like(layer.weight, float("nan"))
+    bias = torch.full_like(layer.bias, float("nan"))
+    weight[lo:hi], bias[lo:hi] = layer.weight.detach()[lo:hi], layer.bias.detach()[lo:hi]
+    return x, weight, bias, grad_y
+
+
+def call(fn, comm, args):
+    got = fn(comm, *args)
+    if isinstance(got, (list, tuple)) and len(got) == 4:
+        return tuple(hooks._as_array(g) if hooks._as_array(g) is not None else g for g in got)
+    return got
+
+
+def reference(comm, x, weight, bias, grad_y):
+    """torch.nn.Linear on the whole layer (rebuilt from the case's seed), autograd for the backward."""
+    import torch
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    out = weight.shape[0]
+    # every rank's rows, put together: the single-device layer
+    w = np.concatenate(comm.allgather(weight.numpy()[slice(*rows_of(rank, size, out))]))
+    b = np.concatenate(comm.allgather(bias.numpy()[slice(*rows_of(rank, size, out))]))
+    layer = torch.nn.Linear(weight.shape[1], out)
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(w))
+        layer.bias.copy_(torch.from_numpy(b))
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    y.backward(grad_y)
+    lo, hi = rows_of(rank, size, out)
+    return (y.detach().numpy(), x.grad.numpy(), layer.weight.grad[lo:hi].numpy(), layer.bias.grad[lo:hi].numpy())
+
+
+def model_solution(comm, x, weight, bias, grad_y):
+    """The model solution with mpi4py: gather the columns forward, all-reduce grad_x backward."""
+    import torch
+    from mpi4py import MPI
+
+    lo, hi = rows_of(comm.Get_rank(), comm.Get_size(), weight.shape[0])
+    w, b = weight[lo:hi], bias[lo:hi]
+    y = torch.cat([torch.from_numpy(part) for part in comm.allgather((x @ w.T + b).numpy())], dim=1)
+    g = grad_y[:, lo:hi]
+    grad_x = g @ w
+    comm.Allreduce(MPI.IN_PLACE, grad_x.numpy(), op=MPI.SUM)
+    return y, grad_x, g.T @ x, g.sum(0)
+
+
+_NAMES = ("y", "grad_x", "grad_weight", "grad_bias")
+
+
+def verify(case, ctx):
+    got, expected = ctx.got, ctx.expected
+    if not isinstance(got, (list, tuple)) or len(got) != 4:
+        return Wrong(f"returned {hooks._describe(got)}; expected a tuple (y, grad_x, grad_weight, grad_bias)")
+    for name, g, e in zip(_NAMES, got, expected):
+        w = hooks.compare(g, e, what=f"rank {ctx.rank}'s {name}", rtol=1e-4, atol=1e-5)
+        if w is not None:
+            return w
+    return None
+
+
+def diagnose(case, ctx):
+    got, expected = ctx.got, ctx.expected
+    if not isinstance(got, (list, tuple)) or len(got) != 4:
+        return "return four tensors: y, grad_x, grad_weight, grad_bias."
+    arrays = [hooks._as_array(g) for g in got]
+    out, p, r = case.params["out"], ctx.size, ctx.rank
+    lo, hi = rows_of(r, p, out)
+    if any(a is not None and np.isnan(a).any() for a in arrays):
+        return (f"NaN in your results: you used rows of the weight this rank does not hold. Rank {r} of {p} holds rows "
+                f"{lo}..{hi - 1} of {out} (torch.tensor_split(torch.arange(out), p)[rank]: the first out % p ranks get "
+                f"one more) — an even split (out // p each) drops the last out % p rows.")
+    y, grad_x = arrays[0], arrays[1]
+    if y is not None and y.ndim == 2 and y.shape[1] < out:
+        return (f"y has {y.shape[1]} of {out} columns: the split dropped some. With {out} outputs on {p} ranks the "
+                f"shards are uneven (torch.tensor_split), so gather shards of different widths (comm.allgather).")
+    if grad_x is not None and grad_x.shape == expected[1].shape:
+        x, weight, _, grad_y = ctx.args
+        partial = (grad_y[:, lo:hi] @ weight[lo:hi]).numpy()
+        if p > 1 and np.allclose(grad_x, partial, rtol=1e-4, atol=1e-5):
+            return ("grad_x is only this rank's part, grad_y[:, rows] @ weight[rows]: x feeds every rank's rows, "
+                    "so its gradient is the SUM of all ranks' parts — all-reduce it (Megatron's f: identity forward, "
+                    "all-reduce backward).")
+    return None

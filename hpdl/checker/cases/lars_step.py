@@ -1,0 +1,132 @@
+"""Checks for lesson 08's second exercise: one LARS update (You, Gitman & Ginsburg, 2017).
+
+    lars_step(params, grads, lr, trust_coef=0.001, weight_decay=0.0) -> list[torch.Tensor]
+        for every layer (tensor) w with gradient g:
+            ratio = trust_coef · ‖w‖ / (‖g‖ + weight_decay · ‖w‖)     (1 when ‖w‖ or ‖g‖ is 0)
+            new w = w − lr · ratio · (g + weight_decay · w)
+        the new parameters, one tensor per input tensor, same shapes and dtypes; inputs untouched.
+
+Each rank draws its own layers (so 1–4 ranks check 1–4 times as many), among them the layers
+that break naive code: a layer of zeros (a bias at initialisation: ‖w‖ = 0), a layer whose
+gradient is zero, and both. Known slips and what they produce here: no trust ratio (plain SGD),
+one ratio for the whole model instead of one per layer, ‖g + wd·w‖ in the denominator, and
+dividing by a zero norm (NaN, or a layer that never moves).
+"""
+from __future__ import annotations
+
+from hpdl.checker.cases import Case, Wrong
+
+SIGNATURE = "lars_step(params, grads, lr, trust_coef=0.001, weight_decay=0.0) -> list[torch.Tensor]"
+RANKS = (1, 2, 3, 4)
+TIMEOUT = 20.0
+
+
+def cases(size: int) -> list[Case]:
+    return [
+        Case("one layer, no weight decay", {"shapes": [[10, 8]], "lr": 0.1, "trust": 0.001, "wd": 0.0, "seed": 1}),
+        Case("layers of different scales", {"shapes": [[16, 8], [16], [4, 16], [4]], "lr": 1.0, "trust": 0.02,
+                                            "wd": 0.0, "scales": [1.0, 0.01, 30.0, 0.5], "seed": 2}),
+        Case("with weight decay", {"shapes": [[32, 3, 3, 3], [32], [10, 32]], "lr": 2.0, "trust": 0.001,
+                                   "wd": 5e-4, "seed": 3}),
+        Case("a layer of zeros (‖w‖ = 0)", {"shapes": [[8, 8], [8]], "lr": 0.5, "trust": 0.01, "wd": 1e-4,
+                                          "zero_w": [1], "seed": 4}),
+        Case("a zero gradient (‖g‖ = 0)", {"shapes": [[8, 8], [8]], "lr": 0.5, "trust": 0.01, "wd": 0.0,
+                                          "zero_g": [0], "seed": 5}),
+        Case("zero weights and zero gradient", {"shapes": [[6, 4], [6], [3, 6]], "lr": 0.5, "trust": 0.01,
+                                                "wd": 1e-4, "zero_w": [1], "zero_g": [1], "seed": 6}),
+        Case("hidden: float64, many layers", {"shapes": [[5, 5]] * 6 + [[5]] * 3, "lr": 3.0, "trust": 0.005,
+                                              "wd": 1e-3, "zero_w": [7], "zero_g": [2, 7], "dtype": "float64",
+                                              "seed": 7}, hidden=True),
+    ]
+
+
+def inputs(case: Case, rank: int, size: int) -> tuple:
+    import torch
+
+    p = case.params
+    dtype = getattr(torch, p.get("dtype", "float32"))
+    g = torch.Generator().manual_seed(1000 * p["seed"] + rank)
+    scales = p.get("scales") or [1.0] * len(p["shapes"])
+    params = [torch.randn(*s, generator=g, dtype=dtype) * sc for s, sc in zip(p["shapes"], scales)]
+    grads = [torch.randn(*s, generator=g, dtype=dtype) * 0.1 / sc for s, sc in zip(p["shapes"], scales)]
+    for i in p.get("zero_w", []):
+        params[i].zero_()
+    for i in p.get("zero_g", []):
+        grads[i].zero_()
+    return params, grads, p["lr"], p["trust"], p["wd"]
+
+
+def call(fn, comm, args):
+    params, grads, lr, trust, wd = args
+    return fn(params, grads, lr, trust, wd)
+
+
+def reference(comm, params, grads, lr, trust_coef, weight_decay):
+    import torch
+
+    out = []
+    for w, g in zip(params, grads):
+        w_norm, g_norm = torch.linalg.vector_norm(w), torch.linalg.vector_norm(g)
+        if w_norm > 0 and g_norm > 0:
+            ratio = trust_coef * w_norm / (g_norm + weight_decay * w_norm)
+        else:
+            ratio = torch.ones((), dtype=w.dtype)
+        out.append(w - lr * ratio * (g + weight_decay * w))
+    return out
+
+
+def verify(case: Case, ctx) -> Wrong | None:
+    import torch
+
+    from hpdl.checker import hooks
+
+    got = ctx.got
+    if isinstance(got, (list, tuple)) and any(isinstance(t, torch.Tensor) and not torch.isfinite(t).all()
+                                             for t in got):
+        bad = [i for i, t in enumerate(got) if isinstance(t, torch.Tensor) and not torch.isfinite(t).all()]
+        return Wrong(f"layer(s) {bad} came out NaN or infinite",
+                     hint="a norm of zero ended up in a denominator: when ‖w‖ or ‖g‖ is 0, use a ratio of 1.")
+    wrong = hooks.compare(got, ctx.expected, what="new parameters")
+    if wrong is not None:
+        wrong.hint = wrong.hint or _why(ctx)
+    return wrong
+
+
+def _why(ctx) -> str | None:
+    """Compare with the known slips, on this rank's inputs."""
+    import torch
+
+    params, grads, lr, trust, wd = ctx.args
+    got = ctx.got
+    if not isinstance(got, (list, tuple)) or len(got) != len(params):
+        return None
+    norm = torch.linalg.vector_norm
+
+    def close(candidate):
+        return all(torch.allclose(torch.as_tensor(a, dtype=b.dtype), b, rtol=1e-4, atol=1e-6)
+                   for a, b in zip(got, candidate))
+
+    sgd = [w - lr * (g + wd * w) for w, g in zip(params, grads)]
+    w_all = torch.sqrt(sum(norm(w) ** 2 for w in params))
+    g_all = torch.sqrt(sum(norm(g) ** 2 for g in grads))
+    global_ratio = trust * w_all / (g_all + wd * w_all) if g_all > 0 and w_all > 0 else 1.0
+    one_ratio = [w - lr * global_ratio * (g + wd * w) for w, g in zip(params, grads)]
+    combined = []
+    for w, g in zip(params, grads):
+        d = g + wd * w
+        r = trust * norm(w) / norm(d) if norm(w) > 0 and norm(d) > 0 else 1.0
+        combined.append(w - lr * r * d)
+    stuck = []
+    for w, g in zip(params, grads):
+        r = trust * norm(w) / (norm(g) + wd * norm(w)) if norm(g) + wd * norm(w) > 0 else 1.0
+        stuck.append(w - lr * r * (g + wd * w))
+    if close(sgd):
+        return "that is plain SGD: scale each layer's step by its trust ratio trust_coef · ‖w‖ / (‖g‖ + wd · ‖w‖)."
+    if close(one_ratio):
+        return "one ratio for the whole model: LARS computes a ratio per layer (per tensor), from that layer's norms."
+    if close(combined):
+        return "the denominator is ‖g‖ + weight_decay · ‖w‖ (You et al.), not ‖g + weight_decay · w‖."
+    if close(stuck):
+        return ("a layer of zeros gets a ratio of 0 and never moves (biases start at zero): when ‖w‖ or ‖g‖ is 0 "
+                "use a ratio of 1.")
+    return None

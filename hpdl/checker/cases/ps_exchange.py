@@ -1,0 +1,93 @@
+"""Checks for lesson 02's exercise: one exchange with a parameter server, point-to-point.
+
+    def ps_exchange(comm, grads, params, lr) -> np.ndarray:
+        # rank 0 is the server and holds no data (its `grads` is None); every other rank is a
+        # worker. Workers send their gradients to the server; the server averages them over
+        # the workers, takes one SGD step (params - lr * average) and sends the new parameters
+        # back to every worker. Every rank returns the new parameters.
+
+Built from Send/Recv (or send/recv): collectives are rejected, and workers may talk only to
+the server. Every rank starts from the same parameters, as after a broadcast.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hpdl.checker import hooks
+from hpdl.checker.cases import Case
+
+SIGNATURE = "ps_exchange(comm, grads, params, lr) -> np.ndarray   # rank 0 serves; grads is None there"
+RANKS = (2, 3, 4)
+TIMEOUT = 5.0
+FORBIDDEN = {name: "this exercise builds the exchange from point-to-point messages (Send and Recv)"
+             for name in hooks.DATA_COLLECTIVES}
+
+
+def cases(size):
+    return [
+        Case("n=1", {"n": 1, "lr": 0.5}),
+        Case("n=10", {"n": 10, "lr": 0.1}),
+        Case("n=1000, float32", {"n": 1000, "lr": 0.01, "dtype": "float32"}),
+        Case("n=100000", {"n": 100_000, "lr": 0.05}, hidden=True),
+    ]
+
+
+def _grads(case, rank):
+    p = case.params
+    return np.random.default_rng(1000 + rank).standard_normal(p["n"]).astype(p.get("dtype", "float64"))
+
+
+def inputs(case, rank, size):
+    p = case.params
+    params = np.random.default_rng(7).standard_normal(p["n"]).astype(p.get("dtype", "float64"))
+    grads = None if rank == 0 else _grads(case, rank)
+    return grads, params, p["lr"]
+
+
+def reference(comm, grads, params, lr):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if rank == 0:
+        total = np.zeros_like(params)
+        incoming = np.empty_like(params)
+        for worker in range(1, size):
+            comm.Recv(incoming, source=worker, tag=0)
+            total += incoming
+        new = params - lr * total / (size - 1)
+        for worker in range(1, size):
+            comm.Send(new, dest=worker, tag=1)
+        return new
+    comm.Send(grads, dest=0, tag=0)
+    new = np.empty_like(params)
+    comm.Recv(new, source=0, tag=1)
+    return new
+
+
+def verify(case, ctx):
+    if ctx.rank == 0:
+        workers = set(range(1, ctx.size))
+        pattern = hooks.only_peers(ctx, workers | {0}, "the server talks to its workers")
+    else:
+        pattern = hooks.only_peers(ctx, {0}, "in a parameter server, workers talk only to the server (rank 0)")
+    return hooks.compare(ctx.got, ctx.expected, what="the new parameters") or pattern
+
+
+def diagnose(case, ctx):
+    got = ctx.got
+    if not isinstance(got, np.ndarray) or got.shape != ctx.expected.shape:
+        return None
+    _, params, lr = ctx.args
+    if np.allclose(got, params):
+        if ctx.rank == 0:
+            return "the server returned the old parameters: apply params - lr * average gradient."
+        return "this worker returned the old parameters: it must receive the new ones from the server."
+    total = sum(_grads(ctx.case, r) for r in range(1, ctx.size)).astype(np.float64)
+    for label, step in (
+        ("you summed the gradients: divide by the number of workers, size - 1.", lr * total),
+        ("you divided by size; the server holds no gradient, so average over the size - 1 workers.",
+         lr * total / ctx.size),
+        ("the learning rate is missing: params - lr * average.", total / (ctx.size - 1)),
+        ("the sign is flipped: SGD steps against the gradient, params - lr * average.", -lr * total / (ctx.size - 1)),
+    ):
+        if np.allclose(got, params - step, rtol=1e-4, atol=1e-5):
+            return label
+    return None

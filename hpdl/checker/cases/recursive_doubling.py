@@ -1,0 +1,83 @@
+"""Checks for recursive_doubling(comm, x) -> the elementwise sum of x over all ranks, on every rank.
+
+In round k each rank swaps its partial sum with the rank whose number differs in bit k, so
+lg p rounds suffice when p is a power of two. For other p the standard fold-in: the first
+2·(p − p') ranks pair up (p' the largest power of two ≤ p), one of each pair hands its data
+to the other and sits out, and gets the result back at the end.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hpdl.checker import hooks
+from hpdl.checker.cases._sums import diagnose_sum, explain_sums, sum_cases, vector
+
+SIGNATURE = "recursive_doubling(comm, x: np.ndarray) -> np.ndarray"
+RANKS = (1, 2, 3, 4)
+TIMEOUT = 5.0
+FORBIDDEN = {
+    name: "recursive doubling is to be built from point-to-point exchanges (Sendrecv), not from MPI's collectives"
+    for name in hooks.DATA_COLLECTIVES
+}
+
+
+def cases(size: int):
+    return sum_cases(size)
+
+
+def inputs(case, rank: int, size: int) -> tuple:
+    return (vector(case, rank),)
+
+
+def reference(comm, x: np.ndarray) -> np.ndarray:
+    """The model solution, with the fold-in of extra ranks for p not a power of two."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    x = np.array(x, copy=True)
+    p2 = 1 << (p.bit_length() - 1)  # largest power of two <= p
+    extra = p - p2
+    incoming = np.empty_like(x)
+    if r < 2 * extra:  # fold in: even ranks hand their data to the odd neighbour and wait
+        if r % 2 == 0:
+            comm.Send(x, dest=r + 1)
+            comm.Recv(x, source=r + 1)
+            return x
+        comm.Recv(incoming, source=r - 1)
+        x += incoming
+        vr = r // 2
+    else:
+        vr = r - extra
+    mask = 1
+    while mask < p2:
+        vpartner = vr ^ mask
+        partner = 2 * vpartner + 1 if vpartner < extra else vpartner + extra
+        comm.Sendrecv(x, dest=partner, recvbuf=incoming, source=partner)
+        x += incoming
+        mask <<= 1
+    if r < 2 * extra:
+        comm.Send(x, dest=r - 1)
+    return x
+
+
+def verify(case, ctx):
+    p = ctx.size
+    p2 = 1 << (p.bit_length() - 1)
+    limit = p2.bit_length() - 1 + (1 if p != p2 else 0)
+    return hooks.compare(ctx.got, ctx.expected) or hooks.max_sends(
+        ctx, limit, "recursive doubling needs one exchange per round (lg p rounds, one more for ranks folded in)")
+
+
+def diagnose(case, ctx) -> str | None:
+    return diagnose_sum(case, ctx, chunks=False)
+
+
+def explain(results) -> str | None:
+    hint = explain_sums(results, chunks=False)
+    if hint:
+        return hint
+    failed = {r.ranks for r in results if r.verdict in ("WRONG", "ERROR", "HANG")}
+    passed = {r.ranks for r in results if r.verdict in ("PASS", "SLOW")}
+    odd = {p for p in failed if p & (p - 1)}
+    if failed and odd == failed and passed:
+        return ("right for powers of two, not for other rank counts: fold the extra ranks in first "
+                "(pair ranks 0..2·(p−p')−1, one of each pair sends its data to the other and waits for the result).")
+    return None

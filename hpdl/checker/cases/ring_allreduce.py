@@ -1,0 +1,88 @@
+"""Checks for ring_allreduce(comm, x) -> the elementwise sum of x over all ranks, on every rank.
+
+The ring: cut x into p chunks; p-1 steps of reduce-scatter (pass a chunk to the right, add
+the one from the left), then p-1 steps of allgather (pass the finished chunks around). Only
+point-to-point messages between ring neighbours, at most 2(p-1) per rank, each at most
+⌈n/p⌉ elements: passing the whole vector around the ring is not the ring algorithm.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hpdl.checker import hooks
+from hpdl.checker.cases import Wrong
+from hpdl.checker.cases._sums import chunk_bounds, diagnose_sum, explain_sums, sum_cases, vector
+
+SIGNATURE = "ring_allreduce(comm, x: np.ndarray) -> np.ndarray"
+RANKS = (1, 2, 3, 4)
+TIMEOUT = 5.0
+FORBIDDEN = {
+    name: "the ring allreduce is to be built from point-to-point messages (Send/Recv/Sendrecv), "
+          "not from MPI's own collectives"
+    for name in hooks.DATA_COLLECTIVES
+}
+
+
+def cases(size: int):
+    return sum_cases(size)
+
+
+def inputs(case, rank: int, size: int) -> tuple:
+    return (vector(case, rank),)
+
+
+def reference(comm, x: np.ndarray) -> np.ndarray:
+    """The model solution: reduce-scatter then allgather around the ring."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    x = np.array(x, copy=True)
+    bounds = chunk_bounds(len(x), p)
+
+    def chunk(i: int) -> np.ndarray:
+        i %= p
+        return x[bounds[i]:bounds[i + 1]]
+
+    right, left = (r + 1) % p, (r - 1) % p
+    for step in range(p - 1):  # reduce-scatter: after it, rank r owns the full sum of chunk r+1
+        incoming = np.empty_like(chunk(r - step - 1))
+        comm.Sendrecv(chunk(r - step), dest=right, recvbuf=incoming, source=left)
+        chunk(r - step - 1)[:] += incoming
+    for step in range(p - 1):  # allgather: pass the finished chunks around
+        comm.Sendrecv(chunk(r - step + 1), dest=right, recvbuf=chunk(r - step), source=left)
+    return x
+
+
+def verify(case, ctx):
+    p, r = ctx.size, ctx.rank
+    wrong = hooks.compare(ctx.got, ctx.expected)
+    everyone_right = all(ctx.comm.allgather(wrong is None))  # collective: on every rank, first
+    if wrong is not None or not everyone_right:
+        return wrong  # values first: "only rank 0 has the sum" says more than the message pattern
+    return (hooks.only_peers(ctx, {(r + 1) % p, (r - 1) % p}, "a ring passes chunks only between neighbours")
+            or chunked(ctx))
+
+
+def chunked(ctx):
+    """The ring algorithm, not just a ring: 2(p-1) messages per rank, each at most ⌈n/p⌉ elements."""
+    p, n = ctx.size, case_n(ctx)
+    sent = [c for c in ctx.calls if c.dest is not None]
+    largest = max((c.count or 0 for c in sent), default=0)
+    limit = -(-n // p)
+    if largest > limit:
+        return Wrong(f"rank {ctx.rank} sent a message of {largest} elements; the ring sends chunks of at most "
+                     f"⌈n/p⌉ = {limit}",
+                     hint="cut x into p chunks and pass one chunk per step (reduce-scatter, then allgather); "
+                          "passing the whole vector around costs p times the bandwidth.")
+    if len(sent) > 2 * (p - 1):
+        return Wrong(f"rank {ctx.rank} sent {len(sent)} messages; the ring needs 2(p-1) = {2 * (p - 1)}",
+                     hint="p-1 steps of reduce-scatter, then p-1 steps of allgather: one Sendrecv per step.")
+    return None
+
+
+def case_n(ctx) -> int:
+    return int(ctx.case.params["n"])
+
+
+diagnose = diagnose_sum
+explain = explain_sums
+HINT_ONLY_ROOT = ("only rank 0 ends with the full sum: after the reduce-scatter, the allgather phase must "
+                  "pass the finished chunks around so every rank returns the whole result.")

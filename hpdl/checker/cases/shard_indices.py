@@ -1,0 +1,144 @@
+"""Checks for lesson 05's first exercise: a distributed sampler, by hand.
+
+    def shard_indices(comm, n, epoch, seed=0) -> list[int]:
+        # this rank's sample indices for this epoch: one shuffle of range(n), the same on every
+        # rank (seeded with seed + epoch), of which each rank takes its own part
+
+`call()` asks each rank for epochs 0, 0 again, 1 and 2, and the checks look at all ranks'
+answers together: every rank the same number of indices (else ranks run different numbers of
+steps and DDP waits forever for the missing one); no index on two ranks except the few
+repeated to pad (DistributedSampler) — or none dropped except the tail (drop_last); the same
+answer when asked twice; shuffled; a different order every epoch (what set_epoch does).
+"""
+from __future__ import annotations
+
+import math
+
+from hpdl.checker.cases import Case, Wrong
+
+SIGNATURE = "shard_indices(comm, n, epoch, seed=0) -> list[int]   # this rank's samples for this epoch"
+RANKS = (1, 2, 3)
+TIMEOUT = 20.0
+EPOCHS = (0, 0, 1, 2)  # epoch 0 twice: the same question must get the same answer
+
+
+def cases(size):
+    return [
+        Case("n=12", {"n": 12, "seed": 0}),
+        Case("n=1438 (the digits), seed 0", {"n": 1438, "seed": 0}),
+        Case("n=10, seed 3: not a multiple of every rank count", {"n": 10, "seed": 3}),
+        Case("n=1001, seed 7", {"n": 1001, "seed": 7}, hidden=True),
+    ]
+
+
+def inputs(case, rank, size):
+    return case.params["n"], case.params["seed"]
+
+
+def reference_shard(n: int, rank: int, size: int, epoch: int, seed: int) -> list[int]:
+    """DistributedSampler's rule: shuffle with seed + epoch, pad by repeating the start, take every size-th."""
+    import numpy as np
+
+    order = np.random.default_rng(seed + epoch).permutation(n).tolist()
+    total = math.ceil(n / size) * size
+    order += order[: total - n]
+    return order[rank:total:size]
+
+
+def _as_list(x):
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    return [int(i) for i in x]
+
+
+def call(fn, comm, args):
+    n, seed = args
+    out = []
+    for epoch in EPOCHS:
+        got = fn(comm, n, epoch, seed)
+        if got is None:
+            return {"error": f"epoch {epoch}: the function returned None; return this rank's list of indices"}
+        try:
+            out.append(_as_list(got))
+        except (TypeError, ValueError):
+            return {"error": f"epoch {epoch}: returned {type(got).__name__}, not a list of whole numbers"}
+    return {"epochs": out}
+
+
+def reference(comm, n, seed):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    return {"epochs": [reference_shard(n, rank, size, e, seed) for e in EPOCHS]}
+
+
+def _problems(shards: list[list[int]], n: int) -> Wrong | None:
+    """All ranks' shards for one epoch."""
+    size = len(shards)
+    lengths = [len(s) for s in shards]
+    if len(set(lengths)) > 1:
+        return Wrong(f"the ranks got different numbers of indices: {lengths}",
+                     hint="every rank must run the same number of steps, or the one with an extra batch waits "
+                          "forever for the others in its all-reduce. Pad the shuffled list by repeating its first "
+                          "indices until its length divides by the number of ranks (DistributedSampler does), "
+                          "or drop the tail (drop_last).")
+    if any(not 0 <= i < n for s in shards for i in s):
+        bad = next(i for s in shards for i in s if not 0 <= i < n)
+        return Wrong(f"index {bad} is outside 0..{n - 1}")
+    everything = [i for s in shards for i in s]
+    distinct = set(everything)
+    padded = math.ceil(n / size) * size
+    dropped = (n // size) * size
+    if len(everything) == padded and len(distinct) == n:
+        return None  # padded: all covered, only the padding repeated
+    if len(everything) == dropped and len(distinct) == dropped:
+        return None  # drop_last: disjoint, only the tail left out
+    shared = len(everything) - len(distinct)
+    if shared > padded - n:
+        owners = {}
+        for r, s in enumerate(shards):
+            for i in s:
+                owners.setdefault(i, set()).add(r)
+        example = next(i for i, rs in owners.items() if len(rs) > 1)
+        return Wrong(f"{shared} indices are on more than one rank (e.g. {example} on ranks {sorted(owners[example])})",
+                     hint="the ranks must cut up ONE shuffle: every rank shuffles with the same seed (seed + epoch, "
+                          "never the rank), then takes its own part, e.g. order[rank::size].")
+    missing = n - len(distinct)
+    return Wrong(f"{missing} of the {n} samples are on no rank",
+                 hint="together the ranks must cover the data set: each takes every size-th index of the "
+                      "(padded) shuffled order, starting at its rank.")
+
+
+def verify(case, ctx):
+    answers = ctx.comm.allgather(ctx.got)  # first, on every rank: verify's collectives must match
+    if "error" in ctx.got:
+        return Wrong(ctx.got["error"])
+    failed = [r for r, a in enumerate(answers) if "error" in a]
+    if failed:
+        return Wrong(f"rank {failed[0]} could not answer: {answers[failed[0]]['error']}")
+    n = case.params["n"]
+    everyone = [a["epochs"] for a in answers]  # everyone[rank][k] = that rank's answer for EPOCHS[k]
+    for k, epoch in enumerate(EPOCHS[1:], start=1):
+        if EPOCHS[k] == EPOCHS[k - 1] and any(r[k] != r[k - 1] for r in everyone):
+            changed = next(i for i, r in enumerate(everyone) if r[k] != r[k - 1])
+            return Wrong(f"asked twice for epoch {epoch}, rank {changed} "
+                         "answered differently",
+                         hint="the shuffle must depend only on seed and epoch: seed a generator of your own with "
+                              "seed + epoch instead of using the global random state.")
+    for k, epoch in enumerate(EPOCHS):
+        wrong = _problems([r[k] for r in everyone], n)
+        if wrong is not None:
+            wrong.message = f"epoch {epoch}: {wrong.message}"
+            return wrong
+    unpadded = n // len(everyone)  # padding may wrap around to the start: look before it
+    if n >= 10 and all(r[0][:unpadded] == sorted(r[0][:unpadded]) for r in everyone):
+        return Wrong("epoch 0 is not shuffled: every rank's indices are in increasing order",
+                     hint="shuffle range(n) first (e.g. torch.randperm(n, generator=g) or "
+                          "np.random.default_rng(seed + epoch).permutation(n)), then split it.")
+    if n >= 10 and (everyone_same(everyone, 0, 2) or everyone_same(everyone, 2, 3)):
+        return Wrong("two different epochs gave the same order",
+                     hint="seed the shuffle with seed + epoch (that is what sampler.set_epoch(epoch) is for): "
+                          "with the same order every epoch, the model sees the batches in the same order forever.")
+    return None
+
+
+def everyone_same(everyone, a: int, b: int) -> bool:
+    return all(r[a] == r[b] for r in everyone)

@@ -1,0 +1,119 @@
+"""Checks for lesson 01's exercise: a throughput meter.
+
+    def throughput(step, batches, warmup=1) -> float:
+        # call step(batch) on every batch; return samples per second over the batches after
+        # the first `warmup` ones (samples = len(batch[0]); the last batch may be smaller)
+
+The step here is a stand-in whose cost is known: it sleeps a fixed time per sample, and its
+first calls are slow, as a real first step is (allocations, kernel selection, caches). So
+the right answer is known in advance (1 / seconds per sample), and the usual slips land far
+from it: timing the warm-up too, counting batches instead of samples, assuming every batch
+is as large as the first, inverting the ratio. Sleeps can only overrun, so a busy machine
+reads a little low; the accepted band is [0.5, 1.15] × the true rate.
+
+Like train_step, this takes no communicator: `call()` hands the learner's function its inputs.
+"""
+from __future__ import annotations
+
+import numbers
+import time
+
+from hpdl.checker.cases import Case, Wrong
+
+SIGNATURE = "throughput(step, batches, warmup=1) -> float   # samples per second after warm-up"
+RANKS = (1,)
+TIMEOUT = 20.0
+LOW, HIGH = 0.5, 1.15
+
+
+def cases(size):
+    slow = 1e6  # the meter is as slow as the steps it times; that is not the learner's doing
+    return [
+        Case("equal batches, warmup=1", {"sizes": [32] * 6, "warmup": 1, "per_sample": 0.0005, "first": 0.3},
+             slow_factor=slow),
+        Case("warmup=3", {"sizes": [16] * 7, "warmup": 3, "per_sample": 0.001, "first": 0.15}, slow_factor=slow),
+        Case("smaller batches after the first", {"sizes": [64, 8, 8, 8, 8, 5], "warmup": 1, "per_sample": 0.002,
+                                                 "first": 0.3}, slow_factor=slow),
+        Case("batches from a generator", {"sizes": [24] * 5, "warmup": 1, "per_sample": 0.0008, "first": 0.3,
+                                          "generator": True}, slow_factor=slow),
+        Case("warmup=2, uneven", {"sizes": [40, 40, 40, 40, 13], "warmup": 2, "per_sample": 0.0005, "first": 0.2},
+             hidden=True, slow_factor=slow),
+    ]
+
+
+class SleepyStep:
+    """step(batch): sleeps per_sample × len(batch[0]); each warm-up call also sleeps `first` s."""
+
+    def __init__(self, per_sample: float, first: float, warmup: int):
+        self.per_sample, self.first, self.warmup = per_sample, first, warmup
+        self.calls: list[int] = []
+
+    def __call__(self, batch):
+        n = len(batch[0])
+        extra = self.first if len(self.calls) < self.warmup else 0.0
+        self.calls.append(n)
+        time.sleep(extra + self.per_sample * n)
+
+
+def _batches(sizes):
+    return [(list(range(n)), [0] * n) for n in sizes]
+
+
+def inputs(case, rank, size):
+    """(step, batch sizes, warmup, as a generator?): `call()` turns the sizes into batches."""
+    p = case.params
+    return SleepyStep(p["per_sample"], p["first"], p["warmup"]), p["sizes"], p["warmup"], p.get("generator", False)
+
+
+def call(fn, comm, args):
+    """How the checker calls the learner's meter (no `comm`), recording what `step` saw."""
+    step, sizes, warmup, as_generator = args
+    batches = _batches(sizes)
+    rate = fn(step, (b for b in batches) if as_generator else batches, warmup)
+    return {"rate": rate, "calls": step.calls}
+
+
+def reference(comm, step, sizes, warmup, as_generator):
+    # No need to time anything: the step's cost is set, so the right rate is known.
+    return {"rate": 1.0 / step.per_sample, "calls": list(sizes)}
+
+
+def verify(case, ctx):
+    got, expected = ctx.got, ctx.expected
+    rate, truth = got["rate"], expected["rate"]
+    if got["calls"] != expected["calls"]:
+        return Wrong(f"step was called on batches of sizes {got['calls']}; expected each batch once, in order: "
+                     f"{expected['calls']}",
+                     hint="call step(batch) on every batch, the warm-up ones included (they are run, just not timed).")
+    if rate is None or isinstance(rate, bool) or not isinstance(rate, numbers.Real):
+        return Wrong(f"returned {type(rate).__name__}; expected a number (samples per second)")
+    if not LOW * truth <= rate <= HIGH * truth:
+        return Wrong(f"measured {rate:.4g} samples/s; the step runs at {truth:.4g} samples/s",
+                     max_error=abs(rate - truth) / truth)
+    return None
+
+
+def diagnose(case, ctx):
+    p = case.params
+    rate, truth = ctx.got["rate"], ctx.expected["rate"]
+    if not isinstance(rate, numbers.Real) or rate <= 0:
+        return None
+    sizes, w = p["sizes"], p["warmup"]
+    timed = sum(sizes[w:])
+    if rate * truth < 1.0 or rate < 1e-2 * truth:
+        return "that looks like seconds per sample: return samples / seconds."
+    guesses = {
+        "the warm-up batches were timed too: start the clock after the first `warmup` steps.":
+            sum(sizes) / (sum(sizes) * p["per_sample"] + w * p["first"]),
+        "the warm-up batches' samples were counted: count only the timed batches.":
+            sum(sizes) / (timed * p["per_sample"]),
+        "that is batches per second: count samples, len(batch[0]) for each batch.":
+            (len(sizes) - w) / (timed * p["per_sample"]),
+        "every batch was counted as large as the first: count len(batch[0]) of each batch.":
+            sizes[0] * (len(sizes) - w) / (timed * p["per_sample"]),
+    }
+    best = min(guesses, key=lambda k: abs(guesses[k] / rate - 1))
+    if abs(guesses[best] / rate - 1) < 0.25 and abs(truth / rate - 1) > 0.15:
+        return best
+    return None
+

@@ -1,0 +1,119 @@
+"""Checks for lesson 01's exercise: one training step.
+
+    def train_step(model, batch, loss_fn, optimizer) -> float:
+        # forward on batch[0], loss against batch[1], backward, update; return the loss as a float
+
+The function runs on one device and takes no communicator, so this module defines `call()`:
+the checker hands it the learner's function and this rank's inputs instead of calling
+`fn(comm, *args)`. Each case takes three steps in a row on one model (so gradients left over
+from one step would spoil the next) and compares, after every step, the returned loss and
+the model's parameters with those of the reference step on an identical copy.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from hpdl.checker import hooks
+from hpdl.checker.cases import Case, Wrong
+
+SIGNATURE = "train_step(model, batch, loss_fn, optimizer) -> float   # the loss before the update"
+RANKS = (1,)
+TIMEOUT = 30.0  # the first case of a job pays for importing torch
+STEPS = 3
+
+
+def cases(size):
+    slow = 1e6  # a single step is fast whatever the learner writes; timing is not the point
+    return [
+        Case("MLP, SGD with momentum", {"model": "mlp", "optimizer": "sgd", "batch": 16}, slow_factor=slow),
+        Case("CNN, Adam", {"model": "cnn", "optimizer": "adam", "batch": 8}, slow_factor=slow),
+        Case("one sample per batch", {"model": "mlp", "optimizer": "sgd", "batch": 1}, slow_factor=slow),
+        Case("wide MLP, SGD", {"model": "mlp", "optimizer": "sgd", "batch": 32, "hidden": 64}, hidden=True,
+             slow_factor=slow),
+    ]
+
+
+def inputs(case, rank, size):
+    """(model, batches, loss_fn, optimizer): a fresh seeded model and three batches of digits-like data."""
+    import torch
+    from torch import nn
+
+    p = case.params
+    torch.manual_seed(1234)
+    if p["model"] == "cnn":
+        model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 64, 10))
+    else:
+        width = p.get("hidden", 32)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
+    if p["optimizer"] == "adam":
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(99)
+    batches = [(torch.rand(p["batch"], 1, 8, 8, generator=g), torch.randint(0, 10, (p["batch"],), generator=g))
+               for _ in range(STEPS)]
+    return model, batches, nn.CrossEntropyLoss(), optimizer
+
+
+def model_step(model, batch, loss_fn, optimizer) -> float:
+    """The reference training step."""
+    inputs, targets = batch
+    optimizer.zero_grad()
+    loss = loss_fn(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def _run(step, model, batches, loss_fn, optimizer) -> dict:
+    losses, params = [], []
+    model.train()
+    for batch in batches:
+        losses.append(step(model, batch, loss_fn, optimizer))
+        params.append([q.detach().numpy().copy() for q in model.parameters()])
+    return {"losses": losses, "params": params}
+
+
+def call(fn, comm, args):
+    """How the checker calls the learner's function: once per batch, without `comm`."""
+    return _run(fn, *args)
+
+
+def reference(comm, *args):
+    return _run(model_step, *args)
+
+
+def verify(case, ctx):
+    got, expected = ctx.got, ctx.expected
+    for i, loss in enumerate(got["losses"]):
+        if loss is None:
+            return Wrong(f"step {i + 1} returned None", hint="return the loss: `return loss.item()`.")
+        if not isinstance(loss, numbers.Real) or isinstance(loss, bool):
+            kind = type(loss).__name__
+            return Wrong(f"step {i + 1} returned a {kind}, not a float",
+                         hint="return a plain number with loss.item(): a tensor keeps the whole graph alive "
+                              "and forces a device sync wherever it is printed.")
+    for i, (g, e) in enumerate(zip(got["losses"], expected["losses"])):
+        if not np.isclose(g, e, rtol=1e-5, atol=1e-6):
+            hint = "return the loss computed *before* optimizer.step(), on this batch." if i == 0 else None
+            return Wrong(f"step {i + 1} returned loss {g:.6g}; expected {e:.6g}", hint=hint, max_error=abs(g - e))
+        w = hooks.compare(got["params"][i], expected["params"][i], what=f"after step {i + 1}, parameters",
+                          rtol=1e-4, atol=1e-6)
+        if w is not None:
+            return w
+    return None
+
+
+def diagnose(case, ctx):
+    got, expected = ctx.got, ctx.expected
+    before = [q.detach().numpy() for q in ctx.args[0].parameters()]
+    if all(np.array_equal(a, b) for a, b in zip(got["params"][0], before)):
+        return ("the parameters did not change: call optimizer.step() after loss.backward(), "
+                "and optimizer.zero_grad() before the backward pass, not between backward and step.")
+    first_ok = hooks.compare(got["params"][0], expected["params"][0], rtol=1e-4, atol=1e-6) is None
+    if first_ok:
+        return ("step 1 is right but later steps are not: gradients add up across backward passes "
+                "unless you clear them with optimizer.zero_grad() in every step.")
+    return None

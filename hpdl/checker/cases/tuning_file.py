@@ -1,0 +1,122 @@
+"""Checks for lesson 07's exercise (c): a selection table turned into MPICH's own tuning file.
+
+    def tuning_file(table) -> dict
+        # table: [(up_to_bytes, algorithm), ..., (None, algorithm)], sizes growing;
+        # return the JSON object MPICH reads from MPIR_CVAR_COLL_SELECTION_TUNING_JSON_FILE
+
+The check is MPICH itself. Rank 0 writes what the learner returned to a file and starts a
+fresh 4-rank `mpiexec` job with MPIR_CVAR_COLL_SELECTION_TUNING_JSON_FILE pointing at it; there
+an MPI_Allreduce with a user-defined sum records how MPICH calls it, which tells the algorithm
+MPICH really ran (hpdl.tune.classify). Each table row is probed at its boundary, 16 bytes past
+it and inside it; every probe must show the row's algorithm. A file MPICH refuses, a missing
+`=any` branch, `<` for `<=`, rows in the wrong order, unknown algorithm names: each shows up as
+the wrong algorithm (or a refused file) at some probe. hpdl.tune.problems() words the hint.
+MPICH needs rules for every collective, so the learner's allreduce tree is written into MPICH's
+own rules (hpdl.tune.write_tuning_file). The tables use recursive doubling and the ring:
+MPICH runs reduce-scatter + allgather only for built-in operations (with the probe's
+user-defined sum it stops: "Assertion failed ... HANDLE_IS_BUILTIN(op)").
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+from hpdl.checker.cases import Case, Wrong
+
+SIGNATURE = "tuning_file(table: list[tuple[int | None, str]]) -> dict   # MPICH's selection JSON"
+RANKS = (1, 2)
+TIMEOUT = 90.0
+PROBE_RANKS = 4
+
+
+def cases(size):
+    slow = 1e6
+    return [
+        Case("2 KiB: recursive doubling, then the ring",
+             {"table": [[2048, "recursive_doubling"], [None, "ring"]]}, slow_factor=slow),
+        Case("three rows", {"table": [[1024, "ring"], [65536, "recursive_doubling"], [None, "ring"]]},
+             slow_factor=slow),
+        Case("one row: ring for every size", {"table": [[None, "ring"]]}, slow_factor=slow),
+        Case("four rows", {"table": [[512, "recursive_doubling"], [8192, "ring"], [131072, "recursive_doubling"],
+                                     [None, "ring"]]}, hidden=True, slow_factor=slow),
+    ]
+
+
+def probes(table) -> list[tuple[int, str]]:
+    """(bytes per rank, the algorithm the table picks there): each boundary, 16 B past it, and inside.
+
+    Sizes stay multiples of 16 B and at least 64 B, so every algorithm has a few elements per rank.
+    """
+    out, low = [], 0
+    for upto, name in table:
+        if upto is None:
+            out += [(max(low + 16, 64), name), (max(low * 4, 1024), name)]
+        else:
+            out += [(upto, name), (max(64, (low + upto) // 32 * 16), name)] + ([(low + 16, name)] if low else [])
+            low = upto
+    return sorted(set(out))
+
+
+def inputs(case, rank, size):
+    return ([tuple(row) for row in case.params["table"]],)
+
+
+def call(fn, comm, args):
+    """Everyone builds the file; rank 0 alone has MPICH run it (a fresh job of PROBE_RANKS ranks)."""
+    from hpdl import tune
+    from hpdl.errors import HpdlError
+
+    (table,) = args
+    obj = fn([tuple(row) for row in table])
+    try:
+        text = json.dumps(obj)
+    except (TypeError, ValueError) as exc:
+        return {"error": f"what tuning_file returned cannot be written as JSON: {exc}", "problems": []}
+    out = {"problems": tune.problems(obj) if isinstance(obj, dict) else [f"returned {type(obj).__name__}, not a dict"]}
+    if comm.Get_rank() != 0:
+        return out
+    fd, path = tempfile.mkstemp(prefix="hpdl-tuning-", suffix=".json")
+    os.close(fd)
+    try:
+        tune.write_tuning_file(obj if isinstance(obj, dict) else json.loads(text), path)
+        points = probes(table)
+        seen = tune.probe([n for n, _ in points], ranks=PROBE_RANKS, tuning_file=path, timeout=TIMEOUT - 15)
+        out["probe"] = [[n, name, tune.classify(seen[n], max(1, n // 4))] for n, name in points]
+    except HpdlError as exc:
+        out["error"] = f"MPICH did not run with this file: {exc}"
+    finally:
+        os.remove(path)
+    return out
+
+
+def reference(comm, table):
+    return {"table": [list(row) for row in table]}
+
+
+def verify(case, ctx):
+    got = ctx.got
+    hint = "; ".join(got.get("problems") or []) or None
+    if got.get("error"):
+        return Wrong(got["error"][-600:], hint=hint)
+    if "probe" not in got:
+        return Wrong(hint) if hint and ctx.rank == 0 else None
+    wrong = [(n, want, ran) for n, want, ran in got["probe"] if want not in ran.split("|")]
+    if not wrong:
+        return None
+    n, want, ran = wrong[0]
+    return Wrong(f"{len(wrong)} of {len(got['probe'])} probes ran the wrong algorithm; e.g. at {n} B per rank "
+                 f"the table says {want}, MPICH ran {ran}", hint=hint or _guess(case, got))
+
+
+def _guess(case, got) -> str:
+    table = case.params["table"]
+    bounds = {upto for upto, _ in table if upto is not None}
+    off = [n for n, want, ran in got["probe"] if want not in ran.split("|")]
+    if off and all(n in bounds for n in off):
+        return ("wrong exactly at the boundaries: a row 'up to N bytes' includes N, so the test is "
+                "'avg_msg_size<=N', not '<'.")
+    if any(n // 4 in bounds for n in off):
+        return "avg_msg_size counts bytes per rank, not elements."
+    return ("MPICH tries the keys of each level in order and takes the first that holds: rows from small to "
+            "large, the last one 'avg_msg_size=any', each leading to {'algorithm=MPIR_Allreduce_intra_<name>': {}}.")

@@ -1,0 +1,118 @@
+"""Run a packed learner's function on the cases of one exercise and gather a CheckResult.
+
+Shared by the two callers that decide verdicts: the learner's kernel (client.py, inline checks)
+and the grader (grade_service.py, checks a submission hands over). Plans the cases per rank
+count, runs them (jobs.py: the learner's ranks and the checker's reference ranks side by side),
+and adds the hints. Client side: nothing here runs on a rank.
+"""
+from __future__ import annotations
+
+import time
+
+from hpdl.checker import cases as case_api
+from hpdl.checker import source
+from hpdl.checker.jobs import Planned, Runner
+from hpdl.checker.report import CheckResult
+from hpdl.errors import HpdlError
+
+DEFAULT_RANKS = (1, 2, 3, 4)
+DEFAULT_TIMEOUT = 5.0
+MAX_RANKS = 64
+DEFAULT_REASON = "this exercise asks you to build it from point-to-point messages (Send/Recv)"
+
+
+def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = False, timeout=None,
+               progress: bool = True, hidden: list[str] = ()) -> CheckResult:
+    """Run the packed function `code` on the cases of exercise `name` (the grader calls this too)."""
+    t0 = time.perf_counter()
+    sizes = _sizes(ranks, module)
+    plan, hidden_not_run = _plan(module, sizes, grading, timeout)
+    forbidden = _forbidden(module)
+    spec = {"exercise": name, "module_path": str(case_api.path_of(name)), "code": code, "forbidden": forbidden,
+            "hidden": list(hidden) + _answer_keys()}
+    bar = _progress(sum(len(v) for v in plan.values()), name) if progress else None
+    try:
+        results = Runner(name, module, spec, plan, progress=bar, every_case=grading).run()
+    finally:
+        if bar is not None:
+            bar.close()
+    ordered = [results[i] for i in sorted(results)]
+    hints = []
+    explain = getattr(module, "explain", None)
+    if explain is not None:
+        try:
+            hint = explain(ordered)
+        except Exception:
+            hint = None
+        if hint:
+            hints.append(f"Hint: {hint}")
+    mentioned = source.forbidden_calls(code.get("sources", []), forbidden) if forbidden else []
+    mentioned = [m for m in mentioned if m["name"][:1].isupper() or "comm" in m["call"].lower()]  # not add.reduce
+    if mentioned and not any(c.rejected for c in ordered):  # the AST scan: a hint, never a verdict
+        m = mentioned[0]
+        hints.append(f"Note: your code mentions {m['call']} (line {m['line']} in {m['func']}), which this exercise "
+                     f"forbids; it was not called in these cases, but would be rejected if it were.")
+    return CheckResult(name, ordered, grade=grading, hidden_not_run=hidden_not_run,
+                       seconds=time.perf_counter() - t0, hints=hints)
+
+
+def _answer_keys() -> list[str]:
+    """Folders a sandboxed learner job does not see: the kit's solutions."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    return [str(root / "solutions")] if (root / "solutions").is_dir() else []
+
+
+# -- planning ----------------------------------------------------------------------------------
+
+def _sizes(ranks, module) -> list[int]:
+    if ranks is None:
+        ranks = getattr(module, "RANKS", DEFAULT_RANKS)
+    if isinstance(ranks, int) and not isinstance(ranks, bool):
+        ranks = [ranks]
+    try:
+        sizes = sorted({int(r) for r in ranks})
+    except (TypeError, ValueError):
+        raise HpdlError(f"ranks= takes a rank count or a list of them, e.g. ranks=[2, 4]; got {ranks!r}.") from None
+    if not sizes or sizes[0] < 1 or sizes[-1] > MAX_RANKS:
+        raise HpdlError(f"ranks must be between 1 and {MAX_RANKS}; got {ranks!r}.")
+    return sizes
+
+
+def _plan(module, sizes, grading: bool, timeout) -> tuple[dict[int, list[Planned]], int]:
+    if timeout is not None:
+        try:
+            timeout = float(timeout)
+        except (TypeError, ValueError):
+            raise HpdlError(f"timeout is in seconds per case; got {timeout!r}.") from None
+        if timeout <= 0:
+            raise HpdlError(f"timeout must be positive seconds; got {timeout}.")
+    default = float(getattr(module, "TIMEOUT", DEFAULT_TIMEOUT))
+    plan, index, hidden = {}, 0, 0
+    for size in sizes:
+        todo = []
+        for case in module.cases(size):
+            case.size = size
+            if case.hidden and not grading:
+                hidden += 1
+                continue
+            todo.append(Planned(index, case, timeout or case.timeout or default))
+            index += 1
+        plan[size] = todo
+    return plan, hidden
+
+
+def _forbidden(module) -> dict[str, str]:
+    got = getattr(module, "FORBIDDEN", None) or {}
+    if not isinstance(got, dict):
+        got = {n: getattr(module, "FORBIDDEN_REASON", DEFAULT_REASON) for n in got}
+    return dict(got)
+
+
+def _progress(total: int, name: str):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=f"checking {name}", unit="case", delay=1.5, leave=False)

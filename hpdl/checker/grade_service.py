@@ -1,0 +1,152 @@
+"""Under `hpdl grade`: the submission's kernel asks, the grader checks and keeps the result.
+
+Kernel side (`request`, called by hpdl.check when $HPDL_GRADE_SERVICE names a folder): write
+the packed function as JSON (no pickle the grader would have to load: the function's bytes
+travel base64-encoded and are only ever unpickled by the learner's own sandboxed ranks) to
+req-<id>.json, then wait for resp-<id>.json and show it. Nothing the kernel writes decides a
+score.
+
+Grader side (`Service`): pick up requests, check the exercise name against the kit's case
+modules, run the check with the exercise's own rank counts, time limits and hidden cases
+(whatever the notebook asked for), keep the result, and answer with a copy for the notebook.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+MAX_REQUEST_BYTES = 64 * 2**20
+MAX_REQUESTS = 100  # per submission
+WAIT = float(os.environ.get("HPDL_GRADE_CHECK_WAIT", "3600"))
+
+
+# -- the kernel's side ---------------------------------------------------------------------------
+
+def _jsonable(code: dict) -> dict:
+    out = {k: v for k, v in code.items() if k != "pickled"}
+    if code.get("pickled"):
+        out["pickled_b64"] = base64.b64encode(code["pickled"]).decode()
+    return out
+
+
+def request(name: str, code: dict):
+    """Ask the grader to check `code` for exercise `name`; return its result (for display)."""
+    from hpdl.checker.report import CheckResult
+    from hpdl.errors import HpdlError
+
+    folder = Path(os.environ["HPDL_GRADE_SERVICE"])
+    rid = uuid.uuid4().hex
+    tmp = folder / f".req-{rid}.tmp"
+    tmp.write_text(json.dumps({"exercise": name, "code": _jsonable(code)}))
+    os.replace(tmp, folder / f"req-{rid}.json")
+    resp = folder / f"resp-{rid}.json"
+    deadline = time.monotonic() + WAIT
+    pause = 0.05
+    while not resp.exists():
+        if time.monotonic() > deadline:
+            raise HpdlError(f"The grader did not answer the check of {name!r} within {WAIT:g} s.")
+        time.sleep(pause)
+        pause = min(pause * 1.5, 0.5)
+    data = json.loads(resp.read_text())
+    if "error" in data:
+        raise HpdlError(data["error"])
+    return CheckResult.from_dict(data["result"])
+
+
+# -- the grader's side -----------------------------------------------------------------------------
+
+def _code_from(raw) -> dict:
+    """The packed function as the kernel sent it, with every field's type checked."""
+    if not isinstance(raw, dict):
+        raise ValueError("not a packed function")
+    code: dict = {}
+    for key in ("name", "qualname", "filename"):
+        code[key] = str(raw.get(key, ""))[:300]
+    code["firstline"] = int(raw.get("firstline") or 1)
+    code["line_offset"] = int(raw.get("line_offset") or 0)
+    code["from_engines"] = bool(raw.get("from_engines"))
+    code["source"] = str(raw["source"]) if isinstance(raw.get("source"), str) else None
+    lines = raw.get("lines") if isinstance(raw.get("lines"), dict) else {}
+    code["lines"] = {str(k): [str(x) for x in v][:100_000] for k, v in lines.items() if isinstance(v, list)}
+    sources = raw.get("sources") if isinstance(raw.get("sources"), list) else []
+    code["sources"] = [{"name": str(s.get("name", "")), "firstline": int(s.get("firstline") or 1),
+                        "source": str(s.get("source", ""))} for s in sources if isinstance(s, dict)]
+    b64 = raw.get("pickled_b64")
+    code["pickled"] = base64.b64decode(b64) if isinstance(b64, str) else None
+    return code
+
+
+class Service:
+    """One submission's requests: each checked in a thread of the grader, results kept here."""
+
+    def __init__(self, folder: Path, hidden: list[str]):
+        self.folder = folder
+        self.hidden = hidden
+        folder.mkdir(parents=True, exist_ok=True)
+        self.seen: set[str] = set()
+        self.threads: list[threading.Thread] = []
+        self.results: dict[str, dict] = {}  # exercise -> CheckResult.to_dict(), the last one counts
+        self.problems: list[str] = []
+        self.lock = threading.Lock()
+
+    def poll(self) -> None:
+        for path in sorted(self.folder.glob("req-*.json")):
+            rid = path.stem[4:]
+            if rid in self.seen:
+                continue
+            self.seen.add(rid)
+            if len(self.seen) > MAX_REQUESTS:
+                self._answer(rid, {"error": f"more than {MAX_REQUESTS} checks from one notebook; not run"})
+                continue
+            t = threading.Thread(target=self._serve, args=(rid, path), daemon=True, name=f"hpdl-grade-{rid[:6]}")
+            t.start()
+            self.threads.append(t)
+
+    def _serve(self, rid: str, path: Path) -> None:
+        from hpdl.checker import cases
+        from hpdl.checker.checking import check_code
+
+        try:
+            if path.stat().st_size > MAX_REQUEST_BYTES:
+                raise ValueError(f"a check request of {path.stat().st_size} bytes")
+            req = json.loads(path.read_text())
+            name = req.get("exercise") if isinstance(req, dict) else None
+            if not isinstance(name, str) or name not in cases.known():
+                raise ValueError(f"no exercise named {name!r}")
+            code = _code_from(req.get("code"))
+            module = cases.load(name)
+            result = check_code(name, module, code, grading=True, progress=False, hidden=self.hidden)
+        except Exception as exc:  # a malformed request is the submission's problem, recorded
+            with self.lock:
+                self.problems.append(f"check request refused: {type(exc).__name__}: {str(exc)[:200]}")
+            self._answer(rid, {"error": f"The grader could not run this check: {str(exc)[:300]}"})
+            return
+        data = result.to_dict()
+        data["function"] = code.get("name")
+        data["time"] = time.time()
+        with self.lock:
+            self.results[name] = data
+        self._answer(rid, {"result": data})
+
+    def _answer(self, rid: str, data: dict) -> None:
+        tmp = self.folder / f".resp-{rid}.tmp"
+        try:
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, self.folder / f"resp-{rid}.json")
+        except OSError as exc:  # the submission's folder may be gone already
+            with self.lock:
+                self.problems.append(f"could not answer a check: {exc}")
+
+    def busy(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def finish(self, wait: float = 120.0) -> None:
+        """Let checks under way end (each has its own time limits)."""
+        deadline = time.monotonic() + wait
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))

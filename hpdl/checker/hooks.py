@@ -1,0 +1,271 @@
+"""Rank side: checks on *how* a learner's code works, not only on what it returns.
+
+Case modules call these from verify() on every rank. The client imports case modules too (for
+their cases and hints), so nothing here imports mpi4py.MPI (that would start MPI in the
+learner's kernel) or torch: both are only touched through the objects handed in.
+
+- REDUCTIONS / DATA_COLLECTIVES: name lists for a case module's FORBIDDEN (recording.py, in the
+  learner's job, records every call and refuses these, on any communicator and through
+  torch.distributed).
+- compare(): a result against the expected one, with dtype-aware tolerances and plain words.
+- only_peers() / max_sends() / gather_calls() / broadcast_rounds(): the pattern of
+  point-to-point messages (ring neighbours, a tree's fan-out and depth).
+- same_on_all_ranks() / same_as_root(): parameters identical across ranks (after a DDP or
+  Horovod step), or equal to the root's (initial parameters broadcast).
+- check_shards(): a distributed sampler's shards are disjoint, cover the data, equal length.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+
+from hpdl.checker.cases import Wrong
+
+
+COLLECTIVES = [
+    "Barrier", "barrier", "Bcast", "bcast", "Reduce", "reduce", "Allreduce", "allreduce",
+    "Gather", "Gatherv", "gather", "Allgather", "Allgatherv", "allgather", "Scatter", "Scatterv",
+    "scatter", "Alltoall", "Alltoallv", "Alltoallw", "alltoall", "Reduce_scatter",
+    "Reduce_scatter_block", "Scan", "scan", "Exscan", "exscan", "Ibarrier", "Ibcast", "Ireduce",
+    "Iallreduce", "Igather", "Igatherv", "Iallgather", "Iallgatherv", "Iscatter", "Iscatterv",
+    "Ialltoall", "Ialltoallv", "Ialltoallw", "Ireduce_scatter", "Ireduce_scatter_block", "Iscan",
+    "Iexscan", "Bcast_init", "Reduce_init", "Allreduce_init", "Allgather_init", "Gather_init",
+    "Scatter_init", "Alltoall_init", "Reduce_scatter_init", "Reduce_scatter_block_init",
+    "Neighbor_allgather", "Neighbor_alltoall",
+]
+#: The allreduce family: what a hand-written allreduce must not call.
+REDUCTIONS = [n for n in COLLECTIVES if "educe" in n or n in ("Scan", "scan", "Exscan", "exscan", "Iscan", "Iexscan")]
+#: Every collective that moves data: what a point-to-point-only exercise must not call.
+DATA_COLLECTIVES = [n for n in COLLECTIVES if "arrier" not in n]
+
+
+# -- results -----------------------------------------------------------------------------
+
+def _describe(x: Any) -> str:
+    if isinstance(x, np.ndarray):
+        return f"an array of shape {x.shape} and dtype {x.dtype}"
+    if x is None:
+        return "None (did the function forget to `return`?)"
+    if type(x).__name__ == "Opaque":  # wire.Opaque: something that is not plain data
+        return f"a {x.type_name}"
+    if isinstance(x, (list, tuple)):
+        return f"a {type(x).__name__} of {len(x)} items"
+    return f"a {type(x).__name__}"
+
+
+def _as_array(x: Any):
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "detach") and hasattr(x, "numpy"):  # a torch tensor
+        return x.detach().cpu().numpy()
+    return None
+
+
+def tolerance(dtype: np.dtype, scale: float) -> tuple[float, float]:
+    """(rtol, atol) for sums computed in a different order than the reference's."""
+    eps = np.finfo(dtype).eps if np.issubdtype(dtype, np.floating) else 0.0
+    return 200 * eps, 200 * eps * max(1.0, scale)
+
+
+def compare(got: Any, expected: Any, *, what: str = "result", rtol: float | None = None,
+            atol: float | None = None, check_dtype: bool = True) -> Wrong | None:
+    """None when `got` matches `expected` (array, tensor, or list/tuple of them), else a Wrong."""
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(got, (list, tuple)):
+            return Wrong(f"{what} is {_describe(got)}; expected a list of {len(expected)} arrays")
+        if len(got) != len(expected):
+            return Wrong(f"{what} has {len(got)} items; expected {len(expected)}")
+        worst: Wrong | None = None
+        for i, (g, e) in enumerate(zip(got, expected)):
+            w = compare(g, e, what=f"{what}[{i}]", rtol=rtol, atol=atol, check_dtype=check_dtype)
+            if w is not None and (worst is None or (w.max_error or np.inf) > (worst.max_error or -1)):
+                worst = w
+        return worst
+    e = _as_array(expected)
+    if e is None:
+        return None if got == expected else Wrong(f"{what} is {got!r}; expected {expected!r}")
+    g = _as_array(got)
+    if g is None:
+        return Wrong(f"{what} is {_describe(got)}; expected {_describe(e)}")
+    if g.shape != e.shape:
+        return Wrong(f"{what} has shape {g.shape}; expected {e.shape}")
+    if check_dtype and g.dtype != e.dtype:
+        return Wrong(f"{what} has dtype {g.dtype}; expected {e.dtype} (keep the input's dtype)")
+    if e.size == 0:
+        return None
+    ef = e.astype(np.float64, copy=False)
+    gf = g.astype(np.float64, copy=False)
+    scale = float(np.max(np.abs(ef)))
+    r, a = tolerance(e.dtype, scale)
+    r, a = (rtol if rtol is not None else r), (atol if atol is not None else a)
+    err = np.abs(gf - ef)
+    err = np.where(np.isnan(gf) != np.isnan(ef), np.inf, np.nan_to_num(err, nan=0.0))
+    bad = err > a + r * np.abs(ef)
+    if not bad.any():
+        return None
+    flat = np.flatnonzero(bad.ravel())
+    first = np.unravel_index(flat[0], e.shape)
+    first_text = str(first[0]) if len(first) == 1 else str(tuple(int(i) for i in first))
+    return Wrong(
+        f"{what}: {flat.size} of {e.size} values wrong (first at index {first_text}: got "
+        f"{gf[first]:.6g}, expected {ef[first]:.6g})",
+        max_error=float(err.max()),
+    )
+
+
+# -- message patterns ----------------------------------------------------------------------
+
+def only_peers(ctx, allowed: Iterable[int], why: str) -> Wrong | None:
+    """WRONG when this rank sent to or received from a rank outside `allowed`."""
+    allowed = set(allowed)
+    for c in ctx.calls:
+        for peer, verb in ((c.dest, "sent to"), (c.source, "received from")):
+            if peer is not None and peer not in allowed and peer != ctx.rank:
+                return Wrong(f"rank {ctx.rank} {verb} rank {peer} ({c.name}); {why}")
+    return None
+
+
+def sends(calls) -> list[int]:
+    """The destinations of the point-to-point sends in `calls` (Sendrecv counts as a send)."""
+    return [c.dest for c in calls if c.dest is not None]
+
+
+def gather_calls(ctx) -> list[list]:
+    """Every rank's recorded calls, indexed by rank. Collective on ctx.comm: call it on every rank."""
+    return ctx.comm.allgather(list(ctx.calls))
+
+
+def broadcast_rounds(calls_by_rank: list[list], root: int) -> int | None:
+    """The rounds a broadcast needs along the tree the messages form (each rank sending one
+    message per round, children ordered best); None when they form no tree from `root`
+    (a rank receiving twice or never, or from a rank that had nothing yet)."""
+    p = len(calls_by_rank)
+    parent: dict[int, int] = {}
+    children: dict[int, list[int]] = {r: [] for r in range(p)}
+    for r, calls in enumerate(calls_by_rank):
+        for c in calls:
+            if c.dest is not None and 0 <= c.dest < p and c.dest != r:
+                if c.dest in parent or c.dest == root:
+                    return None
+                parent[c.dest] = r
+                children[r].append(c.dest)
+    if set(parent) != set(range(p)) - {root}:
+        return None
+
+    def rounds(v: int, depth: int = 0) -> int | None:
+        if depth > p:
+            return None  # a cycle
+        below = [rounds(c, depth + 1) for c in children[v]]
+        if any(b is None for b in below):
+            return None
+        below.sort(reverse=True)
+        return max((i + 1 + b for i, b in enumerate(below)), default=0)
+
+    return rounds(root)
+
+
+def max_sends(ctx, limit: int, why: str) -> Wrong | None:
+    n = len(sends(ctx.calls))
+    if n > limit:
+        return Wrong(f"rank {ctx.rank} sent {n} messages; {why} (at most {limit} with {ctx.size} ranks)")
+    return None
+
+
+# -- parameters across ranks ---------------------------------------------------------------
+
+def params_of(obj: Any) -> list[np.ndarray]:
+    """Arrays from a torch module, a state dict, a tensor, an array, or a list of these."""
+    if hasattr(obj, "parameters") and callable(obj.parameters):
+        return [p.detach().cpu().numpy() for p in obj.parameters()]
+    if isinstance(obj, dict):
+        return [a for v in obj.values() for a in params_of(v)]
+    if isinstance(obj, (list, tuple)):
+        return [a for v in obj for a in params_of(v)]
+    a = _as_array(obj)
+    if a is not None:
+        return [a]
+    if obj is None:
+        raise TypeError("None holds no parameters")
+    a = np.asarray(obj)
+    if a.dtype == object:
+        raise TypeError(f"{type(obj).__name__} holds no numbers")
+    return [a]
+
+
+def _flat(obj: Any) -> np.ndarray | None:
+    """All values as one float64 vector; None when `obj` holds no numbers."""
+    try:
+        arrays = params_of(obj)
+        if not arrays:
+            return np.zeros(0)
+        return np.concatenate([np.asarray(a, dtype=np.float64).ravel() for a in arrays])
+    except (TypeError, ValueError):
+        return None
+
+
+def same_as_root(comm, obj: Any, *, root: int = 0, what: str = "parameters", atol: float = 0.0) -> Wrong | None:
+    """Every rank's `obj` equals the root's (e.g. initial parameters after a broadcast).
+
+    Collective on `comm`: call it on every rank, before any check that may return early.
+    Returns a Wrong on the ranks that differ (or that hold no numbers at all).
+    """
+    rank = comm.Get_rank()
+    mine = _flat(obj)
+    sizes = comm.allgather(-1 if mine is None else mine.size)
+    if mine is None:
+        return Wrong(f"rank {rank} holds no {what} (got {_describe(obj)})")
+    if min(sizes) < 0:  # those ranks report it; no rank goes on to the Bcast below
+        return None
+    if len(set(sizes)) > 1:
+        return Wrong(f"ranks hold different numbers of {what} values: {sizes}")
+    theirs = mine.copy() if rank == root else np.empty_like(mine)
+    comm.Bcast(theirs, root=root)
+    diff = float(np.max(np.abs(mine - theirs))) if mine.size else 0.0
+    if np.isnan(mine).any() != np.isnan(theirs).any():
+        diff = float("inf")
+    if diff > atol:
+        return Wrong(f"rank {rank}'s {what} differ from rank {root}'s by up to {diff:.3g}", max_error=diff)
+    return None
+
+
+def same_on_all_ranks(comm, obj: Any, *, what: str = "parameters", atol: float = 0.0) -> Wrong | None:
+    """Every rank holds identical `obj` (after a data-parallel step they must not drift)."""
+    return same_as_root(comm, obj, root=0, what=what, atol=atol)
+
+
+def check_shards(comm, indices: Iterable[int], n: int, *, disjoint: bool = True, cover: bool = True,
+                 equal_length: bool = True) -> Wrong | None:
+    """A distributed sampler's shards: disjoint, covering range(n), all the same length.
+
+    Collective on `comm`. Returns a Wrong on each rank involved in a problem.
+    """
+    rank = comm.Get_rank()
+    mine = [int(i) for i in indices]
+    shards = comm.allgather(mine)
+    problems = []
+    if equal_length:
+        lengths = [len(s) for s in shards]
+        if len(set(lengths)) > 1 and len(mine) != max(lengths):
+            problems.append(f"rank {rank} has {len(mine)} indices, others up to {max(lengths)} (lengths {lengths})")
+    if disjoint:
+        seen = {}
+        for r, s in enumerate(shards):
+            for i in s:
+                seen.setdefault(i, set()).add(r)
+        shared = sorted(i for i in mine if len(seen[i]) > 1)
+        dups = len(mine) - len(set(mine))
+        if shared:
+            others = sorted(set().union(*(seen[i] for i in shared)) - {rank})
+            problems.append(f"rank {rank} shares {len(shared)} indices with rank(s) {others} (e.g. {shared[0]})")
+        elif dups:
+            problems.append(f"rank {rank} has {dups} repeated indices")
+    if cover:
+        union = set().union(*map(set, shards)) if shards else set()
+        missing = sorted(set(range(n)) - union)
+        outside = sorted(i for i in set(mine) if not 0 <= i < n)
+        if missing:
+            problems.append(f"no rank has {len(missing)} of the {n} samples (e.g. {missing[0]})")
+        if outside:
+            problems.append(f"rank {rank} has indices outside 0..{n - 1} (e.g. {outside[0]})")
+    return Wrong("; ".join(problems)) if problems else None

@@ -1,0 +1,531 @@
+"""Client side: run a check's jobs and turn what happens into verdicts.
+
+Per rank count, two `mpiexec` jobs side by side (launched in runner.py):
+
+    learner job    learner_job.py   the learner's function on the cases' inputs, every MPI call
+                                    recorded; sandboxed (sandbox.py) where bubblewrap works
+    reference job  reference_job.py the same inputs through the case module's reference(); then,
+                                    case by case, verify() on the learner's outputs
+
+This process only reads the learner's events (JSON lines, parsed defensively) and copies the
+learner's output bytes to the reference job, which reads them as plain data; the verdict of a
+case whose ranks all returned comes from the reference job. The rules, polled with deadlines:
+
+- every learner rank returned: its outputs go to the reference job, whose verify() decides PASS,
+  WRONG or SLOW;
+- a learner rank raised, or made a forbidden call: ERROR or WRONG (rejected), after a short grace
+  for the others, whose stacks are read before the learner job is killed;
+- the case's time is up: HANG, naming stuck ranks, their lines, and the finished ones;
+- the learner job ended early (a rank crashed or exited): ERROR.
+
+A killed learner job is relaunched for the cases it had left (the reference job goes on: it
+skips the cases decided without it). After a HANG the cases left at that rank count are reported
+as not run in a notebook, and run with a short fuse when grading. Every job's process tree is
+killed before returning, also on errors and interrupts; the /dev/shm segments of killed jobs
+are removed; and the ranks end themselves should this process die.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpdl import hang, procs, sidejob
+from hpdl.checker import sandbox
+from hpdl.checker.cases import Case
+from hpdl.checker.report import CaseResult, Verdict
+from hpdl.checker.runner import job_command
+from hpdl.hang import rank_word
+
+GRACE_AFTER_ERROR = 0.2  # s: let the other ranks end the case on their own before aborting
+SHORT_FUSE = 1.0  # s: the time limit for the cases left at a rank count after one hung
+START_TIMEOUT = 60.0  # s: for all ranks of a job to import and report ready
+VERIFY_TIMEOUT = 60.0  # s: for the reference job's verify() once the learner's outputs are in
+MAX_EVENT_BYTES = 1 << 20  # one event line from a learner's rank; longer ones are cut
+POLL = 0.02
+
+
+@dataclass
+class Planned:
+    index: int
+    case: Case
+    timeout: float
+
+
+# -- one mpiexec job -----------------------------------------------------------------------------
+
+class Job:
+    """One mpiexec job: `size` ranks of `module` working through `todo` cases in order."""
+
+    def __init__(self, kind: str, spec: dict, size: int, todo: list[Planned], tmp: str, sandboxed: bool):
+        self.kind, self.size, self.todo = kind, size, list(todo)
+        self.dir = tempfile.mkdtemp(prefix=f"{kind[0]}{size}-", dir=tmp)
+        os.chmod(self.dir, 0o700)
+        self.sandboxed = sandboxed
+        slack = VERIFY_TIMEOUT if kind == "reference" else 30
+        self.spec = dict(spec, size=size, client_pid=0 if sandboxed else os.getpid(),
+                         lifetime=START_TIMEOUT + sum(p.timeout for p in todo) + slack * len(todo) + 30,
+                         cases=[(p.index, p.case.to_dict()) for p in todo])
+        if kind == "reference":
+            self.spec.pop("code", None)  # the learner's code never enters the reference job
+        with open(os.path.join(self.dir, "spec.pkl"), "wb") as f:
+            pickle.dump(self.spec, f)
+        env = dict(os.environ)
+        env.pop("HPDL_GRADE_RESULTS", None)
+        env.pop("HPDL_GRADE_SERVICE", None)
+        bindir = str(Path(sys.executable).parent)
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HPDL_CHECK_JOB=self.dir,
+                   PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}")
+        module = "hpdl.checker.learner_job" if kind == "learner" else "hpdl.checker.reference_job"
+        cmd = job_command(size, module, self.dir)
+        limits = None
+        if kind == "learner":
+            cmd = sandbox.wrap(cmd, writable=[self.dir], hidden=spec.get("hidden", []))
+            limits = sandbox.Limits(cpu_seconds=int(START_TIMEOUT + sum(p.timeout for p in todo) + 60),
+                                    processes=256 + 64 * size)  # tasks: threads count too
+        # a sandbox has its own /dev/shm and PID namespace, gone with it; outside one, the learner's
+        # processes are swept by the job's marker too (a daemon that left the process group)
+        self.side = sidejob.SideJob(cmd, output=os.path.join(self.dir, "output.txt"), env=env, limits=limits,
+                                    shared_memory=not sandboxed, sweep=kind == "learner" and not sandboxed)
+        self.launched = time.monotonic()
+        self.offsets = [0] * size
+        self.partial = [""] * size
+        self.ready: dict[int, int] = {}  # rank -> pid
+        self.rank_procs: dict[int, procs.Proc] = {}  # rank -> recorded process (outside a sandbox)
+        self.starts: dict[int, float] = {}  # case index -> earliest start (monotonic clock)
+        self.ends: dict[int, dict[int, dict]] = {}  # case index -> rank -> end event
+        self.problem_at: dict[int, float] = {}  # case index -> when the first rank raised
+        self.crash: dict | None = None
+        self.must_stop = False
+        self.hung = False
+
+    # -- reading the ranks' reports (from the learner's side: untrusted, parsed defensively) -------
+    def read(self) -> None:
+        for r in range(self.size):
+            path = os.path.join(self.dir, f"rank{r}.jsonl")
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.offsets[r])
+                    data = f.read(16 * MAX_EVENT_BYTES)
+            except OSError:
+                continue
+            self.offsets[r] += len(data)
+            text = self.partial[r] + data.decode("utf-8", "replace")
+            *lines, self.partial[r] = text.split("\n")
+            self.partial[r] = self.partial[r][-MAX_EVENT_BYTES:]
+            for line in lines:
+                try:
+                    ev = json.loads(line[:MAX_EVENT_BYTES]) if line.strip() else None
+                except ValueError:
+                    ev = None
+                if isinstance(ev, dict):
+                    self._event(r, ev)
+
+    def _event(self, rank: int, ev: dict) -> None:
+        kind = ev.get("ev")
+        case = ev.get("case")
+        if kind == "ready" and isinstance(ev.get("pid"), int):
+            self.ready[rank] = ev["pid"]
+            if not self.sandboxed:  # a sandbox has its own PIDs and /dev/shm, gone with it
+                rec = procs.record(ev["pid"])
+                if rec is not None:
+                    self.rank_procs[rank] = rec
+                # remembered now: should the job die before it is ended (MPI aborting every rank
+                # when one fails), nothing would map them any more by then
+                self.side.segments |= procs.shared_memory_of([ev["pid"]])
+        elif kind == "start" and isinstance(case, int) and isinstance(ev.get("t"), (int, float)):
+            self.starts.setdefault(case, time.monotonic())
+        elif kind == "end" and isinstance(case, int):
+            self.ends.setdefault(case, {})[rank] = ev
+            if ev.get("status") in ("error", "forbidden"):
+                self.problem_at.setdefault(case, time.monotonic())
+        elif kind == "crash" and self.crash is None:
+            self.crash = dict(ev, rank=rank)
+
+    def exited(self) -> bool:
+        return not self.side.running()
+
+    def stacks(self, ranks: list[int], code: dict, wait: float = 1.0) -> dict[int, dict]:
+        """Ask ranks where they are (hpdl.hang's protocol, the same as for `%%px` cells)."""
+        answers = hang.ask(self.dir, ranks, wait=wait, procs=None if self.sandboxed else self.rank_procs,
+                           files=set(code.get("lines", {})) | {code.get("filename", "")},
+                           sources=code.get("lines", {}), line_offset=int(code.get("line_offset", 0)))
+        return {r: _clean_stack(a) for r, a in answers.items() if isinstance(a, dict)}
+
+    def output_tail(self, lines: int = 12) -> str:
+        return "\n".join(self.side.output_text(8192).strip().splitlines()[-lines:])
+
+    def end(self) -> None:
+        """End the job now: its result is decided (or it hung), nothing it does next counts."""
+        self.side.end(now=True)
+
+    def wind_down(self, wait: float = 1.0) -> None:
+        """All cases decided: let the ranks exit on their own briefly (MPI_Finalize), then end it."""
+        if not self.must_stop:
+            self.side.wait(timeout=wait)
+        self.side.end(now=self.must_stop)
+
+    @property
+    def live(self) -> bool:
+        return self.side in sidejob.live()
+
+
+def _clean_stack(data: dict) -> dict:
+    where = data.get("where") if isinstance(data.get("where"), dict) else None
+    if where:
+        line = where.get("line") if isinstance(where.get("line"), int) else 0
+        where = {"file": str(where.get("file", ""))[:300], "line": line,
+                 "func": str(where.get("func", ""))[:100], "code": str(where.get("code", ""))[:300]}
+    call = data.get("call")
+    return {"phase": str(data.get("phase") or "")[:40], "where": where, "call": str(call)[:200] if call else None}
+
+
+def where_text(w: dict | None) -> str:
+    """'line 12 of ring_allreduce(): comm.Recv(buf, source=left)' (hpdl.hang's wording)."""
+    return hang.place_text(w) if w else "(no line found)"
+
+
+def _stuck(where: dict[int, dict]) -> dict[int, dict | str]:
+    """Each stuck rank's answer for hpdl.hang's wording; a ready text outside the learner's code."""
+    out: dict[int, dict | str] = {}
+    for r, info in where.items():
+        phase = (info or {}).get("phase")
+        if phase == "waiting":
+            out[r] = "(finished the case, waiting for the others)"
+        elif phase in ("inputs", "packing") and not (info or {}).get("where"):
+            out[r] = f"(in the checker's {phase} step, outside your function)"
+        else:
+            out[r] = info or None
+    return out
+
+
+def _stuck_text(where: dict | None) -> dict[int, str]:
+    if not where:
+        return {}
+    return {r: hang.stuck_text(a) for r, a in _stuck(where).items()}
+
+
+# -- one rank count: a learner job (relaunched as needed) and its reference job --------------------
+
+class SizeRun:
+    """The cases of one rank count: the reference job for all of them, learner jobs in turn."""
+
+    def __init__(self, runner: "Runner", size: int, todo: list[Planned], tmp: str):
+        self.runner, self.size, self.tmp = runner, size, tmp
+        self.todo = list(todo)
+        self.reference = Job("reference", runner.spec, size, todo, tmp, sandboxed=False)
+        try:
+            self.learner: Job | None = self._learner(todo)
+        except BaseException:
+            self.reference.end()
+            raise
+        self.verifying: dict[int, float] = {}  # case index -> when its outputs went to the reference job
+        self.broken: dict | None = None  # the reference job failed: the checker's own fault
+
+    def _learner(self, todo: list[Planned]) -> Job:
+        return Job("learner", self.runner.spec, self.size, todo, self.tmp, sandboxed=self.runner.sandboxed)
+
+    def _go(self, index: int, verify: bool, seconds: dict | None = None) -> None:
+        path = os.path.join(self.reference.dir, f"go-{index}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"verify": verify, "seconds": seconds or {}}, f)
+        os.replace(path + ".tmp", path)
+
+    def finished(self) -> bool:
+        return not self.todo
+
+    def step(self) -> list[tuple[Planned, CaseResult]]:
+        decided: list[tuple[Planned, CaseResult]] = []
+        runner = self.runner
+        ref = self.reference
+        ref.read()
+        if ref.exited():
+            ref.read()
+        while self.todo:
+            cur = self.todo[0]
+            if cur.index in self.verifying:  # waiting for the reference job's verdict
+                ends = ref.ends.get(cur.index, {})
+                if len(ends) == self.size:
+                    learner_ends = self.learner.ends.get(cur.index, {}) if self.learner else {}
+                    decided.append((cur, runner.from_verdicts(cur, self.size, ends, learner_ends)))
+                    self.todo.pop(0)
+                    self._next_learner()
+                    continue
+                if ref.crash or ref.exited() or time.monotonic() - self.verifying[cur.index] > VERIFY_TIMEOUT:
+                    self._checker_failed(decided, ref)
+                break
+            if ref.crash or (ref.exited() and cur.index not in ref.ends):
+                self._checker_failed(decided, ref)
+                break
+            job = self.learner
+            if job is None:
+                break
+            job.read()
+            exited = job.exited()
+            if exited:
+                job.read()
+            ends = job.ends.get(cur.index, {})
+            if len(ends) == self.size:
+                if all(e.get("status") == "ok" for e in ends.values()):
+                    self._hand_over(cur, job, ends)
+                    continue
+                result = runner.from_learner(cur, self.size, ends)
+                self._go(cur.index, False)
+                decided.append((cur, result))
+                self.todo.pop(0)
+                continue
+            result = self._stopped(cur, job, ends, exited)
+            if result is None:
+                break
+            decided.append((cur, result))
+            self._go(cur.index, False)
+            self.todo.pop(0)
+            job.must_stop = True
+            job.end()
+            self._after_stop(job, decided)
+            break
+        return decided
+
+    def _stopped(self, cur: Planned, job: Job, ends: dict, exited: bool) -> CaseResult | None:
+        """The case's result when the learner job must stop before every rank returned (a crash
+        of ours, a rank that raised, the time limit, a dead or unstarted job); None: not yet."""
+        runner, now = self.runner, time.monotonic()
+        if job.crash is not None:
+            return runner.internal_error(cur, self.size, job.crash)
+        if cur.index in job.problem_at and now - job.problem_at[cur.index] > GRACE_AFTER_ERROR and not exited:
+            where = job.stacks([r for r in range(self.size) if r not in ends], runner.spec["code"])
+            return runner.from_learner(cur, self.size, ends, left_waiting=where)
+        if cur.index in job.starts and now - job.starts[cur.index] > cur.timeout and not exited:
+            where = job.stacks([r for r in range(self.size) if r not in ends], runner.spec["code"])
+            job.hung = True
+            return runner.hang(cur, self.size, ends, where, now - job.starts[cur.index])
+        if exited:
+            return runner.died(cur, self.size, ends, job.ready, job.output_tail())
+        if cur.index not in job.starts and now - job.launched > START_TIMEOUT:
+            return runner.no_start(cur, self.size, job.ready, job.output_tail())
+        return None
+
+    def _hand_over(self, cur: Planned, job: Job, ends: dict) -> None:
+        """The learner's ranks all returned: their output bytes go to the reference job."""
+        limit = 512 * 2**20
+        for r in range(self.size):
+            src = os.path.join(job.dir, f"out-{cur.index}-{r}.bin")
+            dst = os.path.join(self.reference.dir, f"got-{cur.index}-{r}.bin")
+            try:
+                with open(src, "rb") as f:
+                    data = f.read(limit + 1)
+            except OSError:
+                data = b""
+            with open(dst, "wb") as f:
+                f.write(data)
+        seconds = {str(r): e.get("seconds") if isinstance(e.get("seconds"), (int, float)) else 0.0
+                   for r, e in ends.items()}
+        self._go(cur.index, True, seconds)
+        self.verifying[cur.index] = time.monotonic()
+
+    def _next_learner(self) -> None:
+        """After a verdict: a learner job that has no case left winds down."""
+        job = self.learner
+        if not self.todo and job is not None:
+            job.wind_down()
+            self.learner = None
+
+    def _after_stop(self, job: Job, decided: list) -> None:
+        """The learner job was stopped: relaunch it for the cases left (or report them not run)."""
+        left = list(self.todo)
+        if left and job.hung and not self.runner.every_case:
+            hung = decided[-1][1]
+            for p in left:
+                self._go(p.index, False)
+                decided.append((p, self.runner.not_run_after_hang(p, self.size, hung)))
+            self.todo = []
+            left = []
+        if left:
+            if job.hung:
+                left = [Planned(p.index, p.case, min(p.timeout, SHORT_FUSE)) for p in left]
+                self.todo = left
+            self.learner = self._learner(left)
+        else:
+            self.learner = None
+
+    def _checker_failed(self, decided: list, ref: Job) -> None:
+        crash = ref.crash or {"rank": "?", "message": "the reference job ended: " + (ref.output_tail(6) or "no output"),
+                              "traceback": ref.output_tail(20)}
+        for p in self.todo:
+            decided.append((p, self.runner.internal_error(p, self.size, crash)))
+        self.todo = []
+
+    def close(self) -> None:
+        if self.learner is not None and self.learner.live:
+            self.learner.end()
+        if self.reference.live:
+            self.reference.wind_down(wait=0.5)
+        self.learner = None
+
+
+class Runner:
+    """Plans the jobs of one check, runs them side by side, and builds the case results."""
+
+    def __init__(self, exercise: str, module, spec: dict, plan: dict[int, list[Planned]], progress=None,
+                 every_case: bool = True, sandboxed: bool | None = None):
+        self.every_case = every_case  # grading: run cases left after a HANG too (with a short fuse)
+        self.exercise = exercise
+        self.module = module
+        self.spec = spec
+        self.plan = plan
+        self.progress = progress
+        self.sandboxed = sandbox.available() if sandboxed is None else sandboxed
+
+    def run(self) -> dict[int, CaseResult]:
+        results: dict[int, CaseResult] = {}
+        tmp = tempfile.mkdtemp(prefix="hpdl-check-")
+        runs: list[SizeRun] = []
+        try:
+            for size, todo in self.plan.items():
+                if todo:
+                    runs.append(SizeRun(self, size, todo, tmp))
+            while runs:
+                for run in list(runs):
+                    for planned, result in run.step():
+                        results[planned.index] = result
+                        if self.progress is not None:
+                            self.progress.update(1)
+                    if run.finished():
+                        runs.remove(run)
+                        run.close()
+                time.sleep(POLL)
+        finally:
+            for run in runs:
+                run.close()
+            if not os.environ.get("HPDL_CHECK_KEEP"):
+                shutil.rmtree(tmp, ignore_errors=True)
+        return results
+
+    # -- building results -------------------------------------------------------------------
+    def _result(self, planned: Planned, size: int, verdict: Verdict, message: str, **kw) -> CaseResult:
+        c = planned.case
+        return CaseResult(self.exercise, c.name, size, verdict, c.points if verdict.earns_points else 0.0, c.points,
+                          hidden=c.hidden, message=message, params=dict(c.params), **kw)
+
+    def from_learner(self, planned: Planned, size: int, ends: dict[int, dict],
+                     left_waiting: dict | None = None) -> CaseResult:
+        """A case the learner's ranks ended with an exception or a forbidden call."""
+        by = {s: sorted(r for r, e in ends.items() if e.get("status") == s) for s in ("ok", "error", "forbidden")}
+        seconds = max((_num(e.get("seconds")) for e in ends.values()), default=0.0)
+        waiting = ""
+        if left_waiting:
+            waiting = " Left waiting for it: " + hang.summary(_stuck(left_waiting)).removeprefix("stuck: ") + \
+                      " (the job was aborted)."
+        if by["error"]:
+            first = ends[by["error"][0]]
+            same = all(ends[r].get("message") == first.get("message") for r in by["error"])
+            where = _where(first.get("where"))
+            if all(ends[r].get("exception") == "NotImplementedError" for r in by["error"]) and len(by["error"]) == size:
+                msg = ("Not written yet: your function raises NotImplementedError. "
+                       "Replace the placeholder with your code.")
+                return self._result(planned, size, Verdict.ERROR, msg, error_ranks=by["error"], line=where,
+                                    seconds=seconds)
+            who = rank_word(by["error"]) if same else f"rank {by['error'][0]}"
+            at = f" at {where_text(where)}" if where else f" when called as {self._signature()}"
+            msg = f"{who} raised {_text(first.get('message'))}{at}.{waiting}"
+            details = "\n".join(_text(t, 300) for t in (first.get("traceback") or [])[:30])
+            return self._result(planned, size, Verdict.ERROR, msg, error_ranks=by["error"], line=where,
+                                seconds=seconds, details=details, stuck=_stuck_text(left_waiting))
+        first = ends[by["forbidden"][0]]
+        where = _where(first.get("where"))
+        at = f" ({where_text(where)})" if where else ""
+        msg = f"Rejected: {_text(first.get('message'))}{at}.{waiting}"
+        return self._result(planned, size, Verdict.WRONG, msg, wrong_ranks=by["forbidden"], line=where,
+                            seconds=seconds, rejected=_text(first.get("name"), 80) or "a forbidden call")
+
+    def from_verdicts(self, planned: Planned, size: int, ends: dict[int, dict], learner_ends: dict) -> CaseResult:
+        """A case every learner rank returned from: the reference job's verify() decided."""
+        by = {s: sorted(r for r, e in ends.items() if e.get("status") == s) for s in ("ok", "wrong", "unverified")}
+        seconds = max((_num(e.get("seconds")) for e in learner_ends.values()), default=0.0)
+        if by["wrong"]:
+            worst = max(by["wrong"],
+                        key=lambda r: (ends[r].get("max_error") is not None, ends[r].get("max_error") or 0))
+            w = ends[worst]
+            hint = w.get("hint") or next((ends[r].get("hint") for r in by["wrong"] if ends[r].get("hint")), None)
+            if size > 1 and by["ok"] == [0] and by["wrong"] == list(range(1, size)):
+                hint = getattr(self.module, "HINT_ONLY_ROOT", None) or (
+                    "only rank 0 ends with the right result; every rank must return it.")
+            err = w.get("max_error")
+            largest = f" Largest error {err:.3g} (rank {worst})." if err is not None else ""
+            msg = f"Wrong on {rank_word(by['wrong'])}: {w.get('message')}.{largest}"
+            if len(by["wrong"]) > 1 and w.get("message") != ends[by["wrong"][0]].get("message"):
+                msg = f"Wrong on {rank_word(by['wrong'])}; rank {worst}: {w.get('message')}.{largest}"
+            return self._result(planned, size, Verdict.WRONG, msg, hint=hint, wrong_ranks=by["wrong"],
+                                max_error=err, seconds=seconds)
+        ref = max((_num(e.get("reference_seconds")) for e in ends.values()), default=0.0)
+        if seconds > planned.case.slow_factor * ref + 0.25:
+            msg = (f"Right result, but slow: {seconds:.2f} s where the reference took {ref:.3f} s "
+                   "(advisory; no points lost).")
+            return self._result(planned, size, Verdict.SLOW, msg, seconds=seconds)
+        return self._result(planned, size, Verdict.PASS, "", seconds=seconds)
+
+    def hang(self, planned: Planned, size: int, ends: dict, where: dict[int, dict], elapsed: float) -> CaseResult:
+        stuck = sorted(where) if where else sorted(set(range(size)) - set(ends))
+        finished = sorted(ends)
+        errors = {r: _text(e.get("message"), 200) for r, e in ends.items() if e.get("status") != "ok"}
+        answers = _stuck({r: where.get(r, {}) for r in stuck})
+        msg = (f"Not finished after {planned.timeout:g} s: "
+               + hang.summary(answers, [r for r in finished if r not in errors], errors) + ".")
+        if not finished:
+            msg += " No rank finished."
+        hint = hang.DEADLOCK_HINT
+        line = next((w.get("where") for w in where.values() if w and w.get("where")), None)
+        return self._result(planned, size, Verdict.HANG, msg, hint=hint, stuck=_stuck_text(where), finished=finished,
+                            seconds=elapsed, line=line)
+
+    def not_run_after_hang(self, planned: Planned, size: int, hung: CaseResult) -> CaseResult:
+        msg = (f"Not run: case {hung.name} already hung at {size} ranks (fix that first; grading runs every case).")
+        return self._result(planned, size, Verdict.HANG, msg)
+
+    def died(self, planned: Planned, size: int, ends: dict, ready: dict, output: str) -> CaseResult:
+        gone = sorted(set(range(size)) - set(ends))
+        msg = (f"The MPI job ended before {rank_word(gone)} finished this case: a rank exited or crashed "
+               "(os._exit, a segfault, a limit on memory or CPU time, or MPI Abort); "
+               "MPI then ends all ranks of the job.")
+        if not ready:
+            msg = "The ranks did not start."
+        return self._result(planned, size, Verdict.ERROR, msg, error_ranks=gone, details=output)
+
+    def no_start(self, planned: Planned, size: int, ready: dict, output: str) -> CaseResult:
+        msg = (f"Only {len(ready)} of {size} ranks started within {START_TIMEOUT:g} s; the machine may be busy, "
+               "or MPI is broken (run `hpdl doctor`).")
+        return self._result(planned, size, Verdict.ERROR, msg, details=output)
+
+    def internal_error(self, planned: Planned, size: int, crash: dict) -> CaseResult:
+        msg = (f"The checker itself failed on rank {crash.get('rank')}: {_text(crash.get('message'))} "
+               "(not your fault; please report it).")
+        return self._result(planned, size, Verdict.ERROR, msg, details=_text(crash.get("traceback", ""), 4000))
+
+    def _signature(self) -> str:
+        return getattr(self.module, "SIGNATURE", f"{self.exercise}(comm, ...)")
+
+
+def _num(x) -> float:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and x == x else 0.0
+
+
+def _text(x, limit: int = 400) -> str:
+    return "" if x is None else str(x)[:limit]
+
+
+def _where(w) -> dict | None:
+    """A learner rank's 'where' (file, line, func, code), validated."""
+    if not isinstance(w, dict):
+        return None
+    line = w.get("line")
+    return {"file": _text(w.get("file"), 300), "line": line if isinstance(line, int) else 0,
+            "func": _text(w.get("func"), 100), "code": _text(w.get("code"), 300)}
+
+
+__all__ = ["Runner", "Planned", "Job", "where_text"]

@@ -1,0 +1,186 @@
+"""Learner's ranks: run the learner's function on the cases of one rank count, nothing else.
+
+    mpiexec -n P python -m hpdl.checker.learner_job JOB_DIR
+
+This process holds no expected value and no verdict logic: per case it builds this rank's
+inputs, calls the learner's function (through the case module's call() when it has one) with
+every MPI and torch.distributed call recorded (recording.py), and writes what came back as
+plain data (wire.py) to JOB_DIR/out-<case>-<rank>.bin, with start/end events in
+JOB_DIR/rank<R>.jsonl. The checker's reference job compares them; see jobs.py.
+
+Before the learner's code is unpacked, the case module is cut down to what inputs() and
+call() use (the reference, verify and their helpers are removed), and importing the kit's
+case modules or solutions is refused, so the answer key is not within the learner's reach.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.abc
+import os
+import sys
+import time
+import traceback
+import types
+
+from hpdl.checker.rank_job import RankJob, learner_traceback, learner_where, main, short, state
+
+KEEP = ("inputs", "call")
+# hpdl.checker modules of the deciding side (reference ranks, verdicts, the grader): never loaded here
+DECIDING_SIDE = {"reference_job", "jobs", "checking", "client", "grade_service"}
+
+
+class _NoAnswerKey(importlib.abc.MetaPathFinder):
+    """Refuse imports of the kit's case modules (reference solutions) in the learner's process."""
+
+    def find_spec(self, fullname, path, target=None):
+        package, _, short_name = fullname.rpartition(".")
+        if fullname.startswith("hpdl.checker.cases") or fullname.startswith("hpdl_cases_") \
+                or (package == "hpdl.checker" and short_name in DECIDING_SIDE):
+            raise ImportError(f"{fullname} holds the checker's reference solutions: not importable while "
+                              "your code is being checked")
+        return None
+
+
+def strip_module(module: types.ModuleType) -> dict:
+    """What this process keeps of a case module: inputs(), call() and what they reach.
+
+    Everything else (reference, verify, diagnose, helpers only they use) is deleted from the
+    module, and the module from sys.modules, so no path from the learner's code leads to it.
+    """
+    keep: set[str] = set()
+    todo = [getattr(module, n) for n in KEEP if callable(getattr(module, n, None))]
+    seen: set[int] = set()
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, type):  # a class inputs() hands out: what its methods use stays too
+            for v in vars(obj).values():
+                v = getattr(v, "__func__", v)
+                todo.extend([v.fget, v.fset, v.fdel] if isinstance(v, property) else [v])
+            continue
+        code = getattr(obj, "__code__", None)
+        if code is None:
+            continue
+        codes = [code]
+        while codes:
+            c = codes.pop()
+            for name in c.co_names:
+                if name in vars(module) and name not in keep:
+                    keep.add(name)
+                    todo.append(vars(module)[name])
+            codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    kept = {n: getattr(module, n) for n in KEEP if callable(getattr(module, n, None))}
+    for name in list(vars(module)):
+        if name.startswith("__") or name in keep or name in KEEP:
+            continue
+        value = vars(module)[name]
+        if callable(value) or isinstance(value, types.ModuleType):
+            delattr(module, name)
+    for name, mod in list(sys.modules.items()):
+        if mod is module or name.startswith("hpdl.checker.cases.") or name.startswith("hpdl_cases_"):
+            del sys.modules[name]
+    pkg = sys.modules.get("hpdl.checker.cases")
+    if pkg is not None:
+        pkg.LOCKED = True  # load()/load_file() refuse from now on
+        for name in list(vars(pkg)):
+            value = getattr(pkg, name)
+            if isinstance(value, types.ModuleType) and value.__name__.startswith("hpdl.checker.cases."):
+                delattr(pkg, name)
+    sys.meta_path.insert(0, _NoAnswerKey())
+    return kept
+
+
+class LearnerJob(RankJob):
+    def current_call(self) -> str | None:
+        from hpdl.checker.recording import recorder
+
+        return recorder.current
+
+    def run(self) -> int:
+        from hpdl.checker import recording, wire
+        from hpdl.checker.cases import Case, load_file
+
+        spec = self.spec
+        code = spec["code"]
+        module = load_file(spec["module_path"])
+        funcs = strip_module(module)
+        recording.install(spec.get("forbidden") or {})
+        fn, unpack_error = None, ""
+        try:
+            from hpdl.checker.source import unpack
+
+            fn = unpack(code)
+        except BaseException as exc:  # e.g. the learner's globals could not be rebuilt here
+            unpack_error = short(f"{type(exc).__name__}: {exc}")
+        self.emit(ev="ready", pid=os.getpid(), rank=self.rank, size=self.size)
+        for index, case_dict in spec["cases"]:
+            case = Case(**case_dict)
+            state["case"], state["phase"] = index, "inputs"
+            self.emit(ev="start", case=index)
+            if fn is None:
+                result = {"status": "error", "message": f"{unpack_error} (your function could not be rebuilt on a "
+                                                        "fresh rank: define what it uses in the notebook)"}
+            else:
+                result = self.run_case(funcs, case, index, fn, recording, wire)
+            state["phase"] = "waiting"
+            self.emit(ev="end", case=index, **result)
+            self.barrier(str(index))
+        state["phase"] = "exiting"
+        self.emit(ev="exit")
+        return 0
+
+    def run_case(self, funcs: dict, case, index: int, fn, recording, wire) -> dict:
+        args = tuple(funcs["inputs"](case, self.rank, self.size))
+        comm = self.world.Dup()
+        if self.spec["code"].get("from_engines"):
+            self.rebind(fn, comm)
+        recorder = recording.recorder
+        recorder.reset()
+        state["phase"] = "learner"
+        call = funcs.get("call")
+        t0 = time.perf_counter()
+        try:
+            got = call(fn, comm, copy.deepcopy(args)) if call else fn(comm, *copy.deepcopy(args))
+        except recording.ForbiddenCall as exc:
+            return {"status": "forbidden", "message": str(exc), "name": exc.name,
+                    "where": learner_where(traceback.extract_tb(exc.__traceback__), self.files)}
+        except BaseException as exc:
+            frames = traceback.extract_tb(exc.__traceback__)
+            return {"status": "error", "exception": type(exc).__name__,
+                    "message": short(f"{type(exc).__name__}: {exc}"), "where": learner_where(frames, self.files),
+                    "traceback": learner_traceback(exc.__traceback__, self.files),
+                    "seconds": time.perf_counter() - t0}
+        seconds = time.perf_counter() - t0
+        state["phase"] = "packing"
+        if recorder.rejected:  # raised ForbiddenCall, but the learner caught it
+            name = recorder.rejected[0]
+            shown = name if "." in name else f"comm.{name}"
+            return {"status": "forbidden", "name": name,
+                    "message": f"{shown}() is not allowed here: {recorder.forbidden.get(name, 'forbidden')}"}
+        calls = [(c.name, c.dest, c.source, c.count) for c in recorder.calls]
+        try:
+            data = wire.pack({"got": got, "calls": calls})
+        except Exception as exc:
+            return {"status": "error", "exception": type(exc).__name__,
+                    "message": short(f"what your function returned could not be sent back: {type(exc).__name__}: "
+                                     f"{exc}")}
+        out = os.path.join(self.dir, f"out-{index}-{self.rank}.bin")
+        with open(out + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(out + ".tmp", out)
+        return {"status": "ok", "seconds": seconds, "bytes": len(data)}
+
+    def rebind(self, fn, comm) -> None:
+        """A function written under %%px may use the engines' own names (rank, world_size,
+        comm); here they must mean this rank's, not rank 0's values pickled with it."""
+        names = {"rank": self.rank, "world_size": self.size, "local_rank": self.rank, "comm": comm}
+        g = getattr(fn, "__globals__", {})
+        for name, value in names.items():
+            if name in g:
+                g[name] = value
+
+
+if __name__ == "__main__":
+    sys.exit(main(LearnerJob, sys.argv[1:]))

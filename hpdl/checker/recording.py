@@ -1,0 +1,307 @@
+"""Learner's ranks: record every MPI and torch.distributed call, refuse the forbidden ones.
+
+Installed once per learner process (`install`), before the learner's function is unpacked,
+and at the level of the classes, not of one communicator object: every communicator the
+learner can reach (the one handed in, MPI.COMM_WORLD, one made by Dup/Split/Create, a class
+call such as `MPI.Comm.Allreduce(comm, ...)`) goes through the same methods, so each call is
+noted in `recorder` (name, peer ranks whatever their integer type, message size) and a
+forbidden one raises ForbiddenCall. One-sided MPI (windows) counts as a collective route
+when reductions are forbidden, and torch.distributed's collectives are recorded (and refused
+under the same rule) from the moment torch.distributed is imported, however the learner
+imports them (`from torch.distributed import all_reduce` included).
+
+This is evidence collected inside the learner's process: it stops every ordinary route, and
+the verdict is decided elsewhere on what it recorded. Kit code that needs MPI itself in this
+process (the torch.distributed rendezvous) runs under `paused()`.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib.abc
+import operator
+import os
+import sys
+import threading
+from typing import Any
+
+from hpdl.checker.cases import Call
+from hpdl.checker.hooks import COLLECTIVES
+
+_KIT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ForbiddenCall(BaseException):
+    """Raised inside the learner's code when it calls something the exercise forbids.
+
+    A BaseException, so a learner's `except Exception` does not swallow it.
+    """
+
+    def __init__(self, name: str, reason: str):
+        shown = name if "." in name else f"comm.{name}"
+        super().__init__(f"{shown}() is not allowed here: {reason}")
+        self.name, self.reason = name, reason
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        self.forbidden: dict[str, str] = {}
+        self.rejected: list[str] = []
+        self.current: str | None = None  # the call the learner is inside, for hang reports
+        self.installed = False
+        self.torch_hooked = False
+        self._paused = threading.local()
+
+    def reset(self, forbidden: dict[str, str] | None = None) -> None:
+        self.calls, self.rejected, self.current = [], [], None
+        if forbidden is not None:
+            self.forbidden = dict(forbidden)
+
+    @property
+    def paused_now(self) -> bool:
+        return getattr(self._paused, "depth", 0) > 0
+
+    def note(self, name: str, dest=None, source=None, count=None, kind: str = "mpi") -> None:
+        """Record one call, or refuse it (ForbiddenCall) when the exercise forbids it."""
+        if self.paused_now:
+            return
+        key = name if kind == "mpi" else f"{kind}.{name}"
+        reason = self.forbidden.get(key) or self.forbidden.get(name if kind == "mpi" else "")
+        if reason:
+            self.rejected.append(key)
+            raise ForbiddenCall(key, reason)
+        self.calls.append(Call(key, dest, source))
+        if count is not None:
+            self.calls[-1].count = count
+
+
+recorder = _Recorder()
+
+
+@contextlib.contextmanager
+def paused():
+    """Kit code in the learner's process (never the learner's own) running MPI unrecorded."""
+    caller = sys._getframe(2).f_code.co_filename
+    if not os.path.abspath(caller).startswith(_KIT + os.sep):
+        raise ForbiddenCall("paused", "only the checker may pause the recording")
+    recorder._paused.depth = getattr(recorder._paused, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        recorder._paused.depth -= 1
+
+
+# -- MPI ---------------------------------------------------------------------------------------
+
+# (position of dest, position of source) in each method's arguments after self
+_P2P = {
+    "Send": (1, None), "Ssend": (1, None), "Bsend": (1, None), "Rsend": (1, None),
+    "Isend": (1, None), "Issend": (1, None), "Ibsend": (1, None), "Irsend": (1, None),
+    "Send_init": (1, None), "Ssend_init": (1, None), "Bsend_init": (1, None), "Rsend_init": (1, None),
+    "send": (1, None), "ssend": (1, None), "bsend": (1, None), "isend": (1, None), "issend": (1, None),
+    "Recv": (None, 1), "Irecv": (None, 1), "Recv_init": (None, 1), "recv": (None, 1), "irecv": (None, 1),
+    "Probe": (None, 0), "Iprobe": (None, 0), "Mprobe": (None, 0), "Improbe": (None, 0),
+    "probe": (None, 0), "iprobe": (None, 0), "mprobe": (None, 0), "improbe": (None, 0),
+    "Sendrecv": (1, 4), "sendrecv": (1, 4), "Sendrecv_replace": (1, 3),
+    "Isendrecv": (1, 4), "Isendrecv_replace": (1, 3),
+}
+#: One-sided operations: a window lets ranks add into each other's memory without messages.
+ONE_SIDED = ["Create", "Allocate", "Allocate_shared", "Create_dynamic"]
+
+
+def _peer(args, kwargs, pos, key):
+    if key in kwargs:
+        value = kwargs[key]
+    elif pos is not None and len(args) > pos:
+        value = args[pos]
+    else:
+        return None
+    try:
+        value = operator.index(value)  # numpy integers too
+    except TypeError:
+        return None
+    return value if value >= 0 else None
+
+
+def _count(buf) -> int | None:
+    """Elements in a send buffer: an array, [array, MPI type], or a Python object."""
+    if isinstance(buf, (list, tuple)) and buf:
+        buf = buf[0]
+    size = getattr(buf, "size", None)
+    if isinstance(size, int):
+        return size
+    try:
+        return len(buf)
+    except TypeError:
+        return None
+
+
+def _wrap(cls_name: str, name: str, base):
+    dpos, spos = _P2P.get(name, (None, None))
+
+    def method(self, *args, **kwargs):
+        if recorder.paused_now:
+            return base(self, *args, **kwargs)
+        dest, source = _peer(args, kwargs, dpos, "dest"), _peer(args, kwargs, spos, "source")
+        sending = dest is not None
+        count = _count(args[0] if args else kwargs.get("buf", kwargs.get("obj"))) if sending else None
+        recorder.note(name, dest, source, count)
+        peer = f" to rank {dest}" if dest is not None else ""
+        peer += f" from rank {source}" if source is not None else ""
+        recorder.current = f"comm.{name}(){peer}"
+        try:
+            return base(self, *args, **kwargs)
+        finally:
+            recorder.current = None
+
+    method.__name__ = name
+    method.__qualname__ = f"{cls_name}.{name}"
+    return method
+
+
+def _type_dict(cls) -> dict:
+    """The writable dict behind an extension type's read-only mappingproxy."""
+    return gc.get_referents(cls.__dict__)[0]
+
+
+def _patch_mpi(forbid_windows: bool) -> None:
+    from mpi4py import MPI
+
+    names = set(_P2P) | set(COLLECTIVES)
+    for cls_name in ("Comm", "Intracomm", "Intercomm", "Topocomm", "Cartcomm", "Graphcomm", "Distgraphcomm"):
+        cls = getattr(MPI, cls_name, None)
+        if cls is None:
+            continue
+        d = _type_dict(cls)
+        for name in names & set(d):
+            d[name] = _wrap(cls_name, name, d[name])
+        ctypes.pythonapi.PyType_Modified(ctypes.py_object(cls))
+    if forbid_windows:
+        d = _type_dict(MPI.Win)
+        for name in ONE_SIDED:
+            if name in d:
+                raw = getattr(MPI.Win, name)
+
+                def refuse(*args, _n=name, **kwargs):
+                    recorder.note(f"Win.{_n}")
+                    return raw(*args, **kwargs)
+
+                d[name] = staticmethod(refuse)
+        ctypes.pythonapi.PyType_Modified(ctypes.py_object(MPI.Win))
+
+
+# -- torch.distributed ----------------------------------------------------------------------------
+
+#: torch.distributed functions that move data between ranks, and the MPI rule each falls under
+TORCH_COLLECTIVES = {
+    "all_reduce": "Allreduce", "all_reduce_coalesced": "Allreduce", "reduce": "Reduce",
+    "broadcast": "Bcast", "broadcast_object_list": "bcast", "all_gather": "Allgather",
+    "all_gather_into_tensor": "Allgather", "_all_gather_base": "Allgather", "all_gather_object": "allgather",
+    "all_gather_coalesced": "Allgather", "gather": "Gather", "gather_object": "gather", "scatter": "Scatter",
+    "scatter_object_list": "scatter", "reduce_scatter": "Reduce_scatter",
+    "reduce_scatter_tensor": "Reduce_scatter", "_reduce_scatter_base": "Reduce_scatter",
+    "all_to_all": "Alltoall", "all_to_all_single": "Alltoall",
+}
+
+
+def _patch_c10d(c10d) -> None:
+    for name, rule in TORCH_COLLECTIVES.items():
+        base = getattr(c10d, name, None)
+        if base is None or getattr(base, "_hpdl_recorded", False):
+            continue
+
+        def fn(*args, _name=name, _rule=rule, _base=base, **kwargs):
+            if not recorder.paused_now:
+                reason = recorder.forbidden.get(_rule)
+                if reason:
+                    recorder.rejected.append(f"torch.distributed.{_name}")
+                    raise ForbiddenCall(f"torch.distributed.{_name}", reason)
+                recorder.calls.append(Call(_name))
+            return _base(*args, **kwargs)
+
+        fn.__name__, fn.__qualname__, fn.__wrapped__, fn._hpdl_recorded = name, name, base, True
+        setattr(c10d, name, fn)
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and getattr(dist, name, None) is base:
+            setattr(dist, name, fn)
+    for cls_name in ("ProcessGroup",):  # the object-level route: dist.group.WORLD.allreduce(...)
+        cls = getattr(c10d, cls_name, None)
+        for method in ("allreduce", "allreduce_coalesced", "broadcast", "allgather", "reduce", "reduce_scatter",
+                       "alltoall", "alltoall_base", "gather", "scatter", "_allgather_base", "_reduce_scatter_base"):
+            base = getattr(cls, method, None) if cls is not None else None
+            if base is None or getattr(base, "_hpdl_recorded", False):
+                continue
+            rule = {"allreduce": "Allreduce", "allreduce_coalesced": "Allreduce", "broadcast": "Bcast",
+                    "reduce": "Reduce"}.get(method, "Allgather")
+
+            def pg(self, *args, _m=method, _rule=rule, _base=base, **kwargs):
+                if not recorder.paused_now:
+                    reason = recorder.forbidden.get(_rule)
+                    if reason:
+                        recorder.rejected.append(f"ProcessGroup.{_m}")
+                        raise ForbiddenCall(f"ProcessGroup.{_m}", reason)
+                return _base(self, *args, **kwargs)
+
+            pg._hpdl_recorded = True
+            try:
+                setattr(cls, method, pg)
+            except (TypeError, AttributeError):
+                break  # an immutable binding: the function-level route above still records
+    recorder.torch_hooked = True
+
+
+class _TorchHook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Patch torch.distributed's collectives the moment the module is imported, by anyone."""
+
+    TARGET = "torch.distributed.distributed_c10d"
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.TARGET:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            import importlib.util
+
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        self._real = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._real.create_module(spec)
+
+    def exec_module(self, module):
+        self._real.exec_module(module)
+        _patch_c10d(module)
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+def install(forbidden: dict[str, str]) -> None:
+    """Once per learner process, before the learner's code is unpacked."""
+    if recorder.installed:
+        recorder.reset(forbidden)
+        return
+    recorder.reset(forbidden)
+    forbid_windows = any(n in forbidden for n in ("Allreduce", "Reduce", "Bcast", "Allgather"))
+    if forbid_windows:
+        for name in ONE_SIDED:
+            recorder.forbidden.setdefault(f"Win.{name}", "one-sided MPI (windows) is another library route; "
+                                                         "build it from point-to-point messages")
+    _patch_mpi(forbid_windows)
+    c10d = sys.modules.get(_TorchHook.TARGET)
+    if c10d is not None:
+        _patch_c10d(c10d)
+    else:
+        sys.meta_path.insert(0, _TorchHook())
+    recorder.installed = True
+
+
+def sends(calls: list[Any]) -> list[int]:
+    return [c.dest for c in calls if getattr(c, "dest", None) is not None]

@@ -1,0 +1,109 @@
+"""Checker's ranks: the expected answers and the verdicts, out of the learner's reach.
+
+    mpiexec -n P python -m hpdl.checker.reference_job JOB_DIR
+
+Runs beside the learner's job (learner_job.py), never with the learner's code in it. Per case
+each rank builds the same inputs, runs the case module's reference() on a communicator of
+its own, then waits for the client (jobs.py) to hand over what the learner's rank returned:
+JOB_DIR/go-<case>.json says whether to verify, and JOB_DIR/got-<case>-<rank>.bin holds the
+learner's outputs and recorded calls, read back as plain data (wire.py). verify() and
+diagnose() then run here, with ctx.comm a communicator between this job's ranks, so the
+hooks that compare across ranks work as they always did. Verdicts go to rank<R>.jsonl.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+
+from hpdl.checker.rank_job import RankJob, main, short, state
+
+
+class ReferenceJob(RankJob):
+    def run(self) -> int:
+        from hpdl.checker.cases import Case, load_file
+
+        module = load_file(self.spec["module_path"])
+        self.emit(ev="ready", pid=os.getpid(), rank=self.rank, size=self.size)
+        for index, case_dict in self.spec["cases"]:
+            case = Case(**case_dict)
+            state["case"], state["phase"] = index, "reference"
+            self.emit(ev="start", case=index)
+            args = tuple(module.inputs(case, self.rank, self.size))
+            ref_comm = self.world.Dup()
+            t0 = time.perf_counter()
+            expected = module.reference(ref_comm, *copy.deepcopy(args))
+            ref_s = time.perf_counter() - t0
+            ref_comm.Free()
+            self.emit(ev="expected", case=index, reference_seconds=ref_s)
+            state["phase"] = "waiting for the learner"
+            go_path = os.path.join(self.dir, f"go-{index}.json")
+            self.wait_for(go_path)
+            with open(go_path) as f:
+                go = json.load(f)
+            state["phase"] = "verify"
+            if go.get("verify"):
+                result = self.verify(module, case, index, args, expected, go, ref_s)
+            else:
+                result = {"status": "skipped"}
+            self.emit(ev="end", case=index, **result)
+            self.barrier(str(index))
+        state["phase"] = "exiting"
+        self.emit(ev="exit")
+        return 0
+
+    def verify(self, module, case, index: int, args, expected, go: dict, ref_s: float) -> dict:
+        from hpdl.checker import hooks, wire
+        from hpdl.checker.cases import Call, Context, Wrong
+
+        problem = None
+        try:
+            with open(os.path.join(self.dir, f"got-{index}-{self.rank}.bin"), "rb") as f:
+                data = wire.unpack(f.read())
+            got = data["got"]
+            calls = [_call(Call, c) for c in data["calls"]]
+        except (OSError, KeyError, TypeError, ValueError, wire.NotPlainData) as exc:
+            problem = f"what your function returned could not be read back: {short(exc, 200)}"
+        # every rank learns whether every rank could read its outputs, before any collective in verify()
+        unreadable = self.world.allgather(problem is not None)
+        if problem is not None:
+            return {"status": "wrong", "message": problem, "reference_seconds": ref_s}
+        if any(unreadable):
+            return {"status": "unverified", "reference_seconds": ref_s}
+        learner_s = float(go.get("seconds", {}).get(str(self.rank), 0.0) or 0.0)
+        ctx = Context(case, self.rank, self.size, args, got, expected, calls, self.world, learner_s, ref_s)
+        try:
+            verify = getattr(module, "verify", None)
+            wrong = verify(case, ctx) if verify else hooks.compare(got, expected)
+        except Exception as exc:
+            wrong = Wrong(f"the result could not be checked: {short(f'{type(exc).__name__}: {exc}')}")
+        result = {"reference_seconds": ref_s}
+        if wrong is None:
+            result["status"] = "ok"
+            return result
+        if not isinstance(wrong, Wrong):
+            wrong = Wrong(str(wrong))
+        hint = wrong.hint
+        if hint is None and hasattr(module, "diagnose"):
+            try:
+                hint = module.diagnose(case, ctx)
+            except Exception:
+                hint = None
+        result.update(status="wrong", message=wrong.message, hint=hint, max_error=wrong.max_error)
+        return result
+
+
+def _call(Call, raw):
+    """One recorded call from the learner's rank, validated: a name and integer peers."""
+    name, dest, source, count = raw
+
+    def num(x):
+        return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+    return Call(str(name)[:80], num(dest), num(source), num(count))
+
+
+if __name__ == "__main__":
+    sys.exit(main(ReferenceJob, sys.argv[1:]))
