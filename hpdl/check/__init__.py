@@ -27,12 +27,11 @@ machinery is imported inside check().
 """
 from __future__ import annotations
 
-import os
 import sys
 import types
 from typing import Callable
 
-_TRUE = ("1", "true", "yes", "on")
+from hpdl import settings
 
 
 def check(name: str, fn: Callable | None = None, *, ranks=None, grade: bool | None = None,
@@ -54,7 +53,7 @@ def check(name: str, fn: Callable | None = None, *, ranks=None, grade: bool | No
 def grade_mode(grade: bool | None = None) -> bool:
     if grade is not None:
         return bool(grade)
-    return os.environ.get("HPDL_GRADE", "").strip().lower() in _TRUE
+    return settings.GRADE.get()
 
 
 class _CallableModule(types.ModuleType):

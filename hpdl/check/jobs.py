@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpdl import hang, procs
+from hpdl import hang, procs, settings
 from hpdl.check import sandbox
 from hpdl.check.cases import Case
 from hpdl.check.report import CaseResult, Verdict, rank_word
@@ -101,10 +101,10 @@ class Job:
         with open(os.path.join(self.dir, "spec.pkl"), "wb") as f:
             pickle.dump(self.spec, f)
         env = dict(os.environ)
-        env.pop("HPDL_GRADE_RESULTS", None)
-        env.pop("HPDL_GRADE_SERVICE", None)
+        env.pop(settings.GRADE_RESULTS.name, None)
+        env.pop(settings.GRADE_SERVICE.name, None)
         bindir = str(Path(sys.executable).parent)
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HPDL_CHECK_JOB=self.dir,
+        env.update({settings.CHECK_JOB.name: self.dir}, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}")
         self.output = open(os.path.join(self.dir, "output.txt"), "wb")
         module = "hpdl.check.learner_job" if kind == "learner" else "hpdl.check.reference_job"
@@ -437,7 +437,7 @@ class Runner:
             for job in list(_live_jobs):
                 if job.dir.startswith(tmp):
                     job.end()
-            if not os.environ.get("HPDL_CHECK_KEEP"):
+            if not settings.CHECK_KEEP.get():
                 shutil.rmtree(tmp, ignore_errors=True)
         return results
 

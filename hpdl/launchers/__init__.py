@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import ClassVar
 
+from hpdl import settings
 from hpdl.errors import HpdlError
 from hpdl.sites import SITES_DIR, SlurmSite, load_site  # noqa: F401  (kept importable from here)
 
@@ -106,7 +107,7 @@ def resolve(launcher: str) -> str:
     (Slurm inside a Slurm allocation, the local mpiexec everywhere else)."""
     launcher = (launcher or "auto").lower()
     if launcher == "auto":
-        chosen = os.environ.get("HPDL_LAUNCHER", "").lower()
+        chosen = settings.LAUNCHER.get().lower()
         launcher = chosen if chosen and chosen != "auto" else detected().name
     return get(launcher).name
 
@@ -216,7 +217,7 @@ def mpiexec_flags(implementation: str, env_names: list[str] | tuple[str, ...] = 
 def launch_flags(exe: str | None = None) -> list[str]:
     """`mpiexec_flags` for the mpiexec found here and this process's environment."""
     names = [k for k in (*engine_env(), *PASSED_ENV) if k in os.environ or k in engine_env()]
-    names += sorted(k for k in os.environ if k.startswith(("HPDL_", "HOROVOD_", "OMP_", "MPIR_CVAR_")))
+    names += sorted(k for k in os.environ if k.startswith((settings.PREFIX, "HOROVOD_", "OMP_", "MPIR_CVAR_")))
     as_root = hasattr(os, "geteuid") and os.geteuid() == 0
     return mpiexec_flags(mpiexec_implementation(exe), list(dict.fromkeys(names)), as_root)
 
