@@ -88,7 +88,7 @@ class Setting:
     readers: tuple[str, ...]
     internal: bool = False
     choices: tuple[str, ...] = ()
-    bounds: tuple[int, int] | None = None
+    bounds: tuple[int, int | None] | None = None  # (least, most or None)
     default_text: str = ""
     family: bool = False
 
@@ -121,7 +121,8 @@ class Setting:
             value = parser(raw)
             if self.choices and value not in self.choices:
                 raise ValueError(raw)
-            if self.bounds and not self.bounds[0] <= value <= self.bounds[1]:
+            low, high = self.bounds or (value, value)
+            if value < low or (high is not None and value > high):
                 raise ValueError(raw)
         except ValueError:
             raise HpdlError(f"{self.name}={raw!r}: it takes {self.takes()}; "
@@ -132,7 +133,8 @@ class Setting:
         if self.choices:
             return "one of " + ", ".join(self.choices)
         if self.bounds:
-            return f"{KINDS[self.kind][0]} from {self.bounds[0]} to {self.bounds[1]}"
+            low, high = self.bounds
+            return f"{KINDS[self.kind][0]} " + (f"from {low} to {high}" if high is not None else f"≥ {low}")
         return KINDS[self.kind][0]
 
     def shown_default(self) -> str:
@@ -230,7 +232,7 @@ HUB_GROUP = _declare("HPDL_HUB_GROUP", "text", "hpdl-learners", "the Unix group 
                      ("hub",))
 HUB_ADMINS = _declare("HPDL_HUB_ADMINS", "text", "", "instructors' user names, comma-separated", ("hub",))
 HUB_RANKS = _declare("HPDL_HUB_RANKS", "int", "4", "Slurm tasks per learner (the ranks hpdl.start may use)",
-                     ("hub",), bounds=(1, 4096))
+                     ("hub",), bounds=(1, None))
 HUB_TIME = _declare("HPDL_HUB_TIME", "text", None, "a learner's job's time limit", ("hub",),
                     default_text="the site profile's, else 02:00:00")
 HUB_PARTITION = _declare("HPDL_HUB_PARTITION", "text", None, "the learners' jobs' partition", ("hub",),
@@ -242,9 +244,9 @@ HUB_QOS = _declare("HPDL_HUB_QOS", "text", None, "the learners' jobs' quality of
 HUB_SBATCH = _declare("HPDL_HUB_SBATCH", "text", "", "extra #SBATCH options, after the profile's", ("hub",))
 HUB_MODULES = _declare("HPDL_HUB_MODULES", "text", "", "what the learners' jobs `module load`", ("hub",))
 HUB_IDLE_TIMEOUT = _declare("HPDL_HUB_IDLE_TIMEOUT", "int", "3600", "seconds without use before a learner's "
-                            "server is stopped (its job cancelled)", ("hub",), bounds=(1, 10**7))
+                            "server is stopped (its job cancelled)", ("hub",), bounds=(1, None))
 HUB_CULL_EVERY = _declare("HPDL_HUB_CULL_EVERY", "int", "300", "how often the idle culler looks, in seconds",
-                          ("hub",), bounds=(1, 10**7))
+                          ("hub",), bounds=(1, None))
 HUB_CONNECT_HOST = _declare("HPDL_HUB_CONNECT_HOST", "text", None, "the hub's name as compute nodes reach it",
                             ("hub",), default_text="this host's name")
 HUB_SITE_CONFIG = _declare("HPDL_HUB_SITE_CONFIG", "path", None, "a Python file the hub's config loads last, for "
@@ -263,11 +265,11 @@ REAL_CXX = _declare("HPDL_REAL_CXX", "text", "g++", "the C++ compiler behind clu
 TEST_MPI = _declare("HPDL_TEST_MPI", "choice", None, "set by `make test-mpi MPI=...`: the MPI the suite checks "
                     "it runs on", ("tests",), choices=("mpich", "openmpi", "impi"), default_text="unset")
 TEST_CELL_TIMEOUT = _declare("HPDL_TEST_CELL_TIMEOUT", "int", "300", "the notebook tests' time limit per cell",
-                             ("tests",), bounds=(1, 10**6))
+                             ("tests",), bounds=(1, None))
 CUDA_SCRATCH = _declare("HPDL_CUDA_SCRATCH", "path", "~/.cache/hpdl/cuda-build", "the CUDA build test's "
                         "cache of nvcc and NCCL", ("tests",))
 CI_OPENMPI_BEFORE_MIN = _declare("HPDL_CI_OPENMPI_BEFORE_MIN", "int", "33", "CI runs its Open MPI set only when "
-                                 "the rest took less than this many minutes", ("tests",), bounds=(0, 10**4))
+                                 "the rest took less than this many minutes", ("tests",), bounds=(0, None))
 
 
 def declared() -> list[Setting]:
