@@ -103,6 +103,7 @@ class Setting:
         return value.strip() if value is not None and value.strip() else None
 
     def is_set(self, env: Mapping[str, str] | None = None) -> bool:
+        """Set to something (an empty value counts as unset, as `VAR= command` means in a shell)."""
         return self.raw(env) is not None
 
     def get(self, env: Mapping[str, str] | None = None) -> Any:
@@ -116,7 +117,7 @@ class Setting:
 
     def parse(self, raw: str) -> Any:
         """`raw` as this setting's type; HpdlError naming the variable and what it takes."""
-        what, parser = KINDS[self.kind]
+        parser = KINDS[self.kind][1]
         try:
             value = parser(raw)
             if self.choices and value not in self.choices:
@@ -130,6 +131,7 @@ class Setting:
         return value
 
     def takes(self) -> str:
+        """What a value must be, in the words the error messages and the docs use."""
         if self.choices:
             return "one of " + ", ".join(self.choices)
         if self.bounds:
@@ -138,6 +140,7 @@ class Setting:
         return KINDS[self.kind][0]
 
     def shown_default(self) -> str:
+        """The default as a reader sees it: the declared text, else the value, else "unset"."""
         if self.default_text:
             return self.default_text
         return "unset" if not self.default else self.default

@@ -171,6 +171,7 @@ def start(
     variables on the engines survive); if a rank died or is stuck, or settings differ, it
     stops the old ranks and starts fresh ones.
 
+    `cell_timeout`: seconds a %%px cell may run; default $HPDL_CELL_TIMEOUT, read at this call.
     `env` sets environment variables on every rank before MPI, torch.distributed and Horovod
     start — the way to try knobs such as HOROVOD_FUSION_THRESHOLD, NCCL_ALGO or MV2_USE_CUDA.
     In a script, `with hpdl.start(n=2) as c:` stops the ranks when the block ends.
