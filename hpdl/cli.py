@@ -6,6 +6,7 @@ import sys
 
 VERBS = {
     "doctor": ("hpdl.doctor", "report the environment and what to fix"),
+    "settings": ("hpdl.settings", "every HPDL_* setting: its value here, what it takes, who reads it"),
     "build": ("hpdl.build", "generate exercises/ from solutions/ (--check: fail on drift)"),
     "exercises": ("hpdl.workspace", "copy the exercises into your workspace, never overwriting your edits"),
     "grade": ("hpdl.grade", "grade a folder of submitted notebooks"),

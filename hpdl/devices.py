@@ -15,7 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-POLICIES = ("auto", "cuda", "cpu")
+from hpdl import settings
+
+POLICIES = settings.DEVICE.choices  # HPDL_DEVICE's values, declared with it
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,17 @@ import re
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Callable
 
-from hpdl import mpilib
+from hpdl import mpilib, settings
 
 VENV_BIN = Path(sys.executable).parent
+# The versions the kit is pinned to live in one place, the kit's requirements.txt (the Makefile
+# installs from it); the doctor's fixes quote them from there.
+REQUIREMENTS = Path(__file__).resolve().parents[1] / "requirements.txt"
 
 # Each probe prints one JSON object on its last line of output.
 _PROBE_TORCH = r"""
@@ -117,6 +122,34 @@ def _probe(code: str, timeout: float = 120) -> tuple[dict | None, str]:
     return None, " — ".join(tail[:4]) or f"exit code {rc}"
 
 
+def pins(path: Path | None = None) -> dict[str, str]:
+    """{package: version} for each `name==version` line of the kit's requirements.txt; {} when the
+    kit is installed without that file beside it (the fixes then say so instead of a version)."""
+    try:
+        text = (REQUIREMENTS if path is None else path).read_text()
+    except OSError:
+        return {}
+    found = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*([^\s#;]+)", line)
+        if m:
+            found[m.group(1).lower()] = m.group(2)
+    return found
+
+
+def _pinned(package: str) -> str:
+    """`package==version` as requirements.txt pins it; the bare name when it pins none."""
+    version = pins().get(package)
+    return f"{package}=={version}" if version else package
+
+
+def _unpinned_note() -> str:
+    """A line for a fix that installs packages, when there is no requirements.txt to pin them."""
+    if REQUIREMENTS.is_file():
+        return ""
+    return f"\n      (no requirements.txt at {REQUIREMENTS}: the kit's pinned versions are unknown here)"
+
+
 def _version(dist: str) -> str | None:
     try:
         return metadata.version(dist)
@@ -164,9 +197,9 @@ def _mpi_fix(mpi_error: str) -> str:
     if lib and not Path(lib).exists():
         return (f"MPI4PY_LIBMPI={lib} does not exist: `unset MPI4PY_LIBMPI`, or point it at your MPI's "
                 "libmpi.so (e.g. `export MPI4PY_LIBMPI=$MPI_HOME/lib/libmpi.so`).")
-    return (f"{sys.executable} -m pip install mpich==5.0.2   # MPI from PyPI (laptops, CI)\n"
+    return (f"{sys.executable} -m pip install {_pinned('mpich')}   # MPI from PyPI (laptops, CI)\n"
             "      or on a cluster: `module load <your MPI>` before starting Python, or "
-            "`export MPI4PY_LIBMPI=/path/to/libmpi.so`")
+            "`export MPI4PY_LIBMPI=/path/to/libmpi.so`" + _unpinned_note())
 
 
 def gpu_torch_check(node_gpus: int, torch: dict) -> tuple[str, str] | None:
@@ -179,188 +212,262 @@ def gpu_torch_check(node_gpus: int, torch: dict) -> tuple[str, str] | None:
         return None
     if not torch.get("cuda_build"):
         return "warn", (f"this node has {node_gpus} GPU(s) but torch {torch.get('version', '')} is a CPU build: the "
-                        "lessons would run on the CPU. Install a CUDA build: `pip install torch==2.13.0` from PyPI "
-                        "is CUDA 13.0 (see cluster/README.md for older drivers).")
+                        "lessons would run on the CPU. Install a CUDA build: `pip install "
+                        f"{_pinned('torch')}` from PyPI is one (see cluster/README.md for its CUDA and older "
+                        "drivers)." + _unpinned_note())
     return "warn", (f"this node has {node_gpus} GPU(s) but torch (CUDA {torch['cuda_build']}) sees none: check "
                     "CUDA_VISIBLE_DEVICES, that the job asked for GPUs (--gpus-per-task=1), and that the driver "
                     "supports this CUDA (`nvidia-smi`).")
 
 
-def report() -> dict:
-    """Everything the doctor looks at, plus `checks`: [{name, status ok|warn|fail, detail, fix}]."""
-    from hpdl import devices, launchers
+@dataclass
+class Probes:
+    """What the checks look at, gathered once: the three import probes' answers (None and the
+    error when one failed) and the node's GPUs. `info` is the report; each check adds its part."""
 
-    checks: list[dict] = []
+    torch: dict | None
+    torch_err: str
+    mpi: dict | None
+    mpi_err: str
+    hvd: dict | None
+    hvd_err: str
+    node_gpus: int
+    info: dict = field(default_factory=dict)
 
-    def check(name: str, status: str, detail: str, fix: str = "") -> None:
-        checks.append({"name": name, "status": status, "detail": detail, "fix": fix})
 
-    # Run the three import probes side by side; they are independent.
+def _row(name: str, status: str, detail: str, fix: str = "") -> dict:
+    return {"name": name, "status": status, "detail": detail, "fix": fix}
+
+
+def probe_all() -> Probes:
+    """The three import probes side by side (they are independent), and the node's GPUs."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from hpdl import devices
+
     with ThreadPoolExecutor(3) as pool:
-        f_torch, f_mpi, f_hvd = (pool.submit(_probe, c) for c in (_PROBE_TORCH, _PROBE_MPI, _PROBE_HOROVOD))
-        (torch, torch_err), (mpi, mpi_err), (hvd, hvd_err) = f_torch.result(), f_mpi.result(), f_hvd.result()
+        futures = [pool.submit(_probe, c) for c in (_PROBE_TORCH, _PROBE_MPI, _PROBE_HOROVOD)]
+        (torch, torch_err), (mpi, mpi_err), (hvd, hvd_err) = (f.result() for f in futures)
+    return Probes(torch, torch_err, mpi, mpi_err, hvd, hvd_err, devices.node_gpus())
 
-    info: dict = {"python": {"version": sys.version.split()[0], "executable": sys.executable}}
-    node_gpus = devices.node_gpus()
-    py_ok = sys.version_info >= (3, 10)
-    check("Python", "ok" if py_ok else "fail", f"{info['python']['version']} ({sys.executable})",
-          "" if py_ok else "use Python 3.10 or newer (3.11 recommended)")
 
-    # torch
-    info["torch"] = torch or {"error": torch_err}
-    if torch:
-        gpu = (f"CUDA {torch['cuda_build']}, {torch['gpus']} GPU(s)"
-               + (f", NCCL {torch['nccl']}" if torch["nccl"] else "")
-               if torch["cuda_build"] else "CPU build")
-        backends = ", ".join(b for b, k in (("gloo", "gloo"), ("nccl", "nccl_backend"), ("mpi", "mpi_backend"))
-                             if torch[k])
-        status, fix = "ok", ""
-        if torch["cuda_build"] and not torch["cuda_available"]:
-            status, fix = "warn", ("a CUDA build of torch sees no GPU here: fine on a login node; "
-                                   "on a GPU node check `nvidia-smi` and CUDA_VISIBLE_DEVICES")
-        status, fix = gpu_torch_check(node_gpus, torch) or (status, fix)
-        check("torch", status, f"{torch['version']} · {gpu} · torch.distributed: {backends or 'none'}"
-              + (f" · the node has {node_gpus} NVIDIA GPU(s)" if node_gpus and not torch["gpus"] else ""), fix)
-    else:
-        check("torch", "fail", f"cannot import: {torch_err}",
-              f"{sys.executable} -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu   "
-              "# CPU; on GPU clusters use the site's torch module")
+def check_python(p: Probes) -> list[dict]:
+    p.info["python"] = {"version": sys.version.split()[0], "executable": sys.executable}
+    ok = sys.version_info >= (3, 10)
+    return [_row("Python", "ok" if ok else "fail", f"{p.info['python']['version']} ({sys.executable})",
+                 "" if ok else "use Python 3.10 or newer (3.11 recommended)")]
 
-    # MPI behind mpi4py
-    info["mpi"] = mpi or {"error": mpi_err}
-    if mpi:
-        cuda, how = mpi["cuda_aware"], mpi["cuda_aware_how"]
-        lib = mpi["library_version"]
-        ompi_info = shutil.which("ompi_info", path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-        if cuda is None and _family(mpi["vendor"]) == "Open MPI" and ompi_info:
-            _, out, _ = _run([ompi_info, "--parsable", "--all"], 60)
-            cuda, how = "mpi_built_with_cuda_support:value:true" in out, "ompi_info"
-        mpi["cuda_aware"], mpi["cuda_aware_how"] = cuda, how
-        first = " ".join(lib.splitlines()[0].split()) if lib else ""
-        first = "" if first.startswith(mpi["vendor"]) else f" ({first})"  # e.g. MVAPICH2-GDR, Intel MPI
-        where = mpi["library_files"][0] if mpi["library_files"] else "?"
-        aware = "unknown" if cuda is None else ("yes" if cuda else "no")
-        status, fix = "ok", ""
-        gpus = (torch or {}).get("gpus", 0)
-        if gpus and "MVAPICH2-GDR" in lib.upper().replace(" ", "-") and not cuda:
-            status, fix = "warn", "export MV2_USE_CUDA=1   # MVAPICH2-GDR moves GPU buffers only with it"
-        impl = mpilib.implementation(lib) if mpilib.implementation(lib) != "unknown" else mpi["vendor"]
-        mpi["implementation"], mpi["abi"] = impl, mpilib.abi(impl)
-        check("MPI", status, f"{impl} ({mpilib.abi(impl)} ABI) · {mpi['vendor']} {mpi['vendor_version']}{first} "
-              f"via mpi4py {mpi['mpi4py']} · "
-              f"{where} · thread level {mpi['thread_level']} · CUDA-aware: {aware}{f' ({how})' if how else ''}", fix)
-    else:
-        check("MPI", "fail", f"mpi4py cannot load its MPI library: {mpi_err}", _mpi_fix(mpi_err))
 
-    # mpiexec: the one the kit uses, and the one a learner's terminal finds, must be mpi4py's MPI
-    info["mpiexec"] = {}
+def check_torch(p: Probes) -> list[dict]:
+    torch = p.torch
+    p.info["torch"] = torch or {"error": p.torch_err}
+    if not torch:
+        return [_row("torch", "fail", f"cannot import: {p.torch_err}",
+                     f"{sys.executable} -m pip install {_pinned('torch')} --index-url "
+                     "https://download.pytorch.org/whl/cpu   # CPU; on GPU clusters use the site's torch module"
+                     + _unpinned_note())]
+    gpu = (f"CUDA {torch['cuda_build']}, {torch['gpus']} GPU(s)" + (f", NCCL {torch['nccl']}" if torch["nccl"] else "")
+           if torch["cuda_build"] else "CPU build")
+    backends = ", ".join(b for b, k in (("gloo", "gloo"), ("nccl", "nccl_backend"), ("mpi", "mpi_backend"))
+                         if torch[k])
+    status, fix = "ok", ""
+    if torch["cuda_build"] and not torch["cuda_available"]:
+        status, fix = "warn", ("a CUDA build of torch sees no GPU here: fine on a login node; "
+                               "on a GPU node check `nvidia-smi` and CUDA_VISIBLE_DEVICES")
+    status, fix = gpu_torch_check(p.node_gpus, torch) or (status, fix)
+    idle = f" · the node has {p.node_gpus} NVIDIA GPU(s)" if p.node_gpus and not torch["gpus"] else ""
+    return [_row("torch", status, f"{torch['version']} · {gpu} · torch.distributed: {backends or 'none'}{idle}", fix)]
+
+
+def _cuda_aware(mpi: dict) -> tuple[bool | None, str]:
+    """Whether the MPI library is CUDA-aware, and how that is known (ompi_info for Open MPI)."""
+    cuda, how = mpi["cuda_aware"], mpi["cuda_aware_how"]
+    ompi_info = shutil.which("ompi_info", path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    if cuda is None and _family(mpi["vendor"]) == "Open MPI" and ompi_info:
+        _, out, _ = _run([ompi_info, "--parsable", "--all"], 60)
+        cuda, how = "mpi_built_with_cuda_support:value:true" in out, "ompi_info"
+    return cuda, how
+
+
+def check_mpi(p: Probes) -> list[dict]:
+    mpi = p.mpi
+    p.info["mpi"] = mpi or {"error": p.mpi_err}
+    if not mpi:
+        return [_row("MPI", "fail", f"mpi4py cannot load its MPI library: {p.mpi_err}", _mpi_fix(p.mpi_err))]
+    lib = mpi["library_version"]
+    cuda, how = _cuda_aware(mpi)
+    mpi["cuda_aware"], mpi["cuda_aware_how"] = cuda, how
+    first = " ".join(lib.splitlines()[0].split()) if lib else ""
+    first = "" if first.startswith(mpi["vendor"]) else f" ({first})"  # e.g. MVAPICH2-GDR, Intel MPI
+    where = mpi["library_files"][0] if mpi["library_files"] else "?"
+    aware = "unknown" if cuda is None else ("yes" if cuda else "no")
+    status, fix = "ok", ""
+    if (p.torch or {}).get("gpus", 0) and "MVAPICH2-GDR" in lib.upper().replace(" ", "-") and not cuda:
+        status, fix = "warn", "export MV2_USE_CUDA=1   # MVAPICH2-GDR moves GPU buffers only with it"
+    impl = mpilib.implementation(lib) if mpilib.implementation(lib) != "unknown" else mpi["vendor"]
+    mpi["implementation"], mpi["abi"] = impl, mpilib.abi(impl)
+    return [_row("MPI", status, f"{impl} ({mpilib.abi(impl)} ABI) · {mpi['vendor']} {mpi['vendor_version']}{first} "
+                 f"via mpi4py {mpi['mpi4py']} · "
+                 f"{where} · thread level {mpi['thread_level']} · CUDA-aware: {aware}{f' ({how})' if how else ''}",
+                 fix)]
+
+
+def _two_ranks(label: str, path: str, name: str, text: str, entry: dict) -> dict:
+    """Start 2 ranks with the kit's side-job command and see that they form one world of 2.
+
+    Inside a Slurm job this is an srun step beside the engines' instead of queueing behind it,
+    with the flags the kit gives this implementation (Open MPI: as root, more ranks than cores)."""
+    from hpdl import launchers
+
+    rc, out, err = _run([*launchers.side_job_command(2), sys.executable, "-c", _PROBE_RANKS], 90)
+    seen = sorted(tuple(map(int, s.split())) for s in out.split("\n") if re.fullmatch(r"\d+ \d+", s.strip()))
+    entry["two_ranks"] = seen
+    if seen == [(0, 2), (1, 2)]:
+        return _row(label, "ok", f"{path} ({name}, {text}) · 2 ranks see a world of 2")
+    tail = (err or out).strip().splitlines()[-2:]
+    return _row(label, "fail", f"{path} ({text}) · `mpiexec -n 2` gave ranks {seen or 'none'} {' '.join(tail)}",
+                "mpiexec and mpi4py disagree: use the mpiexec of mpi4py's MPI "
+                f"(export PATH={VENV_BIN}:$PATH, or `module load` it)")
+
+
+def _mpiexec_row(label: str, path: str, p: Probes) -> dict:
+    """One mpiexec against mpi4py's MPI: same ABI, and (the kit's own) 2 ranks in one world."""
+    name, text = mpiexec_vendor(path)
+    entry = p.info["mpiexec"][label] = {"path": path, "implementation": name, "family": mpilib.abi(name),
+                                        "version": text}
+    lib_name = (p.mpi or {}).get("implementation", "unknown")
+    abis = (mpilib.abi(name), mpilib.abi(lib_name))
+    if p.mpi and "unknown" not in abis and abis[0] != abis[1]:
+        return _row(label, "fail", *mismatch(path, name, text, lib_name, (p.mpi["library_files"] or ["?"])[0]))
+    if label == "mpiexec" and p.mpi:
+        return _two_ranks(label, path, name, text, entry)
+    return _row(label, "ok", f"{path} ({name}, {text})")
+
+
+def check_mpiexec(p: Probes) -> list[dict]:
+    """The mpiexec the kit uses, and the one a learner's terminal finds, must be mpi4py's MPI's."""
+    from hpdl import launchers
+
+    p.info["mpiexec"] = {}
+    rows = []
     try:
         kit_mpiexec = launchers.find_mpiexec()
     except Exception as exc:
         kit_mpiexec = None
-        check("mpiexec", "fail", str(exc).splitlines()[0], f"{sys.executable} -m pip install mpich==5.0.2")
+        rows.append(_row("mpiexec", "fail", str(exc).splitlines()[0],
+                         f"{sys.executable} -m pip install {_pinned('mpich')}" + _unpinned_note()))
     on_path = shutil.which("mpiexec")
-    for label, path in (("mpiexec", kit_mpiexec), ("mpiexec on PATH", on_path)):
-        if not path or (label != "mpiexec" and kit_mpiexec and os.path.realpath(path) == os.path.realpath(kit_mpiexec)):
-            continue
-        name, text = mpiexec_vendor(path)
-        info["mpiexec"][label] = {"path": path, "implementation": name, "family": mpilib.abi(name), "version": text}
-        lib_name = (mpi or {}).get("implementation", "unknown")
-        abis = (mpilib.abi(name), mpilib.abi(lib_name))
-        if mpi and "unknown" not in abis and abis[0] != abis[1]:
-            detail, fix = mismatch(path, name, text, lib_name, (mpi["library_files"] or ["?"])[0])
-            check(label, "fail", detail, fix)
-        elif label == "mpiexec" and mpi:
-            # inside a Slurm job, as an srun step beside the engines' instead of queueing behind it
-            # with the flags the kit gives this implementation (Open MPI: as root, more ranks than cores)
-            two = launchers.side_job_command(2)
-            rc, out, err = _run([*two, sys.executable, "-c", _PROBE_RANKS], 90)
-            seen = sorted(tuple(map(int, s.split())) for s in out.split("\n") if re.fullmatch(r"\d+ \d+", s.strip()))
-            info["mpiexec"][label]["two_ranks"] = seen
-            if seen == [(0, 2), (1, 2)]:
-                check(label, "ok", f"{path} ({name}, {text}) · 2 ranks see a world of 2")
-            else:
-                tail = (err or out).strip().splitlines()[-2:]
-                check(label, "fail", f"{path} ({text}) · `mpiexec -n 2` gave ranks {seen or 'none'} "
-                      f"{' '.join(tail)}", "mpiexec and mpi4py disagree: use the mpiexec of mpi4py's MPI "
-                      f"(export PATH={VENV_BIN}:$PATH, or `module load` it)")
-        else:
-            check(label, "ok", f"{path} ({name}, {text})")
+    if kit_mpiexec:
+        rows.append(_mpiexec_row("mpiexec", kit_mpiexec, p))
+    if on_path and not (kit_mpiexec and os.path.realpath(on_path) == os.path.realpath(kit_mpiexec)):
+        rows.append(_mpiexec_row("mpiexec on PATH", on_path, p))
+    return rows
 
-    # Python packages the kit needs (versions without importing)
-    need = {"ipyparallel": (9, 10), "jupyterlab": None, "ipykernel": None, "mpi4py": (4, 99)}
-    info["packages"] = {}
+
+# Python packages the kit needs (versions read without importing): the major versions it works with
+NEED = {"ipyparallel": (9, 10), "jupyterlab": None, "ipykernel": None, "mpi4py": (4, 99)}
+
+
+def check_packages(p: Probes) -> list[dict]:
+    found = p.info["packages"] = {dist: _version(dist) for dist in NEED}
     missing = []
-    for dist, span in need.items():
-        v = _version(dist)
-        info["packages"][dist] = v
+    for dist, span in NEED.items():
+        v = found[dist]
         major = int(v.split(".")[0]) if v and v.split(".")[0].isdigit() else None
         if v is None or (span and major is not None and not span[0] <= major < span[1]):
             missing.append(f"{dist} ({v or 'missing'})")
-    detail = " · ".join(f"{d} {info['packages'][d] or '—'}" for d in need)
-    check("packages", "fail" if missing else "ok",
-          detail + (f" · wrong/missing: {', '.join(missing)}" if missing else ""),
-          f"{sys.executable} -m pip install -r requirements.txt   # from the kit's folder" if missing else "")
+    detail = " · ".join(f"{d} {found[d] or '—'}" for d in NEED)
+    return [_row("packages", "fail" if missing else "ok",
+                 detail + (f" · wrong/missing: {', '.join(missing)}" if missing else ""),
+                 f"{sys.executable} -m pip install -r requirements.txt   # from the kit's folder" if missing else "")]
 
-    # Horovod
-    info["horovod"] = hvd or {"error": hvd_err}
-    if hvd:
-        built = ", ".join(f"{k} {'yes' if hvd[f'{k.lower()}_built'] else 'no'}" for k in ("MPI", "Gloo", "NCCL"))
-        status, fix = "ok", ""
-        hlibs = {os.path.realpath(p) for p in hvd["library_files"]}
-        mlibs = {os.path.realpath(p) for p in (mpi or {}).get("library_files", [])}
-        if hvd["mpi_built"] and hlibs and mlibs and not (hlibs & mlibs):
-            status, fix = "fail", ("Horovod was built against another MPI than mpi4py loads: reinstall it for "
-                                   "this MPI (its wheel is kept per MPI): "
-                                   f"PYTHON={sys.executable} bash cluster/build/horovod.sh")
-        if torch and torch.get("gpus") and not hvd["nccl_built"] and not (mpi or {}).get("cuda_aware"):
-            status, fix = "warn", ("GPUs but Horovod has no NCCL and MPI is not CUDA-aware: rebuild with "
-                                   "HOROVOD_GPU_OPERATIONS=NCCL bash cluster/build/horovod.sh")
-        check("Horovod", status,
-              f"{hvd['version']} · {built}" + (f" · MPI lib {sorted(hlibs)[0]}" if hlibs else ""),
-              fix)
-    else:
-        check("Horovod", "fail", f"cannot import horovod.torch: {hvd_err}",
-              f"PYTHON={sys.executable} bash cluster/build/horovod.sh   # from the kit's folder (`make horovod`; "
-              "`make horovod MPI=openmpi` for .venv-openmpi)")
 
-    # Hardware
+def check_horovod(p: Probes) -> list[dict]:
+    hvd = p.hvd
+    p.info["horovod"] = hvd or {"error": p.hvd_err}
+    if not hvd:
+        return [_row("Horovod", "fail", f"cannot import horovod.torch: {p.hvd_err}",
+                     f"PYTHON={sys.executable} bash cluster/build/horovod.sh   # from the kit's folder "
+                     "(`make horovod`; `make horovod MPI=openmpi` for .venv-openmpi)")]
+    built = ", ".join(f"{k} {'yes' if hvd[f'{k.lower()}_built'] else 'no'}" for k in ("MPI", "Gloo", "NCCL"))
+    status, fix = "ok", ""
+    hlibs = {os.path.realpath(f) for f in hvd["library_files"]}
+    mlibs = {os.path.realpath(f) for f in (p.mpi or {}).get("library_files", [])}
+    if hvd["mpi_built"] and hlibs and mlibs and not (hlibs & mlibs):
+        status, fix = "fail", ("Horovod was built against another MPI than mpi4py loads: reinstall it for "
+                               "this MPI (its wheel is kept per MPI): "
+                               f"PYTHON={sys.executable} bash cluster/build/horovod.sh")
+    if p.torch and p.torch.get("gpus") and not hvd["nccl_built"] and not (p.mpi or {}).get("cuda_aware"):
+        status, fix = "warn", ("GPUs but Horovod has no NCCL and MPI is not CUDA-aware: rebuild with "
+                               "HOROVOD_GPU_OPERATIONS=NCCL bash cluster/build/horovod.sh")
+    return [_row("Horovod", status, f"{hvd['version']} · {built}" + (f" · MPI lib {sorted(hlibs)[0]}" if hlibs else ""),
+                 fix)]
+
+
+def check_hardware(p: Probes) -> list[dict]:
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    gpus = (torch or {}).get("gpus", 0)
-    names = sorted(set((torch or {}).get("gpu_names", [])))
-    info["hardware"] = {"cores": cores, "cpu_count": os.cpu_count(), "gpus": gpus, "gpu_names": names}
-    check("hardware", "ok", f"{cores} core{'s' if cores != 1 else ''} usable (of {os.cpu_count()}) · "
-          f"{gpus} GPU{'s' if gpus != 1 else ''}{': ' + ', '.join(names) if names else ''}")
+    gpus = (p.torch or {}).get("gpus", 0)
+    names = sorted(set((p.torch or {}).get("gpu_names", [])))
+    p.info["hardware"] = {"cores": cores, "cpu_count": os.cpu_count(), "gpus": gpus, "gpu_names": names}
+    return [_row("hardware", "ok", f"{cores} core{'s' if cores != 1 else ''} usable (of {os.cpu_count()}) · "
+                 f"{gpus} GPU{'s' if gpus != 1 else ''}{': ' + ', '.join(names) if names else ''}")]
 
-    # Launcher
+
+def check_launcher(p: Probes) -> list[dict]:
+    from hpdl import launchers
+
     try:
         chosen = launchers.resolve("auto")
         n = launchers.default_n(chosen)
         where = ("mpiexec on this machine" if chosen == "local"
                  else "srun in Slurm job " + os.environ.get("SLURM_JOB_ID", ""))
         detail = f"auto → {chosen} ({where}), {n} ranks by default"
-        info["launcher"] = {"auto": chosen, "default_n": n, "slurm_commands": bool(shutil.which("srun"))}
-        status, fix = "ok", ""
-        if os.environ.get("HPDL_SITE") or any(k.startswith("HPDL_SLURM_") for k in os.environ):
+        p.info["launcher"] = {"auto": chosen, "default_n": n, "slurm_commands": bool(shutil.which("srun"))}
+        if settings.SITE.is_set() or settings.SLURM.members():
             site = launchers.load_site()
-            info["launcher"]["site"] = {"name": site.name, "source": site.source, "partition": site.partition,
-                                        "pmi": site.pmi}
+            p.info["launcher"]["site"] = {"name": site.name, "source": site.source, "partition": site.partition,
+                                          "pmi": site.pmi}
             detail += f" · site profile {site.name} (partition {site.partition or 'default'}, --mpi={site.pmi})"
         if shutil.which("sbatch") and chosen == "local":
             detail += " · Slurm here: hpdl.start(launcher='slurm') submits the ranks as a job"
-        check("launcher", status, detail, fix)
+        return [_row("launcher", "ok", detail)]
     except Exception as exc:
-        info["launcher"] = {"error": str(exc)}
-        check("launcher", "fail", str(exc), "fix the setting named above (HPDL_LAUNCHER, HPDL_SITE or HPDL_SLURM_*)")
+        p.info["launcher"] = {"error": str(exc)}
+        return [_row("launcher", "fail", str(exc),
+                     "fix the setting named above (HPDL_LAUNCHER, HPDL_SITE or HPDL_SLURM_*)")]
 
-    info["checks"] = checks
-    info["ok"] = all(c["status"] != "fail" for c in checks)
-    return info
+
+def check_settings(p: Probes) -> list[dict]:
+    """The HPDL_* settings set here, and any whose value does not parse or whose name is no setting."""
+    chosen = settings.user_set()
+    bad, unknown = settings.problems()
+    p.info["settings"] = {"set": chosen, "bad": bad, "unknown": unknown}
+    detail = " · ".join(f"{k}={v}" for k, v in chosen.items()) or "none set: every default"
+    if bad:
+        return [_row("settings", "fail", f"{detail} · {' '.join(bad)}",
+                     "set it to a value it takes, or unset it (`hpdl settings` says what each takes)")]
+    if unknown:
+        return [_row("settings", "warn", f"{detail} · no such setting: {', '.join(unknown)}",
+                     "a misspelt name is ignored: `hpdl settings` lists the names")]
+    return [_row("settings", "ok", detail)]
+
+
+# One function per check, in the report's order: each takes the probes and returns its rows.
+CHECKS: tuple[Callable[[Probes], list[dict]], ...] = (
+    check_python, check_torch, check_mpi, check_mpiexec, check_packages, check_horovod, check_hardware,
+    check_launcher, check_settings)
+
+
+def report() -> dict:
+    """Everything the doctor looks at, plus `checks`: [{name, status ok|warn|fail, detail, fix}]."""
+    p = probe_all()
+    checks = [row for check in CHECKS for row in check(p)]
+    p.info["checks"] = checks
+    p.info["ok"] = all(c["status"] != "fail" for c in checks)
+    return p.info
 
 
 _MARK = {"ok": "  ok  ", "warn": " warn ", "fail": " FAIL "}

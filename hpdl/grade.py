@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hpdl import settings
 from hpdl.errors import HpdlError
 
 CHECK_CALL = re.compile(r"""check\(\s*["']([A-Za-z_][A-Za-z0-9_]*)["']""")
@@ -203,10 +204,11 @@ class Running:
         self.executed_here = work / "executed.ipynb"
         self.executed = out / "executed" / sub.name
         self.service = Service(work / "checks", hidden=hidden)
-        env = dict(os.environ, HPDL_GRADE="1", HPDL_GRADE_SERVICE=str(work / "checks"), HPDL_HOME=str(self.home),
-                   IPP_NONINTERACTIVE="1", MPLBACKEND="Agg", PYTHONUNBUFFERED="1", HOME=str(work),
+        env = dict(os.environ, IPP_NONINTERACTIVE="1", MPLBACKEND="Agg", PYTHONUNBUFFERED="1", HOME=str(work),
                    JUPYTER_RUNTIME_DIR=str(work / "runtime"), IPYTHONDIR=str(work / "ipython"))
-        env.pop("HPDL_GRADE_RESULTS", None)
+        env.update({settings.GRADE.name: "1", settings.GRADE_SERVICE.name: str(work / "checks"),
+                    settings.HOME.name: str(self.home)})
+        env.pop(settings.GRADE_RESULTS.name, None)
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         cmd = [sys.executable, "-m", "hpdl.grade", "--run-one", str(self.copy), str(self.executed_here),
                str(self.status), str(limit)]

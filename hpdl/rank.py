@@ -12,7 +12,7 @@ import socket
 import time
 from typing import Any, Callable
 
-from hpdl import mpilib
+from hpdl import mpilib, settings
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def place(allgather: Callable[[Any], list] | None = None, policy: str | None = N
         from mpi4py import MPI
 
         allgather = MPI.COMM_WORLD.allgather
-    policy = policy or os.environ.get("HPDL_DEVICE", "auto")
+    policy = policy or settings.DEVICE.get()
     visible, cuda_build = _visible_gpus()
     cores = frozenset(_cores())
     me = (socket.gethostname(), os.getpid())
@@ -147,11 +147,6 @@ def init_torch_distributed(rank: int, world_size: int, device, timeout_s: float 
     return backend
 
 
-# Nice level for Horovod's background thread on CPU ranks: 0 (the default) leaves it alone;
-# HPDL_HOROVOD_NICE=10 when timing other work on engines that have Horovod started.
-HOROVOD_NICE = 0
-
-
 def _threads() -> set[int]:
     try:
         return {int(t) for t in os.listdir("/proc/self/task")}
@@ -180,11 +175,7 @@ def init_horovod(device: Any = None) -> dict[str, Any]:
     """
     import horovod.torch as hvd
 
-    raw = os.environ.get("HPDL_HOROVOD_NICE", str(HOROVOD_NICE))
-    try:
-        nice = int(raw) if getattr(device, "type", "cpu") == "cpu" else 0
-    except ValueError:
-        raise ValueError(f"HPDL_HOROVOD_NICE is a niceness from 0 to 19 (e.g. 10), not {raw!r}") from None
+    nice = settings.HOROVOD_NICE.get() if getattr(device, "type", "cpu") == "cpu" else 0
     before = _threads() if nice else set()
     hvd.init()
     if nice:

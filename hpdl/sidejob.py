@@ -30,14 +30,14 @@ import uuid
 from dataclasses import dataclass
 from typing import IO, Callable, Mapping, Sequence
 
-from hpdl import procs
+from hpdl import procs, settings
 
 log = logging.getLogger(__name__)
 
 GRACE = 3.0  # s after SIGTERM for a job whose work is done (MPI_Finalize, files flushed)
 REAP = 5.0  # s to reap the job's first process once its tree was killed
 SEGMENT_SCAN = 0.25  # s between two looks at which /dev/shm files the job's processes map
-MARKER = "HPDL_SIDE_JOB"  # set in every side job's environment: how `sweep` finds its daemons
+MARKER = settings.SIDE_JOB.name  # set in every side job's environment: how `sweep` finds its daemons
 
 _live: set["SideJob"] = set()
 

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpdl import settings
 from hpdl.errors import HpdlError
 
 SITES_DIR = Path(__file__).resolve().parent.parent / "cluster" / "sites"
@@ -135,7 +136,7 @@ def _check_type(where: str, key: str, value, kind: type) -> None:
 
 def load_site(spec: str | None = None) -> SlurmSite:
     """The site profile named by HPDL_SITE (or `spec`), then HPDL_SLURM_* overrides; validated."""
-    spec = os.environ.get("HPDL_SITE", "") if spec is None else spec
+    spec = (settings.SITE.get() or "") if spec is None else spec
     site = SlurmSite()
     if spec:
         path = _site_file(spec)
@@ -167,9 +168,9 @@ def load_site(spec: str | None = None) -> SlurmSite:
         site.setup = data.get("setup", "")
         site.mpi_library = data.get("mpi_library", "")
     for key, (kind, _) in SLURM_KEYS.items():
-        var = f"HPDL_SLURM_{key.upper()}"
-        raw = os.environ.get(var)
-        if raw is None or raw == "":
+        var = settings.SLURM.of(key).name
+        raw = settings.SLURM.of(key).raw()
+        if raw is None:
             continue
         if kind is int:
             try:

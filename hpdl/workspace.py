@@ -18,6 +18,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpdl import settings
 from hpdl.errors import HpdlError
 
 MANIFEST = ".hpdl-manifest.json"
@@ -56,8 +57,8 @@ def default_source() -> Path:
 def default_dest() -> Path:
     """$HPDL_WORKSPACE, else workspace/ at the top of the kit (beside exercises/, wherever the
     command is run from: a notebook's kernel runs in notebooks/), else ./workspace."""
-    if os.environ.get("HPDL_WORKSPACE"):
-        return Path(os.environ["HPDL_WORKSPACE"])
+    if settings.WORKSPACE.is_set():
+        return settings.WORKSPACE.get()
     kit = Path(__file__).resolve().parents[1]
     if (kit / "exercises").is_dir() and os.access(kit, os.W_OK):
         return kit / "workspace"

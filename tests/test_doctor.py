@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,3 +125,46 @@ def test_bad_site_profile_fails_the_launcher_check(tmp_path):
     assert p.returncode == 1
     assert failed(p.stdout) == ["launcher"]
     assert "slurm.nodes" in p.stdout
+
+
+def test_doctor_shows_the_settings_set_and_fails_on_a_bad_value():
+    p = run_doctor(clean_env(HPDL_DEVICE="cpu", HPDL_CELL_TIMEOUT="soon"))
+    assert p.returncode == 1, p.stdout
+    assert failed(p.stdout) == ["settings"]
+    row = next(line for line in p.stdout.splitlines() if line.split()[1:2] == ["settings"])
+    assert "HPDL_DEVICE=cpu" in row and "HPDL_CELL_TIMEOUT='soon': it takes a number of seconds > 0" in row
+    assert "`hpdl settings` says what each takes" in p.stdout
+    again = run_doctor(clean_env(HPDL_DEVICE="cpu", HPDL_CELL_TIMEOUT="60"), "--json")  # the fix, applied
+    assert again.returncode == 0, again.stdout
+    shown = json.loads(again.stdout)["settings"]["set"]
+    assert shown["HPDL_DEVICE"] == "cpu" and shown["HPDL_CELL_TIMEOUT"] == "60"
+
+
+def _requirements_pins(text: str) -> dict[str, str]:
+    """requirements.txt's `name==version` lines, read here without the doctor's parser."""
+    lines = (line.split("#")[0].strip() for line in text.splitlines())
+    return {name.lower(): version for name, _, version in (line.partition("==") for line in lines) if version}
+
+
+def test_pins_come_from_requirements_txt():
+    real = _requirements_pins((doctor.REQUIREMENTS).read_text())
+    assert doctor.REQUIREMENTS == Path(doctor.__file__).resolve().parents[1] / "requirements.txt"
+    assert doctor.pins() == real and {"torch", "mpich"} <= set(real)
+    # no version is written in the doctor itself: requirements.txt is the one place
+    assert not re.findall(r"[A-Za-z]==\d", Path(doctor.__file__).read_text())  # e.g. torch==2.13.0
+
+
+def test_fixes_quote_requirements_txt_and_say_when_it_is_missing(tmp_path, monkeypatch):
+    monkeypatch.delenv("MPI4PY_LIBMPI", raising=False)
+    cpu_torch = {"version": "2.0.0", "cuda_build": None, "gpus": 0}
+    other = tmp_path / "requirements.txt"
+    other.write_text("torch==9.8.7   # a comment\nnumpy\nmpich == 1.2.3\n")
+    monkeypatch.setattr(doctor, "REQUIREMENTS", other)
+    assert "`pip install torch==9.8.7`" in doctor.gpu_torch_check(2, cpu_torch)[1]
+    assert "pip install mpich==1.2.3 " in doctor._mpi_fix("cannot load")
+    # installed without requirements.txt beside the kit: no version, and the fix says why
+    monkeypatch.setattr(doctor, "REQUIREMENTS", tmp_path / "gone" / "requirements.txt")
+    assert doctor.pins() == {}
+    fix = doctor.gpu_torch_check(2, cpu_torch)[1]
+    assert "`pip install torch`" in fix and f"no requirements.txt at {tmp_path}/gone" in fix
+    assert "pip install mpich " in doctor._mpi_fix("cannot load")

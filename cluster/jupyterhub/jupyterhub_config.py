@@ -7,24 +7,9 @@ SlurmSpawner submits singleuser.sbatch as the learner: JupyterLab runs in the jo
 a notebook's `hpdl.start()` puts its ranks on the job's tasks (one `srun` step). Stopping a server
 cancels the job; jupyterhub-idle-culler stops servers nobody has used for HPDL_HUB_IDLE_TIMEOUT.
 
-Settings come from the environment (defaults in brackets), so the file itself needs no edits:
-  HPDL_DIR               the kit's folder, shared with the compute nodes   [two levels up from here]
-  HPDL_KIT_VENV          the kit's venv, runnable by every learner          [$HPDL_DIR/.venv]
-  HPDL_HUB_ENV           the hub's venv (install.sh)                        [$HPDL_DIR/.venv-hub]
-  HPDL_HUB_STATE         the hub's database and cookie secret (root only)   [/var/lib/hpdl-hub]
-  HPDL_HUB_GROUP         the Unix group whose members may log in            [hpdl-learners]
-  HPDL_HUB_ADMINS        comma-separated instructors' user names            []
-  HPDL_SITE              the kit's site profile for the ranks (cluster/sites) [generic]
-  HPDL_HUB_RANKS         Slurm tasks per learner (= ranks hpdl.start may use) [4]
-  HPDL_HUB_TIME          the job's time limit                       [the profile's, else 02:00:00]
-  HPDL_HUB_PARTITION, HPDL_HUB_ACCOUNT, HPDL_HUB_QOS                [the profile's]
-  HPDL_HUB_SBATCH        extra #SBATCH options, after the profile's      []
-  HPDL_HUB_MODULES       `module load` line(s) for the job                    []
-  HPDL_HUB_IDLE_TIMEOUT  seconds without use before a server is stopped       [3600]
-  HPDL_HUB_CULL_EVERY    how often the culler looks, seconds                  [300]
-  HPDL_HUB_CONNECT_HOST  the hub's name as compute nodes reach it             [this host's name]
-  HPDL_HUB_SITE_CONFIG   a Python file loaded last, for anything else (ports, TLS, another
-                         authenticator such as LDAP or OAuth)                 []
+Settings come from the environment (HPDL_HUB_*, HPDL_SITE, HPDL_DIR, ...), so the file itself needs
+no edits: `hpdl settings` lists them with their defaults, as does docs/SETTINGS.md (both generated
+from hpdl/settings.py, which this file reads them through).
 """
 import os
 import shlex
@@ -32,23 +17,20 @@ import socket
 import sysconfig
 from pathlib import Path
 
+from hpdl import settings
 from hpdl.sites import load_site, resource_options
 
 c = get_config()  # noqa: F821  (JupyterHub's config loader provides it)
 
 HERE = Path(__file__).resolve().parent
-KIT = Path(os.environ.get("HPDL_DIR", HERE.parents[1]))
-KIT_VENV = Path(os.environ.get("HPDL_KIT_VENV", KIT / ".venv"))
-HUB_ENV = Path(os.environ.get("HPDL_HUB_ENV", KIT / ".venv-hub"))
-STATE = Path(os.environ.get("HPDL_HUB_STATE", "/var/lib/hpdl-hub"))
-IDLE_TIMEOUT = int(os.environ.get("HPDL_HUB_IDLE_TIMEOUT", "3600"))
-CULL_EVERY = int(os.environ.get("HPDL_HUB_CULL_EVERY", "300"))
+KIT = settings.DIR.get() or HERE.parents[1]
+KIT_VENV = settings.KIT_VENV.get() or KIT / ".venv"
+HUB_ENV = settings.HUB_ENV.get() or KIT / ".venv-hub"
+STATE = settings.HUB_STATE.get()
+IDLE_TIMEOUT = settings.HUB_IDLE_TIMEOUT.get()
+CULL_EVERY = settings.HUB_CULL_EVERY.get()
 # How fresh the hub's idea of "last used" is: well inside the idle timeout.
 ACTIVITY_EVERY = max(5, min(300, IDLE_TIMEOUT // 4))
-
-
-def env(name: str, default: str = "") -> str:
-    return os.environ.get(name, default).strip()
 
 
 # -- the hub ------------------------------------------------------------------------------------
@@ -59,7 +41,7 @@ c.ConfigurableHTTPProxy.pid_file = str(STATE / "jupyterhub-proxy.pid")
 c.ConfigurableHTTPProxy.command = [str(HUB_ENV / "node_modules" / ".bin" / "configurable-http-proxy")]
 # Single-user servers run on compute nodes and call the hub's API: it listens beyond localhost.
 c.JupyterHub.hub_ip = "0.0.0.0"
-c.JupyterHub.hub_connect_ip = env("HPDL_HUB_CONNECT_HOST") or socket.gethostname()
+c.JupyterHub.hub_connect_ip = settings.HUB_CONNECT_HOST.get() or socket.gethostname()
 c.JupyterHub.last_activity_interval = ACTIVITY_EVERY
 c.JupyterHub.cleanup_servers = True  # stopping the hub cancels every learner's job
 
@@ -68,8 +50,8 @@ c.JupyterHub.cleanup_servers = True  # stopping the hub cancels every learner's 
 # c.JupyterHub.authenticator_class in HPDL_HUB_SITE_CONFIG; the spawner needs only that the hub's
 # user name is the learner's Unix account on the cluster.
 c.JupyterHub.authenticator_class = "pam"
-c.PAMAuthenticator.allowed_groups = {env("HPDL_HUB_GROUP", "hpdl-learners")}
-c.Authenticator.admin_users = {u.strip() for u in env("HPDL_HUB_ADMINS").split(",") if u.strip()}
+c.PAMAuthenticator.allowed_groups = {settings.HUB_GROUP.get()}
+c.Authenticator.admin_users = {u.strip() for u in settings.HUB_ADMINS.get().split(",") if u.strip()}
 
 # -- each learner's JupyterLab: a Slurm job of theirs ---------------------------------------------
 c.JupyterHub.spawner_class = "batchspawner.SlurmSpawner"
@@ -84,21 +66,21 @@ c.SlurmSpawner.req_srun = ""  # JupyterLab in the batch step: the ranks' srun st
 # resources per rank (cores, GPUs, ranks per node) and extra sbatch options, as a job submitted
 # with `sbatch $(python -m hpdl.sites --sbatch)` would. Inside the job the step asks for what the
 # job holds (hpdl.launchers.slurm), so the two cannot disagree.
-SITE_SPEC = env("HPDL_SITE", "generic")
+SITE_SPEC = settings.SITE.get() or "generic"
 SITE = load_site(SITE_SPEC)  # with this environment's HPDL_SLURM_* overrides, passed on to the job below
-SITE_OVERRIDES = {k: v for k, v in os.environ.items() if k.startswith("HPDL_SLURM_") and v.strip()}
-c.SlurmSpawner.req_nprocs = env("HPDL_HUB_RANKS", "4")
-c.SlurmSpawner.req_runtime = env("HPDL_HUB_TIME") or SITE.time or "02:00:00"
-c.SlurmSpawner.req_partition = env("HPDL_HUB_PARTITION") or SITE.partition
-c.SlurmSpawner.req_account = env("HPDL_HUB_ACCOUNT") or SITE.account
-c.SlurmSpawner.req_qos = env("HPDL_HUB_QOS") or SITE.qos
-c.SlurmSpawner.req_options = " ".join([*resource_options(SITE), *SITE.sbatch, env("HPDL_HUB_SBATCH")]).strip()
+SITE_OVERRIDES = settings.SLURM.members()
+c.SlurmSpawner.req_nprocs = str(settings.HUB_RANKS.get())
+c.SlurmSpawner.req_runtime = settings.HUB_TIME.get() or SITE.time or "02:00:00"
+c.SlurmSpawner.req_partition = settings.HUB_PARTITION.get() or SITE.partition
+c.SlurmSpawner.req_account = settings.HUB_ACCOUNT.get() or SITE.account
+c.SlurmSpawner.req_qos = settings.HUB_QOS.get() or SITE.qos
+c.SlurmSpawner.req_options = " ".join([*resource_options(SITE), *SITE.sbatch, settings.HUB_SBATCH.get()]).strip()
 hub_site = sysconfig.get_paths(vars={"base": str(HUB_ENV), "platbase": str(HUB_ENV)})["purelib"]
 c.SlurmSpawner.req_prologue = "\n".join(
-    ([f"module load {env('HPDL_HUB_MODULES')}"] if env("HPDL_HUB_MODULES") else [])
-    + [f'export HPDL_DIR="{KIT}" HPDL_PYTHON="{KIT_VENV / "bin" / "python"}"',
-       f'export HPDL_HUB_ENV="{HUB_ENV}" HPDL_HUB_SITE_PACKAGES="{hub_site}"',
-       f'export HPDL_SITE="{SITE_SPEC}"']
+    ([f"module load {settings.HUB_MODULES.get()}"] if settings.HUB_MODULES.get() else [])
+    + [f'export {settings.DIR.name}="{KIT}" {settings.PYTHON.name}="{KIT_VENV / "bin" / "python"}"',
+       f'export {settings.HUB_ENV.name}="{HUB_ENV}" {settings.HUB_SITE_PACKAGES.name}="{hub_site}"',
+       f'export {settings.SITE.name}="{SITE_SPEC}"']
     + [f"export {k}={shlex.quote(v)}" for k, v in sorted(SITE_OVERRIDES.items())]
 )
 c.SlurmSpawner.batchspawner_singleuser_cmd = '"$PY" -m batchspawner.singleuser'
@@ -121,5 +103,5 @@ c.JupyterHub.load_roles = [{
     "services": ["idle-culler"],
 }]
 
-if env("HPDL_HUB_SITE_CONFIG"):
-    load_subconfig(env("HPDL_HUB_SITE_CONFIG"))  # noqa: F821  (JupyterHub's config loader provides it)
+if settings.HUB_SITE_CONFIG.is_set():
+    load_subconfig(str(settings.HUB_SITE_CONFIG.get()))  # noqa: F821  (JupyterHub's config loader provides it)

@@ -28,12 +28,11 @@ rebind that attribute to itself on its first import.
 """
 from __future__ import annotations
 
-import os
 
-_TRUE = ("1", "true", "yes", "on")
+from hpdl import settings
 
 
 def grade_mode(grade: bool | None = None) -> bool:
     if grade is not None:
         return bool(grade)
-    return os.environ.get("HPDL_GRADE", "").strip().lower() in _TRUE
+    return settings.GRADE.get()

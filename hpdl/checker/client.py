@@ -22,6 +22,7 @@ from hpdl.checker import cases as case_api
 from hpdl.checker import grade_mode, source
 from hpdl.checker.checking import check_code
 from hpdl.checker.report import CheckResult
+from hpdl import settings
 from hpdl.errors import HpdlError
 
 
@@ -36,7 +37,7 @@ def run_check(name: str, fn=None, *, ranks=None, grade: bool | None = None, time
     if forced_grade_mode():  # the exercise's own rank counts, time limits and hidden cases
         ranks, grade, timeout = None, True, None
     code = learner_code(name, fn, caller)
-    if os.environ.get("HPDL_GRADE_SERVICE"):
+    if settings.GRADE_SERVICE.is_set():
         from hpdl.checker import grade_service
 
         return grade_service.request(name, code)
@@ -141,7 +142,7 @@ def _caller_namespace(caller) -> dict:
 
 
 def _record(result: CheckResult, code: dict) -> None:
-    path = os.environ.get("HPDL_GRADE_RESULTS")
+    path = settings.GRADE_RESULTS.get()
     if not path:
         return
     entry = result.to_dict()

@@ -20,9 +20,10 @@ import time
 import uuid
 from pathlib import Path
 
+from hpdl import settings
+
 MAX_REQUEST_BYTES = 64 * 2**20
 MAX_REQUESTS = 100  # per submission
-WAIT = float(os.environ.get("HPDL_GRADE_CHECK_WAIT", "3600"))
 
 
 # -- the kernel's side ---------------------------------------------------------------------------
@@ -39,17 +40,18 @@ def request(name: str, code: dict):
     from hpdl.checker.report import CheckResult
     from hpdl.errors import HpdlError
 
-    folder = Path(os.environ["HPDL_GRADE_SERVICE"])
+    folder = settings.GRADE_SERVICE.get()
+    wait = settings.GRADE_CHECK_WAIT.get()
     rid = uuid.uuid4().hex
     tmp = folder / f".req-{rid}.tmp"
     tmp.write_text(json.dumps({"exercise": name, "code": _jsonable(code)}))
     os.replace(tmp, folder / f"req-{rid}.json")
     resp = folder / f"resp-{rid}.json"
-    deadline = time.monotonic() + WAIT
+    deadline = time.monotonic() + wait
     pause = 0.05
     while not resp.exists():
         if time.monotonic() > deadline:
-            raise HpdlError(f"The grader did not answer the check of {name!r} within {WAIT:g} s.")
+            raise HpdlError(f"The grader did not answer the check of {name!r} within {wait:g} s.")
         time.sleep(pause)
         pause = min(pause * 1.5, 0.5)
     data = json.loads(resp.read_text())

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpdl import hang, procs, sidejob
+from hpdl import hang, procs, settings, sidejob
 from hpdl.checker import sandbox
 from hpdl.checker.cases import Case
 from hpdl.checker.report import CaseResult, Verdict
@@ -77,10 +77,10 @@ class Job:
         with open(os.path.join(self.dir, "spec.pkl"), "wb") as f:
             pickle.dump(self.spec, f)
         env = dict(os.environ)
-        env.pop("HPDL_GRADE_RESULTS", None)
-        env.pop("HPDL_GRADE_SERVICE", None)
+        env.pop(settings.GRADE_RESULTS.name, None)
+        env.pop(settings.GRADE_SERVICE.name, None)
         bindir = str(Path(sys.executable).parent)
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HPDL_CHECK_JOB=self.dir,
+        env.update({settings.CHECK_JOB.name: self.dir}, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}")
         module = "hpdl.checker.learner_job" if kind == "learner" else "hpdl.checker.reference_job"
         cmd = job_command(size, module, self.dir)
@@ -403,7 +403,7 @@ class Runner:
         finally:
             for run in runs:
                 run.close()
-            if not os.environ.get("HPDL_CHECK_KEEP"):
+            if not settings.CHECK_KEEP.get():
                 shutil.rmtree(tmp, ignore_errors=True)
         return results
 

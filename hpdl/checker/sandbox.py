@@ -24,6 +24,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpdl import settings
+
 log = logging.getLogger(__name__)
 
 
@@ -134,8 +136,8 @@ def _tasks_of_this_user() -> int:
 def bwrap() -> str | None:
     """The bwrap binary when it works here (user namespaces allowed), else None.
     HPDL_NO_SANDBOX=1 turns the sandbox off (benchmarks compare both)."""
-    exe = os.environ.get("HPDL_BWRAP") or shutil.which("bwrap")
-    if not exe or os.environ.get("HPDL_NO_SANDBOX"):
+    exe = settings.BWRAP.raw() or shutil.which("bwrap")
+    if not exe or settings.NO_SANDBOX.get():
         return None
     return exe if _works(exe) else None
 

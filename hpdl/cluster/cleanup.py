@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpdl import procs, reaper
+from hpdl import procs, reaper, settings
 
 if TYPE_CHECKING:
     from hpdl.cluster.lifecycle import Cluster
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def home() -> Path:
     """Where the kit keeps its IPython profile and run files ($HPDL_HOME, else ~/.hpdl)."""
-    return Path(os.environ.get("HPDL_HOME", Path.home() / ".hpdl"))
+    return settings.HOME.get()
 
 
 def start_reaper(state_file: Path) -> subprocess.Popen:

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpdl import hang, launchers, mpilib, procs
+from hpdl import hang, launchers, mpilib, procs, settings
 from hpdl.cluster import cleanup
 from hpdl.errors import ClusterNotRunning, HpdlError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CELL_TIMEOUT = float(os.environ.get("HPDL_CELL_TIMEOUT", "300"))
+DEFAULT_CELL_TIMEOUT = settings.CELL_TIMEOUT.default_value()
 DEFAULT_FRAMEWORKS = ("torch", "horovod")
 KNOWN_FRAMEWORKS = {"torch", "horovod"}
 
@@ -139,6 +139,8 @@ def _check_args(n, frameworks, cell_timeout) -> tuple[int, tuple[str, ...], floa
             f"frameworks={frameworks!r}: {', '.join(sorted(unknown))} unknown; choose from "
             f"{sorted(KNOWN_FRAMEWORKS)} (or () for MPI only)."
         )
+    if cell_timeout is None:  # read now, not at import: a notebook may set it before hpdl.start()
+        cell_timeout = settings.CELL_TIMEOUT.get()
     try:
         cell_timeout = float(cell_timeout)
     except (TypeError, ValueError):
@@ -158,7 +160,7 @@ def start(
     launcher: str = "auto",
     *,
     frameworks: tuple[str, ...] | list[str] | str = DEFAULT_FRAMEWORKS,
-    cell_timeout: float = DEFAULT_CELL_TIMEOUT,
+    cell_timeout: float | None = None,
     timeout: float | None = None,
     env: dict[str, str] | None = None,
     quiet: bool = False,
@@ -169,6 +171,7 @@ def start(
     variables on the engines survive); if a rank died or is stuck, or settings differ, it
     stops the old ranks and starts fresh ones.
 
+    `cell_timeout`: seconds a %%px cell may run; default $HPDL_CELL_TIMEOUT, read at this call.
     `env` sets environment variables on every rank before MPI, torch.distributed and Horovod
     start — the way to try knobs such as HOROVOD_FUSION_THRESHOLD, NCCL_ALGO or MV2_USE_CUDA.
     In a script, `with hpdl.start(n=2) as c:` stops the ranks when the block ends.

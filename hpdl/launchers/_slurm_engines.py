@@ -14,6 +14,7 @@ import time
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLauncher
 from traitlets import Any, CRegExp, Integer
 
+from hpdl import settings
 from hpdl.errors import HpdlError
 from hpdl.launchers.base import secure_profile
 from hpdl.launchers._slurm_queue import cancel_job, job_state, step_of
@@ -70,7 +71,7 @@ class SbatchEngineSetLauncher(SlurmEngineSetLauncher):
         # ipyparallel's version lets sbatch's stderr (the reason it refused) go to the terminal
         p = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120, **kwargs)
         if p.returncode != 0 and command[:1] == self.submit_command[:1]:
-            site = os.environ.get("HPDL_SITE")
+            site = settings.SITE.get()
             raise HpdlError(
                 f"sbatch refused the engines' job: {(p.stderr or p.stdout).strip()}\n"
                 "Check the partition/account/time settings (HPDL_SLURM_* variables"

@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import ClassVar
 
+from hpdl import settings
 from hpdl.errors import HpdlError
 from hpdl.launchers.mpiexec import mpiexec_command
 
@@ -190,7 +191,7 @@ def resolve(launcher: str) -> str:
     (Slurm inside a Slurm allocation, the local mpiexec everywhere else)."""
     launcher = (launcher or "auto").lower()
     if launcher == "auto":
-        chosen = os.environ.get("HPDL_LAUNCHER", "").lower()
+        chosen = settings.LAUNCHER.get().lower()
         launcher = chosen if chosen and chosen != "auto" else detected().name
     return get(launcher).name
 

@@ -11,6 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from hpdl import settings
 from hpdl.errors import HpdlError
 
 _IMPLEMENTATION: dict[str, str] = {}
@@ -84,7 +85,7 @@ def mpiexec_flags(implementation: str, env_names: list[str] | tuple[str, ...] = 
 def launch_flags(exe: str | None = None) -> list[str]:
     """`mpiexec_flags` for the mpiexec found here and this process's environment."""
     names = [k for k in (*engine_env(), *PASSED_ENV) if k in os.environ or k in engine_env()]
-    names += sorted(k for k in os.environ if k.startswith(("HPDL_", "HOROVOD_", "OMP_", "MPIR_CVAR_")))
+    names += sorted(k for k in os.environ if k.startswith((settings.PREFIX, "HOROVOD_", "OMP_", "MPIR_CVAR_")))
     as_root = hasattr(os, "geteuid") and os.geteuid() == 0
     return mpiexec_flags(mpiexec_implementation(exe), list(dict.fromkeys(names)), as_root)
 

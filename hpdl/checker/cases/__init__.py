@@ -73,13 +73,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from hpdl import settings
 
 HERE = Path(__file__).resolve().parent
 LOCKED = False  # set in the learner's process: case modules (reference solutions) stay out of reach
@@ -163,7 +164,7 @@ def path_of(name: str) -> Path:
 
 
 def _folders() -> list[Path]:
-    extra = [Path(p) for p in os.environ.get("HPDL_CASES_PATH", "").split(os.pathsep) if p]
+    extra = settings.CASES_PATH.get()
     return [HERE, *extra]
 
 
