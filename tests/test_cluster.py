@@ -327,3 +327,22 @@ def test_px_hang_is_worded_by_hpdl_hang_and_a_with_block_stops_the_ranks(ip, no_
         pids = sorted(c.engine_pids().values())
     assert hpdl.status() == {"running": False} and repr(c).endswith("stopped>")
     assert wait_gone(pids) == []
+
+
+def test_px_options_keep_their_meaning_and_a_hang_on_some_targets_names_those_ranks(ip, no_strays):
+    """%%px runs through ipyparallel's public path: --out keeps its %px-named AsyncResult,
+    %pxresult shows the last one, and a hang under --targets names the targeted rank only."""
+    with hpdl.start(n=2, frameworks=(), quiet=True):
+        res = run(ip, "%%px --out saved\nx = rank * 10\nx")
+        assert res.error_in_exec is None
+        saved = ip.user_ns["saved"]
+        assert repr(saved) == "<AsyncResult(%px): finished>"
+        assert [r.data["text/plain"] for r in saved.get()] == ["0", "10"]
+        assert run(ip, "%pxresult").error_in_exec is None
+        res = run(ip, "%%px --targets 1 --timeout 2\nimport numpy as np\ncomm.Recv(np.zeros(1), source=0)")
+        err = res.error_in_exec
+        assert isinstance(err, RankHang), err
+        assert "stuck:    rank 1 at line 2 of the cell: comm.Recv(np.zeros(1), source=0)" in str(err), str(err)
+        assert "finished:" not in str(err) and "rank 0" not in str(err), str(err)
+        res = run(ip, "%%px --timeout two\nx = 1")
+        assert isinstance(res.error_in_exec, HpdlError) and "--timeout 30" in str(res.error_in_exec)

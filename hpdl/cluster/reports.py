@@ -24,8 +24,10 @@ RESTART_ADVICE = (
 )
 
 
-def wait(ar, timeout: float, cluster: "Cluster", code: str | None = None) -> None:
-    """Wait for an AsyncResult on the ranks, raising RankHang or RankDied with details."""
+def wait(ar, timeout: float, cluster: "Cluster", code: str | None = None, engines: list[int] | None = None) -> None:
+    """Wait for an AsyncResult on the ranks, raising RankHang or RankDied with details.
+
+    engines: the engine of each of `ar.msg_ids`, in order (default: every engine of the cluster)."""
     deadline = time.monotonic() + timeout
     while not ar.ready():
         ar.wait(0.1)
@@ -35,7 +37,7 @@ def wait(ar, timeout: float, cluster: "Cluster", code: str | None = None) -> Non
         if dead:
             raise RankDied(death_report(cluster, dead))
         if time.monotonic() > deadline:
-            raise RankHang(hang_report(cluster, ar, timeout, code))
+            raise RankHang(hang_report(cluster, ar, timeout, code, engines=engines))
     dead = cluster.dead_ranks()
     if dead:
         raise RankDied(death_report(cluster, dead))
@@ -45,47 +47,47 @@ def _engine_to_rank(cluster: "Cluster") -> dict[int, int]:
     return {r["engine_id"]: r["rank"] for r in cluster.ranks}
 
 
-def _targets(cluster: "Cluster", ar) -> list:
-    return ar._targets if isinstance(getattr(ar, "_targets", None), list) else cluster.client.ids
-
-
-def pending_ranks(cluster: "Cluster", ar) -> tuple[list[int], list[int]]:
-    """(finished, stuck) ranks of a cell."""
+def _by_engine(cluster: "Cluster", ar, engines: list[int] | None) -> list[tuple[str, int]]:
+    """(msg_id, rank) for each rank the cell was sent to."""
     e2r = _engine_to_rank(cluster)
+    return [(m, e2r.get(e, e)) for m, e in zip(ar.msg_ids, cluster.client.ids if engines is None else engines)]
+
+
+def pending_ranks(cluster: "Cluster", ar, engines: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """(finished, stuck) ranks of a cell."""
     outstanding = cluster.client.outstanding
     done, stuck = [], []
-    for msg_id, engine in zip(ar.msg_ids, _targets(cluster, ar)):
-        (stuck if msg_id in outstanding else done).append(e2r.get(engine, engine))
+    for msg_id, rank in _by_engine(cluster, ar, engines):
+        (stuck if msg_id in outstanding else done).append(rank)
     return sorted(done), sorted(stuck)
 
 
-def hang_report(cluster: "Cluster", ar, timeout: float, code: str | None, headline: str | None = None) -> str:
+def hang_report(cluster: "Cluster", ar, timeout: float, code: str | None, headline: str | None = None,
+                engines: list[int] | None = None) -> str:
     """Name the finished and the stuck ranks (with their lines) and remember the stuck cell, so
     that the cluster refuses more work until restarted."""
-    done, stuck = pending_ranks(cluster, ar)
+    done, stuck = pending_ranks(cluster, ar, engines)
     dumps = {r["rank"] for r in cluster.ranks if r.get("stack_dumps")}  # SIGUSR1 is safe only there
     where = hang.ask(str(cluster.run_dir), stuck, procs={r: p for r, p in cluster.rank_procs.items() if r in dumps})
-    e2r = _engine_to_rank(cluster)
-    for msg_id, engine in zip(ar.msg_ids, _targets(cluster, ar)):
+    for msg_id, rank in _by_engine(cluster, ar, engines):
         if msg_id in cluster.client.outstanding:
-            cluster.wedged[msg_id] = e2r.get(engine, engine)
+            cluster.wedged[msg_id] = rank
     return hang.hang_message(
         headline or f"the cell did not finish on every rank within {timeout:g} s.",
-        {r: where.get(r) for r in stuck}, done, _errors_by_rank(cluster, ar), code, advice=RESTART_ADVICE,
+        {r: where.get(r) for r in stuck}, done, _errors_by_rank(cluster, ar, engines), code, advice=RESTART_ADVICE,
     )
 
 
-def _errors_by_rank(cluster: "Cluster", ar) -> dict[int, str]:
-    e2r = _engine_to_rank(cluster)
+def _errors_by_rank(cluster: "Cluster", ar, engines: list[int] | None) -> dict[int, str]:
     out = {}
-    for msg_id, engine in zip(ar.msg_ids, _targets(cluster, ar)):
+    for msg_id, rank in _by_engine(cluster, ar, engines):
         if msg_id in cluster.client.outstanding:
             continue
         res = cluster.client.results.get(msg_id)
         if isinstance(res, BaseException):
             ename = getattr(res, "ename", type(res).__name__)
             evalue = getattr(res, "evalue", str(res))
-            out[e2r.get(engine, engine)] = f"{ename}: {evalue}"
+            out[rank] = f"{ename}: {evalue}"
     return out
 
 
