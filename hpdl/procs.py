@@ -257,7 +257,7 @@ def end_group_now(proc: subprocess.Popen) -> None:
         log.debug("killpg(%s): %s", proc.pid, exc)
 
 
-def signal_engines(client, targets, sig: int = signal.SIGINT) -> None:
+def signal_engines(client, targets, sig: int | str = signal.SIGINT) -> None:
     """Ask ipyparallel to deliver `sig` to engines (each engine's nanny signals its own process)."""
     client.send_signal(sig, targets=targets, block=True)
 

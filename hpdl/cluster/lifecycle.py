@@ -1,8 +1,8 @@
 """Client side: start the engines that are the learner's MPI ranks, reuse them, stop them.
 
 `start(n)` launches an ipyparallel controller and `n` engines as ranks of one MPI job
-(`mpiexec` here, `srun` on Slurm; see launchers.py), waits until every rank is set up
-(rank.py runs on each), and activates `%%px` (px.py). Every call into launchers.py is in
+(`mpiexec` here, `srun` on Slurm; see hpdl/launchers/), waits until every rank is set up
+(rank.py runs on each), and activates `%%px` (px.py). Every call into hpdl.launchers is in
 `_launch` and `start`; the one place that asks what a launcher is, is `_launcher_traits`.
 """
 from __future__ import annotations
