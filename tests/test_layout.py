@@ -255,3 +255,20 @@ def test_the_signal_and_unlink_scan_finds_what_it_looks_for(tmp_path):
     assert [i for i, line in _code_lines(sample) if _SIGNAL.search(line)] == [6, 7]
     assert _shm_unlinks(sample) == [9]
     assert _shm_unlinks(PKG / "procs.py")
+
+
+LONGEST_FUNCTION = 60  # lines, decorators and docstring included: one job a reader can hold in mind
+
+
+def _long_functions(path: Path, limit: int = LONGEST_FUNCTION) -> list[str]:
+    tree = ast.parse(path.read_text())
+    return [f"{path.name}:{n.lineno} {n.name}() is {n.end_lineno - n.lineno + 1} lines"
+            for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno - n.lineno + 1 >= limit]
+
+
+def test_every_function_in_hpdl_is_under_60_lines(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("def long():\n" + "    x = 1\n" * 60 + "\n\ndef short():\n    pass\n")
+    assert [s.split()[1] for s in _long_functions(sample)] == ["long()"]  # the measure sees one
+    assert [f for path in sorted(PKG.rglob("*.py")) for f in _long_functions(path)] == []
