@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import hpdl
-from hpdl.checker.runner import mpiexec_command
+from hpdl.launchers import side_job_command
 
 FIXTURES = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
@@ -57,7 +57,7 @@ def test_references_agree_with_serial_sums_and_copies(size, tmp_path):
         if rank == 0:
             print("checked", *counts, flush=True)
     """))
-    out = subprocess.run([*mpiexec_command(size), sys.executable, str(script)], capture_output=True, text=True,
+    out = subprocess.run([*side_job_command(size), sys.executable, str(script)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     counts = [int(n) for line in out.stdout.splitlines() if line.startswith("checked") for n in line.split()[1:]]

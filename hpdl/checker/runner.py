@@ -1,17 +1,12 @@
-"""Client side: the one spot where a check's MPI jobs are launched.
+"""Client side: the command line of a check's MPI jobs.
 
-jobs.py runs two jobs per rank count (the learner's ranks and the checker's reference ranks);
-both start here, through `launchers.side_job_command`, so a new launcher changes nothing here.
+jobs.py runs two jobs per rank count (the learner's ranks and the checker's reference ranks) as
+side jobs (hpdl.sidejob); their command comes from here, through `launchers.side_job_command`,
+so a new launcher changes nothing here.
 """
 from __future__ import annotations
 
 import sys
-
-def mpiexec_command(size: int) -> list[str]:
-    """`mpiexec -n size` for this Python's MPI (HpdlError saying what to do when there is none)."""
-    from hpdl.launchers import mpiexec_command as command
-
-    return command(size)
 
 
 def job_command(size: int, module: str, job_dir: str) -> list[str]:
@@ -24,4 +19,4 @@ def job_command(size: int, module: str, job_dir: str) -> list[str]:
     return [*side_job_command(size), sys.executable, "-m", module, job_dir]
 
 
-__all__ = ["mpiexec_command", "job_command"]
+__all__ = ["job_command"]
