@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from hpdl import build
+from hpdl import build, cli
 from hpdl.checker import sandbox
 
 EXAMPLE = Path(__file__).parent / "fixtures" / "solutions" / "01_ring_example.ipynb"
@@ -135,3 +135,110 @@ def test_a_hostile_batch_harms_nothing_outside_and_grades_the_honest_one_fully(h
         expect(row.get("status") == "refused" and float(row.get("score", 0)) == 0
                and "symbolic link" in row.get("detail", ""), f"{name} was not refused as a link: {row}")
     assert not harm, "\n".join(harm)
+
+
+# -- in a check job's folder (the learner's ranks write it): the checker's own files ---------------
+CHECK_FILES = '''def ring_allreduce(comm, x):
+    import builtins, json, os, time
+    d, r = os.environ["HPDL_CHECK_JOB"], comm.Get_rank()
+    calls = builtins.__dict__.setdefault("_calls", [])
+    calls.append(1)
+    if len(calls) == 1:  # first case: our outputs become a link to /dev/zero (through the temporary name)
+        os.symlink("/dev/zero", os.path.join(d, "out-%d-%d.bin.tmp" % (CASE0, r)))
+        return x.copy()
+    if r == 0:  # next case: our event log becomes a FIFO, and a link waits where "where are you?" is written
+        import glob  # (once the checker has read the first case's events: it has handed our outputs over)
+        while not glob.glob(os.path.join(os.path.dirname(d), "r2-*", "got-%d-0.bin" % CASE0)):
+            time.sleep(0.05)
+        os.symlink(VICTIM, os.path.join(d, "dump-request.tmp"))
+        os.rename(os.path.join(d, "rank0.jsonl"), os.path.join(d, "moved.jsonl"))
+        os.mkfifo(os.path.join(d, "rank0.jsonl"))
+        time.sleep(3600)
+    with open(os.path.join(d, "rank1.jsonl"), "a") as f:  # "my pid is ...": a process that is not ours
+        f.write(json.dumps({"ev": "ready", "pid": VICTIM_PID}) + "\\\\n")
+    sum(range(10 ** 13))  # hold the Python lock: no answer but through SIGUSR1 to the pid we named
+'''
+
+
+def _learner_function(source: str, **names):
+    """A learner's function from its source text (a file of its own, so the checker can quote it)."""
+    import linecache
+
+    filename = "<hostile learner>"
+    text = "".join(f"{k} = {v!r}\n" for k, v in names.items()) + source
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    namespace = {"__name__": "__learner__"}
+    exec(compile(text, filename, "exec"), namespace)
+    return namespace["ring_allreduce"]
+
+
+@pytest.mark.timeout(300)
+def test_the_checker_never_follows_blocks_on_or_signals_what_the_learners_ranks_plant(tmp_path, monkeypatch,
+                                                                                     no_strays):
+    """Outside a sandbox (where the rank's word is all there is about its pid): outputs that are
+    a link to /dev/zero, an event log swapped for a FIFO, a link planted where the asking side
+    writes its request, and a rank that names another process as itself. The check ends, on
+    its own time limit, with no point earned; nothing outside changed; the checker stayed small."""
+    import hpdl
+
+    monkeypatch.setenv("HPDL_NO_SANDBOX", "1")
+    victim = tmp_path / ".bashrc"
+    victim.write_text("# the instructor's own\n")
+    bystander = subprocess.Popen(["sleep", "600"])  # stands for the grader: SIGUSR1 would end it
+    try:
+        fn = _learner_function(CHECK_FILES, VICTIM=str(victim), VICTIM_PID=bystander.pid, CASE0=0)
+        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result = hpdl.check("ring_allreduce", fn, ranks=[2], timeout=3)
+        grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+        assert result.cases
+        assert not any(c.verdict in ("PASS", "SLOW") for c in result.cases), result
+        assert result.cases[0].verdict == "WRONG", result.cases[0]  # /dev/zero was not read as outputs
+        assert victim.read_text() == "# the instructor's own\n"
+        assert bystander.poll() is None, "the checker signalled a process the learner named"
+        assert grew < 256 * 2**20, f"the checker grew by {grew / 2**20:.0f} MiB"
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+# -- what a batch leaves on the host, and the commands' help --------------------------------------
+def test_pids_cgroups_left_behind_are_removed_later(tmp_path):
+    """A cgroup still holding exiting processes when its job ends cannot be removed then: the
+    removal is retried (after each submission, at the end of the batch), and cgroups named after
+    a grader that is gone are swept."""
+    made = sandbox.PidsCgroup.make(16)
+    if made is None:
+        pytest.skip("no writable pids cgroup here (not root, or no pids controller)")
+    proc = subprocess.Popen(["sleep", "600"], preexec_fn=made.join)
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a grader that is gone: its pid in a cgroup's name
+    root = os.path.dirname(made.path)
+    orphan = os.path.join(root, f"{sandbox.CGROUP_PREFIX}{dead.pid}-0123456789ab")
+    os.mkdir(orphan)
+    try:
+        assert made.remove() is False and os.path.isdir(made.path)  # busy: kept for later
+        proc.kill()
+        proc.wait()
+        removed = sandbox.sweep_cgroups()
+        assert made.path in removed and orphan in removed
+        assert not os.path.exists(made.path) and not os.path.exists(orphan)
+    finally:
+        proc.kill()
+        proc.wait()
+        for path in (made.path, orphan):
+            if os.path.isdir(path):
+                os.rmdir(path)
+
+
+@pytest.mark.parametrize("verb", list(cli.VERBS))
+def test_every_command_prints_its_help_and_does_nothing_else(verb, capsys):
+    """`hpdl VERB --help` prints a usage line and exits 0 (argparse), never runs the verb:
+    `hpdl cleanup --help` used to end clusters."""
+    try:
+        code = cli.main([verb, "--help"])
+    except SystemExit as end:  # argparse's way out after printing help
+        code = end.code
+    assert code in (0, None)
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: hpdl {verb}"), out[:300]
+    assert "ended" not in out and "removed" not in out
