@@ -489,12 +489,15 @@ def render(info: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print("usage: hpdl doctor [--json]\n\nReport Python, torch, MPI, mpiexec, Horovod, cores/GPUs and the "
-              "launcher; exit 1 with the fix when something needed is missing or mismatched.")
-        return 0
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="hpdl doctor", description="Report Python, torch, MPI, mpiexec, Horovod, "
+                                 "cores/GPUs and the launcher; exit 1 with the fix when something needed is "
+                                 "missing or mismatched.")
+    ap.add_argument("--json", action="store_true", help="the report as JSON")
+    args = ap.parse_args(argv)
     info = report()
-    print(json.dumps(info, indent=2) if "--json" in argv else render(info))
+    print(json.dumps(info, indent=2) if args.json else render(info))
     return 0 if info["ok"] else 1
 
 

@@ -38,12 +38,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hpdl import settings
+from hpdl import safefiles, settings
 from hpdl.errors import HpdlError
 
 CHECK_CALL = re.compile(r"""check\(\s*["']([A-Za-z_][A-Za-z0-9_]*)["']""")
 SKIP_DIRS = {".ipynb_checkpoints", "__pycache__"}
 MAX_NOTEBOOK_BYTES = 64 * 2**20
+MAX_OUTPUT_BYTES = 8 * 2**20  # a saved notebook's outputs, all cells together; the rest is cut with a note
+MAX_ONE_OUTPUT = 2**20  # one output (a stream's text, an image)
+MAX_STATUS_BYTES = 100_000
 
 
 @dataclass
@@ -72,23 +75,28 @@ class Submission:
 
 
 def find_submissions(folder: Path) -> list[Submission]:
+    """Every notebook under `folder`; a symbolic link (to a notebook or a folder) is listed as
+    refused, never followed: it could name another learner's notebook, or any file we can read."""
     if not folder.is_dir():
         raise HpdlError(f"{folder} is not a folder of submitted notebooks.")
     from hpdl.checker.cases import known
 
     exercises = set(known())
     subs = []
-    for path in sorted(folder.rglob("*.ipynb")):
-        if SKIP_DIRS & set(path.relative_to(folder).parts) or not path.is_file():
+    for path, link in _candidates(folder):
+        name = path.relative_to(folder).as_posix()
+        if link:
+            subs.append(Submission(name, path, status="refused",
+                                   detail=f"a symbolic link (to {os.readlink(path)[:200]}), not followed: "
+                                          "submit the notebook itself"))
             continue
         try:
-            data = path.read_bytes()[:MAX_NOTEBOOK_BYTES + 1]
+            data = safefiles.read_bounded(path, MAX_NOTEBOOK_BYTES + 1, too_large="cut")
         except OSError as exc:
-            sub = Submission(path.relative_to(folder).as_posix(), path, status="unreadable", detail=str(exc))
-            subs.append(sub)
+            subs.append(Submission(name, path, status="unreadable", detail=str(exc)))
             continue
-        called = [name for name in _called_checks(data) if name in exercises]
-        sub = Submission(path.relative_to(folder).as_posix(), path, hashlib.sha256(data).hexdigest(), exercises=called)
+        called = [ex for ex in _called_checks(data) if ex in exercises]
+        sub = Submission(name, path, hashlib.sha256(data).hexdigest(), exercises=called)
         if len(data) > MAX_NOTEBOOK_BYTES:
             sub.status, sub.detail = "too large", f"more than {MAX_NOTEBOOK_BYTES // 2**20} MiB"
         elif _cells(data) is None:
@@ -97,6 +105,18 @@ def find_submissions(folder: Path) -> list[Submission]:
     if not subs:
         raise HpdlError(f"No notebooks (*.ipynb) in {folder}.")
     return subs
+
+
+def _candidates(folder: Path) -> list[tuple[Path, bool]]:
+    """(path, is a symbolic link) for each *.ipynb under `folder` and each linked folder there,
+    sorted; links are not followed (os.walk's default)."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        base = Path(root)
+        found += [(base / d, True) for d in dirs if d not in SKIP_DIRS and (base / d).is_symlink()]
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not (base / d).is_symlink())
+        found += [(base / f, (base / f).is_symlink()) for f in files if f.endswith(".ipynb")]
+    return sorted(found)
 
 
 def _cells(data: bytes) -> list[dict] | None:
@@ -177,12 +197,54 @@ def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: flo
     errors = sum(1 for c in nb.cells if c.get("cell_type") == "code"
                  for o in c.get("outputs", []) if o.get("output_type") == "error")
     status["cell_errors"] = errors
+    cut = cut_outputs(nb.cells)
+    if cut:
+        status["detail"] += f" (outputs over {MAX_OUTPUT_BYTES // 2**20} MiB: {cut} bytes cut, with a note)"
     try:
         nbformat.write(nb, executed)
     except Exception as exc:
         status["detail"] += f" (the executed notebook could not be written: {type(exc).__name__})"
     status_file.write_text(json.dumps(status))
     return 0
+
+
+def cut_outputs(cells: list[dict]) -> int:
+    """Keep a notebook's outputs under MAX_OUTPUT_BYTES (each under MAX_ONE_OUTPUT): what is over
+    is cut, with a note in its place, so an output flood still saves a small, valid notebook
+    (never a file cut short by the size limit, which is no JSON). Returns the bytes cut."""
+    left, cut_total = MAX_OUTPUT_BYTES, 0
+    for cell in cells:
+        outputs = cell.get("outputs") if cell.get("cell_type") == "code" else None
+        if not isinstance(outputs, list):
+            continue
+        kept, cut = [], 0
+        for out in outputs:
+            size = len(json.dumps(out, default=str))
+            if size <= min(left, MAX_ONE_OUTPUT):
+                kept.append(out)
+                left -= size
+                continue
+            cut += size
+            if out.get("output_type") == "stream" and left > 8192:  # the head of a flood says what it was
+                kept.append(dict(out, text=_text(out.get("text"))[:4096]))
+                left -= 8192
+        if cut:
+            note = (f"[hpdl grade: {cut} bytes of this cell's output cut: a graded notebook keeps "
+                    f"{MAX_ONE_OUTPUT // 2**20} MiB per output, {MAX_OUTPUT_BYTES // 2**20} MiB in all]\n")
+            kept.append({"output_type": "stream", "name": "stderr", "text": note})
+            cell["outputs"] = _as_outputs(cell, kept)
+            cut_total += cut
+    return cut_total
+
+
+def _as_outputs(cell, outputs: list[dict]) -> list:
+    """Outputs in the kind of node the cell holds (nbformat's NotebookNode when it is one)."""
+    try:
+        from nbformat import from_dict
+
+        return [from_dict(o) for o in outputs] if type(cell) is not dict else outputs
+    except ImportError:
+        return outputs
 
 
 # -- the batch -----------------------------------------------------------------------------------
@@ -199,7 +261,7 @@ class Running:
         self.home = work / "hpdl-home"
         self.home.mkdir(parents=True)
         self.copy = work / Path(sub.name).name
-        shutil.copyfile(sub.path, self.copy)
+        safefiles.create_exclusive(self.copy, safefiles.read_bounded(sub.path, MAX_NOTEBOOK_BYTES))
         self.status = work / "status.json"
         self.executed_here = work / "executed.ipynb"
         self.executed = out / "executed" / sub.name
@@ -213,7 +275,8 @@ class Running:
         cmd = [sys.executable, "-m", "hpdl.grade", "--run-one", str(self.copy), str(self.executed_here),
                str(self.status), str(limit)]
         sub.sandboxed = sandbox.available()
-        cmd = sandbox.wrap(cmd, writable=[str(work)], hidden=hidden, cwd=str(work))
+        cmd = sandbox.wrap(cmd, writable=[str(work)], readonly=[str(self.service.answers)], hidden=hidden,
+                           cwd=str(work))
         # Outside a sandbox a daemon can leave the process group: the job's marker finds it (sweep).
         self.job = sidejob.SideJob(cmd, output=work / "run.log", env=env, cwd=work, timeout=limit,
                                    limits=sandbox.Limits(cpu_seconds=int(limit * 2) + 60, processes=2048),
@@ -232,6 +295,8 @@ class Running:
         return False
 
     def finish(self, timed_out: bool) -> None:
+        from hpdl.checker import sandbox
+
         sub = self.sub
         sub.seconds = self.job.elapsed()
         self.job.end(now=True)  # its result is in; whatever it still runs is ended with it
@@ -239,8 +304,8 @@ class Running:
         if timed_out:
             sub.status, sub.detail = "timeout", f"stopped after {self.limit:g} s (the submission's time limit)"
         else:
-            try:
-                st = json.loads(self.status.read_text()[:100_000])
+            try:  # the submission's folder: no link followed, a regular file, bounded
+                st = json.loads(safefiles.read_bounded(self.status, MAX_STATUS_BYTES))
                 sub.status = str(st["status"])[:40]
                 sub.detail, sub.cell_errors = str(st.get("detail", ""))[:600], int(st.get("cell_errors", 0))
             except (OSError, ValueError, KeyError, TypeError):
@@ -251,18 +316,52 @@ class Running:
         sub.checks = dict(self.service.results)  # the grader's own results, never the kernel's
         if self.service.problems:
             sub.detail = (sub.detail + " | " if sub.detail else "") + "; ".join(self.service.problems[:3])
+        data = self._save_executed()
+        sub.predictions = predictions_of(_cells(data) or [])
+        sandbox.sweep_cgroups()  # a cgroup still emptying when its job ended goes now
+
+    def _save_executed(self) -> bytes:
+        """Keep the notebook as it ran (a valid notebook, bounded, never through a link); when
+        the runner left none that is valid, the submitted one (from the submissions folder, which
+        the sandbox cannot write) with a note saying why."""
         try:
-            data = self.executed_here.read_bytes()[:MAX_NOTEBOOK_BYTES]
+            data = safefiles.read_bounded(self.executed_here, MAX_NOTEBOOK_BYTES)
+            why = "" if _cells(data) is not None else "what the runner saved is not a valid notebook"
+        except FileNotFoundError:  # it never got that far (a timeout): nothing to keep
+            return self._submitted()
+        except OSError as exc:
+            data, why = b"", str(exc)
+        if why:
+            data = _with_note(self._submitted(), f"hpdl grade: the notebook as it ran could not be kept "
+                                                 f"({why[:300]}); this is the notebook as submitted.")
+        try:
             self.executed.parent.mkdir(parents=True, exist_ok=True)
             _write_private(self.executed, data)
+        except OSError as exc:
+            self.sub.detail += f" (the executed notebook was not saved: {exc})"
+        return data
+
+    def _submitted(self) -> bytes:
+        try:
+            return safefiles.read_bounded(self.sub.path, MAX_NOTEBOOK_BYTES)
         except OSError:
-            data = self.copy.read_bytes()
-        sub.predictions = predictions_of(_cells(data) or [])
+            return b"{}"
+
+
+def _with_note(data: bytes, note: str) -> bytes:
+    """A notebook's JSON with a markdown cell first holding `note`."""
+    try:
+        nb = json.loads(data)
+        nb["cells"].insert(0, {"cell_type": "markdown", "metadata": {}, "source": note})
+    except (ValueError, KeyError, TypeError, AttributeError):  # changed since it was found: the note alone
+        nb = {"cells": [{"cell_type": "markdown", "metadata": {}, "source": note}], "metadata": {},
+              "nbformat": 4, "nbformat_minor": 5}
+    return json.dumps(nb, indent=1).encode()
 
 
 def _tail(path: Path, lines: int = 5) -> str:
-    try:
-        with open(path, "rb") as f:
+    try:  # in the submission's folder: a regular file only (a FIFO there would block for ever)
+        with os.fdopen(safefiles.open_regular(path), "rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - 4096))
             text = f.read().decode("utf-8", "replace")
@@ -309,6 +408,7 @@ def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress
     from hpdl.checker import sandbox
 
     subs = find_submissions(folder)
+    sandbox.sweep_cgroups()  # those left by graders that are gone
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
     done = _previous(out)
@@ -353,6 +453,7 @@ def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress
         if bar is not None:
             bar.close()
         shutil.rmtree(work_root, ignore_errors=True)
+        sandbox.sweep_cgroups()
     write_reports(subs, out, exercises, sandbox.describe())
     return subs
 

@@ -21,7 +21,8 @@ this module, so a hang reads the same wherever it happens:
       A rank waiting in an MPI call waits for a partner that never comes: ...
 
 The rank side (`Answerer`, `snapshot`, `learner_where`, `install_faulthandler`) imports the
-standard library only; the client side adds `ask`, the wording functions and `DEADLOCK_HINT`.
+standard library only (and hpdl.safefiles, itself standard library only); the client side
+adds `ask`, the wording functions and `DEADLOCK_HINT`.
 """
 from __future__ import annotations
 
@@ -38,9 +39,12 @@ import traceback
 import uuid
 from typing import Callable, Iterable, Mapping
 
+from hpdl import safefiles
+
 log = logging.getLogger(__name__)
 
 REQUEST = "dump-request"
+MAX_ANSWER_BYTES = 1 << 20  # one rank's answer (a stack) read by the asking side
 _HPDL_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LIBRARY = ("site-packages", "dist-packages", "/lib/python", "<frozen")
 
@@ -169,12 +173,11 @@ def ask(folder: str, ranks: Iterable[int], wait: float = 2.5, poll: float = 0.05
         for r in ranks:
             if r in found:
                 continue
-            try:
-                with open(answer_path(folder, r)) as f:
-                    data = json.load(f)
+            try:  # the ranks' folder (a learner's can write it): no link, no FIFO, bounded
+                data = json.loads(safefiles.read_bounded(answer_path(folder, r), MAX_ANSWER_BYTES))
             except (OSError, ValueError):
                 continue
-            if data.get("token") == token:
+            if isinstance(data, dict) and data.get("token") == token:
                 found[r] = data
         if len(found) == len(ranks) or time.monotonic() > deadline:
             break
@@ -187,19 +190,19 @@ def ask(folder: str, ranks: Iterable[int], wait: float = 2.5, poll: float = 0.05
         time.sleep(0.3)
         for r in sent:
             try:
-                with open(fault_path(folder, r), errors="replace") as f:
-                    where = parse_fault(f.read(), files, sources, line_offset)
+                text = safefiles.read_bounded(fault_path(folder, r), MAX_ANSWER_BYTES, too_large="cut")
             except OSError:
                 continue
+            where = parse_fault(text.decode("utf-8", "replace"), files, sources, line_offset)
             if where:
                 found[r] = {"rank": r, "where": where, "via": "faulthandler"}
     return found
 
 
 def _write_text(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+    """Into a folder the ranks (a learner's) can write: a fresh name created exclusively, then
+    renamed; a `dump-request.tmp` link planted there is never written through."""
+    safefiles.replace_atomically(path, text, mode=0o644)
 
 
 def parse_fault(text: str, files: Iterable[str] | None = None, sources: Mapping[str, list[str]] | None = None,

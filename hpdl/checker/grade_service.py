@@ -3,27 +3,38 @@
 Kernel side (`request`, called by hpdl.check when $HPDL_GRADE_SERVICE names a folder): write
 the packed function as JSON (no pickle the grader would have to load: the function's bytes
 travel base64-encoded and are only ever unpickled by the learner's own sandboxed ranks) to
-req-<id>.json, then wait for resp-<id>.json and show it. Nothing the kernel writes decides a
-score.
+req-<id>.json in that folder (the inbox), then wait for answers/resp-<id>.json and show it.
+Nothing the kernel writes decides a score.
 
 Grader side (`Service`): pick up requests, check the exercise name against the kit's case
 modules, run the check with the exercise's own rank counts, time limits and hidden cases
 (whatever the notebook asked for), keep the result, and answer with a copy for the notebook.
+
+The inbox is the submission's to write, so the grader never writes there, and reads there only
+through hpdl.safefiles (no link followed, regular files only, a bound on size): a request that
+is a link to /dev/zero or a FIFO is refused, not read. Answers go to answers/, a folder the
+grader made, which the sandbox binds read-only (sandbox.wrap's `readonly`); both folders are
+opened once and used through their descriptors, so renaming them away changes nothing here.
 """
 from __future__ import annotations
 
 import base64
 import json
 import os
+import re
 import threading
 import time
 import uuid
 from pathlib import Path
 
-from hpdl import settings
+from hpdl import safefiles, settings
 
 MAX_REQUEST_BYTES = 64 * 2**20
 MAX_REQUESTS = 100  # per submission
+MAX_ANSWER_BYTES = 64 * 2**20
+ANSWERS = "answers"  # under the inbox: the grader's answers, read-only inside the sandbox
+REQUEST_NAME = re.compile(r"req-([A-Za-z0-9_-]{1,64})\.json")
+MAX_LISTED = 10_000  # entries of the inbox looked at per poll
 
 
 # -- the kernel's side ---------------------------------------------------------------------------
@@ -46,7 +57,7 @@ def request(name: str, code: dict):
     tmp = folder / f".req-{rid}.tmp"
     tmp.write_text(json.dumps({"exercise": name, "code": _jsonable(code)}))
     os.replace(tmp, folder / f"req-{rid}.json")
-    resp = folder / f"resp-{rid}.json"
+    resp = folder / ANSWERS / f"resp-{rid}.json"
     deadline = time.monotonic() + wait
     pause = 0.05
     while not resp.exists():
@@ -54,7 +65,7 @@ def request(name: str, code: dict):
             raise HpdlError(f"The grader did not answer the check of {name!r} within {wait:g} s.")
         time.sleep(pause)
         pause = min(pause * 1.5, 0.5)
-    data = json.loads(resp.read_text())
+    data = json.loads(safefiles.read_bounded(resp, MAX_ANSWER_BYTES))
     if "error" in data:
         raise HpdlError(data["error"])
     return CheckResult.from_dict(data["result"])
@@ -84,39 +95,58 @@ def _code_from(raw) -> dict:
 
 
 class Service:
-    """One submission's requests: each checked in a thread of the grader, results kept here."""
+    """One submission's requests: each checked in a thread of the grader, results kept here.
+
+    `folder` is the inbox the submission writes; `answers` (folder/answers) is the grader's."""
 
     def __init__(self, folder: Path, hidden: list[str]):
         self.folder = folder
         self.hidden = hidden
         folder.mkdir(parents=True, exist_ok=True)
+        self.answers = folder / ANSWERS
+        self.answers.mkdir(mode=0o755)  # made before the submission starts: never one it planted
+        self.inbox_fd = safefiles.open_dir(folder)
+        self.answers_fd = safefiles.open_dir(self.answers)
         self.seen: set[str] = set()
         self.threads: list[threading.Thread] = []
         self.results: dict[str, dict] = {}  # exercise -> CheckResult.to_dict(), the last one counts
         self.problems: list[str] = []
         self.lock = threading.Lock()
 
+    def _requests(self) -> list[str]:
+        """The request ids in the inbox now (names only: nothing is opened here)."""
+        found = []
+        try:
+            with os.scandir(self.inbox_fd) as entries:
+                for n, entry in enumerate(entries):
+                    if n >= MAX_LISTED:
+                        break
+                    m = REQUEST_NAME.fullmatch(entry.name)
+                    if m:
+                        found.append(m.group(1))
+        except OSError as exc:  # the descriptor is closed: the submission is over
+            self._problem(f"could not list the check requests: {exc}")
+        return sorted(found)
+
     def poll(self) -> None:
-        for path in sorted(self.folder.glob("req-*.json")):
-            rid = path.stem[4:]
+        for rid in self._requests():
             if rid in self.seen:
                 continue
             self.seen.add(rid)
             if len(self.seen) > MAX_REQUESTS:
                 self._answer(rid, {"error": f"more than {MAX_REQUESTS} checks from one notebook; not run"})
                 continue
-            t = threading.Thread(target=self._serve, args=(rid, path), daemon=True, name=f"hpdl-grade-{rid[:6]}")
+            t = threading.Thread(target=self._serve, args=(rid,), daemon=True, name=f"hpdl-grade-{rid[:6]}")
             t.start()
             self.threads.append(t)
 
-    def _serve(self, rid: str, path: Path) -> None:
+    def _serve(self, rid: str) -> None:
         from hpdl.checker import cases
         from hpdl.checker.checking import check_code
 
         try:
-            if path.stat().st_size > MAX_REQUEST_BYTES:
-                raise ValueError(f"a check request of {path.stat().st_size} bytes")
-            req = json.loads(path.read_text())
+            raw = safefiles.read_bounded(f"req-{rid}.json", MAX_REQUEST_BYTES, dir_fd=self.inbox_fd)
+            req = json.loads(raw)
             name = req.get("exercise") if isinstance(req, dict) else None
             if not isinstance(name, str) or name not in cases.known():
                 raise ValueError(f"no exercise named {name!r}")
@@ -124,8 +154,7 @@ class Service:
             module = cases.load(name)
             result = check_code(name, module, code, grading=True, progress=False, hidden=self.hidden)
         except Exception as exc:  # a malformed request is the submission's problem, recorded
-            with self.lock:
-                self.problems.append(f"check request refused: {type(exc).__name__}: {str(exc)[:200]}")
+            self._problem(f"check request refused: {type(exc).__name__}: {str(exc)[:200]}")
             self._answer(rid, {"error": f"The grader could not run this check: {str(exc)[:300]}"})
             return
         data = result.to_dict()
@@ -135,20 +164,29 @@ class Service:
             self.results[name] = data
         self._answer(rid, {"result": data})
 
+    def _problem(self, text: str) -> None:
+        with self.lock:
+            self.problems.append(text)
+
     def _answer(self, rid: str, data: dict) -> None:
-        tmp = self.folder / f".resp-{rid}.tmp"
+        """Into answers/ (the grader's folder, pinned by its descriptor): a fresh file, renamed."""
         try:
-            tmp.write_text(json.dumps(data))
-            os.replace(tmp, self.folder / f"resp-{rid}.json")
-        except OSError as exc:  # the submission's folder may be gone already
-            with self.lock:
-                self.problems.append(f"could not answer a check: {exc}")
+            safefiles.replace_atomically(f"resp-{rid}.json", json.dumps(data), dir_fd=self.answers_fd, mode=0o644)
+        except OSError as exc:  # the submission is over and the folder closed
+            self._problem(f"could not answer a check: {exc}")
 
     def busy(self) -> bool:
         return any(t.is_alive() for t in self.threads)
 
     def finish(self, wait: float = 120.0) -> None:
-        """Let checks under way end (each has its own time limits)."""
+        """Let checks under way end (each has its own time limits), then let the folders go."""
         deadline = time.monotonic() + wait
         for t in self.threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        if not self.busy():  # a thread still running keeps them (it may yet answer)
+            for fd in (self.inbox_fd, self.answers_fd):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass  # closed by an earlier finish()
+            self.inbox_fd = self.answers_fd = -1

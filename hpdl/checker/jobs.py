@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpdl import hang, procs, settings, sidejob
+from hpdl import hang, procs, safefiles, settings, sidejob
 from hpdl.checker import sandbox
 from hpdl.checker.cases import Case
 from hpdl.checker.report import CaseResult, Verdict
@@ -48,6 +48,7 @@ SHORT_FUSE = 1.0  # s: the time limit for the cases left at a rank count after o
 START_TIMEOUT = 60.0  # s: for all ranks of a job to import and report ready
 VERIFY_TIMEOUT = 60.0  # s: for the reference job's verify() once the learner's outputs are in
 MAX_EVENT_BYTES = 1 << 20  # one event line from a learner's rank; longer ones are cut
+MAX_OUTPUT_BYTES = 512 * 2**20  # one rank's packed outputs for one case
 POLL = 0.02
 
 
@@ -74,8 +75,7 @@ class Job:
                          cases=[(p.index, p.case.to_dict()) for p in todo])
         if kind == "reference":
             self.spec.pop("code", None)  # the learner's code never enters the reference job
-        with open(os.path.join(self.dir, "spec.pkl"), "wb") as f:
-            pickle.dump(self.spec, f)
+        safefiles.create_exclusive(os.path.join(self.dir, "spec.pkl"), pickle.dumps(self.spec))
         env = dict(os.environ)
         env.pop(settings.GRADE_RESULTS.name, None)
         env.pop(settings.GRADE_SERVICE.name, None)
@@ -109,10 +109,8 @@ class Job:
     def read(self) -> None:
         for r in range(self.size):
             path = os.path.join(self.dir, f"rank{r}.jsonl")
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self.offsets[r])
-                    data = f.read(16 * MAX_EVENT_BYTES)
+            try:  # the learner's folder: a FIFO or a link to /dev/zero there is not read
+                data = safefiles.read_bounded(path, 16 * MAX_EVENT_BYTES, offset=self.offsets[r], too_large="cut")
             except OSError:
                 continue
             self.offsets[r] += len(data)
@@ -130,9 +128,12 @@ class Job:
     def _event(self, rank: int, ev: dict) -> None:
         kind = ev.get("ev")
         case = ev.get("case")
-        if kind == "ready" and isinstance(ev.get("pid"), int):
+        if kind == "ready" and isinstance(ev.get("pid"), int) and rank not in self.ready:
             self.ready[rank] = ev["pid"]
-            if not self.sandboxed:  # a sandbox has its own PIDs and /dev/shm, gone with it
+            # a sandbox has its own PIDs and /dev/shm, gone with it. Outside one, the pid is the
+            # learner's word: only a process of this job's own tree is recorded (to be signalled
+            # by hang.ask, its /dev/shm removed), never another one it names (the grader, say)
+            if not self.sandboxed and ev["pid"] in self.side.pids():
                 rec = procs.record(ev["pid"])
                 if rec is not None:
                     self.rank_procs[rank] = rec
@@ -233,9 +234,7 @@ class SizeRun:
 
     def _go(self, index: int, verify: bool, seconds: dict | None = None) -> None:
         path = os.path.join(self.reference.dir, f"go-{index}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump({"verify": verify, "seconds": seconds or {}}, f)
-        os.replace(path + ".tmp", path)
+        safefiles.replace_atomically(path, json.dumps({"verify": verify, "seconds": seconds or {}}))
 
     def finished(self) -> bool:
         return not self.todo
@@ -313,17 +312,14 @@ class SizeRun:
 
     def _hand_over(self, cur: Planned, job: Job, ends: dict) -> None:
         """The learner's ranks all returned: their output bytes go to the reference job."""
-        limit = 512 * 2**20
         for r in range(self.size):
             src = os.path.join(job.dir, f"out-{cur.index}-{r}.bin")
             dst = os.path.join(self.reference.dir, f"got-{cur.index}-{r}.bin")
-            try:
-                with open(src, "rb") as f:
-                    data = f.read(limit + 1)
+            try:  # the learner's folder: regular files only, bounded (a link to /dev/zero is not read)
+                data = safefiles.read_bounded(src, MAX_OUTPUT_BYTES)
             except OSError:
-                data = b""
-            with open(dst, "wb") as f:
-                f.write(data)
+                data = b""  # the reference job says the outputs could not be read back
+            safefiles.create_exclusive(dst, data)
         seconds = {str(r): e.get("seconds") if isinstance(e.get("seconds"), (int, float)) else 0.0
                    for r, e in ends.items()}
         self._go(cur.index, True, seconds)

@@ -95,7 +95,7 @@ class PidsCgroup:
         for root in cls.ROOTS:
             if not os.path.isfile(os.path.join(root, "cgroup.procs")) or not os.access(root, os.W_OK):
                 continue
-            path = os.path.join(root, f"hpdl-{uuid.uuid4().hex[:12]}")
+            path = os.path.join(root, f"{CGROUP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
             try:
                 os.mkdir(path)
                 with open(os.path.join(path, "pids.max"), "w") as f:
@@ -113,11 +113,60 @@ class PidsCgroup:
         with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
 
-    def remove(self) -> None:
+    def remove(self) -> bool:
+        """Remove it; one still holding exiting processes is kept for `sweep_cgroups` to retry."""
         try:
             os.rmdir(self.path)
-        except OSError as exc:  # processes still in it; the kernel frees it once they are gone
-            log.debug("cgroup %s not removed: %s", self.path, exc)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # processes still in it (exiting): retried by sweep_cgroups()
+            log.debug("cgroup %s not removed yet: %s", self.path, exc)
+            _unremoved.add(self.path)
+            return False
+        _unremoved.discard(self.path)
+        return True
+
+
+CGROUP_PREFIX = "hpdl-"  # then the pid of the process that made it: hpdl-<pid>-<random>
+_unremoved: set[str] = set()  # our cgroups whose removal failed: retried by sweep_cgroups()
+
+
+def sweep_cgroups() -> list[str]:
+    """Remove the empty pids cgroups this process could not remove before, and those left by a
+    grader that is gone (its pid in the name no longer runs; an older name without a pid once it
+    is empty). Why: a cgroup still holding exiting processes cannot be removed at once, and
+    nothing retried, so every graded submission left one. Returns the cgroups removed."""
+    removed = []
+    for path in sorted(_unremoved):
+        if PidsCgroup(path).remove():
+            removed.append(path)
+    for root in PidsCgroup.ROOTS:
+        try:
+            names = [n for n in os.listdir(root) if n.startswith(CGROUP_PREFIX)]
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(root, name)
+            if path not in _unremoved and _maker_gone(root, name) and PidsCgroup(path).remove():
+                removed.append(path)
+    return removed
+
+
+def _maker_gone(root: str, name: str) -> bool:
+    """Whether the process named in a cgroup's name (hpdl-<pid>-...) is gone. A name without a pid
+    (an older kit's) counts as gone once a minute old (an empty one made just now may be about to
+    be joined); removing a cgroup only ever succeeds when it is empty anyway."""
+    import time
+
+    from hpdl import procs
+
+    parts = name[len(CGROUP_PREFIX):].split("-", 1)
+    if len(parts) < 2 or not parts[0].isdigit():
+        try:
+            return time.time() - os.stat(os.path.join(root, name)).st_mtime > 60
+        except OSError:
+            return False
+    return int(parts[0]) != os.getpid() and not procs.pid_alive(int(parts[0]))
 
 
 def _tasks_of_this_user() -> int:
@@ -187,8 +236,10 @@ def describe() -> str:
             "rlimits on CPU, memory, processes and file size, and a process group per submission only")
 
 
-def wrap(cmd: list[str], *, writable: list[str] = (), hidden: list[str] = (), cwd: str | None = None) -> list[str]:
-    """`cmd` inside a sandbox (unchanged when none is available)."""
+def wrap(cmd: list[str], *, writable: list[str] = (), hidden: list[str] = (), cwd: str | None = None,
+         readonly: list[str] = ()) -> list[str]:
+    """`cmd` inside a sandbox (unchanged when none is available). `readonly`: folders inside a
+    writable one that the sandbox may read but not write (the grader's answers to its checks)."""
     exe = bwrap()
     if exe is None:
         return list(cmd)
@@ -201,6 +252,9 @@ def wrap(cmd: list[str], *, writable: list[str] = (), hidden: list[str] = (), cw
     for path in writable:
         real = os.path.realpath(path)
         args += ["--bind", real, real]
+    for path in readonly:  # after the writable binds: mounted over them
+        real = os.path.realpath(path)
+        args += ["--ro-bind", real, real]
     if cwd:
         args += ["--chdir", os.path.realpath(cwd)]
     return [*args, "--", *cmd]

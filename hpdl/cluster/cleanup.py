@@ -103,8 +103,16 @@ def main(argv: list[str]) -> int:
     """`hpdl cleanup [--all]`: end clusters whose kernel is gone (the reaper normally does this
     by itself). Clusters recorded on another host (a $HOME shared by a cluster's nodes) are left
     alone, even with --all; processes are signalled only if they are still the ones recorded.
-    Then MPI shared memory that nothing maps any more is removed (see procs.orphaned_shared_memory)."""
-    n = end_orphaned_clusters("--all" in argv)
+    Then MPI shared memory that nothing maps any more is removed (see procs.orphaned_shared_memory).
+    Options through argparse: `--help` prints help and ends nothing."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="hpdl cleanup", description="Stop clusters this kit started whose kernel is "
+                                 "gone, and remove MPI shared memory nothing uses any more.")
+    ap.add_argument("--all", action="store_true",
+                    help="end every cluster of this kit recorded on this host, its kernel gone or not")
+    args = ap.parse_args(argv)
+    n = end_orphaned_clusters(args.all)
     removed = procs.remove_orphaned_shared_memory()
     print(f"hpdl cleanup: ended {n} cluster{'s' if n != 1 else ''}"
           + (f"; removed {len(removed)} MPI shared-memory file(s) nothing used any more." if removed else "."))

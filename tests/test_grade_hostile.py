@@ -1,0 +1,244 @@
+"""A hostile class, graded: nothing a submission (or the learner's ranks in a check) can write is
+ever written through, followed, or read without a bound by the grader and the checker's trusted
+side; one submission cannot take the batch down, nor kill the grader; every command's --help
+prints help. Each test is an attack class from the security review of `hpdl grade`, not one
+copied submission: a planted link where the grader writes, a request or event file that is a
+link to /dev/zero or a FIFO, a pid the learner names as its own, an output flood, a submission
+that is a link to someone else's notebook."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from hpdl import build, cli
+from hpdl.checker import sandbox
+
+EXAMPLE = Path(__file__).parent / "fixtures" / "solutions" / "01_ring_example.ipynb"
+MAX_GRADER_RSS = 2 * 2**30  # bytes: the grader and everything it reaped (kernels included)
+
+# -- in the grade service's folders: a link where the grader writes, requests that are not files ---
+PLANT = """import json, os, pathlib, uuid
+svc = pathlib.Path(os.environ["HPDL_GRADE_SERVICE"])
+for _ in range(2):
+    rid = uuid.uuid4().hex
+    for where in (svc, svc / "answers"):
+        for name in (f".resp-{rid}.tmp", f"resp-{rid}.json"):  # the temporary and the final name
+            try:
+                os.symlink(VICTIM, where / name)
+            except OSError as exc:
+                print("refused:", exc)
+    # an exercise name holding shell text: what the grader would write into the link's target
+    (svc / f"req-{rid}.json").write_text(json.dumps({"exercise": "x\\necho pwned >> ~/.bashrc", "code": {}}))
+"""
+REQUESTS = """import os, pathlib, uuid
+svc = pathlib.Path(os.environ["HPDL_GRADE_SERVICE"])
+os.symlink("/dev/zero", svc / f"req-{uuid.uuid4().hex}.json")  # stat says 0 bytes; reading never ends
+os.mkfifo(svc / f"req-{uuid.uuid4().hex}.json")  # opening it blocks until a writer comes: none does
+"""
+FLOOD = "print(('spam ' * 2000 + '\\n') * 8000)  # 80 MB in one cell: more than a saved notebook may hold"
+
+
+def _notebook(path: Path, *sources: str) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    nbformat.write(nb, path)
+
+
+@pytest.fixture
+def hostile(tmp_path) -> dict:
+    """One honest, solved notebook beside hostile ones, and what they aim at outside the sandbox."""
+    kit = tmp_path / "kit"
+    (kit / "solutions").mkdir(parents=True)
+    nbformat.write(nbformat.read(EXAMPLE, as_version=4), kit / "solutions" / "ex.ipynb")
+    assert build.main(["--root", str(kit)]) == 0
+    subs, elsewhere = tmp_path / "subs", tmp_path / "elsewhere"
+    subs.mkdir()
+    elsewhere.mkdir()
+    victim = tmp_path / "instructor" / ".bashrc"
+    victim.parent.mkdir()
+    victim.write_text("# the instructor's own\n")
+    nbformat.write(nbformat.read(kit / "solutions" / "ex.ipynb", as_version=4), subs / "honest.ipynb")
+    _notebook(subs / "plant.ipynb", f"VICTIM = {str(victim)!r}", PLANT)
+    _notebook(subs / "requests.ipynb", REQUESTS)
+    _notebook(subs / "flood.ipynb", FLOOD)
+    # a link to another learner's notebook (readable by the grader only), and a linked folder
+    other = elsewhere / "other.ipynb"
+    nbformat.write(nbformat.read(kit / "solutions" / "ex.ipynb", as_version=4), other)
+    os.chmod(other, 0o600)
+    os.symlink(other, subs / "link.ipynb")
+    os.symlink(elsewhere, subs / "linked_folder")
+    return {"subs": subs, "victim": victim, "out": tmp_path / "report"}
+
+
+def _grade_in_a_child(subs: Path, out: Path) -> tuple[int, int]:
+    """`hpdl grade` as its own process, TMPDIR=/var/tmp as the review had it; its exit code and
+    the largest resident size of it and what it reaped. Its address space is capped (6 GiB) so
+    that a grader that reads without a bound fails here instead of taking the host down."""
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))
+
+    env = dict(os.environ, TMPDIR="/var/tmp", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-m", "hpdl.cli", "grade", str(subs), "--out", str(out),
+                             "--timeout", "150", "--jobs", "2", "--exercises", "ring_allreduce"],
+                            env=env, preexec_fn=cap, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    output = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    print(output.decode(errors="replace"))
+    return proc.returncode, usage.ru_maxrss * 1024
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_hostile_batch_harms_nothing_outside_and_grades_the_honest_one_fully(hostile, no_strays):
+    if not sandbox.available():
+        pytest.skip("bubblewrap is not available here")
+    before = hostile["victim"].read_text()
+    code, rss = _grade_in_a_child(hostile["subs"], hostile["out"])
+    assert code == 0
+    out = hostile["out"]
+    rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
+    harm = []  # every finding at once: each line is one attack class that got through
+
+    def expect(ok: bool, what: str) -> None:
+        if not ok:
+            harm.append(what)
+
+    honest = rows["honest.ipynb"]
+    expect(honest["status"] == "ok" and float(honest["score"]) == float(honest["max_score"]) > 0,
+           f"the honest submission was not graded fully: {honest}")
+    # a planted link where the grader writes its answer: its target is untouched, nothing new beside it
+    expect(hostile["victim"].read_text() == before, "the grader wrote through a planted link: "
+           + hostile["victim"].read_text()[:200])
+    expect([p.name for p in hostile["victim"].parent.iterdir()] == [".bashrc"], "a file appeared beside the target")
+    # requests that are a link to /dev/zero and a FIFO: refused, unread; the grader stayed small
+    detail = rows["requests.ipynb"]["detail"]
+    expect("symbolic link" in detail and "FIFO" in detail, f"bad requests not refused as such: {detail!r}")
+    expect(rss < MAX_GRADER_RSS, f"the grader grew to {rss / 2**30:.1f} GiB")
+    # an output flood: the saved notebook is a valid one, its output cut with a note
+    try:
+        flood = nbformat.read(out / "executed" / "flood.ipynb", as_version=4)
+        expect("output cut" in json.dumps(flood.cells[0].outputs), "the flood's output was not cut with a note")
+    except Exception as exc:  # noqa: BLE001 - a truncated notebook is the finding itself
+        harm.append(f"the flood's saved notebook is not a valid notebook: {type(exc).__name__}: {str(exc)[:100]}")
+    # links among the submissions: refused with a reason, not graded as the linker's
+    for name in ("link.ipynb", "linked_folder"):
+        row = rows.get(name, {})
+        expect(row.get("status") == "refused" and float(row.get("score", 0)) == 0
+               and "symbolic link" in row.get("detail", ""), f"{name} was not refused as a link: {row}")
+    assert not harm, "\n".join(harm)
+
+
+# -- in a check job's folder (the learner's ranks write it): the checker's own files ---------------
+CHECK_FILES = '''def ring_allreduce(comm, x):
+    import builtins, json, os, time
+    d, r = os.environ["HPDL_CHECK_JOB"], comm.Get_rank()
+    calls = builtins.__dict__.setdefault("_calls", [])
+    calls.append(1)
+    if len(calls) == 1:  # first case: our outputs become a link to /dev/zero (through the temporary name)
+        os.symlink("/dev/zero", os.path.join(d, "out-%d-%d.bin.tmp" % (CASE0, r)))
+        return x.copy()
+    if r == 0:  # next case: our event log becomes a FIFO, and a link waits where "where are you?" is written
+        import glob  # (once the checker has read the first case's events: it has handed our outputs over)
+        while not glob.glob(os.path.join(os.path.dirname(d), "r2-*", "got-%d-0.bin" % CASE0)):
+            time.sleep(0.05)
+        os.symlink(VICTIM, os.path.join(d, "dump-request.tmp"))
+        os.rename(os.path.join(d, "rank0.jsonl"), os.path.join(d, "moved.jsonl"))
+        os.mkfifo(os.path.join(d, "rank0.jsonl"))
+        time.sleep(3600)
+    with open(os.path.join(d, "rank1.jsonl"), "a") as f:  # "my pid is ...": a process that is not ours
+        f.write(json.dumps({"ev": "ready", "pid": VICTIM_PID}) + "\\\\n")
+    sum(range(10 ** 13))  # hold the Python lock: no answer but through SIGUSR1 to the pid we named
+'''
+
+
+def _learner_function(source: str, **names):
+    """A learner's function from its source text (a file of its own, so the checker can quote it)."""
+    import linecache
+
+    filename = "<hostile learner>"
+    text = "".join(f"{k} = {v!r}\n" for k, v in names.items()) + source
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    namespace = {"__name__": "__learner__"}
+    exec(compile(text, filename, "exec"), namespace)
+    return namespace["ring_allreduce"]
+
+
+@pytest.mark.timeout(300)
+def test_the_checker_never_follows_blocks_on_or_signals_what_the_learners_ranks_plant(tmp_path, monkeypatch,
+                                                                                     no_strays):
+    """Outside a sandbox (where the rank's word is all there is about its pid): outputs that are
+    a link to /dev/zero, an event log swapped for a FIFO, a link planted where the asking side
+    writes its request, and a rank that names another process as itself. The check ends, on
+    its own time limit, with no point earned; nothing outside changed; the checker stayed small."""
+    import hpdl
+
+    monkeypatch.setenv("HPDL_NO_SANDBOX", "1")
+    victim = tmp_path / ".bashrc"
+    victim.write_text("# the instructor's own\n")
+    bystander = subprocess.Popen(["sleep", "600"])  # stands for the grader: SIGUSR1 would end it
+    try:
+        fn = _learner_function(CHECK_FILES, VICTIM=str(victim), VICTIM_PID=bystander.pid, CASE0=0)
+        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result = hpdl.check("ring_allreduce", fn, ranks=[2], timeout=3)
+        grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+        assert result.cases
+        assert not any(c.verdict in ("PASS", "SLOW") for c in result.cases), result
+        assert result.cases[0].verdict == "WRONG", result.cases[0]  # /dev/zero was not read as outputs
+        assert victim.read_text() == "# the instructor's own\n"
+        assert bystander.poll() is None, "the checker signalled a process the learner named"
+        assert grew < 256 * 2**20, f"the checker grew by {grew / 2**20:.0f} MiB"
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+# -- what a batch leaves on the host, and the commands' help --------------------------------------
+def test_pids_cgroups_left_behind_are_removed_later(tmp_path):
+    """A cgroup still holding exiting processes when its job ends cannot be removed then: the
+    removal is retried (after each submission, at the end of the batch), and cgroups named after
+    a grader that is gone are swept."""
+    made = sandbox.PidsCgroup.make(16)
+    if made is None:
+        pytest.skip("no writable pids cgroup here (not root, or no pids controller)")
+    proc = subprocess.Popen(["sleep", "600"], preexec_fn=made.join)
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a grader that is gone: its pid in a cgroup's name
+    root = os.path.dirname(made.path)
+    orphan = os.path.join(root, f"{sandbox.CGROUP_PREFIX}{dead.pid}-0123456789ab")
+    os.mkdir(orphan)
+    try:
+        assert made.remove() is False and os.path.isdir(made.path)  # busy: kept for later
+        proc.kill()
+        proc.wait()
+        removed = sandbox.sweep_cgroups()
+        assert made.path in removed and orphan in removed
+        assert not os.path.exists(made.path) and not os.path.exists(orphan)
+    finally:
+        proc.kill()
+        proc.wait()
+        for path in (made.path, orphan):
+            if os.path.isdir(path):
+                os.rmdir(path)
+
+
+@pytest.mark.parametrize("verb", list(cli.VERBS))
+def test_every_command_prints_its_help_and_does_nothing_else(verb, capsys):
+    """`hpdl VERB --help` prints a usage line and exits 0 (argparse), never runs the verb:
+    `hpdl cleanup --help` used to end clusters."""
+    try:
+        code = cli.main([verb, "--help"])
+    except SystemExit as end:  # argparse's way out after printing help
+        code = end.code
+    assert code in (0, None)
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: hpdl {verb}"), out[:300]
+    assert "ended" not in out and "removed" not in out
