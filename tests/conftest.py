@@ -69,7 +69,7 @@ def no_strays(request):
     # ends are Slurm's to clean (sites do it in the epilog; see cluster/README.md), so not here.
     shm_left = sorted(str(f) for f in mpi_shared_memory() - shm_before - _others_shared_memory())
     for f in shm_left:
-        os.unlink(f)
+        Path(f).unlink(missing_ok=True)
     if not request.node.get_closest_marker("slurm"):
         assert not shm_left, f"MPI shared memory left in /dev/shm: {shm_left}"
 
