@@ -30,6 +30,8 @@ import platform
 import struct
 import sys
 
+from hpdl.settings import PREFIX  # the kit's own variables (HPDL_*), each declared in hpdl/settings.py
+
 DENIED = ("ptrace", "syslog", "acct", "mount", "umount2", "swapon", "swapoff", "reboot", "sethostname",
           "setdomainname", "iopl", "ioperm", "init_module", "delete_module", "finit_module", "quotactl",
           "pivot_root", "chroot", "lookup_dcookie", "kexec_load", "kexec_file_load", "add_key", "request_key",
@@ -69,7 +71,7 @@ ENV_NAMES = frozenset({
     "PYTHONDONTWRITEBYTECODE", "MPLBACKEND", "MPLCONFIGDIR", "IPYTHONDIR", "VIRTUAL_ENV", "LD_LIBRARY_PATH",
     "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
     "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"})  # not TMPDIR: inside, the private /tmp
-ENV_PREFIXES = ("HPDL_", "LC_", "IPP_", "JUPYTER_", "MPI4PY_", "OMPI_", "PMIX_", "PRTE_", "MPICH_", "HYDRA_",
+ENV_PREFIXES = (PREFIX, "LC_", "IPP_", "JUPYTER_", "MPI4PY_", "OMPI_", "PMIX_", "PRTE_", "MPICH_", "HYDRA_",
                 "I_MPI_", "FI_", "UCX_", "NCCL_", "KMP_", "TORCH_")
 
 
