@@ -64,6 +64,7 @@ class Submission:
     predictions: list[dict] = field(default_factory=list)  # cells tagged "prediction": not scored
     cell_errors: int = 0
     sandboxed: bool = False
+    limits: dict = field(default_factory=dict)  # its total caps, read back: {"memory": bytes, "tasks": n}
 
     def score(self, scored: dict[str, float] | None = None) -> float:
         return sum(float(c.get("score", 0.0)) for ex, c in self.checks.items() if scored is None or ex in scored)
@@ -252,14 +253,17 @@ def _as_outputs(cell, outputs: list[dict]) -> list:
 class Running:
     """One submission under way: its sandboxed runner process and its check service."""
 
-    def __init__(self, sub: Submission, work: Path, out: Path, limit: float, hidden: list[str]):
+    def __init__(self, sub: Submission, work: Path, out: Path, limit: float, hidden: list[str],
+                 caps: "Caps | None" = None):
         from hpdl import sidejob
-        from hpdl.checker import sandbox
+        from hpdl.checker import confine, sandbox
         from hpdl.checker.grade_service import Service
 
+        caps = caps or Caps()
         self.sub, self.work, self.limit = sub, work, limit
+        work.mkdir(mode=0o700)  # its own folder, under the batch's 0700 one; removed when it ends
         self.home = work / "hpdl-home"
-        self.home.mkdir(parents=True)
+        self.home.mkdir()
         self.copy = work / Path(sub.name).name
         safefiles.create_exclusive(self.copy, safefiles.read_bounded(sub.path, MAX_NOTEBOOK_BYTES))
         self.status = work / "status.json"
@@ -272,15 +276,18 @@ class Running:
                     settings.HOME.name: str(self.home)})
         env.pop(settings.GRADE_RESULTS.name, None)
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env = confine.environment(env)  # the grader's other variables never reach the submission
         cmd = [sys.executable, "-m", "hpdl.grade", "--run-one", str(self.copy), str(self.executed_here),
                str(self.status), str(limit)]
         sub.sandboxed = sandbox.available()
         cmd = sandbox.wrap(cmd, writable=[str(work)], readonly=[str(self.service.answers)], hidden=hidden,
                            cwd=str(work))
+        self.limits = sandbox.Limits(cpu_seconds=int(limit * 2) + 60, processes=caps.tasks,
+                                     memory_total=caps.memory)
         # Outside a sandbox a daemon can leave the process group: the job's marker finds it (sweep).
         self.job = sidejob.SideJob(cmd, output=work / "run.log", env=env, cwd=work, timeout=limit,
-                                   limits=sandbox.Limits(cpu_seconds=int(limit * 2) + 60, processes=2048),
-                                   shared_memory=not sub.sandboxed, sweep=True)
+                                   limits=self.limits, shared_memory=not sub.sandboxed, sweep=True)
+        sub.limits = self.limits.applied()  # the total caps as the kernel holds them, read back
 
     def poll(self) -> bool:
         """True when finished (by itself or by the time limit)."""
@@ -318,6 +325,7 @@ class Running:
             sub.detail = (sub.detail + " | " if sub.detail else "") + "; ".join(self.service.problems[:3])
         data = self._save_executed()
         sub.predictions = predictions_of(_cells(data) or [])
+        shutil.rmtree(self.work, ignore_errors=True)  # gone as soon as it ends, not with the batch
         sandbox.sweep_cgroups()  # a cgroup still emptying when its job ended goes now
 
     def _save_executed(self) -> bytes:
@@ -403,29 +411,67 @@ def _append(out: Path, sub: Submission) -> None:
         f.write(json.dumps(sub.to_dict(), default=str) + "\n")
 
 
-def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress: bool = True,
-          exercises: list[str] | None = None) -> list[Submission]:
+@dataclass
+class Caps:
+    """One total cap per submission on everything it starts (its cgroup): memory and tasks."""
+
+    memory: int = 4 * 2**30
+    tasks: int = 2048  # threads count: a kernel, ipyparallel, 4 ranks of torch
+
+
+def refusals(no_sandbox: bool = False, allow_root: bool = False) -> list[str]:
+    """Why grading may not start here (empty: it may): as root without allow_root; without a
+    sandbox that holds without no_sandbox, naming each missing part and what to install."""
     from hpdl.checker import sandbox
 
+    why = []
+    if os.geteuid() == 0 and not allow_root:
+        why.append("hpdl grade does not run as root: a submission would run as root too, and root's files "
+                   "(/etc/shadow, /root) would be its own. Run it as an ordinary user, or pass --allow-root "
+                   "(a container, a CI runner) to grade as root all the same.")
+    gaps = sandbox.missing()
+    if gaps and not no_sandbox:
+        why.append("hpdl grade needs a sandbox that holds, and this host lacks: " + "; ".join(gaps) + ". "
+                   "Install what is missing, or pass --no-sandbox to grade with what there is (the report says "
+                   "what was missing; hostile submissions could then reach your files, environment and network).")
+    return why
+
+
+def sandbox_header(caps: Caps, no_sandbox: bool = False) -> tuple[str, dict]:
+    """The report's header: which sandbox runs and each limit as applied. The total caps are read
+    back from a cgroup made with this batch's values (each submission's own read-back is in its record)."""
+    from hpdl.checker import sandbox
+
+    probe = sandbox.Limits(processes=caps.tasks, memory_total=caps.memory).start()
+    try:
+        st = sandbox.status(probe)
+    finally:
+        probe.stop()
+    text = sandbox.describe(st)
+    if no_sandbox:
+        text += "; graded with --no-sandbox"
+    return text, st
+
+
+def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress: bool = True,
+          exercises: list[str] | None = None, caps: Caps | None = None, no_sandbox: bool = False,
+          allow_root: bool = False) -> list[Submission]:
+    why = refusals(no_sandbox, allow_root)
+    if why:
+        raise HpdlError("\n".join(why))
+    caps = caps or Caps()
     subs = find_submissions(folder)
     sandbox.sweep_cgroups()  # those left by graders that are gone
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
-    done = _previous(out)
-    todo = []
-    for i, sub in enumerate(subs):
-        rec = done.get((sub.name, sub.digest))
-        if rec is not None:  # graded by an earlier run of this command: resume after it
-            for key in ("status", "detail", "seconds", "checks", "predictions", "cell_errors", "sandboxed"):
-                if key in rec:
-                    setattr(sub, key, rec[key])
-        elif sub.status == "pending":
-            todo.append((i, sub))
-        else:  # refused before running (not a notebook, too large, unreadable): recorded as such
-            _append(out, sub)
-    write_reports(subs, out, exercises, sandbox.describe())  # valid from the start: the rest "pending"
+    todo = _resume(subs, out)
+    header = sandbox_header(caps, no_sandbox)
+    write_reports(subs, out, exercises, *header)  # valid from the start: the rest "pending"
+    # one 0700 folder for the batch, one 0700 folder per submission in it; inside a sandbox the
+    # batch folder is an empty one with only the submission's own folder bound back
     work_root = Path(tempfile.mkdtemp(prefix="hpdl-grade-"))
-    hidden = [str(folder.resolve()), str(out.resolve()), *_answer_keys()]
+    os.chmod(work_root, 0o700)
+    hidden = [str(folder.resolve()), str(out.resolve()), str(work_root), *_answer_keys()]
     running: list[Running] = []
     bar = None
     if progress:
@@ -437,14 +483,14 @@ def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress
             while todo and len(running) < max(1, jobs):
                 i, sub = todo.pop(0)
                 try:
-                    running.append(Running(sub, work_root / f"{i:04d}", out, limit, hidden))
+                    running.append(Running(sub, work_root / f"{i:04d}", out, limit, hidden, caps))
                 except OSError as exc:
                     sub.status, sub.detail = "not started", f"{type(exc).__name__}: {exc}"
-                    _done(out, subs, sub, exercises, bar)
+                    _done(out, subs, sub, exercises, bar, header)
             for r in list(running):
                 if r.poll():
                     running.remove(r)
-                    _done(out, subs, r.sub, exercises, bar)
+                    _done(out, subs, r.sub, exercises, bar, header)
             time.sleep(0.1)
     finally:
         for r in running:
@@ -454,16 +500,31 @@ def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress
             bar.close()
         shutil.rmtree(work_root, ignore_errors=True)
         sandbox.sweep_cgroups()
-    write_reports(subs, out, exercises, sandbox.describe())
+    write_reports(subs, out, exercises, *header)
     return subs
 
 
-def _done(out: Path, subs: list[Submission], sub: Submission, exercises, bar) -> None:
-    """One submission finished: keep it, and rewrite the reports so far (a valid partial report)."""
-    from hpdl.checker import sandbox
+def _resume(subs: list[Submission], out: Path) -> list[tuple[int, Submission]]:
+    """Submissions still to grade: those graded by an earlier run into `out` are taken as they were."""
+    done = _previous(out)
+    todo = []
+    for i, sub in enumerate(subs):
+        rec = done.get((sub.name, sub.digest))
+        if rec is not None:  # graded by an earlier run of this command: resume after it
+            for key in ("status", "detail", "seconds", "checks", "predictions", "cell_errors", "sandboxed", "limits"):
+                if key in rec:
+                    setattr(sub, key, rec[key])
+        elif sub.status == "pending":
+            todo.append((i, sub))
+        else:  # refused before running (not a notebook, too large, unreadable): recorded as such
+            _append(out, sub)
+    return todo
 
+
+def _done(out: Path, subs: list[Submission], sub: Submission, exercises, bar, header: tuple[str, dict]) -> None:
+    """One submission finished: keep it, and rewrite the reports so far (a valid partial report)."""
     _append(out, sub)
-    write_reports(subs, out, exercises, sandbox.describe())
+    write_reports(subs, out, exercises, *header)
     if bar is not None:
         bar.update(1)
 
@@ -498,7 +559,7 @@ def planned_points(exercise: str) -> float:
 
 
 def write_reports(subs: list[Submission], out: Path, exercises: list[str] | None = None,
-                  sandbox_text: str = "") -> None:
+                  sandbox_text: str = "", sandbox_status: dict | None = None) -> None:
     worth = scored_exercises(subs, exercises)
     names = sorted(worth)
     total = sum(worth.values())
@@ -523,11 +584,13 @@ def write_reports(subs: list[Submission], out: Path, exercises: list[str] | None
     _write_private(out / "cases.csv", _csv(case_rows))
     data = {
         "sandbox": sandbox_text,
+        "sandbox_limits": sandbox_status or {},
         "exercises": {ex: {"max_score": worth[ex]} for ex in names},
         "max_score": total,
         "submissions": [
             {"submission": s.name, "status": s.status, "detail": s.detail, "seconds": round(s.seconds, 2),
              "score": s.score(worth), "max_score": total, "cell_errors": s.cell_errors, "sandboxed": s.sandboxed,
+             "limits": s.limits,
              "checks": s.checks, "not_reached": [ex for ex in names if ex not in s.checks],
              "unscored_checks": sorted(set(s.checks) - set(names)), "predictions": s.predictions}
             for s in subs
@@ -582,7 +645,8 @@ def _html(subs: list[Submission], exercises: list[str], worth: dict[str, float],
             parts.append(f"<p><i>Prediction (cell {p['cell']}, not scored):</i></p><pre>{e(p['source'])}</pre>"
                          + (f"<pre>{e(p['output'])}</pre>" if p["output"] else ""))
         details.append("\n".join(parts))
-    warn = "" if sandbox_text.startswith("sandboxed") else "color:#cf222e;font-weight:600"
+    weak = not sandbox_text.startswith("sandboxed") or "missing:" in sandbox_text or "--no-sandbox" in sandbox_text
+    warn = "color:#cf222e;font-weight:600" if weak else ""
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>hpdl grades</title></head>"
         "<body style='font-family:system-ui,sans-serif;font-size:14px;margin:20px'>"
@@ -595,19 +659,50 @@ def _html(subs: list[Submission], exercises: list[str], worth: dict[str, float],
     )
 
 
-def main(argv: list[str]) -> int:
-    if argv and argv[0] == "--run-one":
-        return run_one(Path(argv[1]), Path(argv[2]), Path(argv[3]), float(argv[4]))
-    ap = argparse.ArgumentParser(prog="hpdl grade", description="Grade a folder of submitted notebooks.")
+def _bytes(text: str) -> int:
+    """'4G', '512M', '1.5GiB' or a number of bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise HpdlError(f"--memory {text!r}: give a size such as 4G, 512M or a number of bytes.")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="hpdl grade", description="Grade a folder of submitted notebooks, each in a sandbox of its own.",
+        epilog="Each notebook runs in bubblewrap (file system read-only, homes and temporary folders hidden, no "
+               "network, a whitelisted environment, a seccomp filter, no nested user namespaces) with one total "
+               "cap on its memory and tasks (a cgroup). Without all of that, or as root, hpdl grade refuses and "
+               "says what is missing, unless --no-sandbox or --allow-root says otherwise.")
     ap.add_argument("submissions", type=Path, help="a folder of notebooks (or of one folder per learner)")
     ap.add_argument("--out", type=Path, default=Path("report"), help="where the reports go (default: ./report)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds each notebook may run (default 600)")
     ap.add_argument("--jobs", type=int, default=1, help="notebooks run at once (default 1; each may start MPI ranks)")
     ap.add_argument("--exercises", default=None,
                     help="comma-separated exercises to score (default: those most notebooks call)")
-    args = ap.parse_args(argv)
-    if args.timeout <= 0 or args.jobs < 1:
-        raise HpdlError("--timeout must be positive seconds and --jobs at least 1.")
+    ap.add_argument("--memory", default="4G", help="total memory of one submission, all its processes together "
+                                                   "(default 4G; its checks have caps of their own)")
+    ap.add_argument("--tasks", type=int, default=2048,
+                    help="total processes and threads of one submission (default 2048)")
+    ap.add_argument("--no-sandbox", action="store_true",
+                    help="grade even where the sandbox is incomplete (no bubblewrap, no seccomp, no cgroup): "
+                         "the parts that work are used, the report names the missing ones. Submissions may "
+                         "then reach your files, environment and network: only for trusted notebooks")
+    ap.add_argument("--allow-root", action="store_true",
+                    help="grade as root all the same (a container or a CI runner): the sandbox hides homes and "
+                         "/root, but a submission runs as root inside it")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--run-one":
+        return run_one(Path(argv[1]), Path(argv[2]), Path(argv[3]), float(argv[4]))
+    args = _parser().parse_args(argv)
+    if args.timeout <= 0 or args.jobs < 1 or args.tasks < 16:
+        raise HpdlError("--timeout must be positive seconds, --jobs at least 1 and --tasks at least 16.")
+    caps = Caps(memory=_bytes(args.memory), tasks=args.tasks)
+    if caps.memory < 256 * 2**20:
+        raise HpdlError(f"--memory {args.memory}: a notebook's kernel needs at least 256M.")
     wanted = None
     if args.exercises:
         from hpdl.checker.cases import known
@@ -616,10 +711,12 @@ def main(argv: list[str]) -> int:
         unknown = sorted(set(wanted) - set(known()))
         if unknown:
             raise HpdlError(f"No checks for {', '.join(unknown)}. Known exercises: {', '.join(known())}.")
-    from hpdl.checker import sandbox
-
-    print(f"hpdl grade: {sandbox.describe()}")
-    subs = grade(args.submissions, args.out, limit=args.timeout, jobs=args.jobs, exercises=wanted)
+    why = refusals(args.no_sandbox, args.allow_root)
+    if why:
+        raise HpdlError("\n".join(why))
+    print(f"hpdl grade: {sandbox_header(caps, args.no_sandbox)[0]}")
+    subs = grade(args.submissions, args.out, limit=args.timeout, jobs=args.jobs, exercises=wanted, caps=caps,
+                 no_sandbox=args.no_sandbox, allow_root=args.allow_root)
     worth = scored_exercises(subs, wanted)
     total = sum(worth.values())
     for s in subs:

@@ -68,7 +68,7 @@ def test_batch_grades_every_submission_despite_hangs_and_crashes(submissions, tm
     out = tmp_path / "report"
     # 150 s: grade mode runs every case at every rank count, whatever the notebook asks for (the
     # deadlocking ring hangs in every case at 2, 3 and 4 ranks)
-    assert grade.main([str(submissions), "--out", str(out), "--timeout", "150", "--jobs", "2"]) == 0
+    assert grade.main([str(submissions), "--out", str(out), "--timeout", "150", "--jobs", "2", "--allow-root"]) == 0
     assert _digest(submissions) == before  # nothing written next to or into a submission
 
     rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
@@ -177,7 +177,7 @@ def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attack
     if not sandbox.available():
         pytest.skip("bubblewrap is not available: a submission could reach the grader's files (the report says so)")
     out = tmp_path / "report"
-    assert grade.main([str(attacks), "--out", str(out), "--timeout", "45", "--jobs", "2"]) == 0
+    assert grade.main([str(attacks), "--out", str(out), "--timeout", "45", "--jobs", "2", "--allow-root"]) == 0
     rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
     assert len(rows) == 12  # every submission recorded, each with a status and a reason
     full = float(rows["honest.ipynb"]["max_score"])
@@ -228,7 +228,7 @@ def test_a_killed_batch_leaves_a_valid_report_and_a_rerun_resumes(submissions, t
     for p in ("crash.ipynb", "dana/deadlock.ipynb"):
         (submissions / p).unlink()
     proc = subprocess.Popen([sys.executable, "-m", "hpdl.grade", str(submissions), "--out", str(out),
-                             "--timeout", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--timeout", "60", "--allow-root"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 200
     while time.time() < deadline and not (out / "results.jsonl").exists():
         time.sleep(0.2)
@@ -245,7 +245,7 @@ def test_a_killed_batch_leaves_a_valid_report_and_a_rerun_resumes(submissions, t
     assert len(rows) == 2 and "pending" in {r["status"] for r in rows}
     first = (out / "results.jsonl").read_text().splitlines()
     assert len(first) == 1
-    assert grade.main([str(submissions), "--out", str(out), "--timeout", "60"]) == 0
+    assert grade.main([str(submissions), "--out", str(out), "--timeout", "60", "--allow-root"]) == 0
     lines = (out / "results.jsonl").read_text().splitlines()
     assert len(lines) == 2 and lines[0] == first[0]  # the first one was not graded again
     rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}

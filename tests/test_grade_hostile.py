@@ -206,7 +206,7 @@ def test_pids_cgroups_left_behind_are_removed_later(tmp_path):
     """A cgroup still holding exiting processes when its job ends cannot be removed then: the
     removal is retried (after each submission, at the end of the batch), and cgroups named after
     a grader that is gone are swept."""
-    made = sandbox.PidsCgroup.make(16)
+    made = sandbox.Cgroup.make(16, None)
     if made is None:
         pytest.skip("no writable pids cgroup here (not root, or no pids controller)")
     proc = subprocess.Popen(["sleep", "600"], preexec_fn=made.join)

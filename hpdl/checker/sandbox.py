@@ -44,19 +44,31 @@ def file_limit() -> int:
     return 256 * 2**20
 
 
+def default_memory() -> int:
+    """Total memory one sandbox may hold by default: half the machine's RAM, at most 8 GiB."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 * 2**30
+    return max(2**30, min(8 * 2**30, ram // 2))
+
+
 @dataclass
 class Limits:
-    """Per-process limits inside a sandbox (rlimits: they hold with or without bwrap)."""
+    """Limits on untrusted code: per process (rlimits: they hold with or without bwrap) and one
+    total cap on memory and tasks for everything it starts (a cgroup, where one can be made):
+    a fork bomb or a memory bomb spread over many processes stops at the total, not at the host."""
 
     cpu_seconds: int = 600
     memory_bytes: int = 8 * 2**30  # address space per process (torch reserves a lot of it)
-    processes: int = 1024  # tasks (threads count) in its pids cgroup; beyond the user's own under RLIMIT_NPROC
+    processes: int = 1024  # tasks (threads count) in its cgroup; beyond the user's own under RLIMIT_NPROC
     file_bytes: int = field(default_factory=file_limit)  # any one file written (see file_limit)
+    memory_total: int | None = field(default_factory=default_memory)  # all its processes together (cgroup)
 
     def start(self) -> "Limits":
-        """In the parent, before starting the child: a pids cgroup where one can be made (root,
-        where RLIMIT_NPROC does not apply); the child joins it in apply()."""
-        self._cgroup = PidsCgroup.make(self.processes)
+        """In the parent, before starting the child: a cgroup capping tasks and memory where one
+        can be made (root, or a delegated cgroup); the child joins it in apply()."""
+        self._cgroup = Cgroup.make(self.processes, self.memory_total)
         self._tasks_now = _tasks_of_this_user()
         return self
 
@@ -64,6 +76,11 @@ class Limits:
         group = getattr(self, "_cgroup", None)
         if group is not None:
             group.remove()
+
+    def applied(self) -> dict[str, int | None]:
+        """The total caps as the kernel holds them (read back from the cgroup; None: no cap)."""
+        group = getattr(self, "_cgroup", None)
+        return group.read_back() if group is not None else {"memory": None, "tasks": None}
 
     def apply(self) -> None:
         """In the child, before exec: set the limits (lowering only; never raising a hard limit)."""
@@ -82,74 +99,94 @@ class Limits:
                 continue
 
 
-class PidsCgroup:
-    """A cgroup capping the number of processes (cgroup v1 or v2 pids controller), when writable."""
+class Cgroup:
+    """One cgroup per sandboxed job capping its tasks and memory: cgroup v2 (one folder with pids.max
+    and memory.max) or v1 (a folder in the pids and in the memory hierarchy), made under the
+    cgroup this process is in, when writable. `dirs` maps each controller to its folder."""
 
-    ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
-
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, dirs: dict[str, str]):
+        self.dirs = dirs
 
     @classmethod
-    def make(cls, limit: int) -> "PidsCgroup | None":
-        for root in cls.ROOTS:
-            if not os.path.isfile(os.path.join(root, "cgroup.procs")) or not os.access(root, os.W_OK):
-                continue
-            path = os.path.join(root, f"{CGROUP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-            try:
-                os.mkdir(path)
-                with open(os.path.join(path, "pids.max"), "w") as f:
-                    f.write(str(limit))
-                return cls(path)
-            except OSError as exc:
-                log.debug("no pids cgroup under %s: %s", root, exc)
-                try:
-                    os.rmdir(path)
-                except OSError:
-                    pass  # it was never made
-        return None
+    def make(cls, tasks: int, memory: int | None) -> "Cgroup | None":
+        name = f"{CGROUP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        want = {"pids": tasks, "memory": memory}
+        dirs = _v2_dirs(name, want) or _v1_dirs(name, want)
+        return cls(dirs) if dirs else None
+
+    @property
+    def path(self) -> str:
+        return next(iter(self.dirs.values()))
 
     def join(self) -> None:
-        with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
+        for path in dict.fromkeys(self.dirs.values()):
+            with open(os.path.join(path, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+
+    def read_back(self) -> dict[str, int | None]:
+        """What the kernel holds: {"memory": bytes, "tasks": n}, None where not capped."""
+        got: dict[str, int | None] = {"memory": None, "tasks": None}
+        for key, ctl, files in (("tasks", "pids", ("pids.max",)),
+                                ("memory", "memory", ("memory.max", "memory.limit_in_bytes"))):
+            for f in files:
+                try:
+                    text = open(os.path.join(self.dirs[ctl], f)).read().strip()
+                except (KeyError, OSError):
+                    continue
+                got[key] = int(text) if text.isdigit() and int(text) < 2**62 else None
+                break
+        return got
 
     def remove(self) -> bool:
         """Remove it; one still holding exiting processes is kept for `sweep_cgroups` to retry."""
-        try:
-            os.rmdir(self.path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:  # processes still in it (exiting): retried by sweep_cgroups()
-            log.debug("cgroup %s not removed yet: %s", self.path, exc)
-            _unremoved.add(self.path)
-            return False
-        _unremoved.discard(self.path)
-        return True
+        return all([_remove_dir(path) for path in dict.fromkeys(self.dirs.values())])
 
 
+def _remove_dir(path: str) -> bool:
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # processes still in it (exiting): retried by sweep_cgroups()
+        log.debug("cgroup %s not removed yet: %s", path, exc)
+        _unremoved.add(path)
+        return False
+    _unremoved.discard(path)
+    return True
+
+
+PidsCgroup = Cgroup  # the name it had when it capped tasks only
 CGROUP_PREFIX = "hpdl-"  # then the pid of the process that made it: hpdl-<pid>-<random>
 _unremoved: set[str] = set()  # our cgroups whose removal failed: retried by sweep_cgroups()
+_OLD_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # where an older kit made its pids cgroups
 
 
 def sweep_cgroups() -> list[str]:
-    """Remove the empty pids cgroups this process could not remove before, and those left by a
-    grader that is gone (its pid in the name no longer runs; an older name without a pid once it
-    is empty). Why: a cgroup still holding exiting processes cannot be removed at once, and
-    nothing retried, so every graded submission left one. Returns the cgroups removed."""
-    removed = []
-    for path in sorted(_unremoved):
-        if PidsCgroup(path).remove():
-            removed.append(path)
-    for root in PidsCgroup.ROOTS:
+    """Remove the empty cgroups this process could not remove before, and those left by a grader
+    that is gone (its pid in the name no longer runs; an older name without a pid once it is
+    empty). Why: a cgroup still holding exiting processes cannot be removed at once, and nothing
+    retried, so every graded submission left one. Returns the cgroups removed."""
+    removed = [path for path in sorted(_unremoved) if _remove_dir(path)]
+    for parent in dict.fromkeys([*_cgroup_parents(), *_OLD_ROOTS]):
         try:
-            names = [n for n in os.listdir(root) if n.startswith(CGROUP_PREFIX)]
+            names = [n for n in os.listdir(parent) if n.startswith(CGROUP_PREFIX)]
         except OSError:
             continue
         for name in names:
-            path = os.path.join(root, name)
-            if path not in _unremoved and _maker_gone(root, name) and PidsCgroup(path).remove():
+            path = os.path.join(parent, name)
+            if path not in _unremoved and _maker_gone(parent, name) and _remove_dir(path):
                 removed.append(path)
     return removed
+
+
+def _cgroup_parents() -> list[str]:
+    """The folders `Cgroup.make` makes its cgroups in: this process's own cgroup in each hierarchy."""
+    own, out = _own_cgroups(), []
+    for point, kind, opts in _mounts():
+        ctl = "" if kind == "cgroup2" else next((c for c in ("pids", "memory") if c in opts), None)
+        if ctl is not None and ctl in own:
+            out.append(os.path.join(point, own[ctl].lstrip("/")))
+    return out
 
 
 def _maker_gone(root: str, name: str) -> bool:
@@ -169,6 +206,95 @@ def _maker_gone(root: str, name: str) -> bool:
     return int(parts[0]) != os.getpid() and not procs.pid_alive(int(parts[0]))
 
 
+def _mounts() -> list[tuple[str, str, set[str]]]:
+    """(mount point, type, options) of the cgroup file systems."""
+    out = []
+    try:
+        for line in open("/proc/self/mounts"):
+            _, point, kind, opts, *_ = line.split()
+            if kind in ("cgroup", "cgroup2"):
+                out.append((point, kind, set(opts.split(","))))
+    except OSError:
+        pass
+    return out
+
+
+def _own_cgroups() -> dict[str, str]:
+    """Controller (or "" for v2) -> this process's cgroup path in that hierarchy."""
+    own = {}
+    try:
+        for line in open("/proc/self/cgroup"):
+            _, ctls, path = line.rstrip("\n").split(":", 2)
+            for c in ctls.split(",") if ctls else [""]:
+                own[c] = path
+    except OSError:
+        pass
+    return own
+
+
+def _make_dir(parent: str, name: str, limits: dict[str, str]) -> str | None:
+    """mkdir parent/name and write each limit file; None (and nothing left) when refused."""
+    path = os.path.join(parent, name)
+    try:
+        os.mkdir(path)
+    except OSError as exc:
+        log.debug("no cgroup under %s: %s", parent, exc)
+        return None
+    try:
+        for f, value in limits.items():
+            with open(os.path.join(path, f), "w") as fh:
+                fh.write(value)
+        return path
+    except OSError as exc:
+        log.debug("cgroup %s refused a limit: %s", path, exc)
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass  # it was just made, empty
+        return None
+
+
+def _v2_dirs(name: str, want: dict[str, int | None]) -> dict[str, str]:
+    own = _own_cgroups().get("")
+    for point, kind, _ in _mounts():
+        if kind != "cgroup2" or own is None:
+            continue
+        parent = os.path.join(point, own.lstrip("/"))
+        ctls = [c for c, v in want.items() if v is not None]
+        try:
+            have = open(os.path.join(parent, "cgroup.controllers")).read().split()
+            if not set(ctls) <= set(have) or not os.access(parent, os.W_OK):
+                continue
+            with open(os.path.join(parent, "cgroup.subtree_control"), "w") as f:
+                f.write(" ".join(f"+{c}" for c in ctls))
+        except OSError as exc:
+            log.debug("cgroup v2 at %s: %s", parent, exc)
+            continue
+        files = {"pids.max": str(want["pids"])}
+        if want["memory"] is not None:
+            files.update({"memory.max": str(want["memory"]), "memory.swap.max": "0"})
+        path = _make_dir(parent, name, files) or _make_dir(parent, name, {k: v for k, v in files.items()
+                                                                          if k != "memory.swap.max"})
+        if path:
+            return {c: path for c in ctls}
+    return {}
+
+
+def _v1_dirs(name: str, want: dict[str, int | None]) -> dict[str, str]:
+    own, dirs = _own_cgroups(), {}
+    for ctl, value in want.items():
+        if value is None:
+            continue
+        files = {"pids.max": str(value)} if ctl == "pids" else {"memory.limit_in_bytes": str(value)}
+        for point, kind, opts in _mounts():
+            if kind == "cgroup" and ctl in opts and ctl in own and os.access(point, os.W_OK):
+                path = _make_dir(os.path.join(point, own[ctl].lstrip("/")), name, files)
+                if path:
+                    dirs[ctl] = path
+                    break
+    return dirs
+
+
 def _tasks_of_this_user() -> int:
     """Processes and threads this user runs now (RLIMIT_NPROC counts both, across the user)."""
     uid, n = os.getuid(), 0
@@ -182,6 +308,17 @@ def _tasks_of_this_user() -> int:
     return n
 
 
+TMP_BYTES = 512 * 2**20  # the private /tmp inside
+SHM_BYTES = 2**30  # the private /dev/shm inside (MPI's shared memory between ranks)
+HIDDEN_BYTES = 2**20  # each empty folder laid over a private place
+# other users' and the grader's own files: each replaced by an empty folder inside (the grader's
+# HOME and TMPDIR too, wherever they are); the kit, its Python and MPI are bound back read-only
+PRIVATE = ("/home", "/root", "/tmp", "/var/tmp", "/run/user", "/var/mail", "/var/spool/mail", "/mnt", "/media")
+SYSTEM = frozenset({"/", "/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/opt", "/proc", "/sys",
+                    "/dev", "/var", "/run", "/boot", "/srv"})
+MISSING_BWRAP = "bubblewrap (apt-get install bubblewrap, or dnf install bubblewrap; or HPDL_BWRAP=/path/to/bwrap)"
+
+
 def bwrap() -> str | None:
     """The bwrap binary when it works here (user namespaces allowed), else None.
     HPDL_NO_SANDBOX=1 turns the sandbox off (benchmarks compare both)."""
@@ -192,63 +329,211 @@ def bwrap() -> str | None:
 
 
 @functools.lru_cache(maxsize=4)
+def features(exe: str) -> frozenset[str]:
+    """The options this bwrap knows among those the sandbox uses when it can (older ones lack some)."""
+    from hpdl import sidejob
+
+    try:
+        text = sidejob.run([exe, "--help"], 20, shared_memory=False).output
+    except OSError:
+        return frozenset()
+    return frozenset(opt for opt in ("--disable-userns", "--size", "--perms") if opt in text)
+
+
+@functools.lru_cache(maxsize=4)
 def _works(exe: str) -> bool:
     from hpdl import sidejob
 
     try:
-        return sidejob.run([exe, *_base_args(), "true"], 20, shared_memory=False).returncode == 0
+        return sidejob.run([exe, *_base_args(exe), "true"], 20, shared_memory=False).returncode == 0
     except OSError:
         return False
 
 
-def _base_args() -> list[str]:
-    return ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-            *_kit_under_tmp(), "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+def _sized(exe: str, size: int, path: str) -> list[str]:
+    return [*(["--size", str(size)] if "--size" in features(exe) else []), "--tmpfs", path]
 
 
-def _kit_under_tmp() -> list[str]:
-    """The kit and its Python bound back, read-only, when they live under /tmp (a clone or a venv
-    made there): the private /tmp would otherwise hide the very interpreter the sandbox runs."""
+def _base_args(exe: str) -> list[str]:
+    args = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    places = private_places()
+    for path in places:
+        args += _sized(exe, TMP_BYTES if path == os.path.realpath("/tmp") else HIDDEN_BYTES, path)
+    args += [*_sized(exe, SHM_BYTES, "/dev/shm"), *_kit_back(places)]
+    args += ["--unshare-all", "--unshare-user", *(["--disable-userns"] if "--disable-userns" in features(exe) else []),
+             "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    return args
+
+
+def private_places() -> list[str]:
+    """Folders every sandbox sees empty: homes, /root, temporary folders, the grader's HOME and
+    TMPDIR wherever they point (a cluster's TMPDIR is often a shared scratch folder)."""
+    import tempfile
+
+    real: list[str] = []
+    for p in (*PRIVATE, os.environ.get("HOME", ""), tempfile.gettempdir()):
+        if p and os.path.isdir(p):
+            r = os.path.realpath(p)
+            if r not in SYSTEM and r not in real:
+                real.append(r)
+    return sorted(p for p in real if not any(p.startswith(q + os.sep) for q in real if q != p))
+
+
+def _kit_back(places: list[str]) -> list[str]:
+    """The kit, its Python and its MPI bound back, read-only, when they live in a private place (a
+    clone in a home folder or under /tmp, a venv there): hiding it would hide the very interpreter
+    the sandbox runs."""
     kit = Path(__file__).resolve().parents[2]
-    places = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.executable, kit)}
-    tmp = os.path.realpath("/tmp")
-    under = sorted(p for p in places if p.startswith(tmp + os.sep) and os.path.exists(p))
+    mpiexec = shutil.which("mpiexec")
+    wanted = [sys.prefix, sys.base_prefix, Path(os.path.realpath(sys.executable)).parents[1], kit]
+    if mpiexec:
+        wanted.append(Path(os.path.realpath(mpiexec)).parents[1])
+    found = {os.path.realpath(p) for p in wanted}
+    under = sorted(p for p in found if any(p.startswith(q + os.sep) for q in places) and os.path.exists(p))
     keep = [p for p in under if not any(p.startswith(q + os.sep) for q in under if q != p)]
     return [arg for p in keep for arg in ("--ro-bind", p, p)]
 
 
 def _devices() -> list[str]:
+    """GPUs stay usable inside (CUDA, ROCm); RDMA devices (/dev/infiniband) never: no network."""
     import glob
 
-    extra = [p for p in ("/dev/dri", "/dev/infiniband", "/dev/kfd") if os.path.exists(p)]
+    extra = [p for p in ("/dev/dri", "/dev/kfd") if os.path.exists(p)]
     return sorted(glob.glob("/dev/nvidia*") + extra)
+
+
+@functools.lru_cache(maxsize=1)
+def confinement_works() -> bool:
+    """Whether the shim (confine.py: whitelisted environment, seccomp filter) runs here."""
+    from hpdl import sidejob
+    from hpdl.checker import confine
+
+    if not confine.supported():
+        return False
+    try:
+        return sidejob.run([*_confine_prefix(), "true"], 30, shared_memory=False).returncode == 0
+    except OSError:
+        return False
+
+
+def _confine_prefix() -> list[str]:
+    # -c with sys.path[0] (the working folder, which untrusted code may write) removed first
+    return [sys.executable, "-c", "import sys, runpy; del sys.path[0]; "
+            "sys.argv = sys.argv[1:]; runpy.run_module('hpdl.checker.confine', run_name='__main__')", "-"]
+
+
+@functools.lru_cache(maxsize=1)
+def cgroup_works() -> bool:
+    """Whether a cgroup capping both tasks and memory can be made here (made, read back, removed)."""
+    group = Cgroup.make(64, 2**30)
+    if group is None:
+        return False
+    try:
+        caps = group.read_back()
+        return caps["tasks"] == 64 and caps["memory"] == 2**30
+    finally:
+        group.remove()
 
 
 def available() -> bool:
     return bwrap() is not None
 
 
-def describe() -> str:
-    if available():
-        return ("sandboxed with bubblewrap: read-only file system, private /tmp and /dev/shm, no network, "
-                "own PID namespace; rlimits on CPU, memory, processes and file size")
-    return ("NOT sandboxed (bubblewrap is not installed or user namespaces are off: apt-get install bubblewrap): "
-            "rlimits on CPU, memory, processes and file size, and a process group per submission only")
+def missing() -> list[str]:
+    """What a sandbox that holds needs and this host lacks, each with what to install or do."""
+    out = []
+    exe = bwrap()
+    if exe is None:
+        out.append(MISSING_BWRAP + ("; HPDL_NO_SANDBOX is set" if settings.NO_SANDBOX.get() else ""))
+    elif "--disable-userns" not in features(exe):
+        out.append("a bubblewrap that knows --disable-userns (0.8 or later; HPDL_BWRAP=/path/to/bwrap)")
+    if not confinement_works():
+        out.append("a seccomp filter (Linux on x86_64 or aarch64, with seccomp in its kernel)")
+    if not cgroup_works():
+        out.append("a writable cgroup for one total cap on memory and tasks (run as a user whose cgroup is "
+                   "delegated, or as root in a container, with the pids and memory controllers)")
+    return out
+
+
+def status(limits: "Limits | None" = None) -> dict:
+    """The sandbox as applied, for the report: each part and each limit's value (caps read back
+    from the kernel through `limits`, when given)."""
+    exe = bwrap()
+    feats = features(exe) if exe else frozenset()
+    caps = limits.applied() if limits is not None else {"memory": None, "tasks": None}
+    per = limits or Limits()
+    return {
+        "bubblewrap": exe, "bubblewrap_version": _version(exe) if exe else None,
+        "nested_user_namespaces": "refused (--disable-userns)" if "--disable-userns" in feats
+        else ("refused by the seccomp filter only" if confinement_works() else "allowed"),
+        "seccomp": f"{len(_denied())} system calls refused" if confinement_works() else None,
+        "environment": "whitelist (hpdl.checker.confine.environment)" if confinement_works() else "inherited",
+        "tmp_bytes": (TMP_BYTES if "--size" in feats else None) if exe else None,
+        "shm_bytes": (SHM_BYTES if "--size" in feats else None) if exe else None,
+        "hidden": private_places() if exe else [], "network": "none (loopback only)" if exe else "host",
+        "memory_total_bytes": caps["memory"], "tasks_total": caps["tasks"],
+        "memory_per_process_bytes": per.memory_bytes, "cpu_seconds_per_process": per.cpu_seconds,
+        "file_bytes": per.file_bytes, "missing": missing(),
+    }
+
+
+def _denied() -> tuple[str, ...]:
+    from hpdl.checker import confine
+
+    return confine.DENIED
+
+
+def _version(exe: str) -> str | None:
+    from hpdl import sidejob
+
+    try:
+        return sidejob.run([exe, "--version"], 20, shared_memory=False).output.strip().split()[-1]
+    except (OSError, IndexError):
+        return None
+
+
+def describe(st: dict | None = None) -> str:
+    """One paragraph for the report's header: which sandbox ran and each limit's value."""
+    st = st or status()
+    if st["bubblewrap"] is None:
+        head = (f"NOT sandboxed (missing: {'; '.join(st['missing'])}): the submission runs as this user, "
+                "sees the file system and the network")
+    else:
+        head = (f"sandboxed with bubblewrap {st['bubblewrap_version']}: file system read-only, "
+                f"{', '.join(st['hidden'])} hidden, no network, own PID namespace, nested user namespaces "
+                f"{st['nested_user_namespaces']}, /tmp {_size(st['tmp_bytes'])}, /dev/shm {_size(st['shm_bytes'])}")
+    parts = [head, f"seccomp: {st['seccomp'] or 'none'}", f"environment: {st['environment']}",
+             f"total memory {_size(st['memory_total_bytes'])}, total tasks {st['tasks_total'] or 'uncapped'} "
+             "(cgroup, read back)",
+             f"per process: address space {_size(st['memory_per_process_bytes'])}, "
+             f"CPU {st['cpu_seconds_per_process']} s, files {_size(st['file_bytes'])}"]
+    if st["bubblewrap"] is not None and st["missing"]:
+        parts.append(f"missing: {'; '.join(st['missing'])}")
+    return "; ".join(parts)
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "uncapped"
+    return f"{n / 2**30:g} GiB" if n >= 2**30 else f"{n / 2**20:g} MiB"
 
 
 def wrap(cmd: list[str], *, writable: list[str] = (), hidden: list[str] = (), cwd: str | None = None,
          readonly: list[str] = ()) -> list[str]:
-    """`cmd` inside a sandbox (unchanged when none is available). `readonly`: folders inside a
-    writable one that the sandbox may read but not write (the grader's answers to its checks)."""
+    """`cmd` inside a sandbox: bubblewrap where it works, and in any case through the confining
+    shim (whitelisted environment, seccomp filter) where that works; unchanged when neither does.
+    `readonly`: folders inside a writable one that the sandbox may read but not write (the
+    grader's answers to its checks)."""
+    inner = [*_confine_prefix(), *cmd] if confinement_works() else list(cmd)
     exe = bwrap()
     if exe is None:
-        return list(cmd)
-    args = [exe, *_base_args()]
-    for path in _devices():  # GPUs and fast interconnects stay usable inside (CUDA, NCCL, InfiniBand)
+        return inner
+    args = [exe, *_base_args(exe)]
+    for path in _devices():
         args += ["--dev-bind", path, path]
     for path in hidden:
         if os.path.isdir(path):
-            args += ["--tmpfs", os.path.realpath(path)]
+            args += _sized(exe, HIDDEN_BYTES, os.path.realpath(path))
     for path in writable:
         real = os.path.realpath(path)
         args += ["--bind", real, real]
@@ -257,4 +542,4 @@ def wrap(cmd: list[str], *, writable: list[str] = (), hidden: list[str] = (), cw
         args += ["--ro-bind", real, real]
     if cwd:
         args += ["--chdir", os.path.realpath(cwd)]
-    return [*args, "--", *cmd]
+    return [*args, "--", *inner]

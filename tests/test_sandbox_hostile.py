@@ -1,0 +1,352 @@
+"""The grading sandbox holds against a hostile class (issue 21, items 2-4).
+
+Attack classes, each tried the way a submission would:
+- reading the grader: its environment (a variable set only in the grader's shell), a 0600 file
+  in its HOME (~/.ssh), wherever HOME and TMPDIR point;
+- reading a neighbour: another submission's notebook in the batch's work folders (TMPDIR=/var/tmp);
+- escaping the limits: a fork bomb and a memory bomb spread over many processes, each under the
+  per-process limits, together over the total (one cgroup per submission);
+- leaving the sandbox's rules: a nested user namespace (`unshare -U`), ptrace, mount;
+- grading without a sandbox that holds, or as root: refused, naming what is missing.
+One hostile batch, graded with an honest solved notebook in it, covers the first four at once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from hpdl import build, grade
+from hpdl.errors import HpdlError
+
+EXAMPLE = Path(__file__).parent / "fixtures" / "solutions" / "01_ring_example.ipynb"
+SECRET = "grader-only-" + uuid.uuid4().hex  # in the grader's environment, never in a submission's
+KEY = "-----BEGIN PRIVATE " + uuid.uuid4().hex  # the grader's ~/.ssh/id_rsa, 0600
+
+
+def _sandbox():
+    from hpdl.checker import sandbox
+
+    return sandbox
+
+
+def _plant_home(where: Path) -> Path:
+    home = where / f"grader-home-{uuid.uuid4().hex[:8]}"
+    (home / ".ssh").mkdir(parents=True, mode=0o700)
+    key = home / ".ssh" / "id_rsa"
+    key.write_text(KEY)
+    key.chmod(0o600)
+    return home
+
+
+# -- the environment and the sandbox's rules, without a grading run -------------------------------
+
+def test_the_environment_is_a_whitelist():
+    from hpdl.checker import confine
+
+    given = {"PATH": "/usr/bin", "LANG": "C.UTF-8", "LC_ALL": "C", "HPDL_GRADE": "1", "OMP_NUM_THREADS": "1",
+             "OMPI_MCA_btl": "self", "PMI_RANK": "0", "MPI4PY_RC_THREADS": "0", "IPP_NONINTERACTIVE": "1",
+             "JUPYTER_RUNTIME_DIR": "/w", "PYTHONUNBUFFERED": "1", "LD_LIBRARY_PATH": "/opt/mpi/lib",
+             # the grader's own: secrets, agents, cloud credentials, its temporary folder
+             "GITHUB_TOKEN": "t", "AWS_SECRET_ACCESS_KEY": "k", "SSH_AUTH_SOCK": "/run/agent", "PASSWORD": "p",
+             "DBUS_SESSION_BUS_ADDRESS": "unix:path=/x", "TMPDIR": "/var/tmp", "LD_PRELOAD": "/x.so",
+             "PYTHONSTARTUP": "/home/i/.pythonrc", "MY_SITE_SECRET": SECRET}
+    kept = confine.environment(given)
+    assert set(kept) == {"PATH", "LANG", "LC_ALL", "HPDL_GRADE", "OMP_NUM_THREADS", "OMPI_MCA_btl",
+                         "MPI4PY_RC_THREADS", "IPP_NONINTERACTIVE", "JUPYTER_RUNTIME_DIR", "PYTHONUNBUFFERED",
+                         "LD_LIBRARY_PATH"}
+    assert SECRET not in json.dumps(kept)
+
+
+def test_a_sandboxed_command_sees_no_grader_secret_home_or_namespace(monkeypatch):
+    """What every sandboxed process gets, graded notebook or learner check job alike: HOME
+    hidden wherever it lives (here outside /home), TMPDIR hidden, the environment filtered, no
+    nested user namespace, no ptrace, /tmp sized."""
+    sandbox = _sandbox()
+    if not sandbox.available():
+        pytest.skip("bubblewrap does not work here")
+    places = [Path("/var/lib"), Path("/var/tmp")]
+    homes = [_plant_home(p) for p in places if os.access(p, os.W_OK)]
+    try:
+        monkeypatch.setenv("HOME", str(homes[0]))
+        monkeypatch.setenv("MY_SITE_SECRET", SECRET)
+        probe = ("import os, subprocess, ctypes\n"
+                 "for h in " + repr([str(h) for h in homes]) + ":\n"
+                 "    try: print(open(h + '/.ssh/id_rsa').read())\n"
+                 "    except OSError as e: print('refused', type(e).__name__)\n"
+                 "print(dict(os.environ))\n"
+                 "print('unshare', subprocess.run(['unshare', '-U', 'true'], capture_output=True).returncode)\n"
+                 "print('unshare-net', subprocess.run(['unshare', '-n', 'true'], capture_output=True).returncode)\n"
+                 "libc = ctypes.CDLL(None, use_errno=True)\n"
+                 "print('ptrace', libc.ptrace(16, 1, 0, 0), ctypes.get_errno())\n"
+                 "print([l for l in open('/proc/self/status') if l.startswith('Seccomp:')])\n"
+                 "st = os.statvfs('/tmp'); print('tmp bytes', st.f_blocks * st.f_frsize)\n"
+                 "print('infiniband', os.path.exists('/dev/infiniband'))\n")
+        cmd = sandbox.wrap([sys.executable, "-c", probe])
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    finally:
+        import shutil
+
+        for h in homes:
+            shutil.rmtree(h, ignore_errors=True)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert KEY not in text and text.count("refused") == len(homes)
+    assert SECRET not in text and "MY_SITE_SECRET" not in text
+    assert "unshare 0" not in text and "unshare-net 0" not in text  # nested user namespaces refused
+    assert "ptrace -1 1" in text  # EPERM from the seccomp filter
+    assert "'Seccomp:\\t2\\n'" in text
+    assert "infiniband False" in text
+    if "--size" in sandbox.features(sandbox.bwrap()):
+        assert f"tmp bytes {sandbox.TMP_BYTES}" in text
+
+
+def test_one_total_cap_holds_processes_spread_over_many():
+    """Each process under the per-process limits, together over the total: the cgroup stops them."""
+    sandbox = _sandbox()
+    if not sandbox.cgroup_works():
+        pytest.skip("no writable cgroup with the pids and memory controllers here")
+    from hpdl import sidejob
+
+    limits = sandbox.Limits(processes=40, memory_total=256 * 2**20)
+    bomb = ("import os, time\n"
+            "n = 0\n"
+            "try:\n"
+            "    for _ in range(200):\n"
+            "        if os.fork() == 0:\n"
+            "            time.sleep(5); os._exit(0)\n"
+            "        n += 1\n"
+            "except OSError:\n"
+            "    pass\n"
+            "print('forked', n, flush=True)\n"
+            "hold = [b'x' * (64 * 2**20) for _ in range(8)]\n"
+            "print('held 512 MiB', flush=True)\n")
+    job = sidejob.SideJob([sys.executable, "-c", bomb], timeout=60, limits=limits)
+    try:
+        assert limits.applied() == {"memory": 256 * 2**20, "tasks": 40}
+        job.wait()
+    finally:
+        job.end(now=True)
+    text = job.output_text()
+    forked = int(text.split("forked ")[1].split()[0])
+    assert forked < 40, text
+    assert "held 512 MiB" not in text and job.returncode != 0, text  # killed at the memory cap
+
+
+def _tiny_batch(tmp_path: Path) -> Path:
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    (subs / "a.ipynb").write_text("not a notebook")
+    return subs
+
+
+def test_grading_refuses_without_a_sandbox_that_holds(tmp_path, monkeypatch):
+    from hpdl.checker import sandbox
+
+    monkeypatch.setenv("HPDL_BWRAP", str(tmp_path / "no-such-bwrap"))
+    monkeypatch.setattr(sandbox, "cgroup_works", lambda: False)
+    with pytest.raises(HpdlError) as err:
+        grade.main([str(_tiny_batch(tmp_path)), "--out", str(tmp_path / "out"), "--allow-root"])
+    text = str(err.value)
+    assert "bubblewrap" in text and "apt-get install bubblewrap" in text and "cgroup" in text
+    assert "--no-sandbox" in text
+    assert not (tmp_path / "out").exists()  # refused before anything ran or was written
+
+
+def test_grading_refuses_root_unless_told(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("this test runs as root only")
+    with pytest.raises(HpdlError, match="--allow-root"):
+        grade.main([str(_tiny_batch(tmp_path)), "--out", str(tmp_path / "out")])
+
+
+def test_without_a_sandbox_the_instructor_may_still_grade_and_the_report_says_so(tmp_path, monkeypatch):
+    from hpdl.checker import sandbox
+
+    monkeypatch.setenv("HPDL_BWRAP", str(tmp_path / "no-such-bwrap"))
+    out = tmp_path / "out"
+    assert grade.main([str(_tiny_batch(tmp_path)), "--out", str(out), "--allow-root", "--no-sandbox"]) == 0
+    assert not sandbox.available()
+    data = json.loads((out / "grades.json").read_text())
+    assert data["sandbox"].startswith("NOT sandboxed") and "--no-sandbox" in data["sandbox"]
+    assert any("bubblewrap" in m for m in data["sandbox_limits"]["missing"])
+
+
+def test_grade_help_names_the_flags():
+    out = subprocess.run([sys.executable, "-m", "hpdl.cli", "grade", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "--no-sandbox" in out.stdout and "--allow-root" in out.stdout
+    assert "--memory" in out.stdout and "--tasks" in out.stdout
+
+
+# -- one hostile batch, with an honest learner in it --------------------------------------------------
+
+SNOOP = f'''import glob, os, subprocess
+found = []
+for pattern in ("/var/tmp/*/*/*.ipynb", "/var/tmp/*/*/*/*.ipynb", "/tmp/*/*/*.ipynb", "../*/*.ipynb",
+                os.path.expanduser("~") + "/../*/*.ipynb"):
+    for p in glob.glob(pattern):
+        try:
+            text = open(p).read()
+        except OSError:
+            continue
+        if "NEIGHBOUR" + "-MARKER" in text:
+            found.append(p)
+print("neighbours read:", found)
+print("own folder's parent holds:", sorted(os.listdir("..")))
+for p in ({str(Path('/var/tmp'))!r} + "/*/.ssh/id_rsa", "/root/.ssh/id_rsa", "/home/*/.ssh/id_rsa"):
+    for k in glob.glob(p):
+        try:
+            print("key", open(k).read())
+        except OSError as e:
+            print("key refused", type(e).__name__)
+print("environment:", dict(os.environ))
+print("unshare -U:", subprocess.run(["unshare", "-U", "true"], capture_output=True).returncode)
+'''
+
+FORK_BOMB = '''import os, time
+n = 0
+try:
+    for _ in range(5000):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(30)
+            os._exit(0)
+        n += 1
+except OSError:
+    pass
+print("forked", n)
+'''
+
+# four children of 768 MiB each, every one under the per-process limit, 3 GiB together; the
+# children ask the OOM killer to take them first, so the notebook's kernel lives to report
+MEMORY_BOMB = '''import os, time
+r, w = os.pipe()
+kids = []
+for i in range(4):
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+        hold = [b"x" * (64 * 2**20) for _ in range(12)]
+        os.write(w, b"D")
+        time.sleep(60)
+        os._exit(0)
+    kids.append(pid)
+os.close(w)
+os.set_blocking(r, False)
+done, dead, t0 = 0, set(), time.monotonic()
+while done + len(dead) < len(kids) and time.monotonic() - t0 < 40:
+    try:
+        done += len(os.read(r, 64))
+    except BlockingIOError:
+        pass
+    for k in kids:
+        if k not in dead and os.waitpid(k, os.WNOHANG)[0]:
+            dead.add(k)
+    time.sleep(0.1)
+held = 0
+for k in kids:
+    try:
+        held += int([l for l in open(f"/proc/{k}/status") if l.startswith("VmRSS")][0].split()[1]) * 1024
+    except (OSError, IndexError):
+        pass
+print("held together MiB", held // 2**20)
+for k in kids:
+    try:
+        os.kill(k, 9)
+    except ProcessLookupError:
+        pass
+'''
+
+MEMORY = 1536 * 2**20
+TASKS = 512
+
+
+@pytest.fixture
+def hostile(tmp_path) -> Path:
+    kit = tmp_path / "kit"
+    (kit / "solutions").mkdir(parents=True)
+    nbformat.write(nbformat.read(EXAMPLE, as_version=4), kit / "solutions" / "ex.ipynb")
+    assert build.main(["--root", str(kit)]) == 0
+    solved = nbformat.read(kit / "solutions" / "ex.ipynb", as_version=4)
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    honest = nbformat.read(kit / "solutions" / "ex.ipynb", as_version=4)
+    honest.cells.append(nbformat.v4.new_markdown_cell("NEIGHBOUR-MARKER: my own answer, not yours"))
+    nbformat.write(honest, subs / "a_honest.ipynb")
+    for name, code in (("snoop", SNOOP), ("fork_bomb", FORK_BOMB), ("memory_bomb", MEMORY_BOMB)):
+        nb = nbformat.from_dict(json.loads(json.dumps(solved)))
+        nb.cells.append(nbformat.v4.new_code_cell(code))  # after its own honest check
+        nbformat.write(nb, subs / f"{name}.ipynb")
+    return subs
+
+
+def _outputs(out: Path, name: str) -> str:
+    nb = nbformat.read(out / "executed" / name, as_version=4)
+    return json.dumps([c.get("outputs", []) for c in nb.cells])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_hostile_batch_reads_nothing_of_the_grader_or_a_neighbour_and_stays_in_its_caps(
+        hostile, tmp_path, monkeypatch, no_strays):
+    import tempfile
+
+    sandbox = _sandbox()
+    if not sandbox.available() or not sandbox.cgroup_works():
+        pytest.skip("needs bubblewrap and a writable cgroup")
+    home = _plant_home(Path("/var/tmp"))
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("TMPDIR", "/var/tmp")  # as on many clusters: the review read a neighbour there
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.setenv("MY_SITE_SECRET", SECRET)
+    out = tmp_path / "report"
+    try:
+        assert grade.main([str(hostile), "--out", str(out), "--timeout", "120", "--jobs", "2", "--allow-root",
+                           "--memory", str(MEMORY), "--tasks", str(TASKS)]) == 0
+    finally:
+        import shutil
+
+        shutil.rmtree(home, ignore_errors=True)
+    data = json.loads((out / "grades.json").read_text())
+    rows = {s["submission"]: s for s in data["submissions"]}
+    full = data["max_score"]
+    assert full > 0
+    for name in ("a_honest.ipynb", "snoop.ipynb", "fork_bomb.ipynb", "memory_bomb.ipynb"):
+        assert rows[name]["score"] == full, rows[name]  # each one's own check, graded right
+        assert rows[name]["limits"] == {"memory": MEMORY, "tasks": TASKS}, rows[name]
+    assert rows["a_honest.ipynb"]["status"] == "ok"
+    # the header says once which sandbox ran and each limit, read back from the kernel
+    limits = data["sandbox_limits"]
+    assert limits["memory_total_bytes"] == MEMORY and limits["tasks_total"] == TASKS and not limits["missing"]
+    assert limits["seccomp"] and "refused" in limits["nested_user_namespaces"]
+    assert "1.5 GiB" in data["sandbox"] and "1.5 GiB" in (out / "index.html").read_text()
+
+    snoop = _outputs(out, "snoop.ipynb")
+    assert "neighbours read: []" in snoop, snoop
+    assert "own folder's parent holds: [" in snoop and snoop.count("hpdl-home") <= 1
+    assert KEY not in snoop and SECRET not in snoop and "MY_SITE_SECRET" not in snoop
+    assert "unshare -U: 0" not in snoop and "unshare -U:" in snoop
+    # a fork bomb stops at the task cap, or its forked kernels fill the memory cap and the
+    # OOM killer ends its runner: either way it alone pays, after its check was graded
+    if (out / "executed" / "fork_bomb.ipynb").exists():
+        forked = int(_outputs(out, "fork_bomb.ipynb").split("forked ")[1].split("\\")[0])
+        assert 0 < forked < TASKS
+    else:
+        assert rows["fork_bomb.ipynb"]["status"] in ("runner failed", "kernel died", "timeout", "error")
+    held = int(_outputs(out, "memory_bomb.ipynb").split("held together MiB ")[1].split("\\")[0])
+    assert held * 2**20 <= MEMORY, held
+    # the snoop's work folder (its HOME, a 0700 folder of the batch's) is gone, the batch's too
+    import re
+
+    work = Path(re.search(r"'HOME': '([^']+)'", snoop).group(1))
+    assert work.parent.name.startswith("hpdl-grade-") and str(work).startswith("/var/tmp/")
+    assert not work.exists() and not work.parent.exists()
