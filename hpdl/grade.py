@@ -456,6 +456,8 @@ def sandbox_header(caps: Caps, no_sandbox: bool = False) -> tuple[str, dict]:
 def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress: bool = True,
           exercises: list[str] | None = None, caps: Caps | None = None, no_sandbox: bool = False,
           allow_root: bool = False) -> list[Submission]:
+    from hpdl.checker import sandbox
+
     why = refusals(no_sandbox, allow_root)
     if why:
         raise HpdlError("\n".join(why))
