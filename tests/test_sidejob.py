@@ -124,7 +124,8 @@ def test_only_the_supervisor_starts_or_polls_side_jobs():
     """Processes are started in one place per kind: side jobs by hpdl/sidejob.py, the reaper by
     cluster/cleanup.py (a watchman, not a side job), engines by ipyparallel (cluster/lifecycle.py)."""
     allowed = {"sidejob.py": "side jobs", "cluster/cleanup.py": "the reaper",
-               "launchers/__main__.py": "a rank's prologue, which becomes its engine (exec)"}
+               "launchers/__main__.py": "a rank's prologue, which becomes its engine (exec)",
+               "checker/confine.py": "untrusted code's first process, which becomes the command (exec)"}
     found = {}
     for path in PKG.rglob("*.py"):
         rel = path.relative_to(PKG).as_posix()
