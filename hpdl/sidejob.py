@@ -145,10 +145,11 @@ class SideJob:
 
     def output_text(self, tail_bytes: int | None = None) -> str:
         """What it wrote so far (the last `tail_bytes` only, if given)."""
-        if self._out.closed:
+        if not self._out.closed:
+            self._out.flush()
+        if self._named:  # opened write-only: read it by its name
             with open(self._out.name, "rb") as f:
                 return _tail(f, tail_bytes)
-        self._out.flush()
         with os.fdopen(os.dup(self._out.fileno()), "rb") as f:
             return _tail(f, tail_bytes)
 

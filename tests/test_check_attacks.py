@@ -129,8 +129,11 @@ def test_a_kit_installed_under_tmp_still_runs_in_the_sandbox(tmp_path):
                 "cmd = sandbox.wrap([sys.executable, '-c', 'import sys; print(sys.prefix)'])\n"
                 "done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)\n"
                 "print(done.returncode, done.stdout.strip(), done.stderr.strip()[-300:])\n")
+        import psutil  # a dependency of the kit (its side jobs), found where this venv keeps it
+
+        deps = str(Path(psutil.__file__).resolve().parents[1])
         out = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
-                             timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": kit})
+                             timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{kit}:{deps}"})
         assert out.stdout.split()[:2] == ["0", str(venv)], out.stdout + out.stderr
     finally:
         subprocess.run(["rm", "-rf", str(venv.parent)], check=False)

@@ -31,6 +31,16 @@ def test_a_job_that_exits_by_itself_gives_its_code_and_output(no_strays):
     assert (done.returncode, done.output.strip(), done.errors.strip(), done.timed_out) == (3, "out", "err", False)
 
 
+def test_a_named_output_file_is_read_back_while_it_runs_and_after(no_strays, tmp_path):
+    job = sidejob.SideJob(_py("print('first', flush=True); import time; time.sleep(600)"), output=tmp_path / "out")
+    deadline = time.monotonic() + 30
+    while "first" not in job.output_text(8192):
+        assert time.monotonic() < deadline and job.running()
+        time.sleep(0.05)
+    job.end(now=True)
+    assert job.output_text().strip() == "first" == (tmp_path / "out").read_text().strip()
+
+
 def test_past_its_time_the_whole_tree_and_group_end_at_once(no_strays, tmp_path):
     # a child in the job's group and a grandchild: both gone when the time is up
     pids = tmp_path / "pids"
