@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--against", default=None, help="a git commit to time beside the working tree")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from hpdl.checker.runner import mpiexec_command
+    from hpdl.launchers import mpiexec_command
 
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, TQDM_DISABLE="1")
