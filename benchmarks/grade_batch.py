@@ -59,7 +59,9 @@ def run(subs: Path, out: Path, limit: float, jobs: int, sandboxed: bool) -> tupl
     else:
         os.environ["HPDL_NO_SANDBOX"] = "1"
     t0 = time.perf_counter()
-    result = grade.grade(subs, out, limit=limit, jobs=jobs, progress=False)
+    # the grader refuses to run as root, and without a sandbox, unless told (this benchmark's point)
+    result = grade.grade(subs, out, limit=limit, jobs=jobs, progress=False, no_sandbox=not sandboxed,
+                         allow_root=os.geteuid() == 0)
     return time.perf_counter() - t0, result
 
 
