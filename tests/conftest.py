@@ -95,6 +95,22 @@ def _others_shared_memory() -> set[Path]:
     return {Path(f) for f in procs.shared_memory_of(p for p in psutil.pids() if p not in ours)}
 
 
+EXAMPLE = Path(__file__).parent / "fixtures" / "solutions" / "01_ring_example.ipynb"
+
+
+def example_kit(kit: Path) -> Path:
+    """A kit folder with one exercise: the example's solution, and the exercise `hpdl build`
+    makes from it (kit/exercises/ex.ipynb), as the grader's tests need them."""
+    import nbformat
+
+    from hpdl import build
+
+    (kit / "solutions").mkdir(parents=True)
+    nbformat.write(nbformat.read(EXAMPLE, as_version=4), kit / "solutions" / "ex.ipynb")
+    assert build.main(["--root", str(kit)]) == 0
+    return kit
+
+
 def learner_copy(*functions):
     """The last of `functions` as a learner would write it: the same source, defined outside the
     kit (checks refuse the kit's own functions) and carrying the helpers it calls with it, so a

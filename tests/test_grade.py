@@ -10,9 +10,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from hpdl import build, grade
+from hpdl import grade
+from conftest import example_kit
 
-EXAMPLE = Path(__file__).parent / "fixtures" / "solutions" / "01_ring_example.ipynb"
 DEADLOCK = '''def ring_allreduce(comm, x):
     p, r = comm.Get_size(), comm.Get_rank()
     out, buf = x.copy(), np.empty_like(x)
@@ -37,9 +37,7 @@ def submissions(tmp_path) -> Path:
     that deadlocks inside the check. (A cell that never ends is among the attacks below, whose
     batch has a shorter time limit.)"""
     kit = tmp_path / "kit"
-    (kit / "solutions").mkdir(parents=True)
-    nbformat.write(nbformat.read(EXAMPLE, as_version=4), kit / "solutions" / "ex.ipynb")
-    assert build.main(["--root", str(kit)]) == 0
+    example_kit(kit)
     solved = nbformat.read(kit / "solutions" / "ex.ipynb", as_version=4)
     subs = tmp_path / "subs"
     (subs / "dana").mkdir(parents=True)
@@ -137,9 +135,7 @@ except Exception as exc:
 def attacks(tmp_path) -> Path:
     """Malformed notebooks, forgers, a daemon, resource hogs, and one honest learner."""
     kit = tmp_path / "kit"
-    (kit / "solutions").mkdir(parents=True)
-    nbformat.write(nbformat.read(EXAMPLE, as_version=4), kit / "solutions" / "ex.ipynb")
-    assert build.main(["--root", str(kit)]) == 0
+    example_kit(kit)
     solved = nbformat.read(kit / "solutions" / "ex.ipynb", as_version=4)
     subs = tmp_path / "subs"
     subs.mkdir()

@@ -18,10 +18,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from hpdl import build, cli
+from hpdl import cli
+from conftest import example_kit
 from hpdl.checker import sandbox
 
-EXAMPLE = Path(__file__).parent / "fixtures" / "solutions" / "01_ring_example.ipynb"
 MAX_GRADER_RSS = 2 * 2**30  # bytes: the grader and everything it reaped (kernels included)
 
 # -- in the grade service's folders: a link where the grader writes, requests that are not files ---
@@ -56,9 +56,7 @@ def _notebook(path: Path, *sources: str) -> None:
 def hostile(tmp_path) -> dict:
     """One honest, solved notebook beside hostile ones, and what they aim at outside the sandbox."""
     kit = tmp_path / "kit"
-    (kit / "solutions").mkdir(parents=True)
-    nbformat.write(nbformat.read(EXAMPLE, as_version=4), kit / "solutions" / "ex.ipynb")
-    assert build.main(["--root", str(kit)]) == 0
+    example_kit(kit)
     subs, elsewhere = tmp_path / "subs", tmp_path / "elsewhere"
     subs.mkdir()
     elsewhere.mkdir()

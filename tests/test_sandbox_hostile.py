@@ -22,10 +22,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from hpdl import build, grade
+from hpdl import grade
+from conftest import example_kit
 from hpdl.errors import HpdlError
 
-EXAMPLE = Path(__file__).parent / "fixtures" / "solutions" / "01_ring_example.ipynb"
 SECRET = "grader-only-" + uuid.uuid4().hex  # in the grader's environment, never in a submission's
 KEY = "-----BEGIN PRIVATE " + uuid.uuid4().hex  # the grader's ~/.ssh/id_rsa, 0600
 
@@ -273,9 +273,7 @@ TASKS = 512
 @pytest.fixture
 def hostile(tmp_path) -> Path:
     kit = tmp_path / "kit"
-    (kit / "solutions").mkdir(parents=True)
-    nbformat.write(nbformat.read(EXAMPLE, as_version=4), kit / "solutions" / "ex.ipynb")
-    assert build.main(["--root", str(kit)]) == 0
+    example_kit(kit)
     solved = nbformat.read(kit / "solutions" / "ex.ipynb", as_version=4)
     subs = tmp_path / "subs"
     subs.mkdir()
