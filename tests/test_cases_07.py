@@ -1,6 +1,7 @@
-"""The checks of lesson 07 on real ranks: each solution passes at 1–4 ranks (hidden cases
-included), and each known-bad implementation is rejected: a wrong crossover, a cost model off
-by a factor, a tuner that exhausts its budget or stops short, a malformed tuning file.
+"""The checks of lesson 07 on real ranks: each solution passes at 3 and 4 ranks too (at its own
+rank counts, 1 and 2, the solution notebook run in grade mode tests it), and each known-bad
+implementation is rejected: a wrong crossover, a cost model off by a factor, a tuner that
+exhausts its budget or stops short, a malformed tuning file.
 
 The solutions are taken from solutions/07_collective_tuning.ipynb as written there. The
 tuning-file check has MPICH itself read the file on fresh ranks; the unit tests at the end pin
@@ -76,10 +77,10 @@ def choose_returns_number(nbytes, p, alpha, beta, gamma):
     return min(c.values())
 
 
-def test_choose_algorithm_solution_passes_at_1_to_4_ranks(no_strays):
-    result = hpdl.check("choose_algorithm", solution("choose_algorithm"), ranks=[1, 2, 3, 4], grade=True)
+def test_choose_algorithm_solution_passes_beyond_its_rank_counts(no_strays):
+    result = hpdl.check("choose_algorithm", solution("choose_algorithm"), ranks=[3, 4], grade=True)
     assert passed(result), hints(result)
-    assert {c.ranks for c in result.cases} == {1, 2, 3, 4}
+    assert {c.ranks for c in result.cases} == {3, 4}
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -119,8 +120,8 @@ def tune_out_of_space(measure, space, budget):
     return {k: max(v) * 2 for k, v in space.items()}
 
 
-def test_autotune_solution_passes_at_1_to_4_ranks(no_strays):
-    result = hpdl.check("autotune", solution("autotune"), ranks=[1, 2, 3, 4], grade=True)
+def test_autotune_solution_passes_beyond_its_rank_counts(no_strays):
+    result = hpdl.check("autotune", solution("autotune"), ranks=[3, 4], grade=True)
     assert passed(result), hints(result)
 
 
@@ -168,8 +169,8 @@ def file_as_list(table):
     return [{"up_to": u, "algorithm": a} for u, a in table]
 
 
-def test_tuning_file_solution_passes_at_1_to_4_ranks(no_strays):
-    result = hpdl.check("tuning_file", solution("tuning_file"), ranks=[1, 2, 3, 4], grade=True)
+def test_tuning_file_solution_passes_beyond_its_rank_counts(no_strays):
+    result = hpdl.check("tuning_file", solution("tuning_file"), ranks=[3, 4], grade=True)
     assert passed(result), hints(result)
 
 

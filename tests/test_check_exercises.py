@@ -64,9 +64,10 @@ def test_references_agree_with_serial_sums_and_copies(size, tmp_path):
     assert len(counts) == size and len(set(counts)) == 1 and counts[0] >= 15
 
 
-def test_recursive_doubling_solution_full_marks_and_power_of_two_only_code(no_strays):
-    good = hpdl.check("recursive_doubling", C.recursive_doubling_ok, grade=True)
-    assert {c.ranks for c in good.cases} == {1, 2, 3, 4} and good.passed and good.score == good.max_score
+def test_recursive_doubling_power_of_two_only_code(no_strays):
+    # the solution's full marks: solutions/04 in grade mode (test_notebooks.py); here another right
+    # answer (the top ranks folded in) passes where it differs from power-of-two-only code
+    assert hpdl.check("recursive_doubling", C.recursive_doubling_ok, ranks=[3], grade=True).passed
     bad = hpdl.check("recursive_doubling", C.recursive_doubling_pow2_only)
     for c in bad.cases:
         assert c.verdict == ("WRONG" if c.ranks == 3 else "PASS"), c
@@ -75,11 +76,10 @@ def test_recursive_doubling_solution_full_marks_and_power_of_two_only_code(no_st
     assert not any("chunk" in (c.hint or "") for c in bad.cases)
 
 
-def test_binomial_broadcast_solution_and_typical_mistakes(no_strays):
-    good = hpdl.check("bcast_binomial", C.bcast_ok, grade=True)
-    assert {c.ranks for c in good.cases} == {1, 2, 3, 4} and good.passed
-    assert {c.params["root"] for c in good.find(ranks=4)} >= {0, 2, 3}
-
+def test_binomial_broadcast_typical_mistakes(no_strays):
+    # the solution's full marks, roots 0, 2 and 3 at 4 ranks among its cases: solutions/03 in grade mode;
+    # another right answer (relative ranks, pickle API) passes where the mistakes below fail
+    assert hpdl.check("bcast_binomial", C.bcast_ok, ranks=[4]).passed
     linear = hpdl.check("bcast_binomial", C.bcast_linear, ranks=[3, 4])
     assert all(c.verdict == "PASS" for c in linear.find(ranks=3))  # with 3 ranks a linear one looks the same
     four = linear.find(ranks=4)
@@ -95,10 +95,9 @@ def test_binomial_broadcast_solution_and_typical_mistakes(no_strays):
     assert set(library.verdicts.values()) == {"WRONG"} and "comm.bcast()" in library.cases[0].message
 
 
-def test_average_gradients_solution_blank_and_summed(no_strays):
-    good = hpdl.check("average_gradients", C.average_ok, grade=True)
-    assert {c.ranks for c in good.cases} == {1, 2, 3, 4} and good.passed
-
+def test_average_gradients_blank_and_summed(no_strays):
+    # the solution's full marks: solutions/03 in grade mode (test_notebooks.py); another right answer
+    assert hpdl.check("average_gradients", C.average_ok, ranks=[3]).passed
     blank = hpdl.check("average_gradients", C.average_blank, timeout=60)
     assert set(blank.verdicts.values()) == {"ERROR"} and blank.seconds < 60
 

@@ -37,6 +37,10 @@ def test_notebook_runs_headless(path: Path, tmp_path, monkeypatch, no_strays):
     # every hpdl.check() in the notebook appends its result here (the kernel inherits our env)
     checks = tmp_path / "checks.jsonl"
     monkeypatch.setenv("HPDL_GRADE_RESULTS", str(checks))
+    if path.parent.name == "solutions":
+        # as `hpdl grade` runs them: each exercise's own rank counts and its hidden cases, so a
+        # solution notebook is also the test that the solution, as learners are shown it, earns full marks
+        monkeypatch.setenv("HPDL_GRADE", "1")
     client = NotebookClient(
         nb,
         config=Config({"KernelManager": {"shutdown_wait_time": KERNEL_SHUTDOWN_WAIT}}),
@@ -62,5 +66,27 @@ def test_notebook_runs_headless(path: Path, tmp_path, monkeypatch, no_strays):
         results = [json.loads(line) for line in checks.read_text().splitlines()] if checks.exists() else []
         assert results, f"{path.name} ran no hpdl.check()"
         for r in results:
-            assert r["passed"] and r["score"] == r["max_score"], (
-                f"{path.name}: the solution of {r['exercise']} scored {r['score']}/{r['max_score']}: {r['counts']}")
+            solution_earns_full_marks(path.name, r)
+
+
+def solution_earns_full_marks(notebook: str, r: dict) -> None:
+    """A solution's check, run in grade mode: every case, hidden ones too, at every rank count the
+    exercise names, passed; and the cases that make the exercise worth checking were among them."""
+    from hpdl.checker import cases
+
+    name = r["exercise"]
+    assert r["passed"] and r["score"] == r["max_score"], (
+        f"{notebook}: the solution of {name} scored {r['score']}/{r['max_score']}: {r['counts']}")
+    assert r["grade"] and r["hidden_not_run"] == 0, f"{notebook}: {name} was not checked as graded"
+    assert {c["ranks"] for c in r["cases"]} == set(cases.load(name).RANKS), (name, r["cases"])
+    assert MUST_INCLUDE.get(name, lambda cs: True)(r["cases"]), f"{notebook}: {name} ran {r['cases']}"
+
+
+# cases an exercise's check must include for its solution's full marks to mean something
+MUST_INCLUDE = {
+    "train_step": lambda cs: len(cs) == 4,
+    "throughput": lambda cs: len(cs) == 5,
+    "bcast_binomial": lambda cs: {c["params"]["root"] for c in cs if c["ranks"] == 4} >= {0, 2, 3},
+    "predict_step_time": lambda cs: any("published" in c["name"] for c in cs),
+    "column_parallel_linear": lambda cs: any(c["params"].get("out") == 7 for c in cs if c["ranks"] == 4),
+}
