@@ -435,9 +435,9 @@ def test_sbatch_refusal_says_why_and_what_was_asked(slurm, outside_slurm, monkey
     assert "#SBATCH --partition=no_such_partition" in str(err.value)
 
 
-def _submit(args: list[str], cwd: Path) -> str:
+def _submit(args: list[str], cwd: Path, **env: str) -> str:
     p = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, cwd=cwd, timeout=60,
-                       env={**os.environ, "HPDL_DIR": str(ROOT)})
+                       env={**os.environ, "HPDL_DIR": str(ROOT), **env})
     assert p.returncode == 0, p.stderr
     return p.stdout.strip().split(";")[0]
 
@@ -474,20 +474,22 @@ def test_run_sbatch_runs_a_script_and_a_notebook_on_the_jobs_ranks(slurm, outsid
 
 @pytest.mark.slurm
 def test_jupyter_sbatch_serves_jupyterlab_inside_the_job(slurm, outside_slurm, tmp_path, no_strays):
-    home = Path(os.environ["HPDL_HOME"])
-    job = _submit(["-n", "2", "-o", "lab-%j.out", str(ROOT / "cluster/slurm/jupyter.sbatch")], tmp_path)
-    info = home / f"jupyter-{job}.txt"
+    home, ws = Path(os.environ["HPDL_HOME"]), tmp_path / "ws"
+    job = _submit(["-n", "2", str(ROOT / "cluster/slurm/jupyter.sbatch")], tmp_path, HPDL_WORKSPACE=str(ws))
+    info, log = home / f"jupyter-{job}.txt", ws / f"hpdl-jupyter-{job}.log"
     try:
         wait_until(info.exists, 120, "jupyter.sbatch wrote no connection file")
         assert stat.S_IMODE(info.stat().st_mode) == 0o600  # it holds the token
         url = re.search(r"http://127\.0\.0\.1:(\d+)/lab\?token=(\w+)", info.read_text())
         assert url, info.read_text()
         port, token = url.groups()
-        assert token not in (tmp_path / f"lab-{job}.out").read_text()
+        assert token not in log.read_text() and f"in {ws}" in log.read_text()
+        assert (ws / "notebooks" / "00_welcome.ipynb").is_file() and (ws / "exercises").is_dir()
+        assert list(tmp_path.iterdir()) == [ws]  # nothing written where it was submitted from
 
         def status():
             if squeue("-j", job, "-o", "%i") == "":
-                raise AssertionError("the job ended:\n" + (tmp_path / f"lab-{job}.out").read_text()[-2000:])
+                raise AssertionError("the job ended:\n" + log.read_text()[-2000:])
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=5) as r:
                     return json.loads(r.read())
@@ -495,6 +497,8 @@ def test_jupyter_sbatch_serves_jupyterlab_inside_the_job(slurm, outside_slurm, t
                 return None
 
         assert "started" in wait_until(status, 120, "JupyterLab did not answer")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents?token={token}", timeout=10) as r:
+            assert {"notebooks", "exercises"} <= {i["name"] for i in json.loads(r.read())["content"]}  # its root
         on_command_lines = [p.pid for p in psutil.process_iter(["cmdline"])
                             if token in " ".join(p.info["cmdline"] or [])]
         assert not on_command_lines, "the token is on a command line, for anyone to see with ps"
