@@ -552,6 +552,31 @@ def test_environment_overrides_the_site_profile(outside_slurm, monkeypatch):
         launchers.load_site()
 
 
+def test_a_course_reservation_and_shared_gpu_nodes_reach_the_job_and_the_ranks_find_the_shared_kit(
+        outside_slurm, monkeypatch, tmp_path):
+    monkeypatch.delenv("HPDL_DIR", raising=False)
+    for name in ("nccl-gpu", "mvapich2-gdr"):  # shared nodes by default: no learner holds a whole node
+        site = launchers.load_site(name)
+        assert site.learners_per_node > 1 and "--exclusive" not in site.sbatch and "--mem=0" not in site.sbatch
+        assert "$HPDL_DIR/.venv/bin/activate" in site.setup and "$HOME/hpdl" not in site.setup
+        assert f"{site.learners_per_node} learner(s) per node" in sites.learner_share(site)
+    monkeypatch.setenv("HPDL_SITE", "nccl-gpu")
+    monkeypatch.setenv("HPDL_SLURM_RESERVATION", "hpdl-course")
+    site = launchers.load_site()
+    assert "--reservation=hpdl-course" in sites.sbatch_args(site)
+    assert "#SBATCH --reservation=hpdl-course" in _render(site)  # the job a login-node kernel submits
+    monkeypatch.setenv("HPDL_SLURM_SBATCH", "--exclusive")  # one learner per node, but two planned
+    with pytest.raises(HpdlError, match="learners_per_node = 2 .*--exclusive"):
+        launchers.load_site()
+    # on the rank: the kit's folder for the profile's set-up, unless the kernel's environment set one
+    probe = sites.rank_wrapper(sites.SlurmSite(setup='echo "kit=$HPDL_DIR"'))
+    ours = subprocess.run([*probe, "true"], capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    assert ours.stdout.strip() == f"kit={ROOT}", ours.stderr
+    theirs = subprocess.run([*probe, "true"], capture_output=True, text=True,
+                            env={"PATH": os.environ["PATH"], "HPDL_DIR": str(tmp_path)})
+    assert theirs.stdout.strip() == f"kit={tmp_path}"
+
+
 @pytest.mark.parametrize(
     "text, named",
     [
