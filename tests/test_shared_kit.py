@@ -120,18 +120,25 @@ def remove_account(name: str) -> None:
     while subprocess.run(["squeue", "-h", "-u", name], capture_output=True, text=True,
                          timeout=30).stdout.strip() and time.monotonic() < deadline:
         time.sleep(0.5)
-    for p in _user_processes(uid):
+    left = _user_processes(uid)
+    for p in left:
         try:
             p.kill()
         except psutil.Error:
             continue
+    psutil.wait_procs(left, timeout=30)  # userdel refuses an account a process still runs as
     for seg in Path("/dev/shm").glob("mpich_shm_*"):
         try:
             if seg.stat().st_uid == uid:
                 seg.unlink()
         except OSError:
             continue
-    subprocess.run(["userdel", "-r", name], capture_output=True, timeout=60)
+    for _ in range(10):
+        subprocess.run(["userdel", "-r", name], capture_output=True, timeout=60)
+        if subprocess.run(["id", "-u", name], capture_output=True).returncode != 0:
+            return
+        time.sleep(1)
+    raise AssertionError(f"could not remove the test's account {name}")
 
 
 def as_user(name: str, *cmd: str, cwd: Path, env: dict[str, str] | None = None,
