@@ -190,8 +190,11 @@ DEVICE = _declare("HPDL_DEVICE", "choice", "auto", "each rank's device: auto use
 HOROVOD_NICE = _declare("HPDL_HOROVOD_NICE", "int", "0", "niceness of Horovod's background thread on CPU ranks: "
                         "10 when timing other work on ranks that have Horovod started (0 leaves it alone)",
                         ("rank",), bounds=(0, 19))
-WORKSPACE = _declare("HPDL_WORKSPACE", "path", None, "where `hpdl exercises` copies the exercises",
-                     ("kernel", "scripts"), default_text="workspace/ at the top of the kit")
+WORKSPACE = _declare("HPDL_WORKSPACE", "path", None, "the learner's own folder: `hpdl exercises` copies the "
+                     "lessons, exercises and benchmarks there, and the job scripts, the Open OnDemand app, the "
+                     "hub's job and the container open JupyterLab in it", ("kernel", "scripts"),
+                     default_text="workspace/ in the kit when the learner may write there (their own clone), "
+                     "else ~/hpdl-workspace")
 CASES_PATH = _declare("HPDL_CASES_PATH", "paths", "", "more folders of exercise checks (a course's own "
                       "cases), searched after hpdl/checker/cases", ("kernel", "grader"))
 NO_SANDBOX = _declare("HPDL_NO_SANDBOX", "flag", "0", "run learners' check jobs without the bubblewrap sandbox "
@@ -224,8 +227,11 @@ JUPYTER_CONFIG = _declare("HPDL_JUPYTER_CONFIG", "path", None, "set by the Open 
                           "JupyterLab's config file for script.sh", ("scripts",), internal=True)
 
 # -- the workshop hub and the job scripts ---------------------------------------------------------------
-DIR = _declare("HPDL_DIR", "path", None, "the kit's folder, shared with the compute nodes", ("hub", "scripts"),
-               default_text="the folder the script or the hub's config is in (sbatch: the submit folder)")
+DIR = _declare("HPDL_DIR", "path", None, "the kit's folder, installed once and shared (read-only is fine) "
+               "with the compute nodes: the job scripts, the hub, `hpdl exercises` and the site profiles' "
+               "`setup` lines read the kit through it", ("kernel", "rank", "hub", "scripts"),
+               default_text="the kit the running hpdl package belongs to (job scripts: the one the job's "
+               "script is in, else the submit folder)")
 PYTHON = _declare("HPDL_PYTHON", "path", None, "the Python a job script runs the kit with", ("scripts",),
                   default_text="$HPDL_DIR/.venv/bin/python")
 KIT_VENV = _declare("HPDL_KIT_VENV", "path", None, "the kit's venv the hub's learners run, runnable by all",
@@ -260,8 +266,6 @@ HUB_SITE_CONFIG = _declare("HPDL_HUB_SITE_CONFIG", "path", None, "a Python file 
                            default_text="none")
 LAB_PORT = _declare("HPDL_LAB_PORT", "int", None, "JupyterLab's port in cluster/slurm/jupyter.sbatch",
                     ("scripts",), default_text="a free port", bounds=(1, 65535))
-WORK = _declare("HPDL_WORK", "path", "~/hpdl-work", "the container's writable copy of the lessons "
-                "(cluster/apptainer/start-lab.sh)", ("scripts",))
 WHEELHOUSE = _declare("HPDL_WHEELHOUSE", "path", "~/.cache/hpdl/wheels", "where cluster/build/horovod.sh keeps "
                       "the Horovod wheels it built, one per MPI", ("scripts",))
 REAL_CXX = _declare("HPDL_REAL_CXX", "text", "g++", "the C++ compiler behind cluster/build/cxx17 (the wrapper "

@@ -30,6 +30,7 @@ SLURM_KEYS: dict[str, tuple[type, str]] = {
     "partition": (str, "partition (queue) for the engines' job"),
     "account": (str, "account to charge"),
     "qos": (str, "quality of service"),
+    "reservation": (str, "Slurm reservation the course's jobs run in (sbatch --reservation)"),
     "time": (str, 'wall-time limit of the engines\' job, e.g. "02:00:00"'),
     "pmi": (str, 'srun --mpi flavour: "pmi2" (MPICH, MVAPICH2, Intel MPI), "pmix" (Open MPI), "cray_shasta"'),
     "ranks_per_node": (int, "ranks per node (0: let Slurm place them)"),
@@ -40,7 +41,9 @@ SLURM_KEYS: dict[str, tuple[type, str]] = {
     "wrap": (list, 'command put before each engine, e.g. ["apptainer", "exec", "--nv", "/opt/hpdl.sif"]'),
     "controller_host": (str, "host name or address compute nodes use to reach this machine"),
     "start_timeout": (int, "seconds to wait for ranks, queue time included"),
+    "learners_per_node": (int, "learners whose jobs share one node (0: not planned; 1: a node each)"),
 }
+LESSON_RANKS = 4  # the ranks a learner's job holds for the lessons (the hub's and the form's default)
 # key: (type, unit and meaning) — the optional [expect] table: what `hpdl preflight` compares the
 # site's ranks with. A key left out is reported, not judged. GB/s are 10^9 bytes per second.
 EXPECT_KEYS: dict[str, tuple[type, str]] = {
@@ -73,6 +76,7 @@ class SlurmSite:
     partition: str = ""
     account: str = ""
     qos: str = ""
+    reservation: str = ""
     time: str = ""
     pmi: str = "pmi2"
     ranks_per_node: int = 0
@@ -83,6 +87,7 @@ class SlurmSite:
     wrap: list[str] = field(default_factory=list)
     controller_host: str = ""
     start_timeout: int = 0
+    learners_per_node: int = 0
     modules: list[str] = field(default_factory=list)
     setup: str = ""
     mpi_library: str = ""
@@ -183,9 +188,35 @@ def load_site(spec: str | None = None) -> SlurmSite:
             value = raw
         _check_type(var, key, value, kind)
         setattr(site, key, value)
+    _check_sharing(site)
     if not re.fullmatch(r"[A-Za-z0-9_]+", site.pmi):
         raise HpdlError(f"{site.source}: slurm.pmi={site.pmi!r} is not a PMI name (`srun --mpi=list` shows them).")
     return site
+
+
+def _check_sharing(site: SlurmSite) -> None:
+    """A node planned for several learners must not be asked for whole: with --exclusive each
+    learner's job would hold a node, and forty learners forty nodes."""
+    whole = [o for o in site.sbatch if o == "--exclusive" or o.startswith("--exclusive=")]
+    if site.learners_per_node > 1 and whole:
+        raise HpdlError(f"{site.source}: learners_per_node = {site.learners_per_node} but sbatch asks for "
+                        f"{whole[0]}, which gives each learner a whole node. Remove it (shared nodes), or set "
+                        "learners_per_node = 1.")
+
+
+def learner_share(site: SlurmSite, ranks: int = LESSON_RANKS) -> str:
+    """What one learner's job of `ranks` ranks holds, and what a node holds for all the learners it
+    is planned for, in words: for the instructor planning a course (`python -m hpdl.sites`)."""
+    cores, gpus = max(site.cpus_per_rank, 1), site.gpus_per_rank
+    text = f"a learner's {ranks} ranks hold {ranks * cores} core(s)" + (f" and {ranks * gpus} GPU(s)" if gpus else "")
+    on_node = min(ranks, site.ranks_per_node or ranks)  # a learner's ranks on any one node
+    if on_node < ranks:
+        text += f", {on_node} rank(s) on each of {-(-ranks // on_node)} nodes"
+    if site.learners_per_node:
+        n = site.learners_per_node
+        text += (f"; {n} learner(s) per node need {n * on_node * cores} core(s)"
+                 + (f" and {n * on_node * gpus} GPU(s)" if gpus else "") + " on each node")
+    return text
 
 
 # -- resources: one source for the job and its steps --------------------------------------------
@@ -232,7 +263,8 @@ def sbatch_args(site: SlurmSite) -> list[str]:
     For jupyter.sbatch, run.sbatch and Open OnDemand, so their jobs hold what the engines' step
     of the site will use: `sbatch $(python -m hpdl.sites --sbatch) -n 4 cluster/slurm/jupyter.sbatch`."""
     opts = [f"--{flag}={value}" for flag, value in (("partition", site.partition), ("account", site.account),
-                                                    ("qos", site.qos), ("time", site.time)) if value]
+                                                    ("qos", site.qos), ("reservation", site.reservation),
+                                                    ("time", site.time)) if value]
     return opts + resource_options(site) + list(site.sbatch)
 
 
@@ -247,12 +279,19 @@ _FIND_MODULE = (
 )
 
 
+def kit_folder() -> Path:
+    """The kit's folder: $HPDL_DIR, else the one this package belongs to (shared with the nodes)."""
+    return settings.DIR.get() or SITES_DIR.parent.parent
+
+
 def rank_prologue(site: SlurmSite, keep: Iterable[str] = ()) -> str:
     """Shell lines run on every rank before its engine starts, in every launch mode.
 
-    In order: module loads, the site's set-up lines, its [env], then the variables named in `keep`
-    (the engines' own: the learner's hpdl.start(env=...), ipyparallel's connection info) put back
-    as the rank inherited them, so they win over the site's; then the site's MPI library put first:
+    In order: module loads, the site's set-up lines (with HPDL_DIR set to the kit's folder when the
+    kernel did not set it, since a shared kit's profile sources "$HPDL_DIR/.venv/bin/activate"), its
+    [env], then the variables named in `keep` (the engines' own: the learner's hpdl.start(env=...),
+    ipyparallel's connection info) put back as the rank inherited them, so they win over the site's;
+    then the site's MPI library put first:
     LD_PRELOAD loads it before anything else and MPI4PY_LIBMPI points mpi4py at it. Without that,
     mpi4py's loader tries the venv's lib/ (where the `mpich` wheel's libmpi.so.12 lives) before
     LD_LIBRARY_PATH, and the ranks silently run the wheel's MPI instead of, say, MVAPICH2-GDR.
@@ -268,7 +307,9 @@ def rank_prologue(site: SlurmSite, keep: Iterable[str] = ()) -> str:
         lines.append(f"hpdl_kept=$(declare -px {' '.join(names)} 2>/dev/null)")
     if site.modules:
         lines += [_FIND_MODULE, "module load " + " ".join(shlex.quote(m) for m in site.modules)]
-    if site.setup.strip():
+    if site.setup.strip():  # the kit's folder for its lines ($HPDL_DIR/.venv/bin/activate), as the kernel's
+        lines.append(f'[ -n "${{{settings.DIR.name}:-}}" ] || {settings.DIR.name}={shlex.quote(str(kit_folder()))}; '
+                     f'export {settings.DIR.name}')
         lines.append(site.setup.strip())
     for key, value in site.env.items():
         lines.append(f"export {key}={shlex.quote(value)}")
@@ -306,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"site profile {site.name} ({site.source}){': ' + site.description if site.description else ''}")
     print("sbatch options:  " + (" ".join(sbatch_args(site)) or "(none)"))
     print("per-rank step:   srun --mpi=" + " ".join([site.pmi, *resource_options(site), *site.srun]))
+    print("per learner:     " + learner_share(site))
     prologue = rank_prologue(site)
     print("on every rank:\n" + ("\n".join("    " + line for line in prologue.splitlines()) or "    (nothing)"))
     if site.expect:

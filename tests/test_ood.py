@@ -35,12 +35,14 @@ APP = ROOT / "cluster" / "ood" / "hpdl-jupyter"
 RENDER = ROOT / "tests" / "fixtures" / "render_erb.rb"
 
 FORMS = [
-    {"ranks": "4", "gpus_per_rank": "0", "modules": "", "hpdl_site": "generic", "hpdl_dir": "$HOME/hpdl"},
-    {"ranks": "2", "gpus_per_rank": "1", "modules": "cuda/13.0 nccl/2.29", "hpdl_site": "nccl-gpu",
-     "hpdl_dir": "~/courses/hpdl"},
-    {"ranks": "8", "gpus_per_rank": "1", "modules": "mvapich2-gdr/2.3.7", "hpdl_site": "mvapich2-gdr",
-     "hpdl_dir": "/shared/courses/hpdl"},
-    {"ranks": "", "gpus_per_rank": "", "modules": "  ", "hpdl_site": "generic", "hpdl_dir": "$HOME/hpdl"},
+    {"ranks": "4", "gpus_per_rank": "0", "cpus_per_rank": "2", "reservation": "", "modules": "",
+     "hpdl_site": "generic", "hpdl_dir": "/shared/courses/hpdl"},
+    {"ranks": "2", "gpus_per_rank": "1", "cpus_per_rank": "12", "reservation": "hpdl-course",
+     "modules": "cuda/13.0 nccl/2.29", "hpdl_site": "nccl-gpu", "hpdl_dir": "~/courses/hpdl"},
+    {"ranks": "8", "gpus_per_rank": "1", "cpus_per_rank": "8", "reservation": " gdr_day1 ",
+     "modules": "mvapich2-gdr/2.3.7", "hpdl_site": "mvapich2-gdr", "hpdl_dir": "/shared/courses/hpdl"},
+    {"ranks": "", "gpus_per_rank": "", "cpus_per_rank": "", "reservation": "x; rm -rf ~", "modules": "  ",
+     "hpdl_site": "generic", "hpdl_dir": "$HOME/hpdl"},
 ]
 
 
@@ -68,6 +70,10 @@ def test_templates_render_for_form_values(form, tmp_path):
     native = submit["script"]["native"]
     assert native[0] == f"--ntasks={form['ranks'] or 4}"
     assert ("--gpus-per-task=1" in native) == (form["gpus_per_rank"] == "1")
+    assert (f"--cpus-per-task={form['cpus_per_rank']}" in native) == bool(form["cpus_per_rank"])
+    reservation = [o for o in native if o.startswith("--reservation")]  # a name, or nothing at all
+    named = form["reservation"].strip()
+    assert reservation == ([f"--reservation={named}"] if named and " " not in named else [])
 
     script = render("template/script.sh.erb", tmp_path, form)
     assert script.startswith("#!/bin/bash -l\n")  # a login shell: `module` is defined
@@ -75,6 +81,7 @@ def test_templates_render_for_form_values(form, tmp_path):
     loads = re.findall(r"^module load (.*)$", script, re.M)
     assert loads == ([form["modules"]] if form["modules"].strip() else [])
     assert f'HPDL_SITE="{form["hpdl_site"]}"' in script
+    assert 'root_dir="$HPDL_WORKSPACE"' in script and "hpdl.cli exercises --where" in script  # never the kit
     code = "\n".join(line for line in script.splitlines() if not line.lstrip().startswith("#"))
     assert "token" not in code.lower() and "password" not in code  # no secret on the command line
 
@@ -89,6 +96,24 @@ def test_templates_render_for_form_values(form, tmp_path):
     assert method == "post" and "s3cret" not in action and "token" not in action
     assert action.startswith("/node/node07/8123/login?next=")
     assert '<input type="hidden" name="password" value="s3cret">' in view
+
+
+def test_the_forms_site_choices_carry_each_profiles_cores_and_gpus_per_rank():
+    """Choosing a profile fills in the cores and GPUs per rank the form sends: the profile's own."""
+    from hpdl import sites
+
+    form = yaml.safe_load((APP / "form.yml").read_text())["attributes"]
+    assert form["hpdl_dir"]["value"] != "$HOME/hpdl"  # a shared kit, not a private copy per learner
+    choices = form["hpdl_site"]["options"]
+    assert {c[1] for c in choices} == {"generic", "mvapich2-gdr", "nccl-gpu"}
+    for label, name, *data in choices:
+        given = {k: v for d in data for k, v in d.items()}
+        site = sites.load_site(name)
+        assert given == {"data-set-cpus-per-rank": site.cpus_per_rank,
+                         "data-set-gpus-per-rank": site.gpus_per_rank}, (name, given)
+    generic = sites.load_site("generic")
+    assert (form["cpus_per_rank"]["value"], form["gpus_per_rank"]["value"]) == (generic.cpus_per_rank,
+                                                                                   generic.gpus_per_rank)
 
 
 # -- as a job on the local Slurm --------------------------------------------------------------
@@ -125,10 +150,12 @@ def _stage(tmp_path: Path, form: dict) -> Path:
 @pytest.mark.slow
 @pytest.mark.usefixtures("slurm", "outside_slurm")
 def test_app_runs_as_a_slurm_job_and_serves_jupyterlab_with_a_posted_password(tmp_path, no_strays):
-    form = {"ranks": "2", "gpus_per_rank": "0", "modules": "", "hpdl_site": "generic", "hpdl_dir": str(ROOT)}
+    form = {"ranks": "2", "gpus_per_rank": "0", "cpus_per_rank": "1", "reservation": "", "modules": "",
+            "hpdl_site": "generic", "hpdl_dir": str(ROOT)}
     session = _stage(tmp_path, form)
     native = yaml.safe_load(render("submit.yml.erb", tmp_path, form))["script"]["native"]
-    env = {**os.environ, "HPDL_PYTHON": sys.executable}
+    ws = tmp_path / "ws"
+    env = {**os.environ, "HPDL_PYTHON": sys.executable, "HPDL_WORKSPACE": str(ws)}
     p = subprocess.run(["sbatch", "--parsable", f"--chdir={session}", "-o", "job.out", *native, "job.sh"],
                        capture_output=True, text=True, cwd=session, timeout=60, env=env)
     assert p.returncode == 0, p.stderr
@@ -173,7 +200,8 @@ def test_app_runs_as_a_slurm_job_and_serves_jupyterlab_with_a_posted_password(tm
             assert r.status == 200 and r.geturl().endswith("/lab/tree/notebooks/00_welcome.ipynb")
         with opener.open(f"http://127.0.0.1:{port}/node/{host}/{port}/api/contents/notebooks", timeout=30) as r:
             names = {i["name"] for i in json.loads(r.read())["content"]}
-        assert "00_welcome.ipynb" in names
+        assert "00_welcome.ipynb" in names and (ws / "notebooks" / "00_welcome.ipynb").is_file()  # the workspace
+        assert (ws / "exercises").is_dir() and stat.S_IMODE(ws.stat().st_mode) == 0o700
         # a wrong password, or none, gets nothing
         with pytest.raises(urllib.error.HTTPError):
             urllib.request.urlopen(f"http://127.0.0.1:{port}/node/{host}/{port}/api/contents", timeout=10)

@@ -435,9 +435,9 @@ def test_sbatch_refusal_says_why_and_what_was_asked(slurm, outside_slurm, monkey
     assert "#SBATCH --partition=no_such_partition" in str(err.value)
 
 
-def _submit(args: list[str], cwd: Path) -> str:
+def _submit(args: list[str], cwd: Path, **env: str) -> str:
     p = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, cwd=cwd, timeout=60,
-                       env={**os.environ, "HPDL_DIR": str(ROOT)})
+                       env={**os.environ, "HPDL_DIR": str(ROOT), **env})
     assert p.returncode == 0, p.stderr
     return p.stdout.strip().split(";")[0]
 
@@ -474,20 +474,22 @@ def test_run_sbatch_runs_a_script_and_a_notebook_on_the_jobs_ranks(slurm, outsid
 
 @pytest.mark.slurm
 def test_jupyter_sbatch_serves_jupyterlab_inside_the_job(slurm, outside_slurm, tmp_path, no_strays):
-    home = Path(os.environ["HPDL_HOME"])
-    job = _submit(["-n", "2", "-o", "lab-%j.out", str(ROOT / "cluster/slurm/jupyter.sbatch")], tmp_path)
-    info = home / f"jupyter-{job}.txt"
+    home, ws = Path(os.environ["HPDL_HOME"]), tmp_path / "ws"
+    job = _submit(["-n", "2", str(ROOT / "cluster/slurm/jupyter.sbatch")], tmp_path, HPDL_WORKSPACE=str(ws))
+    info, log = home / f"jupyter-{job}.txt", ws / f"hpdl-jupyter-{job}.log"
     try:
         wait_until(info.exists, 120, "jupyter.sbatch wrote no connection file")
         assert stat.S_IMODE(info.stat().st_mode) == 0o600  # it holds the token
         url = re.search(r"http://127\.0\.0\.1:(\d+)/lab\?token=(\w+)", info.read_text())
         assert url, info.read_text()
         port, token = url.groups()
-        assert token not in (tmp_path / f"lab-{job}.out").read_text()
+        assert token not in log.read_text() and f"in {ws}" in log.read_text()
+        assert (ws / "notebooks" / "00_welcome.ipynb").is_file() and (ws / "exercises").is_dir()
+        assert list(tmp_path.iterdir()) == [ws]  # nothing written where it was submitted from
 
         def status():
             if squeue("-j", job, "-o", "%i") == "":
-                raise AssertionError("the job ended:\n" + (tmp_path / f"lab-{job}.out").read_text()[-2000:])
+                raise AssertionError("the job ended:\n" + log.read_text()[-2000:])
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=5) as r:
                     return json.loads(r.read())
@@ -495,6 +497,8 @@ def test_jupyter_sbatch_serves_jupyterlab_inside_the_job(slurm, outside_slurm, t
                 return None
 
         assert "started" in wait_until(status, 120, "JupyterLab did not answer")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents?token={token}", timeout=10) as r:
+            assert {"notebooks", "exercises"} <= {i["name"] for i in json.loads(r.read())["content"]}  # its root
         on_command_lines = [p.pid for p in psutil.process_iter(["cmdline"])
                             if token in " ".join(p.info["cmdline"] or [])]
         assert not on_command_lines, "the token is on a command line, for anyone to see with ps"
@@ -546,6 +550,31 @@ def test_environment_overrides_the_site_profile(outside_slurm, monkeypatch):
     monkeypatch.setenv("HPDL_SLURM_RANKS_PER_NODE", "two")
     with pytest.raises(HpdlError, match="HPDL_SLURM_RANKS_PER_NODE"):
         launchers.load_site()
+
+
+def test_a_course_reservation_and_shared_gpu_nodes_reach_the_job_and_the_ranks_find_the_shared_kit(
+        outside_slurm, monkeypatch, tmp_path):
+    monkeypatch.delenv("HPDL_DIR", raising=False)
+    for name in ("nccl-gpu", "mvapich2-gdr"):  # shared nodes by default: no learner holds a whole node
+        site = launchers.load_site(name)
+        assert site.learners_per_node > 1 and "--exclusive" not in site.sbatch and "--mem=0" not in site.sbatch
+        assert "$HPDL_DIR/.venv/bin/activate" in site.setup and "$HOME/hpdl" not in site.setup
+        assert f"{site.learners_per_node} learner(s) per node" in sites.learner_share(site)
+    monkeypatch.setenv("HPDL_SITE", "nccl-gpu")
+    monkeypatch.setenv("HPDL_SLURM_RESERVATION", "hpdl-course")
+    site = launchers.load_site()
+    assert "--reservation=hpdl-course" in sites.sbatch_args(site)
+    assert "#SBATCH --reservation=hpdl-course" in _render(site)  # the job a login-node kernel submits
+    monkeypatch.setenv("HPDL_SLURM_SBATCH", "--exclusive")  # one learner per node, but two planned
+    with pytest.raises(HpdlError, match="learners_per_node = 2 .*--exclusive"):
+        launchers.load_site()
+    # on the rank: the kit's folder for the profile's set-up, unless the kernel's environment set one
+    probe = sites.rank_wrapper(sites.SlurmSite(setup='echo "kit=$HPDL_DIR"'))
+    ours = subprocess.run([*probe, "true"], capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    assert ours.stdout.strip() == f"kit={ROOT}", ours.stderr
+    theirs = subprocess.run([*probe, "true"], capture_output=True, text=True,
+                            env={"PATH": os.environ["PATH"], "HPDL_DIR": str(tmp_path)})
+    assert theirs.stdout.strip() == f"kit={tmp_path}"
 
 
 @pytest.mark.parametrize(

@@ -58,3 +58,55 @@ def test_no_exercises_is_a_clear_error(tmp_path):
 
     with pytest.raises(HpdlError, match="hpdl build"):
         workspace.sync(tmp_path / "nothing", tmp_path / "ws")
+
+
+def _kit(root):
+    for part, name in (("notebooks", "00_welcome.ipynb"), ("notebooks/scripts", "train.py"),
+                       ("exercises", "01.ipynb"), ("benchmarks", "synthetic.py")):
+        (root / part).mkdir(parents=True, exist_ok=True)
+        (root / part / name).write_text(f"kit's {name}")
+    return root
+
+
+def test_the_kit_goes_to_a_0700_workspace_its_lessons_exercises_and_benchmarks_side_by_side(tmp_path, monkeypatch,
+                                                                                            capsys):
+    import stat
+
+    import pytest
+
+    from hpdl.errors import HpdlError
+
+    kit = _kit(tmp_path / "kit")
+    monkeypatch.setenv("HPDL_DIR", str(kit))
+    monkeypatch.delenv("HPDL_WORKSPACE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    # a kit the learner may write (their clone): workspace/ in it, as before
+    assert workspace.default_dest() == kit / "workspace"
+    # a kit shared read-only (root may write anywhere, so the learner's view is stood in for)
+    monkeypatch.setattr(workspace.os, "access", lambda path, mode: not str(path).startswith(str(kit)))
+    ws = tmp_path / "home" / "hpdl-workspace"
+    assert workspace.default_dest() == ws
+    assert workspace.main(["--where"]) == 0 and capsys.readouterr().out.strip() == str(ws)
+    assert not ws.exists()  # --where copies nothing
+    assert workspace.main([]) == 0
+    assert stat.S_IMODE(ws.stat().st_mode) == 0o700
+    assert sorted(p.relative_to(ws).as_posix() for p in ws.rglob("*") if p.is_file() and "manifest" not in p.name) \
+        == ["benchmarks/synthetic.py", "exercises/01.ipynb", "notebooks/00_welcome.ipynb", "notebooks/scripts/train.py"]
+    (ws / "notebooks" / "00_welcome.ipynb").write_text("my notes in the lesson")
+    (kit / "notebooks" / "00_welcome.ipynb").write_text("the kit's new lesson")
+    again = workspace.sync_kit(kit, ws)
+    assert again.kept == ["notebooks/00_welcome.ipynb"] and again.added == []
+    assert (ws / "notebooks" / "00_welcome.ipynb").read_text() == "my notes in the lesson"
+
+    ws.chmod(0o755)  # a workspace the learner made themselves keeps its mode
+    workspace.sync_kit(kit, ws)
+    assert stat.S_IMODE(ws.stat().st_mode) == 0o755
+    monkeypatch.setenv("HPDL_DIR", str(tmp_path / "home"))  # not a kit: says what to set
+    with pytest.raises(HpdlError, match="HPDL_DIR=.*notebooks"):
+        workspace.default_dest()
+    monkeypatch.setenv("HPDL_DIR", str(kit))
+    (kit / "exercises" / "01.ipynb").unlink()
+    (kit / "exercises").rmdir()
+    with pytest.raises(HpdlError, match="No exercises/"):
+        workspace.sync_kit(kit, ws)

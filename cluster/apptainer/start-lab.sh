@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# The images' runscript: JupyterLab on the lessons, run from a folder the learner can write.
-# The image (/opt/hpdl) is read-only, so the lessons and exercises are copied to $HPDL_WORK
-# (default ~/hpdl-work) — new files added, files the learner edited kept (`hpdl exercises`) —
-# and the kit's benchmarks/ and cluster/ are linked beside them.
+# The images' runscript: JupyterLab in the learner's own workspace. The image's kit (/opt/hpdl,
+# HPDL_DIR) is read-only, so `hpdl exercises` copies the lessons, exercises and benchmarks to
+# $HPDL_WORKSPACE (default ~/hpdl-workspace, 0700) — new files added, files the learner edited
+# kept — and JupyterLab opens there; the kit's cluster/ is linked beside them for reference.
 set -euo pipefail
-kit=/opt/hpdl
-work="${HPDL_WORK:-$HOME/hpdl-work}"
-mkdir -p "$work"
-"$kit/.venv/bin/hpdl" exercises --source "$kit/notebooks" --dest "$work/notebooks"
-"$kit/.venv/bin/hpdl" exercises --source "$kit/exercises" --dest "$work/exercises"
-for d in benchmarks cluster; do
-  [ -e "$work/$d" ] || ln -s "$kit/$d" "$work/$d"
-done
-cd "$work"
-exec "$kit/.venv/bin/jupyter" lab --no-browser --ServerApp.ip=0.0.0.0 --ServerApp.root_dir="$work" \
+umask 077
+export HPDL_DIR="${HPDL_DIR:-/opt/hpdl}" PYTHONDONTWRITEBYTECODE=1
+bin="$HPDL_DIR/.venv/bin"
+HPDL_WORKSPACE="$("$bin/hpdl" exercises --where)"
+export HPDL_WORKSPACE
+"$bin/hpdl" exercises
+[ -e "$HPDL_WORKSPACE/cluster" ] || ln -s "$HPDL_DIR/cluster" "$HPDL_WORKSPACE/cluster"
+cd "$HPDL_WORKSPACE"
+exec "$bin/jupyter" lab --no-browser --ServerApp.ip=0.0.0.0 --ServerApp.root_dir="$HPDL_WORKSPACE" \
   --ServerApp.default_url=/lab/tree/notebooks/00_welcome.ipynb "$@"

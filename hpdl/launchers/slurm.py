@@ -148,7 +148,7 @@ def sbatch_template(site: SlurmSite) -> str:
     variables) and {hpdl_rank_prefix} (the site's per-rank prologue, see sites.rank_wrapper)."""
     opts = ["--job-name={cluster_id}", "--ntasks={n}", "--output={output_file}", "--export=ALL"]
     for flag, value in (("partition", site.partition), ("account", site.account), ("qos", site.qos),
-                        ("time", site.time)):
+                        ("reservation", site.reservation), ("time", site.time)):
         if value:
             opts.append(f"--{flag}={_fmt_escape(str(value))}")
     resources = resource_options(site)  # the job and its step ask for the same
