@@ -74,6 +74,7 @@ class Learner:
     name: str
     base: Path
     paths: list[Path]
+    kind: str = "learner"  # or "hub": the hub's state
 
 
 def _account_homes(users: list[str], group: str | None) -> list[tuple[str, Path]]:
@@ -108,7 +109,7 @@ def learners_of(users: list[str] = (), group: str | None = None, homes: str | No
         out.append(Learner("-".join(path.parts[1:]) or "root", path.parent, [path]))
     hub_state = settings.HUB_STATE.get()
     if os.path.lexists(hub_state):
-        out.append(Learner("hub-state", hub_state.parent, [hub_state]))
+        out.append(Learner("hub-state", hub_state.parent, [hub_state], kind="hub"))
     return out
 
 
@@ -388,6 +389,8 @@ def end(argv: list[str]) -> int:
     lines = describe(plan)
     if not (args.users or args.group or args.homes or args.workspaces):
         lines.append("no learners named (--users, --group, --homes, --workspaces): no workspace is touched")
+    elif not [x for x in plan.learners if x.kind == "learner"]:
+        lines.append("the learners named have nothing here (no such homes, or an empty group)")
     today = date.today()
     if today < plan.when:
         print(f"hpdl course end: on {plan.when} or later (today is {today}) this will:")
