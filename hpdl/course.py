@@ -196,7 +196,7 @@ def course_jobs(site: SlurmSite, users: list[str] = ()) -> list[dict]:
     for line in p.stdout.splitlines():
         job = dict(zip(("id", "name", "user", "partition", "account", "qos", "reservation", "state"), line.split("|")))
         if len(job) == 8 and COURSE_JOB.fullmatch(job["name"]) and job["state"] in LIVE_STATES \
-                and all(not v or job[k] in (v, *v.split(",")) for k, v in want.items()):
+                and all(not v or job[k].lower() in v.lower().split(",") for k, v in want.items()):
             jobs.append(job)
     return jobs
 
@@ -370,7 +370,8 @@ def plan_of(args) -> Plan:
     users = [name for name, _ in _account_homes(args.users or [], args.group)]
     if users:  # and the instructor's own: rehearsals, preflights
         users.append(pwd.getpwuid(os.getuid()).pw_name)
-    archive_dir = (args.archive or Path.home() / "hpdl-course-archive" / when.isoformat()).absolute()
+    home = Path(pwd.getpwuid(_owner()[0]).pw_dir) if _owner() else Path.home()  # the instructor's, under sudo
+    archive_dir = (args.archive or home / "hpdl-course-archive" / when.isoformat()).absolute()
     return Plan(site, when, find_hub(), course_jobs(site, users), learners, archive_dir)
 
 
