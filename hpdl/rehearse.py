@@ -151,7 +151,8 @@ def _check_verdict(results: Path, exercise: str) -> str:
         return ""
     bad = next((c for c in r["cases"] if c["verdict"] != "PASS"), {})
     last = next((s.strip() for s in reversed(str(bad.get("details") or "").splitlines()) if s.strip()), "")
-    return (f"check {exercise}: {r['score']:g}/{r['max_score']:g} ({r['counts']}); first failing case "
+    counts = ", ".join(f"{n} {verdict}" for verdict, n in r["counts"].items())
+    return (f"check {exercise}: {r['score']:g}/{r['max_score']:g} ({counts}); first failing case "
             f"{bad.get('key', '?')}: {bad.get('verdict', '?')} {' '.join(str(bad.get('message', '')).split())[:300]}"
             + (f" ({last[:200]})" if last else ""))
 
