@@ -12,6 +12,8 @@ VERBS = {
     "grade": ("hpdl.grade", "grade a folder of submitted notebooks"),
     "cleanup": ("hpdl.cluster.cleanup", "stop clusters this kit started and left behind"),
     "preflight": ("hpdl.preflight", "one short job on a site's nodes: GPUs, MPI, allreduce; a go/no-go report"),
+    "rehearse": ("hpdl.rehearse", "the day before: N learners' jobs run lesson 00 and a check; a pass/fail table"),
+    "course": ("hpdl.course", "after the course (`course end`): cancel its jobs, stop the hub, archive then remove"),
     "tune": ("hpdl.tune", "measure MPI_Allreduce algorithms, write MPICH's tuning file and a report folder"),
 }
 
