@@ -51,6 +51,11 @@ BLOCKS = {
     ("cluster/jupyterhub/README.md", "make setup"): ("paths", "root, accounts and a hub: tests/test_hub.py runs them"),
     ("cluster/ood/README.md", "sudo cp -r cluster/ood/hpdl-jupyter"): ("paths", "an OnDemand web node; "
                                                                         "tests/test_ood.py runs the app"),
+    ("cluster/README.md", ".venv/bin/hpdl rehearse --site"): ("help", "4 learners' jobs (minutes); "
+                                                              "tests/test_course.py rehearses on the local Slurm"),
+    ("cluster/README.md", ".venv/bin/hpdl course end --site"): ("help", "needs the course's learners' group; "
+                                                               "tests/test_course.py runs a dry run and a teardown"),
+    ("cluster/README.md", "echo '0 6 * * * root"): ("paths", "a cron line for the teardown's date"),
     ("cluster/slurm/README.md", "cluster/slurm/local-slurm.sh start"): ("run", "the local Slurm the tests use; its "
                                                                         "`stop` line is left out (below)"),
 }
