@@ -98,13 +98,16 @@ def _others_shared_memory() -> set[Path]:
 EXAMPLE = Path(__file__).parent / "fixtures" / "solutions" / "01_ring_example.ipynb"
 
 
-def example_kit(kit: Path) -> Path:
+def example_kit(kit: Path, monkeypatch) -> Path:
     """A kit folder with one exercise: the example's solution, and the exercise `hpdl build`
-    makes from it (kit/exercises/ex.ipynb), as the grader's tests need them."""
+    makes from it (kit/exercises/ex.ipynb), as the grader's tests need them. Its check,
+    fixture_ring (ring_allreduce at 1 and 3 ranks), is found through HPDL_CASES_PATH, set here
+    for the test (and the graders it starts)."""
     import nbformat
 
     from hpdl import build
 
+    monkeypatch.setenv("HPDL_CASES_PATH", str(Path(__file__).parent / "fixtures" / "cases"))
     (kit / "solutions").mkdir(parents=True)
     nbformat.write(nbformat.read(EXAMPLE, as_version=4), kit / "solutions" / "ex.ipynb")
     assert build.main(["--root", str(kit)]) == 0

@@ -32,12 +32,12 @@ def _variant(nb, path: Path, edit) -> None:
 
 
 @pytest.fixture
-def submissions(tmp_path) -> Path:
+def submissions(tmp_path, monkeypatch) -> Path:
     """Four learners: solved, untouched exercise, a kernel that dies after the check, and a ring
     that deadlocks inside the check. (A cell that never ends is among the attacks below, whose
     batch has a shorter time limit.)"""
     kit = tmp_path / "kit"
-    example_kit(kit)
+    example_kit(kit, monkeypatch)
     solved = nbformat.read(kit / "solutions" / "ex.ipynb", as_version=4)
     subs = tmp_path / "subs"
     (subs / "dana").mkdir(parents=True)
@@ -48,7 +48,7 @@ def submissions(tmp_path) -> Path:
 
     def deadlock(cells):
         cells[3].source = DEADLOCK
-        cells[4].source = 'hpdl.check("ring_allreduce", ring_allreduce, ranks=[1, 3], timeout=2)'
+        cells[4].source = 'hpdl.check("fixture_ring", ring_allreduce, timeout=2)'
 
     _variant(solved, subs / "dana" / "deadlock.ipynb", deadlock)
     return subs
@@ -65,7 +65,7 @@ def test_batch_grades_every_submission_despite_hangs_and_crashes(submissions, tm
     before = _digest(submissions)
     out = tmp_path / "report"
     # 150 s: grade mode runs every case at every rank count, whatever the notebook asks for (the
-    # deadlocking ring hangs in every case at 2, 3 and 4 ranks)
+    # deadlocking ring hangs at 3 ranks)
     assert grade.main([str(submissions), "--out", str(out), "--timeout", "150", "--jobs", "2", "--allow-root"]) == 0
     assert _digest(submissions) == before  # nothing written next to or into a submission
 
@@ -89,7 +89,7 @@ def test_batch_grades_every_submission_despite_hangs_and_crashes(submissions, tm
 
     data = json.loads((out / "grades.json").read_text())
     by_name = {s["submission"]: s for s in data["submissions"]}
-    assert by_name["ada.ipynb"]["checks"]["ring_allreduce"]["grade"] is True
+    assert by_name["ada.ipynb"]["checks"]["fixture_ring"]["grade"] is True
     page = (out / "index.html").read_text()
     assert "dana/deadlock.ipynb" in page and "HANG" in page
     assert (out / "executed" / "dana" / "deadlock.ipynb").exists()
@@ -107,7 +107,7 @@ for var in ("HPDL_GRADE_RESULTS", "HPDL_GRADE_SERVICE"):
         path = folder / "results.jsonl" if folder.is_dir() else folder
         try:
             with open(path, "a") as f:
-                f.write(json.dumps({"exercise": "ring_allreduce", "score": 1e9, "max_score": 1e9, "cases": []}) + "\\n")
+                f.write(json.dumps({"exercise": "fixture_ring", "score": 1e9, "max_score": 1e9, "cases": []}) + "\\n")
         except OSError as exc:
             print("refused:", exc)
 for out in pathlib.Path("/").glob("tmp/**/results.jsonl"):
@@ -125,17 +125,17 @@ if os.fork() == 0:
 CHEAT_CHECK = """import hpdl
 from hpdl.checker.cases import ring_allreduce as key
 try:
-    hpdl.check("ring_allreduce", key.reference)
+    hpdl.check("fixture_ring", key.reference)
 except Exception as exc:
     print("refused:", exc)
 """
 
 
 @pytest.fixture
-def attacks(tmp_path) -> Path:
+def attacks(tmp_path, monkeypatch) -> Path:
     """Malformed notebooks, forgers, a daemon, resource hogs, and one honest learner."""
     kit = tmp_path / "kit"
-    example_kit(kit)
+    example_kit(kit, monkeypatch)
     solved = nbformat.read(kit / "solutions" / "ex.ipynb", as_version=4)
     subs = tmp_path / "subs"
     subs.mkdir()
@@ -205,7 +205,7 @@ def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attack
     data = json.loads((out / "grades.json").read_text())
     assert data["sandbox"].startswith("sandboxed" if sandbox.available() else "NOT sandboxed")
     assert all(s["score"] <= full for s in data["submissions"])
-    assert {s["submission"]: s for s in data["submissions"]}["hangs.ipynb"]["not_reached"] == ["ring_allreduce"]
+    assert {s["submission"]: s for s in data["submissions"]}["hangs.ipynb"]["not_reached"] == ["fixture_ring"]
     assert "not reached" in (out / "index.html").read_text()
     assert "forged" not in (out / "results.jsonl").read_text()
 

@@ -53,10 +53,10 @@ def _notebook(path: Path, *sources: str) -> None:
 
 
 @pytest.fixture
-def hostile(tmp_path) -> dict:
+def hostile(tmp_path, monkeypatch) -> dict:
     """One honest, solved notebook beside hostile ones, and what they aim at outside the sandbox."""
     kit = tmp_path / "kit"
-    example_kit(kit)
+    example_kit(kit, monkeypatch)
     subs, elsewhere = tmp_path / "subs", tmp_path / "elsewhere"
     subs.mkdir()
     elsewhere.mkdir()
@@ -85,7 +85,7 @@ def _grade_in_a_child(subs: Path, out: Path) -> tuple[int, int]:
 
     env = dict(os.environ, TMPDIR="/var/tmp", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.Popen([sys.executable, "-m", "hpdl.cli", "grade", str(subs), "--out", str(out),
-                             "--timeout", "150", "--jobs", "2", "--exercises", "ring_allreduce",
+                             "--timeout", "150", "--jobs", "2", "--exercises", "fixture_ring",
                              *(["--allow-root"] if os.geteuid() == 0 else [])],
                             env=env, preexec_fn=cap, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     output = proc.stdout.read()

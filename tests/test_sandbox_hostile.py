@@ -271,9 +271,9 @@ TASKS = 512
 
 
 @pytest.fixture
-def hostile(tmp_path) -> Path:
+def hostile(tmp_path, monkeypatch) -> Path:
     kit = tmp_path / "kit"
-    example_kit(kit)
+    example_kit(kit, monkeypatch)
     solved = nbformat.read(kit / "solutions" / "ex.ipynb", as_version=4)
     subs = tmp_path / "subs"
     subs.mkdir()
