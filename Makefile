@@ -29,7 +29,7 @@ PYTEST_ARGS ?=
 # JupyterLab refuses to run as root (containers, CI) unless told
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: lab test test-mpi test-hub hub lint setup setup-dev horovod build check-build bench doctor clean-venv cleanup
+.PHONY: lab test test-mpi test-hub hub lint setup setup-dev horovod wheelhouse build check-build bench doctor clean-venv cleanup
 
 lab: setup
 	@echo "hpdl: starting JupyterLab (stop with Ctrl-C; ranks you started stop with it)"
@@ -73,6 +73,19 @@ $(DEV_STAMP): requirements-dev.txt $(STAMP)
 	touch $(DEV_STAMP)
 
 horovod: setup
+
+# A wheelhouse for installing the kit where there is no package index (cluster/README.md §1), e.g.
+#   make wheelhouse PYTHON=/usr/bin/python3 ARGS="--target cuda12 --mpi site --out /shared/hpdl-wheels"
+# (hpdl wheelhouse build --help), run from a small venv of PYTHON's own, the Python the wheels are for
+# (the builder needs only psutil), never the kit's venv.
+WHEELHOUSE_VENV ?= .venv-wheelhouse
+PYVERSION := import platform; print(platform.python_version())
+wheelhouse:
+	@test "$$($(WHEELHOUSE_VENV)/bin/python -c '$(PYVERSION)' 2>/dev/null)" = "$$($(PYTHON) -c '$(PYVERSION)')" \
+	  || $(PYTHON) -m venv --clear $(WHEELHOUSE_VENV)
+	@$(WHEELHOUSE_VENV)/bin/python -c "import psutil" 2>/dev/null || \
+	  $(WHEELHOUSE_VENV)/bin/python -m pip install -q --disable-pip-version-check psutil
+	PYTHONPATH="$(CURDIR)" $(WHEELHOUSE_VENV)/bin/python -m hpdl.cli wheelhouse build $(ARGS)
 
 # The tests that show a kit works on another MPI (not part of `make test`: a second MPI's runs
 # would double CI time): cluster start, %%px, hangs and kills; one check; lessons 00, 03, 04, 06.

@@ -13,6 +13,7 @@ VERBS = {
     "cleanup": ("hpdl.cluster.cleanup", "stop clusters this kit started and left behind"),
     "preflight": ("hpdl.preflight", "one short job on a site's nodes: GPUs, MPI, allreduce; a go/no-go report"),
     "tune": ("hpdl.tune", "measure MPI_Allreduce algorithms, write MPICH's tuning file and a report folder"),
+    "wheelhouse": ("hpdl.wheelhouse", "build a folder of every wheel the kit needs, for an install with no network"),
 }
 
 
