@@ -125,6 +125,25 @@ def _prepare_out(out: Path, target: str, mpi: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def torch_index(target: Target, index: str | None) -> str:
+    """The index to give pip for torch: the target's (or --torch-index) when it answers from here. One
+    that does not answer is left out with a note, not retried by pip for every package: torch is
+    pinned with its label (2.13.0+cpu), so pip's own indexes and find-links can only supply that build."""
+    import urllib.error
+    import urllib.request
+
+    url = target.index if index is None else index
+    if not url:
+        return ""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/torch/", timeout=20):
+            return url
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"hpdl wheelhouse: {url} does not answer from here ({getattr(exc, 'reason', exc)}); torch "
+              f"{target.local} must come from pip's own indexes or find-links", flush=True)
+        return ""
+
+
 def pip_wheels(python: str, out: Path, target: Target, mpi: str, index: str, hub: bool) -> list[str]:
     """Every wheel of the learner set (and the hub's), resolved together; mpi4py built against the
     site's mpicc for --mpi site. Returns the requirement lines the install will ask for."""
@@ -311,7 +330,7 @@ def build(target: str, out: Path, *, mpi: str = "kit", gpu_ops: str = "", index:
     if (target == "cpu") != (gpu_ops == "cpu"):
         raise HpdlError(f"--gpu-ops {gpu_ops} does not go with --target {target}: "
                         "cpu targets build Horovod for the CPU; cuda targets with nccl or mpi.")
-    index = spec.index if index is None else index
+    index = torch_index(spec, index)
     out = out.expanduser().resolve()
     _prepare_out(out, target, mpi)
     started = time.monotonic()

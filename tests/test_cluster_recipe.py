@@ -46,6 +46,7 @@ def test_gpu_recipe_builds_with_the_profiles_build_modules_and_installs_offline(
     cuda = [m for m in nccl.build_modules if m.startswith("cuda/")]
     assert cuda and cuda[0] in gdr.build_modules and cuda[0] in gdr.modules  # MVAPICH2-GDR links its CUDA
     text = README.read_text() + (ROOT / "cluster" / "build" / "README.md").read_text()
+    text += (ROOT / "docs" / "LAUNCHERS.md").read_text() + (ROOT / "benchmarks" / "synthetic.sbatch").read_text()
     assert "cu124" not in text and "cuda/12.4" not in text and "nccl/2.21" not in text
 
 

@@ -62,8 +62,9 @@ def _can_unshare() -> str:
 
 
 def _scripts(kit_src: Path, wheels: Path, kit: Path) -> tuple[str, str]:
-    """The README block split at its "with no network" comment: (build part, install part), with the
-    stand-ins for the clone and the shared folders."""
+    """The README block split at its "with no network" comment: (build part, install part), each with the
+    block's variables, and the stand-ins for the clone and the shared folders."""
+    head = ["set -euo pipefail", 'module() { echo "(module $*: no module system here)"; }']
     online: list[str] = []
     offline: list[str] = []
     part = online
@@ -71,17 +72,16 @@ def _scripts(kit_src: Path, wheels: Path, kit: Path) -> tuple[str, str]:
         cmd = line.split("  #")[0].strip()
         if line.startswith("#"):
             part = offline if "with no network" in line else part
-            continue
-        if cmd.startswith("WHEELS="):
-            cmd = f"true  # stands in for: {cmd}"
+        elif cmd.startswith("WHEELS="):
+            head.append(f"WHEELS={wheels} KIT={kit}  # stands in for: {cmd}")
+        elif re.match(r"[A-Z_]+=\S+$", cmd):
+            head.append(cmd)
         elif cmd.startswith("git clone"):
-            cmd = f"cd {kit_src}  # stands in for: {cmd}"
-        if cmd:
+            part.append(f"cd {kit_src}  # stands in for: {cmd}")
+        elif cmd:
             part.append(cmd)
     assert online and offline, "the README block lost its build / no-network split"
-    head = (f"set -euo pipefail\nmodule() {{ echo \"(module $*: no module system here)\"; }}\n"
-            f"WHEELS={wheels} KIT={kit}\n")
-    return head + "\n".join(online), head + "\n".join(offline)
+    return "\n".join(head + online), "\n".join(head + offline)
 
 
 @pytest.mark.slow
@@ -134,3 +134,42 @@ def _build_install_run(tmp_path: Path, shared: Path) -> None:
     assert not set(DEV_ONLY) & set(result["installed"]), "a learner's venv got developer tools"
     assert {"torch", "horovod", "mpi4py", "jupyterlab", "hpdl"} <= set(result["installed"])
     print(f"wheelhouse: {len(manifest['files'])} files; offline install, doctor and lesson 00: {p.stdout[-300:]}")
+
+
+def test_install_refuses_a_wheelhouse_it_cannot_trust_and_build_picks_torch_per_target(tmp_path):
+    """Cheap: a hand-made wheelhouse of one file, and the build's choices, without building anything."""
+    from hpdl import wheelhouse
+    from hpdl.errors import HpdlError
+
+    wheels = tmp_path / "wh"
+    wheels.mkdir()
+    (wheels / "a-1.0-py3-none-any.whl").write_bytes(b"not really a wheel")
+    meta = {"python": "%d.%d" % sys.version_info[:2], "machine": os.uname().machine, "kit": "0", "target": "cpu",
+            "needs": "-", "mpi": "kit", "files": {"a-1.0-py3-none-any.whl": {"sha256": "0" * 64}}}
+    script = ROOT / "cluster" / "build" / "offline-install.sh"
+
+    def install(*args: str, manifest: dict | None = meta) -> subprocess.CompletedProcess:
+        if manifest is not None:
+            (wheels / "MANIFEST.json").write_text(json.dumps(manifest))
+        return subprocess.run(["bash", str(script), "--from", str(wheels), "--prefix", str(tmp_path / "kit"),
+                               "--python", sys.executable, *args], capture_output=True, text=True, timeout=60)
+
+    p = install()
+    assert p.returncode == 2 and "a-1.0-py3-none-any.whl: damaged (sha256 differs)" in p.stderr, p.stderr
+    p = install(manifest=dict(meta, files={"b-2.0-py3-none-any.whl": {"sha256": "0" * 64}}))
+    assert p.returncode == 2 and "b-2.0-py3-none-any.whl: missing" in p.stderr and "rebuild" in p.stderr, p.stderr
+    p = install(manifest=dict(meta, python="3.99"))
+    assert p.returncode == 2 and "is for Python 3.99" in p.stderr and "--python" in p.stderr, p.stderr
+    (wheels / "MANIFEST.json").unlink()
+    p = install(manifest=None)
+    assert p.returncode == 2 and "has no MANIFEST.json" in p.stderr, p.stderr
+    assert not (tmp_path / "kit").exists()  # nothing made before the wheelhouse was judged
+
+    cuda = wheelhouse.requirement_lines(wheelhouse.TARGETS["cuda12"], "site")
+    assert "torch==2.13.0+cu126" in cuda and not [r for r in cuda if r.startswith(("mpich", "mpi4py"))]
+    cpu = wheelhouse.requirement_lines(wheelhouse.TARGETS["cpu"], "kit")
+    assert "torch==2.13.0+cpu" in cpu and "mpich==5.0.2" in cpu and not [r for r in cpu if "pytest" in r]
+    with pytest.raises(HpdlError, match="holds no MANIFEST.json"):
+        wheelhouse.build("cpu", tmp_path, index="")  # tmp_path is not empty: never someone's folder
+    with pytest.raises(HpdlError, match="does not go with --target cpu"):
+        wheelhouse.build("cpu", tmp_path / "new", gpu_ops="nccl", index="")
