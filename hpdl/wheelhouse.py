@@ -176,7 +176,7 @@ def check_complete(python: str, out: Path, lines: list[str], work: Path) -> None
     reqs.write_text("\n".join(lines) + "\n")
     _run([python, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed", "--no-index",
           "--find-links", str(out), "-r", str(reqs)], "the learner set resolves from the wheelhouse alone",
-         PIP_TIMEOUT, env=_offline_pip_env())
+         PIP_TIMEOUT, env=dict(_offline_pip_env(), PIP_BREAK_SYSTEM_PACKAGES="1"))  # a dry run changes nothing
 
 
 def kept_horovod(out: Path, gpu_ops: str, tag: dict) -> Path | None:
@@ -330,9 +330,9 @@ def build(target: str, out: Path, *, mpi: str = "kit", gpu_ops: str = "", index:
     if (target == "cpu") != (gpu_ops == "cpu"):
         raise HpdlError(f"--gpu-ops {gpu_ops} does not go with --target {target}: "
                         "cpu targets build Horovod for the CPU; cuda targets with nccl or mpi.")
-    index = torch_index(spec, index)
     out = out.expanduser().resolve()
     _prepare_out(out, target, mpi)
+    index = torch_index(spec, index)
     started = time.monotonic()
     tag = _python_tag(python)
     with tempfile.TemporaryDirectory(prefix="hpdl-wheelhouse-") as tmp:
