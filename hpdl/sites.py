@@ -55,8 +55,8 @@ EXPECT_KEYS: dict[str, tuple[type, str]] = {
     "within_node_busbw_GBps_min": (float, "GB/s, at least: allreduce bus bandwidth within a node, largest size"),
     "across_nodes_busbw_GBps_min": (float, "GB/s, at least: allreduce bus bandwidth across nodes, largest size"),
 }
-TOP_KEYS = {"description": str, "modules": list, "setup": str, "mpi_library": str, "slurm": dict, "env": dict,
-            "expect": dict}
+TOP_KEYS = {"description": str, "modules": list, "build_modules": list, "setup": str, "mpi_library": str,
+            "slurm": dict, "env": dict, "expect": dict}
 
 # site field -> the sbatch/srun option that asks for it; the job and its steps use the same three
 RESOURCES = (("ranks_per_node", "ntasks-per-node"), ("cpus_per_rank", "cpus-per-task"),
@@ -89,6 +89,7 @@ class SlurmSite:
     start_timeout: int = 0
     learners_per_node: int = 0
     modules: list[str] = field(default_factory=list)
+    build_modules: list[str] = field(default_factory=list)  # for building (cluster/build), never loaded by ranks
     setup: str = ""
     mpi_library: str = ""
     env: dict[str, str] = field(default_factory=dict)
@@ -170,6 +171,7 @@ def load_site(spec: str | None = None) -> SlurmSite:
         site.name, site.source = path.stem, where
         site.description = data.get("description", "")
         site.modules = list(data.get("modules", []))
+        site.build_modules = list(data.get("build_modules", []))
         site.setup = data.get("setup", "")
         site.mpi_library = data.get("mpi_library", "")
     for key, (kind, _) in SLURM_KEYS.items():
@@ -350,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     print("per learner:     " + learner_share(site))
     prologue = rank_prologue(site)
     print("on every rank:\n" + ("\n".join("    " + line for line in prologue.splitlines()) or "    (nothing)"))
+    if site.build_modules:
+        print("to build (hpdl wheelhouse build, cluster/build; never on the ranks): module load "
+              + " ".join(site.build_modules))
     if site.expect:
         print("expected (hpdl preflight): " + ", ".join(f"{k} = {v}" for k, v in site.expect.items()))
     return 0

@@ -24,7 +24,7 @@ from test_slurm import slurm  # noqa: F401  (the local Slurm: started once, stop
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted(ROOT.glob("cluster/*.md")) + sorted(ROOT.glob("cluster/*/*.md"))
 SHARED_KIT = "/shared/courses/hpdl"  # the docs' example install folder: this kit
-PLACEHOLDERS = {"<yoursite>": "local-slurm"}
+PLACEHOLDERS = {"<yoursite>": "local-slurm", "$KIT": SHARED_KIT}  # $KIT: the install of §1
 
 # (doc, the start of the block's first line) -> (what is done with it here, why)
 BLOCKS = {
@@ -35,10 +35,11 @@ BLOCKS = {
     ("cluster/MPI.md", "hpdl doctor — /work/wt/mpi/.venv-impi"): ("skip", "the doctor's output"),
     ("cluster/MPI.md", " FAIL  mpiexec on PATH"): ("skip", "the doctor's output"),
     ("cluster/MPI.md", 'modules = ["cray-mpich"]'): ("skip", "a site profile's lines (TOML)"),
-    ("cluster/README.md", "git clone <the kit>"): ("paths", "tests/test_cluster_recipe.py runs it in a fresh venv"),
-    ("cluster/README.md", "module load python/3.11 cuda/13.0"): ("paths", "a GPU site's modules and CUDA build"),
-    ("cluster/README.md", "HPDL_SITE=<yoursite> .venv/bin/hpdl"): ("run", "the profile check, cheap here"),
-    ("cluster/README.md", ".venv/bin/hpdl preflight --site"): ("help", "2 nodes; tests/test_preflight.py runs it "
+    ("cluster/README.md", "WHEELS=/shared/hpdl-wheels"): ("paths", "tests/test_offline_install.py runs it as written, "
+                                                          "offline (minutes)"),
+    ("cluster/README.md", "module load cuda/12.6 openmpi/5.0"): ("paths", "a GPU site's modules and CUDA build"),
+    ("cluster/README.md", "HPDL_SITE=<yoursite> $KIT/.venv/bin/hpdl"): ("run", "the profile check, cheap here"),
+    ("cluster/README.md", "$KIT/.venv/bin/hpdl preflight --site"): ("help", "2 nodes; tests/test_preflight.py runs it "
                                                                "on the local Slurm"),
     ("cluster/README.md", "$ hpdl preflight --site local.toml"): ("skip", "preflight's output"),
     ("cluster/README.md", "NO-GO  rank 0 (local 0)"): ("skip", "preflight's output"),
@@ -51,9 +52,9 @@ BLOCKS = {
     ("cluster/jupyterhub/README.md", "make setup"): ("paths", "root, accounts and a hub: tests/test_hub.py runs them"),
     ("cluster/ood/README.md", "sudo cp -r cluster/ood/hpdl-jupyter"): ("paths", "an OnDemand web node; "
                                                                         "tests/test_ood.py runs the app"),
-    ("cluster/README.md", ".venv/bin/hpdl rehearse --site"): ("help", "4 learners' jobs (minutes); "
+    ("cluster/README.md", "$KIT/.venv/bin/hpdl rehearse --site"): ("help", "4 learners' jobs (minutes); "
                                                               "tests/test_course.py rehearses on the local Slurm"),
-    ("cluster/README.md", ".venv/bin/hpdl course end --site"): ("help", "needs the course's learners' group; "
+    ("cluster/README.md", "$KIT/.venv/bin/hpdl course end --site"): ("help", "needs the course's learners' group; "
                                                                "tests/test_course.py runs a dry run and a teardown"),
     ("cluster/README.md", "echo '0 6 * * * root"): ("paths", "a cron line for the teardown's date"),
     ("cluster/slurm/README.md", "cluster/slurm/local-slurm.sh start"): ("run", "the local Slurm the tests use; its "

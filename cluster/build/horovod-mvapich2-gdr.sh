@@ -3,7 +3,7 @@
 # MPI_Allreduce (HOROVOD_GPU_OPERATIONS=MPI), not by NCCL. A thin wrapper: it checks CUDA and
 # MVAPICH2-GDR, sets Horovod's build variables and calls horovod.sh.
 #
-#   module load cuda/12.4 mvapich2-gdr/2.3.7               # or: MV2_PATH=/opt/mvapich2-gdr/...
+#   module load cuda/12.6 mvapich2-gdr/2.3.7               # or: MV2_PATH=/opt/mvapich2-gdr/...
 #   PYTHON=$HOME/hpdl/.venv/bin/python cluster/build/horovod-mvapich2-gdr.sh
 #
 # Horovod compiles against the MPI beside $PYTHON when there is one (the kit's `mpich` wheel:
@@ -56,7 +56,7 @@ else
   export HOROVOD_CUDA_HOME="$cuda_home" HOROVOD_BUILD_CUDA_CC_LIST
   export PATH="$cuda_home/bin:$PATH:$mv2/bin"   # mpicc from MVAPICH2-GDR if none sits beside Python
   echo "horovod-mvapich2-gdr: CUDA $cuda_home, MVAPICH2-GDR $mv2, compute capabilities $HOROVOD_BUILD_CUDA_CC_LIST"
-  PYTHON="$PYTHON" "$here/horovod.sh"
+  PYTHON="$PYTHON" "$here/horovod.sh" "$@"
 fi
 
 # Is the MPI the ranks will load CUDA-aware? Ask the library itself, loaded as the jobs will load it.

@@ -3,12 +3,14 @@
 # RoCE between nodes). A thin wrapper: it finds CUDA and NCCL, sets Horovod's build variables
 # and calls horovod.sh, which builds (once, the wheel is kept) and installs.
 #
-#   module load cuda/12.4 nccl/2.21                       # or name the folders yourself:
-#   NCCL_HOME=/opt/nccl CUDA_HOME=/usr/local/cuda \
+#   module load cuda/12.6                                 # nvcc of torch's CUDA major (12 for cu126)
 #   PYTHON=$HOME/hpdl/.venv/bin/python cluster/build/horovod-nccl.sh
+#   # or name the folders yourself (a site NCCL instead of torch's):
+#   NCCL_HOME=/opt/nccl CUDA_HOME=/usr/local/cuda PYTHON=... cluster/build/horovod-nccl.sh
 #
 # Needs: a CUDA build of torch in $PYTHON's environment, nvcc, NCCL (include/nccl.h and
-# lib/libnccl.so). Variables you may set: NCCL_HOME (or HOROVOD_NCCL_HOME), CUDA_HOME,
+# lib/libnccl.so; by default torch's own nvidia-nccl wheel, the NCCL the ranks load at run time).
+# Variables you may set: NCCL_HOME (or HOROVOD_NCCL_HOME: a site NCCL instead), CUDA_HOME,
 # HOROVOD_BUILD_CUDA_CC_LIST (default: the GPUs seen by nvidia-smi, else those of 70,80,90 nvcc supports),
 # HOROVOD_NCCL_LINK (SHARED by default). See cluster/build/README.md.
 set -euo pipefail
@@ -43,6 +45,19 @@ if [ -z "$cuda_home" ] && [ -n "$nvcc" ]; then cuda_home="$(dirname "$(dirname "
 
 nccl_home="${HOROVOD_NCCL_HOME:-${NCCL_HOME:-${NCCL_ROOT:-${NCCL_DIR:-}}}}"
 if [ -z "$nccl_home" ]; then
+  # torch's own NCCL (the nvidia-nccl-cu12/-cu13 wheel it depends on): the library the ranks load at
+  # run time whatever Horovod was built against, so building against it needs no NCCL module at all.
+  # Its lib/ holds only libnccl.so.2: link it as libnccl.so in a folder of our own.
+  torch_nccl="$("$PYTHON" -c "import os, nvidia.nccl as n; print(os.path.dirname(n.__file__) if n.__file__ else list(n.__path__)[0])" 2>/dev/null || true)"
+  if [ -n "$torch_nccl" ] && [ -f "$torch_nccl/include/nccl.h" ] && [ -e "$torch_nccl/lib/libnccl.so.2" ]; then
+    nccl_home="${XDG_CACHE_HOME:-$HOME/.cache}/hpdl/nccl-from-torch/$(echo "$torch_nccl" | cksum | cut -d' ' -f1)"
+    mkdir -p "$nccl_home/lib"
+    ln -sfn "$torch_nccl/include" "$nccl_home/include"
+    ln -sf "$torch_nccl/lib/libnccl.so.2" "$nccl_home/lib/libnccl.so"
+    echo "horovod-nccl: building against torch's own NCCL ($torch_nccl)"
+  fi
+fi
+if [ -z "$nccl_home" ]; then
   for d in "$cuda_home" /usr /usr/local; do
     if [ -f "$d/include/nccl.h" ]; then nccl_home="$d"; break; fi
   done
@@ -62,5 +77,5 @@ export HOROVOD_NCCL_HOME="$nccl_home" HOROVOD_NCCL_LINK="${HOROVOD_NCCL_LINK:-SH
 export HOROVOD_CUDA_HOME="$cuda_home" HOROVOD_BUILD_CUDA_CC_LIST
 export PATH="$cuda_home/bin:$PATH"
 echo "horovod-nccl: CUDA $cuda_home, NCCL $nccl_home, compute capabilities $HOROVOD_BUILD_CUDA_CC_LIST"
-PYTHON="$PYTHON" "$here/horovod.sh"
+PYTHON="$PYTHON" "$here/horovod.sh" "$@"
 "$PYTHON" -c "import sys, horovod.torch as h; print('horovod-nccl: NCCL built:', bool(h.nccl_built())); sys.exit(0 if h.nccl_built() else 1)"

