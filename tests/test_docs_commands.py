@@ -24,7 +24,9 @@ from test_slurm import slurm  # noqa: F401  (the local Slurm: started once, stop
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted(ROOT.glob("cluster/*.md")) + sorted(ROOT.glob("cluster/*/*.md"))
 SHARED_KIT = "/shared/courses/hpdl"  # the docs' example install folder: this kit
-PLACEHOLDERS = {"<yoursite>": "local-slurm", "$KIT": SHARED_KIT}  # $KIT: the install of §1
+# $KIT: the install of §1; the wheelhouse holds a copy of cluster/build/offline-install.sh
+PLACEHOLDERS = {"<yoursite>": "local-slurm", "$KIT": SHARED_KIT,
+                "$WHEELS/offline-install.sh": "cluster/build/offline-install.sh"}
 
 # (doc, the start of the block's first line) -> (what is done with it here, why)
 BLOCKS = {
@@ -45,7 +47,9 @@ BLOCKS = {
     ("cluster/README.md", "NO-GO  rank 0 (local 0)"): ("skip", "preflight's output"),
     ("cluster/README.md", "salloc -n 4 -t 10"): ("paths", "an interactive allocation; tests/test_slurm.py starts "
                                                  "ranks inside one"),
-    ("cluster/build/README.md", "module load python/3.11 cuda/12.4"): ("paths", "a GPU site's CUDA build of torch"),
+    ("cluster/build/README.md", "# NCCL (nccl-gpu.toml), on a login"): ("paths", "a GPU site's wheelhouse (CUDA "
+                                                                          "modules, download.pytorch.org)"),
+    ("cluster/build/README.md", "module load cuda/12.6"): ("paths", "a GPU site's CUDA build of torch"),
     ("cluster/build/README.md", "# NCCL (NVLink in a node"): ("paths", "GPU builds of Horovod (NCCL, MVAPICH2-GDR)"),
     ("cluster/build/README.md", 'python -c "import horovod.torch'): ("run", "Horovod's build report, seconds"),
     ("cluster/build/README.md", "sbatch -N 2 --ntasks-per-node=4"): ("paths", "two GPU nodes"),
