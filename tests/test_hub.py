@@ -1,10 +1,14 @@
 """The workshop hub (cluster/jupyterhub): JupyterHub + batchspawner's SlurmSpawner on the local Slurm.
 
-Two local accounts log in at once in a real browser (Debian's Chromium, Playwright), PAM checking
-their passwords; each one's JupyterLab is a Slurm job of theirs, and notebook 00 starts its ranks
-inside that job (one srun step). Then, for real: neither can read the other's connection files or
-workspace nor drive the other's ranks; stopping one server from the hub's API ends that job and
-every process of that user; the idle culler stops the other.
+The hub as a site deploys it: installed root-owned outside the kit (install.sh into /opt/hpdl-hub-test),
+over TLS (a self-signed certificate made here), its API on an internal address, its logs in a folder.
+It first refuses to start without TLS. Two local accounts log in at once in a real browser (Debian's
+Chromium, Playwright), PAM checking their passwords; each one's JupyterLab is a Slurm job of theirs,
+and notebook 00 starts its ranks inside that job (one srun step); each saves it. Then, for real:
+neither can read the other's connection files or workspace nor drive the other's ranks; an
+instructor lists the servers but cannot open one, and stops one (its job and every process of that
+user end); the idle culler stops the other; nothing in the kit changed; the hub-stop command stops
+the hub and everything it started.
 
 The whole story is one test (a hub, two jobs, eight ranks: about 1.5 min on two cores, plus the
 hub's and the shared kit's environments the first time). `make test` runs it; alone:
@@ -24,6 +28,7 @@ import secrets
 import shlex
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -39,14 +44,14 @@ from test_slurm import slurm, wait_until as wait_for  # noqa: F401  (the local S
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB_DIR = ROOT / "cluster" / "jupyterhub"
-HUB_ENV = ROOT / ".venv-hub"
+HUB_PREFIX = Path("/opt/hpdl-hub-test")  # the hub's root-owned install (a site's is /opt/hpdl-hub)
 SHARED_VENV = ROOT / ".venv-shared"  # the kit for learners when ours lives where they cannot enter
 GROUP = "hpdl-learners"
 LEARNERS = ("hpdl-ada", "hpdl-bob")
+INSTRUCTOR = "hpdl-ivy"  # not a learner: HPDL_HUB_INSTRUCTORS lets her in
 IDLE_TIMEOUT, CULL_EVERY = 40, 5  # s: short, so the culler acts within the test
 AGREEMENT = "all 4 ranks agree: 10 three times over"
 NOTEBOOK_TIMEOUT = 480  # s: two notebooks at once, eight ranks with torch and Horovod, on two cores
-_LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # runuser lives in /usr/sbin; the learners' commands below run with PATH=/usr/bin:/bin, where
 # subprocess would look for it: name it by its full path
 RUNUSER = shutil.which("runuser") or "runuser"
@@ -78,13 +83,14 @@ def kit_venv() -> Path:
 
 
 @pytest.fixture(scope="module")
-def hub_env(kit_venv) -> Path:
-    p = subprocess.run(["bash", str(HUB_DIR / "install.sh")], capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "HPDL_KIT_VENV": str(kit_venv), "HPDL_HUB_ENV": str(HUB_ENV)})
+def hub_install(kit_venv) -> Path:
+    """The hub installed as a site installs it (root-owned, outside the kit); refreshed each run."""
+    p = subprocess.run(["bash", str(HUB_DIR / "install.sh")], capture_output=True, text=True, timeout=1200,
+                       env={**os.environ, "HPDL_KIT_VENV": str(kit_venv), "HPDL_HUB_PREFIX": str(HUB_PREFIX)})
     if p.returncode == 3:
         pytest.skip(p.stderr.strip().splitlines()[-1])
-    assert p.returncode == 0, f"install.sh failed:\n{p.stdout}{p.stderr}"
-    return HUB_ENV
+    assert p.returncode == 0, f"install.sh failed:\n{p.stdout[-3000:]}{p.stderr[-3000:]}"
+    return HUB_PREFIX
 
 
 @dataclass
@@ -151,18 +157,20 @@ def _remove_account(name: str) -> None:
 
 @pytest.fixture
 def learners(slurm) -> dict[str, Learner]:  # noqa: F811  (the fixture imported above)
-    """Two fresh local accounts in the learners' group, with passwords; removed afterwards."""
+    """Two fresh local accounts in the learners' group and an instructor outside it, with passwords;
+    removed afterwards."""
     subprocess.run(["groupadd", "-f", GROUP], check=True, timeout=30)
     made = {}
-    for name in LEARNERS:
+    for name in (*LEARNERS, INSTRUCTOR):
         _remove_account(name)  # a fresh home each run
-        subprocess.run(["useradd", "-m", "-s", "/bin/bash", "-G", GROUP, name], check=True, timeout=30)
+        groups = ["-G", GROUP] if name in LEARNERS else []
+        subprocess.run(["useradd", "-m", "-s", "/bin/bash", *groups, name], check=True, timeout=30)
         password = secrets.token_urlsafe(12)
         subprocess.run(["chpasswd"], input=f"{name}:{password}\n", text=True, check=True, timeout=30)
         made[name] = Learner(name, password, int(subprocess.check_output(["id", "-u", name])),
                              Path(os.path.expanduser(f"~{name}")))
     yield made
-    for name in LEARNERS:
+    for name in (*LEARNERS, INSTRUCTOR):
         _remove_account(name)
 
 
@@ -170,14 +178,22 @@ def learners(slurm) -> dict[str, Learner]:  # noqa: F811  (the fixture imported 
 class Hub:
     url: str
     token: str
-    log: Path
+    log: Path  # its console output
+    log_dir: Path  # HPDL_HUB_LOG_DIR
+    state: Path
+    cert: Path
     proc: subprocess.Popen
+
+    def opener(self) -> urllib.request.OpenerDirector:
+        """Requests that trust only the hub's own certificate (self-signed here)."""
+        return urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(
+            context=ssl.create_default_context(cafile=str(self.cert))))
 
     def api(self, path: str, method: str = "GET") -> tuple[int, object]:
         req = urllib.request.Request(f"{self.url}/hub/api{path}", method=method)
         req.add_header("Authorization", f"token {self.token}")
         try:
-            with _LOCAL.open(req, timeout=60) as r:
+            with self.opener().open(req, timeout=60) as r:
                 body = r.read()
                 return r.status, json.loads(body) if body else None
         except urllib.error.HTTPError as e:
@@ -189,33 +205,72 @@ class Hub:
         return user["servers"]
 
 
-@pytest.fixture
-def hub(hub_env, kit_venv, learners, tmp_path) -> Hub:
-    """The hub of cluster/jupyterhub as an instructor starts it, on free ports, with a short idle
-    timeout and one extra service: this test's token for the admin API."""
-    port, hub_port, api_port = free_port(), free_port(), free_port()
-    token = secrets.token_hex(24)
+def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key (openssl), as a site's would be for the hub's name."""
+    folder.mkdir(mode=0o700)
+    cert, key = folder / "hub.crt", folder / "hub.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def hub_environment(hub_install: Path, kit_venv: Path, tmp_path: Path, ports: dict[str, int], token: str) -> dict:
+    """The hub's settings as a site's hub.env holds them, with this test's ports, folders, certificate
+    and short idle timeout, and a site config adding one service: this test's token for the admin API."""
     site = tmp_path / "site_config.py"
     site.write_text(f"""
-c.JupyterHub.bind_url = "http://127.0.0.1:{port}"
-c.JupyterHub.hub_port = {hub_port}
-c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{api_port}"
+c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{ports['proxy_api']}"
 c.JupyterHub.services.append({{"name": "hpdl-test", "api_token": "{token}"}})
 c.JupyterHub.load_roles.append({{"name": "hpdl-test", "services": ["hpdl-test"],
                                  "scopes": ["admin:users", "admin:servers", "list:users"]}})
 """)
-    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
-           "HPDL_KIT_VENV": str(kit_venv), "HPDL_HUB_ENV": str(hub_env), "HPDL_HUB_STATE": str(tmp_path / "state"),
-           "HPDL_HUB_SITE_CONFIG": str(site), "HPDL_HUB_GROUP": GROUP,
-           "HPDL_SITE": "local-slurm",  # this machine's Slurm (cluster/slurm/local-slurm.sh) as a site
-           "HPDL_HUB_IDLE_TIMEOUT": str(IDLE_TIMEOUT), "HPDL_HUB_CULL_EVERY": str(CULL_EVERY)}
-    log = tmp_path / "jupyterhub.log"
+    cert, key = self_signed_certificate(tmp_path / "tls")
+    return {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
+            "HPDL_KIT_VENV": str(kit_venv), "HPDL_HUB_STATE": str(tmp_path / "state"),
+            "HPDL_HUB_LOG_DIR": str(tmp_path / "log"), "HPDL_HUB_SITE_CONFIG": str(site), "HPDL_HUB_GROUP": GROUP,
+            "HPDL_HUB_SSL_CERT": str(cert), "HPDL_HUB_SSL_KEY": str(key),
+            "HPDL_HUB_BIND_URL": f"https://127.0.0.1:{ports['public']}", "HPDL_HUB_API_PORT": str(ports["api"]),
+            "HPDL_HUB_INSTRUCTORS": INSTRUCTOR,
+            "HPDL_SITE": "local-slurm",  # this machine's Slurm (cluster/slurm/local-slurm.sh) as a site
+            "HPDL_HUB_IDLE_TIMEOUT": str(IDLE_TIMEOUT), "HPDL_HUB_CULL_EVERY": str(CULL_EVERY)}
+
+
+def refuses_without_tls(hub_install: Path, env: dict) -> None:
+    """Without a certificate (and no TLS proxy declared) the hub does not start, and says what to do."""
+    plain = {k: v for k, v in env.items() if not k.startswith("HPDL_HUB_SSL_")}
+    p = subprocess.run([str(hub_install / "bin" / "hpdl-hub")], env=plain, capture_output=True, text=True,
+                       timeout=180, stdin=subprocess.DEVNULL)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert "hpdl hub: cannot start: no TLS" in p.stderr and "HPDL_HUB_TLS_PROXY=1" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def stop_hub(h: Hub, env: dict) -> str:
+    """The documented stop (hpdl-hub-stop); SIGKILL to the group only if it failed, then say so."""
+    p = subprocess.run([str(HUB_PREFIX / "bin" / "hpdl-hub-stop"), "120"], env=env, capture_output=True, text=True,
+                       timeout=200)
+    if h.proc.poll() is None:
+        os.killpg(h.proc.pid, signal.SIGKILL)
+        h.proc.wait(10)
+    return "" if p.returncode == 0 and h.proc.returncode == 0 else f"hpdl-hub-stop: {p.returncode} {p.stdout}{p.stderr}"
+
+
+@pytest.fixture
+def hub(hub_install, kit_venv, learners, tmp_path) -> Hub:
+    """The hub as an instructor starts it (its bin/hpdl-hub, as root) on free ports, stopped by its
+    bin/hpdl-hub-stop; nothing it started may outlive it."""
+    ports = {k: free_port() for k in ("public", "api", "proxy_api")}
+    token = secrets.token_hex(24)
+    env = hub_environment(hub_install, kit_venv, tmp_path, ports, token)
+    refuses_without_tls(hub_install, env)
+    log = tmp_path / "jupyterhub.out"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([str(hub_env / "bin" / "jupyterhub"), "-f", str(HUB_DIR / "jupyterhub_config.py")],
-                                cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    h = Hub(f"http://127.0.0.1:{port}", token, log, proc)
-    family = []
+        proc = subprocess.Popen([str(hub_install / "bin" / "hpdl-hub")], cwd=tmp_path, env=env,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    h = Hub(f"https://127.0.0.1:{ports['public']}", token, log, tmp_path / "log", tmp_path / "state",
+            Path(env["HPDL_HUB_SSL_CERT"]), proc)
+    family, stopped = [], "not stopped"
     try:
         def up():
             if proc.poll() is not None:
@@ -224,21 +279,17 @@ c.JupyterHub.load_roles.append({{"name": "hpdl-test", "services": ["hpdl-test"],
                 return h.api("/")[0] == 200
             except OSError:
                 return False
-        wait_for(up, 60, "the hub did not answer")
+        wait_for(up, 90, "the hub did not answer")
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         yield h
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # the hub stops its servers (their jobs) and the proxy
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stopped = stop_hub(h, env)
         left = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         for p in left:
             p.kill()
         print(f"hub log: {log}")
+    assert not stopped, stopped
+    assert not (h.state / "jupyterhub.pid").exists(), "the hub left its pid file"
     assert not left, f"left running after the hub stopped: {describe(left)}"
 
 
@@ -495,12 +546,19 @@ def load_hub_config(monkeypatch, tmp_path, **env: str):
     """jupyterhub_config.py as JupyterHub loads it (get_config(), then the file's statements)."""
     from traitlets.config import Config
 
-    monkeypatch.setenv("HPDL_HUB_STATE", str(tmp_path / "state"))
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    tls = tmp_path / "tls"
+    tls.mkdir(exist_ok=True)
+    for name in ("hub.crt", "hub.key"):
+        (tls / name).touch()
+    defaults = {"HPDL_HUB_STATE": str(tmp_path / "state"), "HPDL_HUB_LOG_DIR": str(tmp_path / "log"),
+                "HPDL_HUB_SSL_CERT": str(tls / "hub.crt"), "HPDL_HUB_SSL_KEY": str(tls / "hub.key"),
+                "HPDL_HUB_API_IP": "127.0.0.1"}
+    for name, value in {**defaults, **env}.items():
+        monkeypatch.setenv(name, value)  # "" unsets a setting
     config = Config()
     path = HUB_DIR / "jupyterhub_config.py"
-    exec(compile(path.read_text(), str(path), "exec"), {"get_config": lambda: config, "__file__": str(path)})
+    exec(compile(path.read_text(), str(path), "exec"),
+         {"get_config": lambda: config, "__file__": str(path), "load_subconfig": lambda f: None})
     return config
 
 
@@ -511,7 +569,7 @@ def render_batch_script(config, **req: str) -> str:
     s = config.SlurmSpawner
     values = {"nprocs": s.req_nprocs, "runtime": s.req_runtime, "partition": s.req_partition,
               "account": s.req_account, "qos": s.req_qos, "options": s.req_options, "prologue": s.req_prologue,
-              "reservation": "", "gres": "", "homedir": "/home/ada", "username": "ada",
+              "reservation": s.req_reservation, "gres": "", "homedir": "/home/ada", "username": "ada",
               "keepvars": "PATH,LANG,JUPYTERHUB_API_TOKEN,HOME,USER,SHELL",
               "cmd": " ".join([s.batchspawner_singleuser_cmd, *s.cmd]), **req}
     return jinja2.Template(s.batch_script).render(**values)
@@ -565,3 +623,51 @@ def test_hub_job_follows_the_site_profile_and_its_overrides_reach_the_ranks(monk
     exports = re.findall(r"^export (HPDL_SITE|HPDL_SLURM_\w+)=(.*)$", script, re.M)
     assert dict(exports) == {"HPDL_SITE": '"local-slurm"', "HPDL_SLURM_CPUS_PER_RANK": "2",
                              "HPDL_SLURM_SBATCH": "--mem=0"}, exports
+
+
+def test_hub_refuses_an_open_network_and_instructors_cannot_act_as_learners(monkeypatch, tmp_path, capsys):
+    """Before it starts, the hub refuses plain HTTP on an open address, an API on every interface and
+    (as root) a file someone else could change, each time saying what to do; instructors get a role
+    that lists and stops servers, never opens one; logs rotate in their folder; the reservation."""
+    site = tmp_path / "site_config.py"
+    site.write_text("")
+    site.chmod(0o666)
+    no_tls = {"HPDL_HUB_SSL_CERT": "", "HPDL_HUB_SSL_KEY": ""}
+    refusals = [
+        (no_tls, "no TLS: learners' passwords would cross the network in clear"),
+        ({**no_tls, "HPDL_HUB_TLS_PROXY": "1", "HPDL_HUB_BIND_URL": "http://0.0.0.0:8000"}, "behind a TLS proxy"),
+        ({"HPDL_HUB_SSL_CERT": ""}, "set both HPDL_HUB_SSL_CERT and HPDL_HUB_SSL_KEY"),
+        ({"HPDL_HUB_API_IP": "0.0.0.0"}, "must not listen on every interface"),
+    ]
+    if os.geteuid() == 0:
+        refusals.append(({"HPDL_HUB_SITE_CONFIG": str(site)}, f"{site} is writable by its group or everyone"))
+    for env, said in refusals:
+        with pytest.raises(SystemExit) as stopped:
+            load_hub_config(monkeypatch, tmp_path, **env)
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and err.startswith("hpdl hub: cannot start: ") and said in err, (env, err)
+        for name in env:
+            monkeypatch.delenv(name, raising=False)
+    # behind a declared TLS proxy: plain HTTP, on this host only
+    config = load_hub_config(monkeypatch, tmp_path, **no_tls, HPDL_HUB_TLS_PROXY="1")
+    assert config.JupyterHub.bind_url == "http://127.0.0.1:8000" and not config.JupyterHub.get("ssl_cert")
+    monkeypatch.delenv("HPDL_HUB_TLS_PROXY")
+    config = load_hub_config(monkeypatch, tmp_path, HPDL_HUB_API_IP="10.1.0.5", HPDL_HUB_CONNECT_HOST="login1",
+                             HPDL_HUB_INSTRUCTORS="ivy, joe", HPDL_HUB_RESERVATION="workshop")
+    assert config.JupyterHub.bind_url == "https://:443" and config.JupyterHub.ssl_cert.endswith("hub.crt")
+    assert (config.JupyterHub.hub_bind_url, config.JupyterHub.hub_connect_url) == \
+        ("http://10.1.0.5:8081", "http://login1:8081")
+    roles = {r["name"]: set(r["scopes"]) for r in config.JupyterHub.load_roles}
+    assert roles["user"] == {"self"}
+    assert {"admin-ui", "list:users", "read:servers", "delete:servers"} <= roles["instructor"]
+    assert not roles["instructor"] & {"access:servers", "admin:servers", "servers", "admin:users", "users", "tokens"}
+    assert config.JupyterHub.load_groups == {"instructors": {"users": ["ivy", "joe"]}}
+    assert config.Authenticator.admin_users == set() and config.Authenticator.allowed_users == {"ivy", "joe"}
+    assert "--reservation=workshop" in sbatch_options(render_batch_script(config))
+    # the hub's log and the culler's, each rotated, in the log folder
+    handler = config.JupyterHub.extra_log_handlers[0]
+    assert handler.baseFilename == str(tmp_path / "log" / "jupyterhub.log") and handler.maxBytes and handler.backupCount
+    culler = next(s for s in config.JupyterHub.services if s["name"] == "idle-culler")
+    culler_config = Path(next(a for a in culler["command"] if a.startswith("--config=")).split("=", 1)[1])
+    assert str(tmp_path / "log" / "idle-culler.log") in culler_config.read_text()
+    assert culler["cwd"] == str(tmp_path / "state")  # the culler reads ./idle_culler_config.py: never a shared folder
