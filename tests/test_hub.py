@@ -21,6 +21,7 @@ it skips saying which. The configuration itself is checked by the cheap test at 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -28,7 +29,9 @@ import secrets
 import shlex
 import shutil
 import signal
+import socket
 import ssl
+import stat
 import subprocess
 import sys
 import time
@@ -182,6 +185,7 @@ class Hub:
     log_dir: Path  # HPDL_HUB_LOG_DIR
     state: Path
     cert: Path
+    api_port: int
     proc: subprocess.Popen
 
     def opener(self) -> urllib.request.OpenerDirector:
@@ -269,7 +273,7 @@ def hub(hub_install, kit_venv, learners, tmp_path) -> Hub:
         proc = subprocess.Popen([str(hub_install / "bin" / "hpdl-hub")], cwd=tmp_path, env=env,
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     h = Hub(f"https://127.0.0.1:{ports['public']}", token, log, tmp_path / "log", tmp_path / "state",
-            Path(env["HPDL_HUB_SSL_CERT"]), proc)
+            Path(env["HPDL_HUB_SSL_CERT"]), ports["api"], proc)
     family, stopped = [], "not stopped"
     try:
         def up():
@@ -350,8 +354,8 @@ def secrets_of(learner: Learner, job: str) -> dict[str, list[str]]:
 
 
 # -- the browser -----------------------------------------------------------------------------------
-def log_in(page, hub: Hub, learner: Learner, password: str | None = None) -> None:
-    page.goto(f"{hub.url}/hub/login", wait_until="domcontentloaded")
+def log_in(page, hub: Hub, learner: Learner, password: str | None = None, then: str = "") -> None:
+    page.goto(f"{hub.url}/hub/login" + (f"?next={then}" if then else ""), wait_until="domcontentloaded")
     page.fill("#username_input", learner.name)
     page.fill("#password_input", password or learner.password)
     page.click("#login_submit")
@@ -392,6 +396,91 @@ def job_of(hub: Hub, learner: Learner) -> str:
     return hub.servers(learner.name)[""]["state"]["job_id"]
 
 
+# -- the kit read-only, the hub root's alone, the instructor -------------------------------------------
+KIT_SKIP = (".git", ".pytest_cache", ".ruff_cache", "__pycache__", "node_modules")
+
+
+def kit_files() -> dict[str, tuple[str, int]]:
+    """Every file of the kit (not its venvs, caches or git): its content's hash and its owner."""
+    found = {}
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in KIT_SKIP and not d.startswith(".venv")]
+        for name in files:
+            path = Path(folder) / name
+            st = path.lstat()
+            data = os.readlink(path).encode() if path.is_symlink() else path.read_bytes()
+            found[str(path.relative_to(ROOT))] = (hashlib.sha256(data).hexdigest(), st.st_uid)
+    return found
+
+
+TRY_WRITE = """
+import json, os, sys
+root, skip, writable = sys.argv[1], set(json.loads(sys.argv[2])), []
+for folder, dirs, files in os.walk(root):
+    dirs[:] = [d for d in dirs if d not in skip and not d.startswith(".venv")]
+    writable += [os.path.join(folder, n) for n in (".", *files) if os.access(os.path.join(folder, n), os.W_OK)]
+print(json.dumps(writable))
+"""
+
+
+def saved_notebook(learner: Learner) -> list[Path]:
+    """The learner's saved notebook 00 with the ranks' answer in it: theirs, in their home."""
+    return [p for p in learner.home.rglob("00_welcome.ipynb") if ".ipynb_checkpoints" not in p.parts
+            and p.stat().st_uid == learner.uid and AGREEMENT in p.read_text()]
+
+
+def hub_runs_only_roots_files(hub: Hub, kit_venv: Path) -> None:
+    """What the root hub, its proxy and its culler run (executables, libraries, every file on the hub's
+    Python path, its config) is root's alone and outside the kit; and none listens on every interface."""
+    family = [psutil.Process(hub.proc.pid), *psutil.Process(hub.proc.pid).children(recursive=True)]
+    assert {p.uids().real for p in family} == {0} and len(family) >= 3, describe(family)  # hub, proxy, culler
+    files = set()
+    for p in family:
+        files |= {p.exe(), *(m.path for m in p.memory_maps() if m.path.startswith("/")),
+                  *(f.path for f in p.open_files()), *(a for a in p.cmdline() if a.startswith("/"))}
+    sys_path = json.loads(subprocess.check_output([str(HUB_PREFIX / "venv" / "bin" / "python"), "-c",
+                                                   "import json, sys; print(json.dumps(sys.path))"], cwd="/"))
+    for top in [HUB_PREFIX, *sys_path]:
+        for folder, _, names in os.walk(top):
+            files |= {folder, *(os.path.join(folder, n) for n in names)}
+    kit = (f"{ROOT}/", f"{kit_venv.resolve()}/")
+    bad = []
+    for f in sorted(f for f in files if os.path.exists(f)):
+        real, st = os.path.realpath(f), os.stat(f)
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            continue  # /dev/null and the like
+        if real.startswith(kit) or st.st_uid != 0 or (st.st_mode & 0o022 and not stat.S_ISVTX & st.st_mode):
+            bad.append(f"{f} ({real}, uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+    assert len(files) > 1000 and not bad, f"the root hub runs files others can change: {bad[:20]}"
+    listening = {(c.laddr.ip, c.laddr.port) for p in family for c in p.net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN}
+    assert not {ip for ip, _ in listening} & {"0.0.0.0", "::"}, listening
+    # the API on the address the host's name resolves to (HPDL_HUB_API_IP's default), which Slurm's nodes reach
+    assert (socket.gethostbyname(socket.gethostname()), hub.api_port) in listening, listening
+
+
+def instructor_lists_and_stops_but_cannot_enter(page, hub: Hub, instructor: Learner, learner: Learner) -> None:
+    """The instructor role: the admin page and every user's servers; a learner's server stopped;
+    never inside it (its files) nor a token of the learner's."""
+    log_in(page, hub, instructor, then="/hub/home")  # home, not a server of her own (no job for her)
+    page.wait_for_url(re.compile(r"/hub/home"), timeout=60_000)
+    request = page.context.request
+    xsrf = {c["name"]: c["value"] for c in page.context.cookies()}.get("_xsrf", "")
+    headers = {"X-XSRFToken": xsrf, "Referer": f"{hub.url}/hub/home"}
+    assert request.get(f"{hub.url}/hub/admin").status == 200
+    users = request.get(f"{hub.url}/hub/api/users", headers=headers)
+    assert users.status == 200, (users.status, users.text()[:300])
+    listed = {u["name"]: u for u in users.json()}
+    assert set(LEARNERS) <= set(listed) and listed[learner.name]["servers"][""]["ready"], listed
+    refused = {"open the learner's files": request.get(f"{hub.url}/user/{learner.name}/api/contents/"),
+               "take a token of the learner's": request.post(f"{hub.url}/hub/api/users/{learner.name}/tokens",
+                                                              headers=headers, data={})}
+    for what, r in refused.items():
+        assert r.status == 403, (what, r.status, r.text()[:300])
+    stop = request.delete(f"{hub.url}/hub/api/users/{learner.name}/server", headers=headers)
+    assert stop.status in (202, 204), (stop.status, stop.text()[:300])
+
+
 # -- the test --------------------------------------------------------------------------------------
 @pytest.mark.hub
 @pytest.mark.slow
@@ -401,6 +490,10 @@ def test_two_learners_on_the_hub_each_in_their_own_slurm_job(chromium, hub, lear
 
     ada, bob = learners["hpdl-ada"], learners["hpdl-bob"]
     python = kit_venv / "bin" / "python"
+    hub_runs_only_roots_files(hub, kit_venv)
+    kit_before = kit_files()
+    # the kit is read-only to learners
+    assert as_user(ada, python, TRY_WRITE, str(ROOT), json.dumps(sorted(KIT_SKIP))) == []
     t0 = time.monotonic()
     times = {}
     with sync_playwright() as p:
@@ -408,7 +501,7 @@ def test_two_learners_on_the_hub_each_in_their_own_slurm_job(chromium, hub, lear
         pages = {}
         try:
             for learner in (ada, bob):
-                ctx = browser.new_context(viewport={"width": 1400, "height": 1600})
+                ctx = browser.new_context(viewport={"width": 1400, "height": 1600}, ignore_https_errors=True)
                 pages[learner.name] = ctx.new_page()
                 pages[learner.name].set_default_timeout(60_000)
             # PAM checks the password: a wrong one is refused
@@ -424,6 +517,10 @@ def test_two_learners_on_the_hub_each_in_their_own_slurm_job(chromium, hub, lear
                 expect(pages[learner.name].locator(".jp-OutputArea-output").filter(has_text=AGREEMENT).first) \
                     .to_be_attached(timeout=NOTEBOOK_TIMEOUT * 1000)
             times["both notebooks run"] = time.monotonic() - t0
+            for learner in (ada, bob):  # each saves the notebook: in their own folder, as themselves
+                pages[learner.name].keyboard.press("Control+s")
+            for learner in (ada, bob):
+                wait_for(lambda: saved_notebook(learner), 60, f"{learner.name}'s notebook 00 was not saved")
 
             # -- each notebook ran its ranks inside its learner's own Slurm job --------------------
             jobs = {}
@@ -511,10 +608,12 @@ def test_two_learners_on_the_hub_each_in_their_own_slurm_job(chromium, hub, lear
             page.context.close()
             bob_left = time.monotonic()
 
-            # -- the hub stops ada's server: her job, JupyterLab, kernel and ranks all end -----------
+            # -- an instructor sees everyone's servers, cannot open ada's, and stops it: her job, ------
+            # -- JupyterLab, kernel and ranks all end --------------------------------------------------
             assert [p for p in user_processes(ada.uid) if "ipyparallel.engine" in " ".join(p.cmdline())]
-            status, body = hub.api(f"/users/{ada.name}/server", method="DELETE")
-            assert status in (202, 204), body
+            ivy = learners[INSTRUCTOR]
+            pages[ivy.name] = browser.new_context(ignore_https_errors=True).new_page()
+            instructor_lists_and_stops_but_cannot_enter(pages[ivy.name], hub, ivy, ada)
             wait_for(lambda: not hub.servers(ada.name), 120, "ada's server was not stopped")
             wait_for(lambda: squeue_user(ada.name) == "", 60, f"ada's job {jobs[ada.name]} did not end")
             nothing_left_of(ada, "her server was stopped")
@@ -524,12 +623,18 @@ def test_two_learners_on_the_hub_each_in_their_own_slurm_job(chromium, hub, lear
             wait_for(lambda: not hub.servers(bob.name), IDLE_TIMEOUT + 4 * CULL_EVERY + 120,
                      "the idle culler did not stop bob's server")
             culled_after = time.monotonic() - bob_left
-            assert re.search(rf"[Cc]ulling server {bob.name}\b", hub.log.read_text()), "not culled by the idle culler"
+            culler_log = (hub.log_dir / "idle-culler.log").read_text()  # the culler logs in the hub's log folder
+            assert re.search(rf"[Cc]ulling server {bob.name}\b", culler_log), "not culled by the idle culler"
             wait_for(lambda: squeue_user(bob.name) == "", 60, f"bob's job {jobs[bob.name]} did not end")
             nothing_left_of(bob, "the culler stopped his server")
             times["bob's server culled"] = time.monotonic() - t0
             # nobody was culled while working: ada's server was stopped by the API, not the culler
-            assert not re.search(rf"[Cc]ulling server {ada.name}\b", hub.log.read_text())
+            assert not re.search(rf"[Cc]ulling server {ada.name}\b", culler_log)
+            assert f"JupyterHub is now running at {hub.url}" in (hub.log_dir / "jupyterhub.log").read_text()
+            # nothing in the kit changed, nothing in it is a learner's
+            kit_after = kit_files()
+            changed = sorted(k for k in kit_before.keys() | kit_after.keys() if kit_before.get(k) != kit_after.get(k))
+            assert not changed, f"the kit changed while learners worked: {changed[:20]}"
         finally:
             for page in pages.values():
                 try:
