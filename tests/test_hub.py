@@ -252,8 +252,8 @@ def refuses_without_tls(hub_install: Path, env: dict) -> None:
 
 def stop_hub(h: Hub, env: dict) -> str:
     """The documented stop (hpdl-hub-stop); SIGKILL to the group only if it failed, then say so."""
-    p = subprocess.run([str(HUB_PREFIX / "bin" / "hpdl-hub-stop"), "120"], env=env, capture_output=True, text=True,
-                       timeout=200)
+    p = subprocess.run([str(HUB_PREFIX / "bin" / "hpdl-hub-stop"), "240"], env=env, capture_output=True, text=True,
+                       timeout=300)
     if h.proc.poll() is None:
         os.killpg(h.proc.pid, signal.SIGKILL)
         h.proc.wait(10)
@@ -438,8 +438,9 @@ def hub_runs_only_roots_files(hub: Hub, kit_venv: Path) -> None:
     for p in family:
         files |= {p.exe(), *(m.path for m in p.memory_maps() if m.path.startswith("/")),
                   *(f.path for f in p.open_files()), *(a for a in p.cmdline() if a.startswith("/"))}
-    sys_path = json.loads(subprocess.check_output([str(HUB_PREFIX / "venv" / "bin" / "python"), "-c",
-                                                   "import json, sys; print(json.dumps(sys.path))"], cwd="/"))
+    sys_path = json.loads(subprocess.check_output(  # as the hub's Python sees it: no PYTHONPATH
+        [str(HUB_PREFIX / "venv" / "bin" / "python"), "-c", "import json, sys; print(json.dumps(sys.path))"],
+        cwd="/", env={"PATH": "/usr/bin:/bin"}))
     for top in [HUB_PREFIX, *sys_path]:
         for folder, _, names in os.walk(top):
             files |= {folder, *(os.path.join(folder, n) for n in names)}
@@ -770,8 +771,9 @@ def test_hub_refuses_an_open_network_and_instructors_cannot_act_as_learners(monk
     assert config.Authenticator.admin_users == set() and config.Authenticator.allowed_users == {"ivy", "joe"}
     assert "--reservation=workshop" in sbatch_options(render_batch_script(config))
     # the hub's log and the culler's, each rotated, in the log folder
-    handler = config.JupyterHub.extra_log_handlers[0]
-    assert handler.baseFilename == str(tmp_path / "log" / "jupyterhub.log") and handler.maxBytes and handler.backupCount
+    handler = config.JupyterHub.logging_config["handlers"]["file"]
+    assert handler["filename"] == str(tmp_path / "log" / "jupyterhub.log") and handler["maxBytes"] > 0
+    assert "file" in config.JupyterHub.logging_config["loggers"]["JupyterHub"]["handlers"] and handler["backupCount"]
     culler = next(s for s in config.JupyterHub.services if s["name"] == "idle-culler")
     culler_config = Path(next(a for a in culler["command"] if a.startswith("--config=")).split("=", 1)[1])
     assert str(tmp_path / "log" / "idle-culler.log") in culler_config.read_text()

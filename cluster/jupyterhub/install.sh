@@ -53,6 +53,7 @@ unsafe() {
 
 [ "$(id -u)" = 0 ] || cannot "run as root: the hub's install is root-owned (sudo $0)"
 cd /  # `python -m`/`-c` put the working folder first on sys.path: never the kit's, never the caller's
+unset PYTHONPATH PYTHONHOME PYTHONSTARTUP PYTHONUSERBASE  # nor the caller's Python settings
 command -v runuser >/dev/null || cannot "no runuser (util-linux)"
 KIT_PY="$KIT_VENV/bin/python"
 kit_info="$(as_nobody "$KIT_PY" -c 'import hpdl, jupyterlab, sys; print(sys.version_info[0], sys.version_info[1], sys._base_executable)' 2>/dev/null)" \
@@ -117,6 +118,8 @@ printf '{"kit": "%s", "kit_venv": "%s"}\n' "$kit" "$KIT_VENV" > "$PREFIX/etc/ins
 cat > "$PREFIX/bin/hpdl-hub" <<EOF
 #!/bin/sh
 # The workshop hub (as root; settings from the environment, e.g. $PREFIX/etc/hub.env). Written by install.sh.
+# No inherited Python path: what the root hub imports is what install.sh put here.
+unset PYTHONPATH PYTHONHOME PYTHONSTARTUP PYTHONUSERBASE
 cd / && exec "$PREFIX/venv/bin/jupyterhub" -f "$PREFIX/etc/jupyterhub_config.py" "\$@"
 EOF
 install -m 0755 "$here/stop-hub.sh" "$PREFIX/bin/hpdl-hub-stop"

@@ -21,7 +21,6 @@ from hpdl/settings.py, which this file reads them through).
 """
 import ipaddress
 import json
-import logging.handlers
 import os
 import shlex
 import socket
@@ -145,11 +144,14 @@ c.JupyterHub.pid_file = str(STATE / "jupyterhub.pid")  # what hpdl-hub-stop sign
 c.ConfigurableHTTPProxy.pid_file = str(STATE / "jupyterhub-proxy.pid")
 c.ConfigurableHTTPProxy.command = [str(PROXY)]
 # The hub's own log (with tornado's), rotated; its console output goes to the journal as well.
-# (JupyterHub's extra_log_file is deprecated: this is the handler it recommends in its place.)
-_log_file = logging.handlers.RotatingFileHandler(LOG_DIR / "jupyterhub.log", maxBytes=LOG_BYTES,
-                                                 backupCount=LOG_KEEP, encoding="utf-8")
-_log_file.setFormatter(logging.Formatter("[%(levelname)1.1s %(asctime)s %(name)s %(module)s:%(lineno)d] %(message)s"))
-c.JupyterHub.extra_log_handlers = [_log_file]
+# (JupyterHub's extra_log_file is deprecated: a logging handler, through traitlets' logging_config.)
+c.JupyterHub.logging_config = {
+    "formatters": {"file": {"format": "[%(levelname)1.1s %(asctime)s %(name)s %(module)s:%(lineno)d] %(message)s"}},
+    "handlers": {"file": {"class": "logging.handlers.RotatingFileHandler", "formatter": "file", "level": "INFO",
+                          "filename": str(LOG_DIR / "jupyterhub.log"), "maxBytes": LOG_BYTES,
+                          "backupCount": LOG_KEEP, "encoding": "utf-8"}},
+    "loggers": {"JupyterHub": {"handlers": ["console", "file"]}},
+}
 c.JupyterHub.last_activity_interval = ACTIVITY_EVERY
 c.JupyterHub.cleanup_servers = True  # stopping the hub cancels every learner's job
 
