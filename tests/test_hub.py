@@ -167,7 +167,10 @@ def learners(slurm) -> dict[str, Learner]:  # noqa: F811  (the fixture imported 
     for name in (*LEARNERS, INSTRUCTOR):
         _remove_account(name)  # a fresh home each run
         groups = ["-G", GROUP] if name in LEARNERS else []
-        subprocess.run(["useradd", "-m", "-s", "/bin/bash", *groups, name], check=True, timeout=30)
+        # uids of their own range: no other test's account shares (or inherits) one
+        subprocess.run(["useradd", "-m", "-s", "/bin/bash", "-K", "UID_MIN=42100", "-K", "UID_MAX=42199",
+                        *groups, name],
+                       check=True, timeout=30)
         password = secrets.token_urlsafe(12)
         subprocess.run(["chpasswd"], input=f"{name}:{password}\n", text=True, check=True, timeout=30)
         made[name] = Learner(name, password, int(subprocess.check_output(["id", "-u", name])),

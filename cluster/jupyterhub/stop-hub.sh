@@ -20,13 +20,15 @@ if ! tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -q jupyterhub; then
   rm -f "$pidfile"
   exit 0
 fi
+# running: it exists and is not a zombie (ended, its parent not yet told)
+running() { [ -r "/proc/$pid/stat" ] && [ "$(sed 's/.*) //' "/proc/$pid/stat" | cut -c1)" != Z ]; }
 kill -TERM "$pid"
 waited=0
-while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$wait" ]; do
+while running && [ "$waited" -lt "$wait" ]; do
   sleep 1
   waited=$((waited + 1))
 done
-if kill -0 "$pid" 2>/dev/null; then
+if running; then
   echo "hpdl-hub-stop: the hub (pid $pid) is still stopping after $wait s, probably waiting for learners'" \
        "jobs to end (squeue -n hpdl-hub). Wait longer (hpdl-hub-stop 600), or end it: kill -KILL $pid," \
        "then scancel -n hpdl-hub and kill the proxy (pid in $state/jupyterhub-proxy.pid)" >&2
