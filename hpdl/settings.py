@@ -278,7 +278,8 @@ HUB_CULL_EVERY = _declare("HPDL_HUB_CULL_EVERY", "int", "300", "how often the id
 HUB_CONNECT_HOST = _declare("HPDL_HUB_CONNECT_HOST", "text", None, "the hub's name as compute nodes reach it",
                             ("hub",), default_text="this host's name")
 HUB_SITE_CONFIG = _declare("HPDL_HUB_SITE_CONFIG", "path", None, "a Python file the hub's config loads last, for "
-                           "anything else (ports, TLS, an LDAP or OAuth authenticator)", ("hub",),
+                           "anything else (an LDAP or OAuth authenticator, more services); root's alone",
+                           ("hub",),
                            default_text="none")
 LAB_PORT = _declare("HPDL_LAB_PORT", "int", None, "JupyterLab's port in cluster/slurm/jupyter.sbatch",
                     ("scripts",), default_text="a free port", bounds=(1, 65535))

@@ -16,7 +16,8 @@ hub's and the shared kit's environments the first time). `make test` runs it; al
     flock /tmp/hpdl-mpi.lock make test-hub
 
 It needs root (accounts, a hub as root), the local Slurm (tests/test_slurm.py's fixture), Chromium,
-and the hub's environment (`make hub`; built here when missing). Where one of them cannot be had,
+openssl, and the hub's install (install.sh into /opt/hpdl-hub-test; refreshed each run, rebuilt when
+its inputs changed). Where one of them cannot be had,
 it skips saying which. The configuration itself is checked by the cheap test at the end.
 """
 from __future__ import annotations
