@@ -82,7 +82,9 @@ work="$(mktemp -d "$PREFIX/.install.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 
 # -- the environments: rebuilt only when what they are made from changed ------------------------------
-kit_freeze="$(as_nobody "$KIT_PY" -m pip freeze --all 2>/dev/null | grep -E '^[A-Za-z0-9_.-]+==' || true)"
+kit_freeze="$(as_nobody "$KIT_PY" -c 'import importlib.metadata as m
+print("\n".join(sorted({f"{d.name}=={d.version}" for d in m.distributions() if d.name})))')" \
+  || cannot "the kit's Python $KIT_PY cannot list its packages"
 want="$(cat "$here/requirements.txt"; echo "python=$HUB_PY chp=$CHP_VERSION"; echo "$kit_freeze")"
 stamp="$PREFIX/.installed"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$PREFIX/proxy/node_modules/.bin/configurable-http-proxy" ]; then
@@ -104,6 +106,12 @@ else
   npm install --prefix "$work/proxy" --no-audit --no-fund --loglevel=error "configurable-http-proxy@$CHP_VERSION" >/dev/null \
     || failed "npm could not install configurable-http-proxy@$CHP_VERSION"
   rm -rf "$PREFIX/proxy" && mv "$work/proxy" "$PREFIX/proxy"
+  "$PREFIX/venv/bin/python" -c "import jupyterhub, batchspawner, jupyterhub_idle_culler" \
+    || failed "$PREFIX/venv cannot import the hub's packages"
+  as_nobody env PYTHONPATH="$PREFIX/singleuser" "$KIT_PY" -c "import jupyterhub.singleuser, batchspawner.singleuser" \
+    || failed "the kit's Python cannot import jupyterhub.singleuser with $PREFIX/singleuser (learners' jobs would fail)"
+  "$PREFIX/proxy/node_modules/.bin/configurable-http-proxy" --version >/dev/null \
+    || failed "configurable-http-proxy does not run"
 fi
 
 # -- the kit's files the hub reads, copied (links followed, no caches); the hub's own files -----------
@@ -133,13 +141,9 @@ chmod -R go-w "$PREFIX"
 
 # -- it works, and runs nothing but root's -----------------------------------------------------------
 "$PREFIX/venv/bin/python" -c "
-import sys, jupyterhub, batchspawner, jupyterhub_idle_culler, hpdl.settings, hpdl.sites
+import sys, hpdl.settings, hpdl.sites
 sys.exit(not hpdl.settings.__file__.startswith('$PREFIX/kit/'))" \
-  || failed "$PREFIX/venv cannot import the hub's packages and its copy of hpdl"
-as_nobody env PYTHONPATH="$PREFIX/singleuser" "$KIT_PY" -c "import jupyterhub.singleuser, batchspawner.singleuser" \
-  || failed "the kit's Python cannot import jupyterhub.singleuser with $PREFIX/singleuser (learners' jobs would fail)"
-"$PREFIX/proxy/node_modules/.bin/configurable-http-proxy" --version >/dev/null \
-  || failed "configurable-http-proxy does not run"
+  || failed "$PREFIX/venv does not import its copy of hpdl from $PREFIX/kit"
 printf '%s\n' "$want" > "$stamp"
 echo "hub install: $PREFIX ready in $(( $(date +%s) - start )) s (JupyterHub $("$PREFIX/venv/bin/jupyterhub" --version)," \
   "configurable-http-proxy $CHP_VERSION; the kit at $kit, its Python $KIT_PY). Start: $PREFIX/bin/hpdl-hub" \
