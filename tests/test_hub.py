@@ -10,8 +10,8 @@ instructor lists the servers but cannot open one, and stops one (its job and eve
 user end); the idle culler stops the other; nothing in the kit changed; the hub-stop command stops
 the hub and everything it started.
 
-The whole story is one test (a hub, two jobs, eight ranks: about 1.5 min on two cores, plus the
-hub's and the shared kit's environments the first time). `make test` runs it; alone:
+The whole story is one test (a hub, two jobs, eight ranks: about 3.5 min on two cores shared with
+other work, plus the hub's install and the shared kit's environment the first time). `make test` runs it; alone:
 
     flock /tmp/hpdl-mpi.lock make test-hub
 
@@ -659,7 +659,7 @@ def load_hub_config(monkeypatch, tmp_path, **env: str):
     tls = tmp_path / "tls"
     tls.mkdir(exist_ok=True)
     for name in ("hub.crt", "hub.key"):
-        (tls / name).touch()
+        (tls / name).touch(mode=0o600)
     defaults = {"HPDL_HUB_STATE": str(tmp_path / "state"), "HPDL_HUB_LOG_DIR": str(tmp_path / "log"),
                 "HPDL_HUB_SSL_CERT": str(tls / "hub.crt"), "HPDL_HUB_SSL_KEY": str(tls / "hub.key"),
                 "HPDL_HUB_API_IP": "127.0.0.1"}
@@ -748,6 +748,7 @@ def test_hub_refuses_an_open_network_and_instructors_cannot_act_as_learners(monk
         ({**no_tls, "HPDL_HUB_TLS_PROXY": "1", "HPDL_HUB_BIND_URL": "http://0.0.0.0:8000"}, "behind a TLS proxy"),
         ({"HPDL_HUB_SSL_CERT": ""}, "set both HPDL_HUB_SSL_CERT and HPDL_HUB_SSL_KEY"),
         ({"HPDL_HUB_API_IP": "0.0.0.0"}, "must not listen on every interface"),
+        ({"HPDL_HUB_SSL_KEY": str(site)}, "is readable by everyone: `chmod o-r"),
     ]
     if os.geteuid() == 0:
         refusals.append(({"HPDL_HUB_SITE_CONFIG": str(site)}, f"{site} is writable by its group or everyone"))

@@ -89,6 +89,8 @@ def front_door() -> None:
         for path in (cert, key):
             if not path.is_file():
                 refuse(f"no file {path}: {settings.HUB_SSL_CERT.name}/{settings.HUB_SSL_KEY.name} name PEM files")
+        if key.stat().st_mode & 0o004:
+            refuse(f"the hub's private key {key} is readable by everyone: `chmod o-r {key}` (0600, root's)")
         c.JupyterHub.ssl_cert, c.JupyterHub.ssl_key = str(cert), str(key)
     proxy = settings.HUB_TLS_PROXY.get()
     url = settings.HUB_BIND_URL.get() or ("http://127.0.0.1:8000" if proxy else "https://:443")
