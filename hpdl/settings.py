@@ -220,6 +220,8 @@ SIDE_JOB = _declare("HPDL_SIDE_JOB", "text", None, "set by hpdl.sidejob in every
                     ("check", "grader"), internal=True)
 CHECK_JOB = _declare("HPDL_CHECK_JOB", "path", None, "set by the checker for a check's ranks: the job's folder",
                      ("check",), internal=True)
+HUB_ENV = _declare("HPDL_HUB_ENV", "path", None, "set by the hub in each learner's job: the hub's packages for "
+                   "the learner's side (bin/jupyterhub-singleuser) for singleuser.sbatch", ("scripts",), internal=True)
 HUB_SITE_PACKAGES = _declare("HPDL_HUB_SITE_PACKAGES", "path", None, "set by the hub in each learner's job: "
                              "the hub venv's packages (batchspawner) for singleuser.sbatch", ("scripts",),
                              internal=True)
@@ -236,13 +238,31 @@ PYTHON = _declare("HPDL_PYTHON", "path", None, "the Python a job script runs the
                   default_text="$HPDL_DIR/.venv/bin/python")
 KIT_VENV = _declare("HPDL_KIT_VENV", "path", None, "the kit's venv the hub's learners run, runnable by all",
                     ("hub", "scripts"), default_text="$HPDL_DIR/.venv")
-HUB_ENV = _declare("HPDL_HUB_ENV", "path", None, "the hub's own venv (cluster/jupyterhub/install.sh)",
-                   ("hub", "scripts"), default_text="$HPDL_DIR/.venv-hub")
-HUB_STATE = _declare("HPDL_HUB_STATE", "path", "/var/lib/hpdl-hub", "the hub's database and cookie secret "
-                     "(root only)", ("hub",))
+HUB_PREFIX = _declare("HPDL_HUB_PREFIX", "path", "/opt/hpdl-hub", "where cluster/jupyterhub/install.sh installs "
+                      "the hub: root-owned, outside the kit (its venv, config, proxy and the learners' hub packages)",
+                      ("scripts",))
+HUB_PYTHON = _declare("HPDL_HUB_PYTHON", "path", None, "the Python install.sh makes the hub's venv from: root-owned, "
+                      "the kit's Python version", ("scripts",), default_text="the kit venv's base Python")
+HUB_STATE = _declare("HPDL_HUB_STATE", "path", "/var/lib/hpdl-hub", "the hub's database, cookie secret and pid "
+                     "file (root only)", ("hub",))
+HUB_LOG_DIR = _declare("HPDL_HUB_LOG_DIR", "path", "/var/log/hpdl-hub", "the hub's and the idle culler's logs "
+                       "(jupyterhub.log, idle-culler.log; rotated at 20 MB, 10 kept)", ("hub",))
+HUB_SSL_CERT = _declare("HPDL_HUB_SSL_CERT", "path", None, "the hub's TLS certificate (PEM, with its chain); the "
+                        "hub refuses to start without one unless HPDL_HUB_TLS_PROXY=1", ("hub",), default_text="none")
+HUB_SSL_KEY = _declare("HPDL_HUB_SSL_KEY", "path", None, "the private key of HPDL_HUB_SSL_CERT (root only)", ("hub",),
+                       default_text="none")
+HUB_TLS_PROXY = _declare("HPDL_HUB_TLS_PROXY", "flag", "0", "a TLS-terminating proxy is in front: the hub serves "
+                         "plain HTTP, on a loopback or internal address only", ("hub",))
+HUB_BIND_URL = _declare("HPDL_HUB_BIND_URL", "text", None, "where learners' browsers (or the TLS proxy) reach the "
+                        "hub", ("hub",), default_text="https://:443; behind a TLS proxy http://127.0.0.1:8000")
+HUB_API_IP = _declare("HPDL_HUB_API_IP", "text", None, "the internal address the hub's API listens on, which the "
+                      "compute nodes reach (never 0.0.0.0)", ("hub",),
+                      default_text="the address HPDL_HUB_CONNECT_HOST resolves to")
+HUB_API_PORT = _declare("HPDL_HUB_API_PORT", "int", "8081", "the hub API's port", ("hub",), bounds=(1, 65535))
 HUB_GROUP = _declare("HPDL_HUB_GROUP", "text", "hpdl-learners", "the Unix group whose members may log in",
                      ("hub",))
-HUB_ADMINS = _declare("HPDL_HUB_ADMINS", "text", "", "instructors' user names, comma-separated", ("hub",))
+HUB_INSTRUCTORS = _declare("HPDL_HUB_INSTRUCTORS", "text", "", "instructors' user names, comma-separated: they "
+                           "may log in, list and stop learners' servers, never open them", ("hub",))
 HUB_RANKS = _declare("HPDL_HUB_RANKS", "int", "4", "Slurm tasks per learner (the ranks hpdl.start may use)",
                      ("hub",), bounds=(1, None))
 HUB_TIME = _declare("HPDL_HUB_TIME", "text", None, "a learner's job's time limit", ("hub",),
@@ -253,6 +273,8 @@ HUB_ACCOUNT = _declare("HPDL_HUB_ACCOUNT", "text", None, "the account the learne
                        ("hub",), default_text="the site profile's")
 HUB_QOS = _declare("HPDL_HUB_QOS", "text", None, "the learners' jobs' quality of service", ("hub",),
                    default_text="the site profile's")
+HUB_RESERVATION = _declare("HPDL_HUB_RESERVATION", "text", None, "the Slurm reservation the learners' jobs run "
+                           "in (sbatch --reservation)", ("hub",), default_text="none")
 HUB_SBATCH = _declare("HPDL_HUB_SBATCH", "text", "", "extra #SBATCH options, after the profile's", ("hub",))
 HUB_MODULES = _declare("HPDL_HUB_MODULES", "text", "", "what the learners' jobs `module load`", ("hub",))
 HUB_IDLE_TIMEOUT = _declare("HPDL_HUB_IDLE_TIMEOUT", "int", "3600", "seconds without use before a learner's "
@@ -262,7 +284,8 @@ HUB_CULL_EVERY = _declare("HPDL_HUB_CULL_EVERY", "int", "300", "how often the id
 HUB_CONNECT_HOST = _declare("HPDL_HUB_CONNECT_HOST", "text", None, "the hub's name as compute nodes reach it",
                             ("hub",), default_text="this host's name")
 HUB_SITE_CONFIG = _declare("HPDL_HUB_SITE_CONFIG", "path", None, "a Python file the hub's config loads last, for "
-                           "anything else (ports, TLS, an LDAP or OAuth authenticator)", ("hub",),
+                           "anything else (an LDAP or OAuth authenticator, more services); root's alone",
+                           ("hub",),
                            default_text="none")
 LAB_PORT = _declare("HPDL_LAB_PORT", "int", None, "JupyterLab's port in cluster/slurm/jupyter.sbatch",
                     ("scripts",), default_text="a free port", bounds=(1, 65535))

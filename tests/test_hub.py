@@ -1,22 +1,28 @@
 """The workshop hub (cluster/jupyterhub): JupyterHub + batchspawner's SlurmSpawner on the local Slurm.
 
-Two local accounts log in at once in a real browser (Debian's Chromium, Playwright), PAM checking
-their passwords; each one's JupyterLab is a Slurm job of theirs, and notebook 00 starts its ranks
-inside that job (one srun step). Then, for real: neither can read the other's connection files or
-workspace nor drive the other's ranks; stopping one server from the hub's API ends that job and
-every process of that user; the idle culler stops the other.
+The hub as a site deploys it: installed root-owned outside the kit (install.sh into /opt/hpdl-hub-test),
+over TLS (a self-signed certificate made here), its API on an internal address, its logs in a folder.
+It first refuses to start without TLS. Two local accounts log in at once in a real browser (Debian's
+Chromium, Playwright), PAM checking their passwords; each one's JupyterLab is a Slurm job of theirs,
+and notebook 00 starts its ranks inside that job (one srun step); each saves it. Then, for real:
+neither can read the other's connection files or workspace nor drive the other's ranks; an
+instructor lists the servers but cannot open one, and stops one (its job and every process of that
+user end); the idle culler stops the other; nothing in the kit changed; the hub-stop command stops
+the hub and everything it started.
 
-The whole story is one test (a hub, two jobs, eight ranks: about 1.5 min on two cores, plus the
-hub's and the shared kit's environments the first time). `make test` runs it; alone:
+The whole story is one test (a hub, two jobs, eight ranks: about 3.5 min on two cores shared with
+other work, plus the hub's install and the shared kit's environment the first time). `make test` runs it; alone:
 
     flock /tmp/hpdl-mpi.lock make test-hub
 
 It needs root (accounts, a hub as root), the local Slurm (tests/test_slurm.py's fixture), Chromium,
-and the hub's environment (`make hub`; built here when missing). Where one of them cannot be had,
+openssl, and the hub's install (install.sh into /opt/hpdl-hub-test; refreshed each run, rebuilt when
+its inputs changed). Where one of them cannot be had,
 it skips saying which. The configuration itself is checked by the cheap test at the end.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -24,6 +30,9 @@ import secrets
 import shlex
 import shutil
 import signal
+import socket
+import ssl
+import stat
 import subprocess
 import sys
 import time
@@ -39,14 +48,14 @@ from test_slurm import slurm, wait_until as wait_for  # noqa: F401  (the local S
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB_DIR = ROOT / "cluster" / "jupyterhub"
-HUB_ENV = ROOT / ".venv-hub"
+HUB_PREFIX = Path("/opt/hpdl-hub-test")  # the hub's root-owned install (a site's is /opt/hpdl-hub)
 SHARED_VENV = ROOT / ".venv-shared"  # the kit for learners when ours lives where they cannot enter
 GROUP = "hpdl-learners"
 LEARNERS = ("hpdl-ada", "hpdl-bob")
+INSTRUCTOR = "hpdl-ivy"  # not a learner: HPDL_HUB_INSTRUCTORS lets her in
 IDLE_TIMEOUT, CULL_EVERY = 40, 5  # s: short, so the culler acts within the test
 AGREEMENT = "all 4 ranks agree: 10 three times over"
 NOTEBOOK_TIMEOUT = 480  # s: two notebooks at once, eight ranks with torch and Horovod, on two cores
-_LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # runuser lives in /usr/sbin; the learners' commands below run with PATH=/usr/bin:/bin, where
 # subprocess would look for it: name it by its full path
 RUNUSER = shutil.which("runuser") or "runuser"
@@ -78,13 +87,14 @@ def kit_venv() -> Path:
 
 
 @pytest.fixture(scope="module")
-def hub_env(kit_venv) -> Path:
-    p = subprocess.run(["bash", str(HUB_DIR / "install.sh")], capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "HPDL_KIT_VENV": str(kit_venv), "HPDL_HUB_ENV": str(HUB_ENV)})
+def hub_install(kit_venv) -> Path:
+    """The hub installed as a site installs it (root-owned, outside the kit); refreshed each run."""
+    p = subprocess.run(["bash", str(HUB_DIR / "install.sh")], capture_output=True, text=True, timeout=1200,
+                       env={**os.environ, "HPDL_KIT_VENV": str(kit_venv), "HPDL_HUB_PREFIX": str(HUB_PREFIX)})
     if p.returncode == 3:
         pytest.skip(p.stderr.strip().splitlines()[-1])
-    assert p.returncode == 0, f"install.sh failed:\n{p.stdout}{p.stderr}"
-    return HUB_ENV
+    assert p.returncode == 0, f"install.sh failed:\n{p.stdout[-3000:]}{p.stderr[-3000:]}"
+    return HUB_PREFIX
 
 
 @dataclass
@@ -151,18 +161,23 @@ def _remove_account(name: str) -> None:
 
 @pytest.fixture
 def learners(slurm) -> dict[str, Learner]:  # noqa: F811  (the fixture imported above)
-    """Two fresh local accounts in the learners' group, with passwords; removed afterwards."""
+    """Two fresh local accounts in the learners' group and an instructor outside it, with passwords;
+    removed afterwards."""
     subprocess.run(["groupadd", "-f", GROUP], check=True, timeout=30)
     made = {}
-    for name in LEARNERS:
+    for name in (*LEARNERS, INSTRUCTOR):
         _remove_account(name)  # a fresh home each run
-        subprocess.run(["useradd", "-m", "-s", "/bin/bash", "-G", GROUP, name], check=True, timeout=30)
+        groups = ["-G", GROUP] if name in LEARNERS else []
+        # uids of their own range: no other test's account shares (or inherits) one
+        subprocess.run(["useradd", "-m", "-s", "/bin/bash", "-K", "UID_MIN=42100", "-K", "UID_MAX=42199",
+                        *groups, name],
+                       check=True, timeout=30)
         password = secrets.token_urlsafe(12)
         subprocess.run(["chpasswd"], input=f"{name}:{password}\n", text=True, check=True, timeout=30)
         made[name] = Learner(name, password, int(subprocess.check_output(["id", "-u", name])),
                              Path(os.path.expanduser(f"~{name}")))
     yield made
-    for name in LEARNERS:
+    for name in (*LEARNERS, INSTRUCTOR):
         _remove_account(name)
 
 
@@ -170,14 +185,23 @@ def learners(slurm) -> dict[str, Learner]:  # noqa: F811  (the fixture imported 
 class Hub:
     url: str
     token: str
-    log: Path
+    log: Path  # its console output
+    log_dir: Path  # HPDL_HUB_LOG_DIR
+    state: Path
+    cert: Path
+    api_port: int
     proc: subprocess.Popen
+
+    def opener(self) -> urllib.request.OpenerDirector:
+        """Requests that trust only the hub's own certificate (self-signed here)."""
+        return urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(
+            context=ssl.create_default_context(cafile=str(self.cert))))
 
     def api(self, path: str, method: str = "GET") -> tuple[int, object]:
         req = urllib.request.Request(f"{self.url}/hub/api{path}", method=method)
         req.add_header("Authorization", f"token {self.token}")
         try:
-            with _LOCAL.open(req, timeout=60) as r:
+            with self.opener().open(req, timeout=60) as r:
                 body = r.read()
                 return r.status, json.loads(body) if body else None
         except urllib.error.HTTPError as e:
@@ -189,33 +213,72 @@ class Hub:
         return user["servers"]
 
 
-@pytest.fixture
-def hub(hub_env, kit_venv, learners, tmp_path) -> Hub:
-    """The hub of cluster/jupyterhub as an instructor starts it, on free ports, with a short idle
-    timeout and one extra service: this test's token for the admin API."""
-    port, hub_port, api_port = free_port(), free_port(), free_port()
-    token = secrets.token_hex(24)
+def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key (openssl), as a site's would be for the hub's name."""
+    folder.mkdir(mode=0o700)
+    cert, key = folder / "hub.crt", folder / "hub.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def hub_environment(hub_install: Path, kit_venv: Path, tmp_path: Path, ports: dict[str, int], token: str) -> dict:
+    """The hub's settings as a site's hub.env holds them, with this test's ports, folders, certificate
+    and short idle timeout, and a site config adding one service: this test's token for the admin API."""
     site = tmp_path / "site_config.py"
     site.write_text(f"""
-c.JupyterHub.bind_url = "http://127.0.0.1:{port}"
-c.JupyterHub.hub_port = {hub_port}
-c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{api_port}"
+c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{ports['proxy_api']}"
 c.JupyterHub.services.append({{"name": "hpdl-test", "api_token": "{token}"}})
 c.JupyterHub.load_roles.append({{"name": "hpdl-test", "services": ["hpdl-test"],
                                  "scopes": ["admin:users", "admin:servers", "list:users"]}})
 """)
-    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
-           "HPDL_KIT_VENV": str(kit_venv), "HPDL_HUB_ENV": str(hub_env), "HPDL_HUB_STATE": str(tmp_path / "state"),
-           "HPDL_HUB_SITE_CONFIG": str(site), "HPDL_HUB_GROUP": GROUP,
-           "HPDL_SITE": "local-slurm",  # this machine's Slurm (cluster/slurm/local-slurm.sh) as a site
-           "HPDL_HUB_IDLE_TIMEOUT": str(IDLE_TIMEOUT), "HPDL_HUB_CULL_EVERY": str(CULL_EVERY)}
-    log = tmp_path / "jupyterhub.log"
+    cert, key = self_signed_certificate(tmp_path / "tls")
+    return {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
+            "HPDL_KIT_VENV": str(kit_venv), "HPDL_HUB_STATE": str(tmp_path / "state"),
+            "HPDL_HUB_LOG_DIR": str(tmp_path / "log"), "HPDL_HUB_SITE_CONFIG": str(site), "HPDL_HUB_GROUP": GROUP,
+            "HPDL_HUB_SSL_CERT": str(cert), "HPDL_HUB_SSL_KEY": str(key),
+            "HPDL_HUB_BIND_URL": f"https://127.0.0.1:{ports['public']}", "HPDL_HUB_API_PORT": str(ports["api"]),
+            "HPDL_HUB_INSTRUCTORS": INSTRUCTOR,
+            "HPDL_SITE": "local-slurm",  # this machine's Slurm (cluster/slurm/local-slurm.sh) as a site
+            "HPDL_HUB_IDLE_TIMEOUT": str(IDLE_TIMEOUT), "HPDL_HUB_CULL_EVERY": str(CULL_EVERY)}
+
+
+def refuses_without_tls(hub_install: Path, env: dict) -> None:
+    """Without a certificate (and no TLS proxy declared) the hub does not start, and says what to do."""
+    plain = {k: v for k, v in env.items() if not k.startswith("HPDL_HUB_SSL_")}
+    p = subprocess.run([str(hub_install / "bin" / "hpdl-hub")], env=plain, capture_output=True, text=True,
+                       timeout=180, stdin=subprocess.DEVNULL)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert "hpdl hub: cannot start: no TLS" in p.stderr and "HPDL_HUB_TLS_PROXY=1" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def stop_hub(h: Hub, env: dict) -> str:
+    """The documented stop (hpdl-hub-stop); SIGKILL to the group only if it failed, then say so."""
+    p = subprocess.run([str(HUB_PREFIX / "bin" / "hpdl-hub-stop"), "240"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    if h.proc.poll() is None:
+        os.killpg(h.proc.pid, signal.SIGKILL)
+        h.proc.wait(10)
+    return "" if p.returncode == 0 and h.proc.returncode == 0 else f"hpdl-hub-stop: {p.returncode} {p.stdout}{p.stderr}"
+
+
+@pytest.fixture
+def hub(hub_install, kit_venv, learners, tmp_path) -> Hub:
+    """The hub as an instructor starts it (its bin/hpdl-hub, as root) on free ports, stopped by its
+    bin/hpdl-hub-stop; nothing it started may outlive it."""
+    ports = {k: free_port() for k in ("public", "api", "proxy_api")}
+    token = secrets.token_hex(24)
+    env = hub_environment(hub_install, kit_venv, tmp_path, ports, token)
+    refuses_without_tls(hub_install, env)
+    log = tmp_path / "jupyterhub.out"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([str(hub_env / "bin" / "jupyterhub"), "-f", str(HUB_DIR / "jupyterhub_config.py")],
-                                cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    h = Hub(f"http://127.0.0.1:{port}", token, log, proc)
-    family = []
+        proc = subprocess.Popen([str(hub_install / "bin" / "hpdl-hub")], cwd=tmp_path, env=env,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    h = Hub(f"https://127.0.0.1:{ports['public']}", token, log, tmp_path / "log", tmp_path / "state",
+            Path(env["HPDL_HUB_SSL_CERT"]), ports["api"], proc)
+    family, stopped = [], "not stopped"
     try:
         def up():
             if proc.poll() is not None:
@@ -224,21 +287,17 @@ c.JupyterHub.load_roles.append({{"name": "hpdl-test", "services": ["hpdl-test"],
                 return h.api("/")[0] == 200
             except OSError:
                 return False
-        wait_for(up, 60, "the hub did not answer")
+        wait_for(up, 90, "the hub did not answer")
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         yield h
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # the hub stops its servers (their jobs) and the proxy
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stopped = stop_hub(h, env)
         left = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         for p in left:
             p.kill()
         print(f"hub log: {log}")
+    assert not stopped, stopped
+    assert not (h.state / "jupyterhub.pid").exists(), "the hub left its pid file"
     assert not left, f"left running after the hub stopped: {describe(left)}"
 
 
@@ -299,8 +358,8 @@ def secrets_of(learner: Learner, job: str) -> dict[str, list[str]]:
 
 
 # -- the browser -----------------------------------------------------------------------------------
-def log_in(page, hub: Hub, learner: Learner, password: str | None = None) -> None:
-    page.goto(f"{hub.url}/hub/login", wait_until="domcontentloaded")
+def log_in(page, hub: Hub, learner: Learner, password: str | None = None, then: str = "") -> None:
+    page.goto(f"{hub.url}/hub/login" + (f"?next={then}" if then else ""), wait_until="domcontentloaded")
     page.fill("#username_input", learner.name)
     page.fill("#password_input", password or learner.password)
     page.click("#login_submit")
@@ -341,6 +400,92 @@ def job_of(hub: Hub, learner: Learner) -> str:
     return hub.servers(learner.name)[""]["state"]["job_id"]
 
 
+# -- the kit read-only, the hub root's alone, the instructor -------------------------------------------
+KIT_SKIP = (".git", ".pytest_cache", ".ruff_cache", "__pycache__", "node_modules")
+
+
+def kit_files() -> dict[str, tuple[str, int]]:
+    """Every file of the kit (not its venvs, caches or git): its content's hash and its owner."""
+    found = {}
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in KIT_SKIP and not d.startswith(".venv")]
+        for name in files:
+            path = Path(folder) / name
+            st = path.lstat()
+            data = os.readlink(path).encode() if path.is_symlink() else path.read_bytes()
+            found[str(path.relative_to(ROOT))] = (hashlib.sha256(data).hexdigest(), st.st_uid)
+    return found
+
+
+TRY_WRITE = """
+import json, os, sys
+root, skip, writable = sys.argv[1], set(json.loads(sys.argv[2])), []
+for folder, dirs, files in os.walk(root):
+    dirs[:] = [d for d in dirs if d not in skip and not d.startswith(".venv")]
+    writable += [os.path.join(folder, n) for n in (".", *files) if os.access(os.path.join(folder, n), os.W_OK)]
+print(json.dumps(writable))
+"""
+
+
+def saved_notebook(learner: Learner) -> list[Path]:
+    """The learner's saved notebook 00 with the ranks' answer in it: theirs, in their home."""
+    return [p for p in learner.home.rglob("00_welcome.ipynb") if ".ipynb_checkpoints" not in p.parts
+            and p.stat().st_uid == learner.uid and AGREEMENT in p.read_text()]
+
+
+def hub_runs_only_roots_files(hub: Hub, kit_venv: Path) -> None:
+    """What the root hub, its proxy and its culler run (executables, libraries, every file on the hub's
+    Python path, its config) is root's alone and outside the kit; and none listens on every interface."""
+    family = [psutil.Process(hub.proc.pid), *psutil.Process(hub.proc.pid).children(recursive=True)]
+    assert {p.uids().real for p in family} == {0} and len(family) >= 3, describe(family)  # hub, proxy, culler
+    files = set()
+    for p in family:
+        files |= {p.exe(), *(m.path for m in p.memory_maps() if m.path.startswith("/")),
+                  *(f.path for f in p.open_files()), *(a for a in p.cmdline() if a.startswith("/"))}
+    sys_path = json.loads(subprocess.check_output(  # as the hub's Python sees it: no PYTHONPATH
+        [str(HUB_PREFIX / "venv" / "bin" / "python"), "-c", "import json, sys; print(json.dumps(sys.path))"],
+        cwd="/", env={"PATH": "/usr/bin:/bin"}))
+    for top in [HUB_PREFIX, *sys_path]:
+        for folder, _, names in os.walk(top):
+            files |= {folder, *(os.path.join(folder, n) for n in names)}
+    kit = (f"{ROOT}/", f"{kit_venv.resolve()}/")
+    bad = []
+    for f in sorted(f for f in files if os.path.exists(f)):
+        real, st = os.path.realpath(f), os.stat(f)
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            continue  # /dev/null and the like
+        if real.startswith(kit) or st.st_uid != 0 or (st.st_mode & 0o022 and not stat.S_ISVTX & st.st_mode):
+            bad.append(f"{f} ({real}, uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+    assert len(files) > 1000 and not bad, f"the root hub runs files others can change: {bad[:20]}"
+    listening = {(c.laddr.ip, c.laddr.port) for p in family for c in p.net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN}
+    assert not {ip for ip, _ in listening} & {"0.0.0.0", "::"}, listening
+    # the API on the address the host's name resolves to (HPDL_HUB_API_IP's default), which Slurm's nodes reach
+    assert (socket.gethostbyname(socket.gethostname()), hub.api_port) in listening, listening
+
+
+def instructor_lists_and_stops_but_cannot_enter(page, hub: Hub, instructor: Learner, learner: Learner) -> None:
+    """The instructor role: the admin page and every user's servers; a learner's server stopped;
+    never inside it (its files) nor a token of the learner's."""
+    log_in(page, hub, instructor, then="/hub/home")  # home, not a server of her own (no job for her)
+    page.wait_for_url(re.compile(r"/hub/home"), timeout=60_000)
+    request = page.context.request
+    xsrf = {c["name"]: c["value"] for c in page.context.cookies()}.get("_xsrf", "")
+    headers = {"X-XSRFToken": xsrf, "Referer": f"{hub.url}/hub/home"}
+    assert request.get(f"{hub.url}/hub/admin").status == 200
+    users = request.get(f"{hub.url}/hub/api/users", headers=headers)
+    assert users.status == 200, (users.status, users.text()[:300])
+    listed = {u["name"]: u for u in users.json()}
+    assert set(LEARNERS) <= set(listed) and listed[learner.name]["servers"][""]["ready"], listed
+    refused = {"open the learner's files": request.get(f"{hub.url}/user/{learner.name}/api/contents/"),
+               "take a token of the learner's": request.post(f"{hub.url}/hub/api/users/{learner.name}/tokens",
+                                                              headers=headers, data={})}
+    for what, r in refused.items():
+        assert r.status == 403, (what, r.status, r.text()[:300])
+    stop = request.delete(f"{hub.url}/hub/api/users/{learner.name}/server", headers=headers)
+    assert stop.status in (202, 204), (stop.status, stop.text()[:300])
+
+
 # -- the test --------------------------------------------------------------------------------------
 @pytest.mark.hub
 @pytest.mark.slow
@@ -350,6 +495,10 @@ def test_two_learners_on_the_hub_each_in_their_own_slurm_job(chromium, hub, lear
 
     ada, bob = learners["hpdl-ada"], learners["hpdl-bob"]
     python = kit_venv / "bin" / "python"
+    hub_runs_only_roots_files(hub, kit_venv)
+    kit_before = kit_files()
+    # the kit is read-only to learners
+    assert as_user(ada, python, TRY_WRITE, str(ROOT), json.dumps(sorted(KIT_SKIP))) == []
     t0 = time.monotonic()
     times = {}
     with sync_playwright() as p:
@@ -357,7 +506,7 @@ def test_two_learners_on_the_hub_each_in_their_own_slurm_job(chromium, hub, lear
         pages = {}
         try:
             for learner in (ada, bob):
-                ctx = browser.new_context(viewport={"width": 1400, "height": 1600})
+                ctx = browser.new_context(viewport={"width": 1400, "height": 1600}, ignore_https_errors=True)
                 pages[learner.name] = ctx.new_page()
                 pages[learner.name].set_default_timeout(60_000)
             # PAM checks the password: a wrong one is refused
@@ -373,6 +522,10 @@ def test_two_learners_on_the_hub_each_in_their_own_slurm_job(chromium, hub, lear
                 expect(pages[learner.name].locator(".jp-OutputArea-output").filter(has_text=AGREEMENT).first) \
                     .to_be_attached(timeout=NOTEBOOK_TIMEOUT * 1000)
             times["both notebooks run"] = time.monotonic() - t0
+            for learner in (ada, bob):  # each saves the notebook: in their own folder, as themselves
+                pages[learner.name].keyboard.press("Control+s")
+            for learner in (ada, bob):
+                wait_for(lambda: saved_notebook(learner), 60, f"{learner.name}'s notebook 00 was not saved")
 
             # -- each notebook ran its ranks inside its learner's own Slurm job --------------------
             jobs = {}
@@ -460,10 +613,12 @@ def test_two_learners_on_the_hub_each_in_their_own_slurm_job(chromium, hub, lear
             page.context.close()
             bob_left = time.monotonic()
 
-            # -- the hub stops ada's server: her job, JupyterLab, kernel and ranks all end -----------
+            # -- an instructor sees everyone's servers, cannot open ada's, and stops it: her job, ------
+            # -- JupyterLab, kernel and ranks all end --------------------------------------------------
             assert [p for p in user_processes(ada.uid) if "ipyparallel.engine" in " ".join(p.cmdline())]
-            status, body = hub.api(f"/users/{ada.name}/server", method="DELETE")
-            assert status in (202, 204), body
+            ivy = learners[INSTRUCTOR]
+            pages[ivy.name] = browser.new_context(ignore_https_errors=True).new_page()
+            instructor_lists_and_stops_but_cannot_enter(pages[ivy.name], hub, ivy, ada)
             wait_for(lambda: not hub.servers(ada.name), 120, "ada's server was not stopped")
             wait_for(lambda: squeue_user(ada.name) == "", 60, f"ada's job {jobs[ada.name]} did not end")
             nothing_left_of(ada, "her server was stopped")
@@ -473,12 +628,18 @@ def test_two_learners_on_the_hub_each_in_their_own_slurm_job(chromium, hub, lear
             wait_for(lambda: not hub.servers(bob.name), IDLE_TIMEOUT + 4 * CULL_EVERY + 120,
                      "the idle culler did not stop bob's server")
             culled_after = time.monotonic() - bob_left
-            assert re.search(rf"[Cc]ulling server {bob.name}\b", hub.log.read_text()), "not culled by the idle culler"
+            culler_log = (hub.log_dir / "idle-culler.log").read_text()  # the culler logs in the hub's log folder
+            assert re.search(rf"[Cc]ulling server {bob.name}\b", culler_log), "not culled by the idle culler"
             wait_for(lambda: squeue_user(bob.name) == "", 60, f"bob's job {jobs[bob.name]} did not end")
             nothing_left_of(bob, "the culler stopped his server")
             times["bob's server culled"] = time.monotonic() - t0
             # nobody was culled while working: ada's server was stopped by the API, not the culler
-            assert not re.search(rf"[Cc]ulling server {ada.name}\b", hub.log.read_text())
+            assert not re.search(rf"[Cc]ulling server {ada.name}\b", culler_log)
+            assert f"JupyterHub is now running at {hub.url}" in (hub.log_dir / "jupyterhub.log").read_text()
+            # nothing in the kit changed, nothing in it is a learner's
+            kit_after = kit_files()
+            changed = sorted(k for k in kit_before.keys() | kit_after.keys() if kit_before.get(k) != kit_after.get(k))
+            assert not changed, f"the kit changed while learners worked: {changed[:20]}"
         finally:
             for page in pages.values():
                 try:
@@ -495,12 +656,19 @@ def load_hub_config(monkeypatch, tmp_path, **env: str):
     """jupyterhub_config.py as JupyterHub loads it (get_config(), then the file's statements)."""
     from traitlets.config import Config
 
-    monkeypatch.setenv("HPDL_HUB_STATE", str(tmp_path / "state"))
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    tls = tmp_path / "tls"
+    tls.mkdir(exist_ok=True)
+    for name in ("hub.crt", "hub.key"):
+        (tls / name).touch(mode=0o600)
+    defaults = {"HPDL_HUB_STATE": str(tmp_path / "state"), "HPDL_HUB_LOG_DIR": str(tmp_path / "log"),
+                "HPDL_HUB_SSL_CERT": str(tls / "hub.crt"), "HPDL_HUB_SSL_KEY": str(tls / "hub.key"),
+                "HPDL_HUB_API_IP": "127.0.0.1"}
+    for name, value in {**defaults, **env}.items():
+        monkeypatch.setenv(name, value)  # "" unsets a setting
     config = Config()
     path = HUB_DIR / "jupyterhub_config.py"
-    exec(compile(path.read_text(), str(path), "exec"), {"get_config": lambda: config, "__file__": str(path)})
+    exec(compile(path.read_text(), str(path), "exec"),
+         {"get_config": lambda: config, "__file__": str(path), "load_subconfig": lambda f: None})
     return config
 
 
@@ -511,7 +679,7 @@ def render_batch_script(config, **req: str) -> str:
     s = config.SlurmSpawner
     values = {"nprocs": s.req_nprocs, "runtime": s.req_runtime, "partition": s.req_partition,
               "account": s.req_account, "qos": s.req_qos, "options": s.req_options, "prologue": s.req_prologue,
-              "reservation": "", "gres": "", "homedir": "/home/ada", "username": "ada",
+              "reservation": s.req_reservation, "gres": "", "homedir": "/home/ada", "username": "ada",
               "keepvars": "PATH,LANG,JUPYTERHUB_API_TOKEN,HOME,USER,SHELL",
               "cmd": " ".join([s.batchspawner_singleuser_cmd, *s.cmd]), **req}
     return jinja2.Template(s.batch_script).render(**values)
@@ -565,3 +733,53 @@ def test_hub_job_follows_the_site_profile_and_its_overrides_reach_the_ranks(monk
     exports = re.findall(r"^export (HPDL_SITE|HPDL_SLURM_\w+)=(.*)$", script, re.M)
     assert dict(exports) == {"HPDL_SITE": '"local-slurm"', "HPDL_SLURM_CPUS_PER_RANK": "2",
                              "HPDL_SLURM_SBATCH": "--mem=0"}, exports
+
+
+def test_hub_refuses_an_open_network_and_instructors_cannot_act_as_learners(monkeypatch, tmp_path, capsys):
+    """Before it starts, the hub refuses plain HTTP on an open address, an API on every interface and
+    (as root) a file someone else could change, each time saying what to do; instructors get a role
+    that lists and stops servers, never opens one; logs rotate in their folder; the reservation."""
+    site = tmp_path / "site_config.py"
+    site.write_text("")
+    site.chmod(0o666)
+    no_tls = {"HPDL_HUB_SSL_CERT": "", "HPDL_HUB_SSL_KEY": ""}
+    refusals = [
+        (no_tls, "no TLS: learners' passwords would cross the network in clear"),
+        ({**no_tls, "HPDL_HUB_TLS_PROXY": "1", "HPDL_HUB_BIND_URL": "http://0.0.0.0:8000"}, "behind a TLS proxy"),
+        ({"HPDL_HUB_SSL_CERT": ""}, "set both HPDL_HUB_SSL_CERT and HPDL_HUB_SSL_KEY"),
+        ({"HPDL_HUB_API_IP": "0.0.0.0"}, "must not listen on every interface"),
+        ({"HPDL_HUB_SSL_KEY": str(site)}, "is readable by everyone: `chmod o-r"),
+    ]
+    if os.geteuid() == 0:
+        refusals.append(({"HPDL_HUB_SITE_CONFIG": str(site)}, f"{site} is writable by its group or everyone"))
+    for env, said in refusals:
+        with pytest.raises(SystemExit) as stopped:
+            load_hub_config(monkeypatch, tmp_path, **env)
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and err.startswith("hpdl hub: cannot start: ") and said in err, (env, err)
+        for name in env:
+            monkeypatch.delenv(name, raising=False)
+    # behind a declared TLS proxy: plain HTTP, on this host only
+    config = load_hub_config(monkeypatch, tmp_path, **no_tls, HPDL_HUB_TLS_PROXY="1")
+    assert config.JupyterHub.bind_url == "http://127.0.0.1:8000" and not config.JupyterHub.get("ssl_cert")
+    monkeypatch.delenv("HPDL_HUB_TLS_PROXY")
+    config = load_hub_config(monkeypatch, tmp_path, HPDL_HUB_API_IP="10.1.0.5", HPDL_HUB_CONNECT_HOST="login1",
+                             HPDL_HUB_INSTRUCTORS="ivy, joe", HPDL_HUB_RESERVATION="workshop")
+    assert config.JupyterHub.bind_url == "https://:443" and config.JupyterHub.ssl_cert.endswith("hub.crt")
+    assert (config.JupyterHub.hub_bind_url, config.JupyterHub.hub_connect_url) == \
+        ("http://10.1.0.5:8081", "http://login1:8081")
+    roles = {r["name"]: set(r["scopes"]) for r in config.JupyterHub.load_roles}
+    assert roles["user"] == {"self"}
+    assert {"admin-ui", "list:users", "read:servers", "delete:servers"} <= roles["instructor"]
+    assert not roles["instructor"] & {"access:servers", "admin:servers", "servers", "admin:users", "users", "tokens"}
+    assert config.JupyterHub.load_groups == {"instructors": {"users": ["ivy", "joe"]}}
+    assert config.Authenticator.admin_users == set() and config.Authenticator.allowed_users == {"ivy", "joe"}
+    assert "--reservation=workshop" in sbatch_options(render_batch_script(config))
+    # the hub's log and the culler's, each rotated, in the log folder
+    handler = config.JupyterHub.logging_config["handlers"]["file"]
+    assert handler["filename"] == str(tmp_path / "log" / "jupyterhub.log") and handler["maxBytes"] > 0
+    assert "file" in config.JupyterHub.logging_config["loggers"]["JupyterHub"]["handlers"] and handler["backupCount"]
+    culler = next(s for s in config.JupyterHub.services if s["name"] == "idle-culler")
+    culler_config = Path(next(a for a in culler["command"] if a.startswith("--config=")).split("=", 1)[1])
+    assert str(tmp_path / "log" / "idle-culler.log") in culler_config.read_text()
+    assert culler["cwd"] == str(tmp_path / "state")  # the culler reads ./idle_culler_config.py: never a shared folder
