@@ -148,7 +148,8 @@ def _stop_process(pid: int) -> str:
 
 def find_hub() -> Hub | None:
     """How the hub runs here, and how to stop it; None when it does not run. The one place to
-    change when the hub's deployment changes: a systemd unit called HUB_UNIT, else the pid in
+    change when the hub's deployment changes: a systemd unit called HUB_UNIT, else the stop command
+    cluster/jupyterhub/install.sh installs (which also cancels the learners' jobs), else the pid in
     $HPDL_HUB_STATE/jupyterhub.pid, else a `jupyterhub` process running this kit's config."""
     import psutil
 
@@ -157,6 +158,9 @@ def find_hub() -> Hub | None:
         if p.returncode == 0:
             return Hub(f"systemctl stop {HUB_UNIT}", lambda: _run(["systemctl", "stop", HUB_UNIT]))
     pid_file = settings.HUB_STATE.get() / "jupyterhub.pid"
+    stop = settings.HUB_PREFIX.get() / "bin" / "hpdl-hub-stop"
+    if pid_file.is_file() and os.access(stop, os.X_OK):
+        return Hub(str(stop), lambda: _run([str(stop)]))
     pids = [int(pid_file.read_text().strip())] if pid_file.is_file() and pid_file.read_text().strip().isdigit() else []
     for pid in pids + [p.pid for p in psutil.process_iter()]:
         try:

@@ -348,7 +348,7 @@ def secrets_of(learner: Learner, job: str) -> dict[str, list[str]]:
         "controller connection files": sorted(map(str, (h / ".hpdl" / "profile" / "security").glob("*.json"))),
         "kernel connection files": sorted(map(str, (h / ".local/share/jupyter/runtime").glob("kernel-*.json"))),
         "hpdl run folders": sorted(map(str, (h / ".hpdl" / "runs").glob("*"))),
-        "workspace": [str(h / "hpdl" / "workspace"), *map(str, sorted((h / "hpdl" / "workspace").glob("*.ipynb")))],
+        "workspace": [str(h / "hpdl-workspace"), *map(str, sorted((h / "hpdl-workspace").glob("*/*.ipynb")))],
         "job log": [str(h / f"hpdl-hub-{job}.log")],
         "server's environment (its hub token)": [f"/proc/{p.pid}/environ" for p in server],
     }
@@ -594,7 +594,7 @@ def test_two_learners_on_the_hub_each_in_their_own_slurm_job(chromium, hub, lear
 
             # -- through the hub, one learner cannot open the other's server ------------------------
             for owner, other in ((ada, bob), (bob, ada)):
-                url = f"{hub.url}/user/{owner.name}/api/contents/workspace"
+                url = f"{hub.url}/user/{owner.name}/api/contents/notebooks"  # JupyterLab's root: the workspace
                 mine = pages[owner.name].context.request.get(url)
                 assert mine.status == 200 and any(i["name"].endswith(".ipynb") for i in mine.json()["content"])
                 theirs = pages[other.name].context.request.get(url)
@@ -701,10 +701,11 @@ def test_hub_configuration_renders_a_job_that_runs_lab_in_the_batch_step(monkeyp
     assert "--ntasks=8" in sbatch and "--partition=gpu" in sbatch and "--time=02:00:00" in sbatch
     assert not any(o.startswith(("--account", "--qos", "--gres")) for o in sbatch), sbatch  # only what is set
     # the job holds what its ranks' step asks for: the profile's resources per rank, its sbatch options
-    for option in ("--ntasks-per-node=4", "--cpus-per-task=8", "--gpus-per-task=1", "--exclusive"):
+    for option in ("--ntasks-per-node=2", "--cpus-per-task=8", "--gpus-per-task=1", "--mem-per-cpu=4G"):
         assert option in sbatch, (option, sbatch)
     assert "module load mvapich2-gdr/2.3.7" in script and 'HPDL_SITE="mvapich2-gdr"' in script
-    assert script.index("umask 077") < script.index("mkdir")  # before the job writes anything
+    assert "--exclusive" not in sbatch  # GPU nodes shared by learners (the profile's learners_per_node)
+    assert script.index("umask 077") < script.index("hpdl.cli exercises")  # before the job writes anything
     # JupyterLab runs in the batch step (no srun around it): its ranks' srun step gets the job's tasks
     assert script.rstrip().splitlines()[-1] == 'exec "$PY" -m batchspawner.singleuser jupyterhub-singleuser'
     assert config.SlurmSpawner.req_srun == ""
