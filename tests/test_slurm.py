@@ -472,6 +472,73 @@ def test_run_sbatch_runs_a_script_and_a_notebook_on_the_jobs_ranks(slurm, outsid
     assert texts[2].strip() == str([[0, 3, nb_job], [1, 3, nb_job]])
 
 
+CHECK_IN_JOB = textwrap.dedent(
+    """
+    import json, os, sys, threading, time
+    import psutil
+    sys.path.insert(0, sys.argv[1])
+    import learner_ring as L
+    import hpdl
+    from hpdl.checker import sandbox
+
+    seen, done = set(), threading.Event()
+
+    def watch():  # every program this kernel stand-in starts (sandbox, launcher, ranks): their names
+        while not done.is_set():
+            for p in psutil.Process().children(recursive=True):
+                try:
+                    seen.add(os.path.basename(p.cmdline()[0]))
+                except (psutil.Error, IndexError):
+                    pass
+            time.sleep(0.05)
+
+    threading.Thread(target=watch, daemon=True).start()
+    right = hpdl.check("ring_allreduce", L.ring_ok, ranks=[2])
+    wrong = hpdl.check("ring_allreduce", L.ring_root_only, ranks=[2])
+    done.set()
+    print("RESULT " + json.dumps(dict(
+        right=[[c.verdict.value, c.message] for c in right.cases],
+        wrong=[[c.verdict.value, f"{c.message} {c.hint}"] for c in wrong.cases],
+        notes=right.hints + wrong.hints, sandboxed=sandbox.available(), programs=sorted(seen))), flush=True)
+    """
+)
+
+
+@pytest.mark.slurm
+def test_a_check_inside_a_slurm_job_runs_sandboxed_on_the_node_with_no_step(slurm, outside_slurm, tmp_path,
+                                                                             no_strays):
+    """JupyterLab in a Slurm job (the hub, Open OnDemand, jupyter.sbatch): hpdl.check's jobs run on the
+    kernel's node through the local mpiexec, in the sandbox (no network: an srun there could not reach
+    slurmctld), never as an srun step queued or squeezed beside the engines'."""
+    (tmp_path / "check.py").write_text(CHECK_IN_JOB)
+    script = f"{shlex.quote(sys.executable)} check.py {shlex.quote(str(ROOT / 'tests' / 'fixtures'))}"
+    p = subprocess.run(["sbatch", "--parsable", "-n", "2", "-J", "hpdl-test-check", "-o", "check-%j.out",
+                        "--wrap", script], capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    job = p.stdout.strip().split(";")[0]
+    steps: set[str] = set()
+
+    def ended() -> bool:  # the job's steps, looked at while it runs: a check's srun step would show
+        steps.update(squeue("-s", "-j", job, "-o", "%j").split())
+        return squeue("-j", job, "-o", "%i") == ""
+
+    try:
+        wait_until(ended, 400, f"job {job} did not finish")
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    out = (tmp_path / f"check-{job}.out").read_text()
+    found = [s for s in out.splitlines() if s.startswith("RESULT ")]
+    assert found, out[-3000:]
+    got = json.loads(found[0][len("RESULT "):])
+    assert got["sandboxed"], "bubblewrap does not work inside the Slurm job: " + out[-2000:]
+    assert got["right"] and {v for v, _ in got["right"]} == {"PASS"}, got["right"]
+    assert {v for v, _ in got["wrong"]} == {"WRONG"} and "only rank 0" in " ".join(m for _, m in got["wrong"])
+    assert "bwrap" in got["programs"] and "mpiexec" in got["programs"], got["programs"]
+    assert "srun" not in got["programs"] and "hpdl-side" not in steps, (got["programs"], steps)
+    assert not got["notes"], got["notes"]  # no fallback note: the network stayed shut
+
+
 @pytest.mark.slurm
 def test_jupyter_sbatch_serves_jupyterlab_inside_the_job(slurm, outside_slurm, tmp_path, no_strays):
     home = Path(os.environ["HPDL_HOME"])
