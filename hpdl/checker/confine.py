@@ -1,6 +1,6 @@
 """The first process of untrusted code: a whitelisted environment and a seccomp filter, then exec.
 
-    python -m hpdl.checker.confine CMD ARGS...
+    python -m hpdl.checker.confine [--keep-env=NAME,...] CMD ARGS...
 
 The sandbox (sandbox.py) starts a graded submission, or a learner's check ranks, through this
 shim inside bubblewrap. Two things happen before CMD runs:
@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
     if argv and argv[0].startswith(KEEP):
         keep = frozenset(filter(None, argv.pop(0)[len(KEEP):].split(",")))
     if not argv:
-        print("usage: python -m hpdl.checker.confine CMD [ARGS...]", file=sys.stderr)
+        print("usage: python -m hpdl.checker.confine [--keep-env=NAME,...] CMD [ARGS...]", file=sys.stderr)
         return 2
     try:
         install()
