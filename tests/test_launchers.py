@@ -123,6 +123,42 @@ def test_side_job_inside_an_allocation_overlaps_the_engines_step(monkeypatch, tm
     assert hpdl.job_command(4).startswith("srun --overlap --mpi=pmix ")
 
 
+def test_a_checks_job_inside_an_allocation_is_the_local_mpiexec_without_the_batch_variables(monkeypatch, tmp_path):
+    """A check's jobs run in a sandbox with no network: inside a Slurm job they are this node's
+    mpiexec, its ranks forked here, from an environment that no longer says "Slurm" (pure construction;
+    the real run inside a Slurm job is in test_slurm.py)."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (fake_bin / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("HPDL_LAUNCHER", raising=False)
+    assert launchers.detected().name == "slurm" and launchers.side_job_command(2)[0] == "srun"
+    cmd = launchers.local_job_command(2)
+    assert cmd[0] == launchers.find_mpiexec() and cmd[-2:] == ["-n", "2"] and "srun" not in cmd
+    flags = launchers.local_flags(launchers.mpiexec_implementation(cmd[0]))
+    assert cmd[1:-2] == [*launchers.launch_flags(cmd[0]), *flags]
+    assert launchers.local_flags("MPICH") == ["-launcher", "fork"]
+    assert launchers.local_flags("Intel MPI") == ["-bootstrap", "fork"] and launchers.local_flags("Open MPI") == []
+    env = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURMD_NODENAME": "n1", "SRUN_DEBUG": "3",
+           "PMI_RANK": "0", "PMIX_NAMESPACE": "slurm.pmix.77.0", "I_MPI_PMI_LIBRARY": "/usr/lib64/libpmi2.so",
+           "HYDRA_LAUNCHER": "slurm", "PATH": "/bin", "HPDL_HOME": "/h", "CUDA_VISIBLE_DEVICES": "0,1",
+           "OMPI_MCA_btl": "self,vader", "MPIR_CVAR_CH4_NETMOD": "ofi"}
+    assert launchers.local_job_env(env) == {k: env[k] for k in
+                                             ("PATH", "HPDL_HOME", "CUDA_VISIBLE_DEVICES", "OMPI_MCA_btl",
+                                              "MPIR_CVAR_CH4_NETMOD")}
+    # a launcher that says nothing of it (a site's PBS package) gets the local mpiexec, env unchanged
+    plain = launchers.get("local")
+    assert plain.local_job_command(2) == launchers.mpiexec_command(2) and plain.local_job_env(env) == env
+    # the forked ranks really start, from that environment, with Slurm's variables still in this one
+    code = ("from mpi4py import MPI; c = MPI.COMM_WORLD; "
+            "got = c.gather((c.rank, c.size, c.allreduce(c.rank + 1))); c.rank or print(got)")
+    out = subprocess.run([*cmd, sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=launchers.local_job_env({**os.environ, "SLURM_NTASKS": "2", "SLURM_NODELIST": "nowhere"}))
+    assert out.stdout.strip() == "[(0, 2, 3), (1, 2, 3)]", out.stderr
+
+
 # -- one source for the job's and the step's resources --------------------------------------------
 
 def test_job_and_step_resources_come_from_the_same_site_fields():

@@ -472,6 +472,93 @@ def test_run_sbatch_runs_a_script_and_a_notebook_on_the_jobs_ranks(slurm, outsid
     assert texts[2].strip() == str([[0, 3, nb_job], [1, 3, nb_job]])
 
 
+CHECK_IN_JOB = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, threading, time
+    import psutil
+    sys.path.insert(0, sys.argv[1])
+    import learner_ring as L
+    import hpdl
+    from hpdl.checker import sandbox
+    from hpdl.errors import HpdlError
+    from hpdl.launchers import mpiexec
+
+    phase, done = ["local"], threading.Event()
+    seen = {"local": set(), "batch": set()}  # programs this kernel stand-in started (sandbox, launcher, ranks)
+    steps = {"local": set(), "batch": set()}  # the job's steps
+
+    def watch():
+        for n in iter(int, 1):
+            if done.is_set():
+                return
+            where = phase[0]
+            for p in psutil.Process().children(recursive=True):
+                try:
+                    seen[where].add(os.path.basename(p.cmdline()[0]))
+                except (psutil.Error, IndexError):
+                    pass
+            if n % 4 == 0:
+                steps[where].update(subprocess.run(["squeue", "-h", "-s", "-j", os.environ["SLURM_JOB_ID"], "-o", "%j"],
+                                                   capture_output=True, text=True, timeout=30).stdout.split())
+            time.sleep(0.05)
+
+    def no_mpiexec():  # as with Cray MPICH, where only srun starts ranks
+        raise HpdlError("No mpiexec found: this Python has no MPI launcher next to it and none is on PATH.")
+
+    def cases(result, hint=False):
+        return [[c.verdict.value, f"{c.message} {c.hint if hint else ''}"] for c in result.cases]
+
+    threading.Thread(target=watch, daemon=True).start()
+    right = hpdl.check("ring_allreduce", L.ring_ok, ranks=[2])
+    wrong = hpdl.check("ring_allreduce", L.ring_root_only, ranks=[2])
+    time.sleep(0.5)
+    phase[0], mpiexec.find_mpiexec = "batch", no_mpiexec
+    batch = hpdl.check("ring_allreduce", L.ring_ok, ranks=[2])
+    time.sleep(0.5)
+    done.set()
+    print("RESULT " + json.dumps(dict(
+        right=cases(right), wrong=cases(wrong, hint=True), batch=cases(batch), notes=right.hints + wrong.hints,
+        batch_notes=batch.hints, sandboxed=sandbox.available(), programs={k: sorted(v) for k, v in seen.items()},
+        steps={k: sorted(v) for k, v in steps.items()})), flush=True)
+    """
+)
+
+
+@pytest.mark.slurm
+def test_a_check_inside_a_slurm_job_runs_sandboxed_on_the_node_with_no_step(slurm, outside_slurm, tmp_path,
+                                                                             no_strays):
+    """JupyterLab in a Slurm job (the hub, Open OnDemand, jupyter.sbatch): hpdl.check's jobs run on the
+    kernel's node through the local mpiexec, in the sandbox (no network: an srun there could not reach
+    slurmctld), never as an srun step queued or squeezed beside the engines'. Where this MPI has no
+    mpiexec (Cray MPICH), an srun step it is, its sandbox keeping the network, and the result says so."""
+    (tmp_path / "check.py").write_text(CHECK_IN_JOB)
+    script = f"{shlex.quote(sys.executable)} check.py {shlex.quote(str(ROOT / 'tests' / 'fixtures'))}"
+    p = subprocess.run(["sbatch", "--parsable", "-n", "2", "-J", "hpdl-test-check", "-o", "check-%j.out",
+                        "--wrap", script], capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    job = p.stdout.strip().split(";")[0]
+    try:
+        wait_until(lambda: squeue("-j", job, "-o", "%i") == "", 400, f"job {job} did not finish")
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    out = (tmp_path / f"check-{job}.out").read_text()
+    found = [s for s in out.splitlines() if s.startswith("RESULT ")]
+    assert found, out[-3000:]
+    got = json.loads(found[0][len("RESULT "):])
+    assert got["sandboxed"], "bubblewrap does not work inside the Slurm job: " + out[-2000:]
+    assert got["right"] and {v for v, _ in got["right"]} == {"PASS"}, got["right"]
+    assert {v for v, _ in got["wrong"]} == {"WRONG"} and "only rank 0" in " ".join(m for _, m in got["wrong"])
+    programs, steps = got["programs"]["local"], got["steps"]["local"]
+    assert "bwrap" in programs and "mpiexec" in programs, programs
+    assert "srun" not in programs and "hpdl-side" not in steps, (programs, steps)
+    assert not got["notes"], got["notes"]  # no fallback note: the network stayed shut
+    # no local launcher: srun steps from inside the sandbox, which kept the network for them, and a note
+    assert got["batch"] and {v for v, _ in got["batch"]} == {"PASS"}, got["batch"]
+    assert {"bwrap", "srun"} <= set(got["programs"]["batch"]) and "hpdl-side" in got["steps"]["batch"], got
+    assert any("ran through the batch system (srun)" in n for n in got["batch_notes"]), got["batch_notes"]
+
+
 @pytest.mark.slurm
 def test_jupyter_sbatch_serves_jupyterlab_inside_the_job(slurm, outside_slurm, tmp_path, no_strays):
     home, ws = Path(os.environ["HPDL_HOME"]), tmp_path / "ws"

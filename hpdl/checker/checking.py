@@ -32,12 +32,13 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
             "hidden": list(hidden) + _answer_keys()}
     bar = _progress(sum(len(v) for v in plan.values()), name) if progress else None
     try:
-        results = Runner(name, module, spec, plan, progress=bar, every_case=grading).run()
+        runner = Runner(name, module, spec, plan, progress=bar, every_case=grading)
+        results = runner.run()
     finally:
         if bar is not None:
             bar.close()
     ordered = [results[i] for i in sorted(results)]
-    hints = []
+    hints = list(runner.notes)  # how the jobs ran, where it differs from the usual (no local mpiexec)
     explain = getattr(module, "explain", None)
     if explain is not None:
         try:

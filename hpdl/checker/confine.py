@@ -1,6 +1,6 @@
 """The first process of untrusted code: a whitelisted environment and a seccomp filter, then exec.
 
-    python -m hpdl.checker.confine CMD ARGS...
+    python -m hpdl.checker.confine [--keep-env=NAME,...] CMD ARGS...
 
 The sandbox (sandbox.py) starts a graded submission, or a learner's check ranks, through this
 shim inside bubblewrap. Two things happen before CMD runs:
@@ -75,9 +75,12 @@ ENV_PREFIXES = (PREFIX, "LC_", "IPP_", "JUPYTER_", "MPI4PY_", "OMPI_", "PMIX_", 
                 "I_MPI_", "FI_", "UCX_", "NCCL_", "KMP_", "TORCH_")
 
 
-def environment(env) -> dict[str, str]:
-    """The variables of `env` that untrusted code may see: the whitelist above, nothing else."""
-    return {k: v for k, v in env.items() if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
+KEEP = "--keep-env="  # first argument: more names to keep (a check job that must run srun: SLURM_*)
+
+
+def environment(env, keep: frozenset[str] = frozenset()) -> dict[str, str]:
+    """The variables of `env` that untrusted code may see: the whitelist above (and `keep`), nothing else."""
+    return {k: v for k, v in env.items() if k in ENV_NAMES or k in keep or k.startswith(ENV_PREFIXES)}
 
 
 def supported() -> bool:
@@ -137,15 +140,18 @@ def install() -> None:
 
 
 def main(argv: list[str]) -> int:
+    keep: frozenset[str] = frozenset()
+    if argv and argv[0].startswith(KEEP):
+        keep = frozenset(filter(None, argv.pop(0)[len(KEEP):].split(",")))
     if not argv:
-        print("usage: python -m hpdl.checker.confine CMD [ARGS...]", file=sys.stderr)
+        print("usage: python -m hpdl.checker.confine [--keep-env=NAME,...] CMD [ARGS...]", file=sys.stderr)
         return 2
     try:
         install()
     except (OSError, KeyError) as exc:  # the sandbox checked this works before using the shim
         print(f"hpdl: the seccomp filter could not be installed: {exc}", file=sys.stderr)
         return 126
-    os.execvpe(argv[0], argv, environment(os.environ))
+    os.execvpe(argv[0], argv, environment(os.environ, keep))
     return 127  # not reached
 
 

@@ -1,6 +1,7 @@
 """Client side: run a check's jobs and turn what happens into verdicts.
 
-Per rank count, two `mpiexec` jobs side by side (launched in runner.py):
+Per rank count, two MPI jobs side by side, on this node through its mpiexec, also inside a
+Slurm allocation (how they start: runner.py):
 
     learner job    learner_job.py   the learner's function on the cases' inputs, every MPI call
                                     recorded; sandboxed (sandbox.py) where bubblewrap works
@@ -40,7 +41,7 @@ from hpdl import hang, procs, safefiles, settings, sidejob
 from hpdl.checker import sandbox
 from hpdl.checker.cases import Case
 from hpdl.checker.report import CaseResult, Verdict
-from hpdl.checker.runner import job_command
+from hpdl.checker.runner import job_launch
 from hpdl.hang import rank_word
 
 GRACE_AFTER_ERROR = 0.2  # s: let the other ranks end the case on their own before aborting
@@ -76,17 +77,13 @@ class Job:
         if kind == "reference":
             self.spec.pop("code", None)  # the learner's code never enters the reference job
         safefiles.create_exclusive(os.path.join(self.dir, "spec.pkl"), pickle.dumps(self.spec))
-        env = dict(os.environ)
-        env.pop(settings.GRADE_RESULTS.name, None)
-        env.pop(settings.GRADE_SERVICE.name, None)
-        bindir = str(Path(sys.executable).parent)
-        env.update({settings.CHECK_JOB.name: self.dir}, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}")
         module = "hpdl.checker.learner_job" if kind == "learner" else "hpdl.checker.reference_job"
-        cmd = job_command(size, module, self.dir)
+        launch = job_launch(size, module, self.dir, _job_env(self.dir))  # on this node, no batch system
+        cmd, env, self.through_batch = launch.cmd, launch.env, launch.through_batch
         limits = None
         if kind == "learner":
-            cmd = sandbox.wrap(cmd, writable=[self.dir], hidden=spec.get("hidden", []))
+            cmd = sandbox.wrap(cmd, writable=[self.dir], hidden=spec.get("hidden", []),
+                               network=bool(launch.through_batch), keep_env=launch.kept)
             limits = sandbox.Limits(cpu_seconds=int(START_TIMEOUT + sum(p.timeout for p in todo) + 60),
                                     processes=256 + 64 * size)  # tasks: threads count too
         # a sandbox has its own /dev/shm and PID namespace, gone with it; outside one, the learner's
@@ -177,6 +174,18 @@ class Job:
         return self.side in sidejob.live()
 
 
+def _job_env(job_dir: str) -> dict[str, str]:
+    """A check job's environment: this process's, its job folder named, one thread per rank, the
+    venv first on PATH, never the grader's own channels (results file, service folder)."""
+    env = dict(os.environ)
+    env.pop(settings.GRADE_RESULTS.name, None)
+    env.pop(settings.GRADE_SERVICE.name, None)
+    bindir = str(Path(sys.executable).parent)
+    env.update({settings.CHECK_JOB.name: job_dir}, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}")
+    return env
+
+
 def _clean_stack(data: dict) -> dict:
     where = data.get("where") if isinstance(data.get("where"), dict) else None
     if where:
@@ -226,6 +235,9 @@ class SizeRun:
         except BaseException:
             self.reference.end()
             raise
+        for job in (self.reference, self.learner):  # no local MPI launcher: the result says so
+            if job.through_batch:
+                runner.notes[job.through_batch] = None
         self.verifying: dict[int, float] = {}  # case index -> when its outputs went to the reference job
         self.broken: dict | None = None  # the reference job failed: the checker's own fault
 
@@ -377,6 +389,7 @@ class Runner:
         self.plan = plan
         self.progress = progress
         self.sandboxed = sandbox.available() if sandboxed is None else sandboxed
+        self.notes: dict[str, None] = {}  # what the check's result should say about how it ran (in order)
 
     def run(self) -> dict[int, CaseResult]:
         results: dict[int, CaseResult] = {}

@@ -1,22 +1,49 @@
-"""Client side: the command line of a check's MPI jobs.
+"""Client side: how a check's MPI jobs start (command line and environment).
 
 jobs.py runs two jobs per rank count (the learner's ranks and the checker's reference ranks) as
-side jobs (hpdl.sidejob); their command comes from here, through `launchers.side_job_command`,
-so a new launcher changes nothing here.
+side jobs (hpdl.sidejob); how they start comes from here, through the launcher in use
+(`launchers.local_job_command` / `local_job_env`), so a new launcher changes nothing here.
 """
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+
+from hpdl.errors import HpdlError
 
 
-def job_command(size: int, module: str, job_dir: str) -> list[str]:
-    """The command line of one check job: `size` ranks of `python -m <module> <job_dir>`.
+@dataclass
+class Launch:
+    """How one check job starts. `through_batch`, when not empty, says why the job goes through the
+    batch system (no local MPI launcher): its sandbox then keeps the network and `kept` (the batch
+    system's variables, by name), and the check's result says so."""
 
-    Started the way the launcher in use starts a side job: this machine's mpiexec, or inside a
-    Slurm allocation an srun step that overlaps the engines' step instead of queueing behind it."""
-    from hpdl.launchers import side_job_command
+    cmd: list[str]
+    env: dict[str, str]
+    through_batch: str = ""
+    kept: tuple[str, ...] = ()
 
-    return [*side_job_command(size), sys.executable, "-m", module, job_dir]
+
+def job_launch(size: int, module: str, job_dir: str, env: dict[str, str]) -> Launch:
+    """One check job: `size` ranks of `python -m <module> <job_dir>`, started from `env`.
+
+    On this node only, through the local mpiexec, with the batch system's variables removed: a
+    check's jobs are small and the learner's runs in a sandbox with no network, where srun could
+    not reach slurmctld (and an srun step would queue or squeeze beside the engines' step). Where
+    this Python's MPI has no local launcher (Cray MPICH: only srun starts ranks), the launcher's
+    side job (`srun --overlap`) instead, and the job keeps what it needs of the batch system."""
+    from hpdl import launchers
+
+    program = [sys.executable, "-m", module, job_dir]
+    try:
+        return Launch([*launchers.local_job_command(size), *program], launchers.local_job_env(env))
+    except HpdlError as exc:
+        cmd = launchers.side_job_command(size)  # outside a batch job: the same HpdlError again
+        kept = tuple(sorted(set(env) - set(launchers.local_job_env(env))))
+        why = (f"Note: this Python's MPI has no launcher of its own here ({str(exc).splitlines()[0]}), so the "
+               f"check's jobs ran through the batch system ({cmd[0]}); their sandbox kept the network and the "
+               "batch system's variables for it.")
+        return Launch([*cmd, *program], dict(env), why, kept)
 
 
-__all__ = ["job_command"]
+__all__ = ["Launch", "job_launch"]

@@ -416,10 +416,13 @@ def confinement_works() -> bool:
         return False
 
 
-def _confine_prefix() -> list[str]:
+def _confine_prefix(keep_env: tuple[str, ...] = ()) -> list[str]:
+    from hpdl.checker import confine
+
     # -c with sys.path[0] (the working folder, which untrusted code may write) removed first
+    keep = [f"{confine.KEEP}{','.join(keep_env)}"] if keep_env else []  # names only: `ps` shows them
     return [sys.executable, "-c", "import sys, runpy; del sys.path[0]; "
-            "sys.argv = sys.argv[1:]; runpy.run_module('hpdl.checker.confine', run_name='__main__')", "-"]
+            "sys.argv = sys.argv[1:]; runpy.run_module('hpdl.checker.confine', run_name='__main__')", "-", *keep]
 
 
 @functools.lru_cache(maxsize=1)
@@ -519,16 +522,18 @@ def _size(n: int | None) -> str:
 
 
 def wrap(cmd: list[str], *, writable: list[str] = (), hidden: list[str] = (), cwd: str | None = None,
-         readonly: list[str] = ()) -> list[str]:
+         readonly: list[str] = (), network: bool = False, keep_env: tuple[str, ...] = ()) -> list[str]:
     """`cmd` inside a sandbox: bubblewrap where it works, and in any case through the confining
     shim (whitelisted environment, seccomp filter) where that works; unchanged when neither does.
     `readonly`: folders inside a writable one that the sandbox may read but not write (the
-    grader's answers to its checks)."""
-    inner = [*_confine_prefix(), *cmd] if confinement_works() else list(cmd)
+    grader's answers to its checks). `network` and `keep_env` (variable names the whitelist would
+    drop) only for a check job that must go through the batch system (srun talks to slurmctld):
+    where this Python's MPI has no local launcher, see checker/runner.py."""
+    inner = [*_confine_prefix(keep_env), *cmd] if confinement_works() else list(cmd)
     exe = bwrap()
     if exe is None:
         return inner
-    args = [exe, *_base_args(exe)]
+    args = [exe, *_base_args(exe), *(["--share-net"] if network else [])]  # after --unshare-all
     for path in _devices():
         args += ["--dev-bind", path, path]
     for path in hidden:

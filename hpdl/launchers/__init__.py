@@ -23,6 +23,8 @@ from hpdl.launchers.base import (  # noqa: F401  (_REGISTRY: tests add and remov
     job_command,
     known,
     load_entry_points,
+    local_job_command,
+    local_job_env,
     problems,
     resolve,
     secure_profile,
@@ -35,6 +37,8 @@ from hpdl.launchers.mpiexec import (  # noqa: F401  (_IMPLEMENTATION: tests clea
     engine_env,
     find_mpiexec,
     launch_flags,
+    local_flags,
+    local_mpiexec_command,
     mpiexec_command,
     mpiexec_flags,
     mpiexec_implementation,
@@ -45,6 +49,7 @@ from hpdl.sites import SITES_DIR, SlurmSite, load_site
 __all__ = [
     "GROUP", "Launcher", "Local", "PASSED_ENV", "SITES_DIR", "Slurm", "SlurmSite", "configure", "default_n",
     "describe", "detected", "engine_env", "find_mpiexec", "get", "job_command", "job_state", "known",
-    "launch_flags", "load_entry_points", "load_site", "mpiexec_command", "mpiexec_flags",
+    "launch_flags", "load_entry_points", "load_site", "local_flags", "local_job_command", "local_job_env",
+    "local_mpiexec_command", "mpiexec_command", "mpiexec_flags",
     "mpiexec_implementation", "problems", "resolve", "sbatch_template", "secure_profile", "side_job_command",
 ]

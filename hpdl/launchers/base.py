@@ -78,6 +78,17 @@ class Launcher:
         """How to start a separate short MPI job of `n` ranks here (append the program and its args)."""
         return mpiexec_command(n)
 
+    def local_job_command(self, n: int) -> list[str]:
+        """A short job of `n` ranks on this node only, outside the batch system: the checker's jobs,
+        small, needing no other node, and sandboxed with no network (so no srun, no qsub in them).
+        Start it with `local_job_env` of its environment. HpdlError where no local launcher exists."""
+        return mpiexec_command(n)
+
+    def local_job_env(self, env: dict[str, str]) -> dict[str, str]:
+        """The environment for `local_job_command`: with what would make its MPI ask the batch
+        system for the ranks removed (nothing by default; Slurm's variables in the Slurm launcher)."""
+        return dict(env)
+
 
 # -- entry points: launchers other packages provide ------------------------------------------------
 
@@ -220,6 +231,21 @@ def side_job_command(n: int) -> list[str]:
     runs beside the engines' step instead of waiting for its CPUs (an mpiexec there would itself
     go through srun and queue behind the engines). Append the program and its arguments."""
     return detected().side_job_command(n)
+
+
+def local_job_command(n: int) -> list[str]:
+    """How to start a short job of `n` ranks on this node only, outside any batch system: a check's
+    two jobs. Everywhere the local `mpiexec -n N`; inside a Slurm allocation too, its ranks forked
+    here (not an srun step: the learner's job runs in a sandbox with no network, where srun cannot
+    reach slurmctld). Start it with `local_job_env(env)`. HpdlError where this Python's MPI has no
+    mpiexec (Cray MPICH): then only `side_job_command` starts ranks."""
+    return detected().local_job_command(n)
+
+
+def local_job_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a `local_job_command` job: inside a Slurm allocation without SLURM_*, PMI_*, PMIX_*
+    (else the MPI would see the outer job and start its ranks through srun, or as its step's)."""
+    return detected().local_job_env(env)
 
 
 def job_command(n: int) -> str:

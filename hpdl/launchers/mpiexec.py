@@ -94,3 +94,25 @@ def mpiexec_command(n: int) -> list[str]:
     """`mpiexec -n N` for this Python's MPI, with the flags its implementation needs (mpiexec_flags)."""
     exe = find_mpiexec()
     return [exe, *launch_flags(exe), "-n", str(n)]
+
+
+def local_flags(implementation: str) -> list[str]:
+    """Flags that keep an mpiexec's ranks on this machine, forked, whatever its environment says.
+
+    Why: inside a batch job Hydra (MPICH, MVAPICH2; Intel MPI's own) starts its ranks through the
+    batch system (srun), and a site's module may name that launcher outright (HYDRA_LAUNCHER,
+    I_MPI_HYDRA_BOOTSTRAP): a job meant for this node only, in a sandbox with no network, must
+    fork them. Open MPI has no such flag: it decides from the environment alone (SLURM_JOBID,
+    PMIX_*), which local_job_env removes. Pure, so tested without MPI."""
+    if implementation in ("MPICH", "MVAPICH2"):
+        return ["-launcher", "fork"]
+    if implementation == "Intel MPI":
+        return ["-bootstrap", "fork"]
+    return []
+
+
+def local_mpiexec_command(n: int) -> list[str]:
+    """`mpiexec_command(n)` whose ranks are forked on this machine (local_flags); HpdlError where
+    this Python's MPI has no mpiexec (Cray MPICH: only srun starts its ranks)."""
+    exe = find_mpiexec()
+    return [exe, *launch_flags(exe), *local_flags(mpiexec_implementation(exe)), "-n", str(n)]

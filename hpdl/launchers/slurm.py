@@ -22,7 +22,7 @@ import warnings
 
 from hpdl.errors import HpdlError
 from hpdl.launchers.base import Launcher
-from hpdl.launchers.mpiexec import mpiexec_command
+from hpdl.launchers.mpiexec import local_mpiexec_command, mpiexec_command
 from hpdl.launchers._slurm_queue import cancel_job, job_state, step_of  # noqa: F401  (importable from here)
 from hpdl.sites import SlurmSite, job_resource_options, load_site, resource_mismatch, resource_options, rank_wrapper
 
@@ -32,6 +32,15 @@ from hpdl.sites import SlurmSite, job_resource_options, load_site, resource_mism
 # SlurmSpawner, many sites' advice) sets that for every step in it: the ranks would start with no
 # PATH at all (slurmstepd: "execve(): bash: No such file or directory").
 STEP_EXPORT = "--export=ALL"
+
+# What tells a process it runs in a Slurm job, or is a rank of one of its steps: a job for this
+# node only (a check's) starts without them, else its MPI starts the ranks through srun (Hydra,
+# Open MPI) or takes them for the outer step's (PMI, PMIx). With them go the variables a site's
+# module sets so that MPI uses srun or Slurm's PMI library (I_MPI_PMI_LIBRARY, HYDRA_LAUNCHER, ...).
+BATCH_ENV_PREFIXES = ("SLURM_", "SLURMD_", "SRUN_", "PMI_", "PMIX_")
+BATCH_ENV_NAMES = frozenset({"HYDRA_RMK", "HYDRA_LAUNCHER", "HYDRA_HOST_FILE", "HYDRA_BOOTSTRAP",
+                             "I_MPI_HYDRA_BOOTSTRAP", "I_MPI_HYDRA_RMK", "I_MPI_HYDRA_HOST_FILE",
+                             "I_MPI_PMI_LIBRARY", "I_MPI_PMI", "MPIEXEC_LAUNCHER"})
 
 
 class Slurm(Launcher):
@@ -70,6 +79,16 @@ class Slurm(Launcher):
         site = load_site()
         return ["srun", "--overlap", f"--mpi={site.pmi}", "--kill-on-bad-exit=1", "--job-name=hpdl-side",
                 "-n", str(n), STEP_EXPORT, *rank_wrapper(site)]
+
+    def local_job_command(self, n: int) -> list[str]:
+        """This node's mpiexec, its ranks forked here, also inside an allocation: a check's jobs
+        are small and sandboxed with no network, so never an srun step (which needs slurmctld).
+        The site prologue is not run: the ranks run this Python's own MPI, as on a laptop."""
+        return local_mpiexec_command(n)
+
+    def local_job_env(self, env: dict[str, str]) -> dict[str, str]:
+        """`env` without the outer job's Slurm, PMI and PMIx variables (BATCH_ENV_PREFIXES)."""
+        return {k: v for k, v in env.items() if not (k.startswith(BATCH_ENV_PREFIXES) or k in BATCH_ENV_NAMES)}
 
     def configure(self, config, n: int) -> dict:
         if not shutil.which("srun") or not shutil.which("sbatch"):
