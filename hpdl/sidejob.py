@@ -56,7 +56,8 @@ class Finished:
 class SideJob:
     """One short job: started in its own session, output to a file, ended with all it started.
 
-    cmd: the command (for an MPI job, from `hpdl.launchers.side_job_command`).
+    cmd: the command (for an MPI job, from `hpdl.launchers.side_job_command`, or for a check's jobs,
+         which stay on this node, `local_job_command`).
     output: a file path for stdout+stderr (kept), else a private temporary file (read by `output_text`).
     timeout: seconds from start after which `expired()` is true (None: never).
     limits: an object with start() (in this process), apply() (in the child, before exec) and
