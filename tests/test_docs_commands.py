@@ -53,7 +53,9 @@ BLOCKS = {
     ("cluster/build/README.md", "# NCCL (NVLink in a node"): ("paths", "GPU builds of Horovod (NCCL, MVAPICH2-GDR)"),
     ("cluster/build/README.md", 'python -c "import horovod.torch'): ("run", "Horovod's build report, seconds"),
     ("cluster/build/README.md", "sbatch -N 2 --ntasks-per-node=4"): ("paths", "two GPU nodes"),
-    ("cluster/jupyterhub/README.md", "make setup"): ("paths", "root, accounts and a hub: tests/test_hub.py runs them"),
+    ("cluster/jupyterhub/README.md", "# 1. The kit, once"): ("paths", "root, accounts, a certificate and a hub: "
+                                                                 "tests/test_hub.py runs them"),
+    ("cluster/jupyterhub/README.md", "# /etc/sudoers.d/hpdl-hub"): ("skip", "a sudoers rule (a file's lines)"),
     ("cluster/ood/README.md", "sudo cp -r cluster/ood/hpdl-jupyter"): ("paths", "an OnDemand web node; "
                                                                         "tests/test_ood.py runs the app"),
     ("cluster/README.md", "$KIT/.venv/bin/hpdl rehearse --site"): ("help", "4 learners' jobs (minutes); "
