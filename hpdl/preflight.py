@@ -25,13 +25,13 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from hpdl import procs
 from hpdl.errors import HpdlError
 from hpdl.sites import EXPECT_KEYS, SlurmSite, load_site, rank_wrapper, resource_options, sbatch_args
 from hpdl.tables import html_table
@@ -403,12 +403,9 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     site = load_site(args.site)
     per_node = args.ranks_per_node or site.ranks_per_node or int(site.expect.get("gpus_per_node", 0)) or 2
-    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # e.g. `timeout`: cancel the job first
-    try:
+    with procs.sigterm_exits():  # e.g. `timeout`: cancel the job first
         result = run(site, nodes=args.nodes, ranks_per_node=per_node, launcher=args.launcher, out=args.out,
                      largest=args.largest_mib << 20, timeout=args.timeout, queue_timeout=args.queue_timeout)
-    finally:
-        signal.signal(signal.SIGTERM, before)
     print(render(result) + f"\nreport: {result['html']}")
     return 0 if result["go"] else 1
 

@@ -21,11 +21,13 @@ grader); it imports only the standard library and psutil.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Iterable
@@ -38,6 +40,17 @@ SEGMENT_PREFIXES = ("mpich_shm_", "sm_segment.", "vader_segment.")
 
 
 # -- who a process is ---------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def sigterm_exits():
+    """While inside, SIGTERM (e.g. from `timeout` or a batch system) exits with 143 instead of
+    killing at once, so the caller's `finally` still cancels the jobs it submitted."""
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
 
 def boot_id() -> str:
     """This boot of this machine (changes at every reboot); '' where Linux does not say."""
@@ -307,7 +320,6 @@ def finalize_singleton_mpi() -> bool:
     MPICH's /dev/shm segment of a process that started MPI by itself. A kernel that dies in
     between (libzmq aborts in its context teardown now and then: seen in CI) would leave the
     segment in RAM. Registered as a kernel's first exit step by `import hpdl`."""
-    import sys
 
     mpi = sys.modules.get("mpi4py.MPI")
     try:

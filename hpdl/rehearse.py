@@ -31,7 +31,6 @@ import pwd
 import re
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
-from hpdl import settings
+from hpdl import procs, settings
 from hpdl.errors import HpdlError
 from hpdl.sites import SlurmSite, load_site, rank_prologue, sbatch_args
 from hpdl.tables import html_table
@@ -471,12 +470,9 @@ def main(argv: list[str]) -> int:
                     "(default 1800); then every job still listed is cancelled")
     args = ap.parse_args(argv)
     site = load_site(args.site)
-    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # e.g. `timeout`: cancel the jobs first
-    try:
+    with procs.sigterm_exits():  # e.g. `timeout`: cancel the jobs first
         result = run(site, learners=args.learners, ranks=args.ranks or None, out=args.out, timeout=args.timeout,
                      exercise=args.exercise)
-    finally:
-        signal.signal(signal.SIGTERM, before)
     print(render(result) + f"\nreport: {result['html']} (and rehearsal.json)")
     return 0 if result["passed"] else 1
 

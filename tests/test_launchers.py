@@ -107,14 +107,19 @@ def test_side_job_outside_slurm_is_the_venvs_mpiexec(monkeypatch):
     assert shlex.split(hpdl.job_command(3)) == cmd
 
 
-def test_side_job_inside_an_allocation_overlaps_the_engines_step(monkeypatch, tmp_path):
-    """Pure construction (a real run beside the engines is in test_slurm.py)."""
+def inside_an_allocation(monkeypatch, tmp_path) -> None:
+    """As a kernel inside a Slurm job sees it: SLURM_JOB_ID set, an `srun` on PATH (one that fails)."""
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     (fake_bin / "srun").write_text("#!/bin/sh\nexit 1\n")
     (fake_bin / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_ID", "77")
+
+
+def test_side_job_inside_an_allocation_overlaps_the_engines_step(monkeypatch, tmp_path):
+    """Pure construction (a real run beside the engines is in test_slurm.py)."""
+    inside_an_allocation(monkeypatch, tmp_path)
     monkeypatch.delenv("HPDL_SITE", raising=False)
     monkeypatch.setenv("HPDL_SLURM_PMI", "pmix")
     assert launchers.side_job_command(4)[:7] == ["srun", "--overlap", "--mpi=pmix", "--kill-on-bad-exit=1",
@@ -127,12 +132,7 @@ def test_a_checks_job_inside_an_allocation_is_the_local_mpiexec_without_the_batc
     """A check's jobs run in a sandbox with no network: inside a Slurm job they are this node's
     mpiexec, its ranks forked here, from an environment that no longer says "Slurm" (pure construction;
     the real run inside a Slurm job is in test_slurm.py)."""
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    (fake_bin / "srun").write_text("#!/bin/sh\nexit 1\n")
-    (fake_bin / "srun").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    inside_an_allocation(monkeypatch, tmp_path)
     monkeypatch.delenv("HPDL_LAUNCHER", raising=False)
     assert launchers.detected().name == "slurm" and launchers.side_job_command(2)[0] == "srun"
     cmd = launchers.local_job_command(2)
