@@ -68,17 +68,43 @@ def _query_cuda(path: str) -> bool | None:
     return bool(fn())
 
 
-def cuda_awareness(library_version: str, query: bool | None, env: Mapping[str, str]) -> tuple[bool | None, str]:
-    """(CUDA-aware?, how we know) from the library's own answer, else what its version string implies.
+def links_cuda(path: str, limit: int = 256 * 2**20) -> bool:
+    """Whether a library file names the CUDA runtime among what it needs (libcudart/libcuda in
+    its dynamic string table): how a CUDA build of MVAPICH2, which has no MPIX_Query_cuda_support
+    in 2.3.x, shows itself without a GPU."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit)
+    except OSError:
+        return False
+    return b"libcudart.so" in data or b"libcuda.so" in data
 
+
+def _mvapich2_cuda_build(text: str, files: list[str]) -> bool:
+    """MVAPICH2's own words (`MVAPICH2 configure : ... --enable-cuda ...`, or a GDR release's name),
+    else the library file linking the CUDA runtime."""
+    configure = next((line for line in text.splitlines() if "configure" in line.lower()), "")
+    if "GDR" in text.upper() or "--enable-cuda" in configure or "--with-cuda" in configure:
+        return True
+    return any(links_cuda(f) for f in files)
+
+
+def cuda_awareness(library_version: str, query: bool | None, env: Mapping[str, str],
+                   files: list[str] = ()) -> tuple[bool | None, str]:
+    """(CUDA-aware?, how we know) from the library's own answer, else what MVAPICH2 says of its build.
+
+    MVAPICH2 prints "MVAPICH2 Version :\t2.3.5", then its release date, device and configure line
+    (MPI_Get_library_version; 2.3.x has no MPIX_Query_cuda_support): a CUDA build (configure line,
+    a GDR release, or libmpi linking libcudart) is CUDA-aware when MV2_USE_CUDA=1 at run time.
     None means unknown (say so rather than guess).
     """
     if query is not None:
         return query, "MPIX_Query_cuda_support()"
-    text = library_version.upper().replace(" ", "-")
-    if "MVAPICH2-GDR" in text or "MVAPICH-PLUS" in text:
+    if "MVAPICH" in library_version.upper():
+        if not _mvapich2_cuda_build(library_version, list(files)):
+            return False, "MVAPICH2 built without CUDA (its configure line; libmpi links no libcudart)"
         on = env.get("MV2_USE_CUDA") == "1"
-        return on, f"MVAPICH2-GDR with MV2_USE_CUDA={env.get('MV2_USE_CUDA', '(unset)')}"
+        return on, f"MVAPICH2 built with CUDA, MV2_USE_CUDA={env.get('MV2_USE_CUDA', '(unset)')}"
     return None, ""
 
 
@@ -100,7 +126,7 @@ def loaded(env: Mapping[str, str] | None = None) -> dict:
         query = _query_cuda(path)
         if query is not None:
             break
-    cuda, how = cuda_awareness(version, query, env)
+    cuda, how = cuda_awareness(version, query, env, files)
     if cuda is None and not started:
         how = "ask after MPI has started"
     return {"files": files, "library_version": " ".join(version.splitlines()[0].split()) if version else "",

@@ -130,12 +130,30 @@ def test_library_files_in_load_order_once_each():
     assert mpilib.library_files(MAPS) == ["/opt/mvapich2-gdr/lib64/libmpi.so.12.1.1", "/venv/lib/libmpi.so.12"]
 
 
-def test_cuda_awareness_from_the_library_else_from_mvapich2_gdr_settings():
+# MPI_Get_library_version as MVAPICH2 2.3.x writes it (src/mpi/init/library_version.c: "MVAPICH2 Version
+# :\t%s", release date, device, configure line; the form MPI.jl's and Spack's MVAPICH2 checks match). The
+# configure lines: a plain InfiniBand build, and a CUDA build as MVAPICH2's user guide configures one.
+MV2_PLAIN = ("MVAPICH2 Version      :\t2.3.7\nMVAPICH2 Release date :\tWed March 02 22:00:00 EST 2022\n"
+             "MVAPICH2 Device       :\tch3:mrail\n"
+             "MVAPICH2 configure    :\t--prefix=/opt/mvapich2 --with-device=ch3:mrail --with-rdma=gen2\n"
+             "MVAPICH2 CC  :\tgcc    -DNDEBUG -DNVALGRIND -O2")
+MV2_CUDA = MV2_PLAIN.replace("--with-rdma=gen2", "--with-rdma=gen2 --enable-cuda --with-cuda=/usr/local/cuda-12.6")
+
+
+def test_cuda_awareness_from_the_library_else_from_what_mvapich2_says_of_its_build(tmp_path):
     assert mpilib.cuda_awareness("MPICH Version: 5.0.2", False, {}) == (False, "MPIX_Query_cuda_support()")
     assert mpilib.cuda_awareness("Open MPI v5.0.3", True, {}) == (True, "MPIX_Query_cuda_support()")
-    gdr = "MVAPICH2-GDR Version 2.3.7"
-    assert mpilib.cuda_awareness(gdr, None, {"MV2_USE_CUDA": "1"}) == (True, "MVAPICH2-GDR with MV2_USE_CUDA=1")
-    assert mpilib.cuda_awareness(gdr, None, {})[0] is False
+    # MVAPICH2 2.3.x has no MPIX_Query_cuda_support: its configure line says, and MV2_USE_CUDA switches it on
+    assert mpilib.cuda_awareness(MV2_CUDA, None, {"MV2_USE_CUDA": "1"}) == (
+        True, "MVAPICH2 built with CUDA, MV2_USE_CUDA=1")
+    assert mpilib.cuda_awareness(MV2_CUDA, None, {})[0] is False  # built for CUDA, not switched on
+    assert mpilib.cuda_awareness(MV2_PLAIN, None, {"MV2_USE_CUDA": "1"})[0] is False  # no CUDA in the build
+    # a build whose configure line is not printed: libmpi linking the CUDA runtime tells
+    lib = tmp_path / "libmpi.so.12"
+    lib.write_bytes(b"\x7fELF" + b"\0" * 64 + b"libibverbs.so.1\0libcudart.so.12\0libc.so.6\0")
+    first_line = MV2_PLAIN.splitlines()[0]
+    assert mpilib.cuda_awareness(first_line, None, {"MV2_USE_CUDA": "1"}, [str(lib)])[0] is True
+    assert mpilib.cuda_awareness(first_line, None, {"MV2_USE_CUDA": "1"}, [])[0] is False
     assert mpilib.cuda_awareness("Intel(R) MPI Library 2021.9", None, {}) == (None, "")
     line = mpilib.describe({"files": ["/x/libmpi.so.12"], "cuda_aware": None, "how": ""})
     assert line == "/x/libmpi.so.12 · CUDA-aware: unknown"
