@@ -46,7 +46,8 @@ def _device(comm) -> dict:
     """The device the kit would give this rank, and torch's CUDA/NCCL versions. Collective."""
     from mpi4py import MPI
 
-    info = {"device": "none", "memory_GB": None, "torch": None, "cuda": None, "nccl": None, "device_note": ""}
+    info = {"device": "none", "gpu": None, "memory_GB": None, "torch": None, "cuda": None, "nccl": None,
+            "device_note": ""}
     try:
         import torch
     except ImportError as exc:
@@ -59,7 +60,8 @@ def _device(comm) -> dict:
     info.update(torch=torch.__version__, cuda=torch.version.cuda, device_note=note)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(device=f"{props.name} (cuda:{device.index})", memory_GB=round(props.total_memory / 1e9, 1))
+        info.update(device=f"{props.name} (cuda:{device.index})", memory_GB=round(props.total_memory / 1e9, 1),
+                    gpu=gpu_identity(props, device.index))
     if torch.version.cuda:
         try:
             v = torch.cuda.nccl.version()
@@ -258,6 +260,18 @@ def _sweep_row(check: str, where: str, s: dict | None, expect: dict, prefix: str
     return _row(check, where, measured, expected, problems)
 
 
+def gpu_identity(props, index: int) -> str:
+    """What tells one physical GPU from another across ranks: its UUID (else its PCI bus id).
+
+    Under per-task binding (`srun --gpus-per-task=1`) every rank sees its own GPU as cuda:0, so
+    the device's name and index say nothing about how many GPUs a node's ranks use."""
+    for attr in ("uuid", "pci_bus_id"):
+        value = getattr(props, attr, None)
+        if value not in (None, ""):
+            return str(value)
+    return f"{props.name} (cuda:{index})"
+
+
 def judge(ranks: list[dict], expect: dict) -> list[dict]:
     """Go/no-go rows: one per rank, per node (its GPUs), per allreduce measurement. Pure."""
     rows, gpus = [], expect.get("gpus_per_node")
@@ -284,7 +298,7 @@ def judge(ranks: list[dict], expect: dict) -> list[dict]:
     hosts = list(dict.fromkeys(r["host"] for r in ranks))
     for host in hosts:
         mine = [r for r in ranks if r["host"] == host]
-        used = len({r["device"] for r in mine if r["device"] != "none"})
+        used = len({r.get("gpu") or r["device"] for r in mine if r["device"] != "none"})  # by UUID, not cuda:i
         rows.append(_row("GPUs of the node", host, f"{len(mine)} rank(s), {used} GPU(s) in use",
                          [] if gpus is None else [f"{gpus} GPU(s)"],
                          [f"{used} GPU(s) in use, {gpus} expected"] if gpus is not None and used < gpus else []))
@@ -325,7 +339,7 @@ def _table(head: list[str], body: list[list], classes: list[str] | None = None) 
                       row_attrs=[{"class": c} for c in classes] if classes else None)
 
 
-RANK_COLUMNS = ("rank", "host", "local_rank", "device", "memory_GB", "torch", "cuda", "nccl", "mpi", "mpi_file",
+RANK_COLUMNS = ("rank", "host", "local_rank", "device", "gpu", "memory_GB", "torch", "cuda", "nccl", "mpi", "mpi_file",
                 "cuda_aware", "cuda_aware_how", "device_note")
 
 

@@ -166,3 +166,26 @@ def test_without_slurm_it_says_what_to_do(tmp_path, monkeypatch, capsys):
     rc = cli.main(["preflight", "--site", str(_site(tmp_path, LENIENT)), "--out", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert rc == 1 and "no Slurm here (sbatch is not on PATH)" in err and "--launcher local" in err
+
+
+def test_gpus_of_a_node_are_counted_by_uuid_as_per_task_binding_shows_them():
+    """Under `srun --gpus-per-task=1` each rank sees its own GPU as cuda:0: four ranks, four GPUs,
+    one label. Counted by label that was one GPU in use (a NO-GO on a healthy node); by UUID, four."""
+    from types import SimpleNamespace
+
+    def rank(i: int, uuid: str) -> dict:
+        return {"rank": i, "host": "gpu01", "local_rank": i, "device": "NVIDIA H100 80GB HBM3 (cuda:0)",
+                "gpu": uuid, "memory_GB": 85.0, "torch": "2.13.0", "cuda": "12.6", "nccl": "2.27.3",
+                "mpi": "Open MPI v5.0.5", "mpi_file": "/opt/openmpi/lib/libmpi.so.40", "cuda_aware": None,
+                "cuda_aware_how": "", "device_note": "", "within": None, "across": None}
+
+    def gpus_row(ranks: list[dict]) -> dict:
+        return next(r for r in preflight.judge(ranks, {"gpus_per_node": 4}) if r["check"] == "GPUs of the node")
+
+    healthy = gpus_row([rank(i, f"GPU-{i:08x}-1111-2222-3333-444455556666") for i in range(4)])
+    assert healthy["verdict"] == "go" and "4 GPU(s) in use" in healthy["measured"], healthy
+    shared = gpus_row([rank(i, "GPU-00000000-1111-2222-3333-444455556666") for i in range(4)])
+    assert shared["verdict"] == "no-go" and "1 GPU(s) in use, 4 expected" in shared["reason"]  # one GPU: NO-GO
+    props = SimpleNamespace(name="NVIDIA H100 80GB HBM3", uuid="GPU-abc", pci_bus_id="0000:1b:00.0")
+    assert preflight.gpu_identity(props, 0) == "GPU-abc"
+    assert preflight.gpu_identity(SimpleNamespace(name="T4", uuid="", pci_bus_id="0000:3b:00.0"), 0) == "0000:3b:00.0"
