@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable
 
 from hpdl import mpilib, settings
+from hpdl.sites import outward_address
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,8 @@ def init_torch_distributed(rank: int, world_size: int, device, timeout_s: float 
     timeout = datetime.timedelta(seconds=timeout_s)
     listener = None
     if comm.Get_rank() == 0:
-        addr = "127.0.0.1" if one_node else socket.gethostbyname(socket.gethostname())
+        # across nodes, an address the others reach: not the 127.0.1.1 Debian's /etc/hosts gives our name
+        addr = "127.0.0.1" if one_node else outward_address(socket.gethostname())
         listener = _listening_socket(addr)
         endpoint = (addr, listener.getsockname()[1])
     else:

@@ -12,8 +12,10 @@ shell lines that give every rank the site's environment, whichever way the ranks
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import socket
 import shlex
 import sys
 from collections.abc import Iterable
@@ -362,3 +364,13 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def outward_address(host: str) -> str:
+    """`host`'s IPv4 address that other nodes can reach: the first that is not loopback.
+
+    Debian-style /etc/hosts maps a machine's own name to 127.0.1.1, so `gethostbyname(gethostname())`
+    hands other nodes an address that is theirs too. Raises socket.gaierror if `host` does not resolve."""
+    found = [info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)]
+    outward = [a for a in found if not ipaddress.ip_address(a).is_loopback]
+    return (outward or found)[0]

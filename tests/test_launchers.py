@@ -269,3 +269,22 @@ def test_a_bad_entry_point_is_refused_with_a_message_and_changes_nothing(tmp_pat
     finally:
         launchers._REGISTRY.clear()
         launchers._REGISTRY.update(before)
+
+
+def test_the_address_other_nodes_are_given_is_not_debians_loopback_alias(monkeypatch):
+    """Debian's /etc/hosts maps the machine's own name to 127.0.1.1: rank 0's rendezvous address and
+    the controller's are the name's first address that is not loopback (and loopback only if that is all)."""
+    import socket
+
+    from hpdl import sites
+
+    answers = {"node01": ["127.0.1.1", "10.1.2.3"], "laptop": ["127.0.1.1"]}
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", (addr, 0)) for addr in answers[host]])
+    assert sites.outward_address("node01") == "10.1.2.3"
+    assert sites.outward_address("laptop") == "127.0.1.1"
+    monkeypatch.setenv("HPDL_SLURM_CONTROLLER_HOST", "node01")
+    monkeypatch.delenv("HPDL_SITE", raising=False)
+    from hpdl.launchers import slurm
+
+    assert slurm.controller_address(sites.load_site()) == "10.1.2.3"

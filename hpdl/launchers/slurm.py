@@ -13,7 +13,6 @@ before its engine, and the controller binds the one address engines are told to 
 """
 from __future__ import annotations
 
-import ipaddress
 import os
 import shlex
 import shutil
@@ -24,7 +23,8 @@ from hpdl.errors import HpdlError
 from hpdl.launchers.base import Launcher
 from hpdl.launchers.mpiexec import local_mpiexec_command, mpiexec_command
 from hpdl.launchers._slurm_queue import cancel_job, job_state, step_of  # noqa: F401  (importable from here)
-from hpdl.sites import SlurmSite, job_resource_options, load_site, resource_mismatch, resource_options, rank_wrapper
+from hpdl.sites import (SlurmSite, job_resource_options, load_site, outward_address, rank_wrapper, resource_mismatch,
+                        resource_options)
 
 # A step started inside a job hands the ranks this process's whole environment (the kit's venv on
 # PATH, HPDL_*, the learner's hpdl.start(env=...)). Without it srun exports what SLURM_EXPORT_ENV
@@ -146,14 +146,12 @@ def controller_address(site: SlurmSite) -> str:
     host's name's), the first that is not loopback when it has several."""
     host = site.controller_host or socket.gethostname()
     try:
-        found = [info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)]
+        return outward_address(host)
     except socket.gaierror as exc:
         raise HpdlError(
             f"controller_host {host!r} does not resolve here ({exc}); set slurm.controller_host in the site "
             "profile (or HPDL_SLURM_CONTROLLER_HOST) to a name or address of this machine."
         ) from None
-    outward = [a for a in found if not ipaddress.ip_address(a).is_loopback]
-    return (outward or found)[0]
 
 
 def _fmt_escape(text: str) -> str:
