@@ -207,16 +207,9 @@ def course_jobs(site: SlurmSite, users: list[str] = ()) -> list[dict]:
 
 def cancel_jobs(jobs: list[dict], wait: float = 60.0) -> list[str]:
     """scancel each job; wait until Slurm lists none of them. Returns the ids still listed."""
-    from hpdl.launchers.slurm import cancel_job, job_state
+    from hpdl.launchers._slurm_queue import cancel_and_wait
 
-    for job in jobs:
-        cancel_job(job["id"])
-    deadline, left = time.monotonic() + wait, [j["id"] for j in jobs]
-    while True:
-        left = [j for j in left if job_state(j) not in (None, "CANCELLED", "COMPLETED")]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.5)
+    return cancel_and_wait([j["id"] for j in jobs], wait)
 
 
 # -- archive, then remove what the archive holds ------------------------------------------------------

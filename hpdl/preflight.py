@@ -172,7 +172,7 @@ def _pending_reason(job: str) -> str:
 
 def _slurm(site: SlurmSite, nodes: int, per_node: int, program: list[str], folder: Path,
            timeout: float, queue_timeout: float) -> str:
-    from hpdl.launchers.slurm import cancel_job, job_state
+    from hpdl.launchers._slurm_queue import cancel_job, job_state, still_listed
 
     if not shutil.which("sbatch"):
         raise HpdlError("no Slurm here (sbatch is not on PATH): run this on the cluster's login node (or "
@@ -206,10 +206,7 @@ def _slurm(site: SlurmSite, nodes: int, per_node: int, program: list[str], folde
         finished = True
         return job
     finally:
-        deadline = time.monotonic() + (30 if finished else 0)  # a finished job leaves the queue by itself
-        while job_state(job) is not None and time.monotonic() < deadline:
-            time.sleep(0.3)
-        if job_state(job) is not None:
+        if still_listed([job], 30 if finished else 0):  # a finished job leaves the queue by itself
             cancel_job(job)
 
 

@@ -17,7 +17,7 @@ from traitlets import Any, CRegExp, Integer
 from hpdl import settings
 from hpdl.errors import HpdlError
 from hpdl.launchers.base import secure_profile
-from hpdl.launchers._slurm_queue import cancel_job, job_state, step_of
+from hpdl.launchers._slurm_queue import cancel_and_wait, job_state, step_of
 from hpdl.sites import rank_wrapper
 
 
@@ -122,8 +122,5 @@ class SbatchEngineSetLauncher(SlurmEngineSetLauncher):
     def stop(self):
         """Cancel the job and wait (bounded) until it has left the queue."""
         if self.job_id:
-            cancel_job(self.job_id)
-            deadline = time.monotonic() + 30
-            while job_state(self.job_id) is not None and time.monotonic() < deadline:
-                time.sleep(0.3)
+            cancel_and_wait([self.job_id], 30)
         return self.notify_stop({"job_id": self.job_id})

@@ -3,10 +3,28 @@ its ipyparallel engine sets (kept apart so neither imports the other)."""
 from __future__ import annotations
 
 import subprocess
+import time
 
 
 def cancel_job(job_id: str) -> None:
     subprocess.run(["scancel", str(job_id)], capture_output=True, timeout=30)
+
+
+def still_listed(job_ids, seconds: float) -> list[str]:
+    """Wait (bounded, monotonic) until Slurm lists none of `job_ids` as live; the ids still listed."""
+    deadline, left = time.monotonic() + seconds, [str(j) for j in job_ids]
+    while True:
+        left = [j for j in left if job_state(j) not in (None, "CANCELLED", "COMPLETED")]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.3)
+
+
+def cancel_and_wait(job_ids, seconds: float = 30.0) -> list[str]:
+    """scancel each job, then wait until Slurm lists none of them; the ids still listed."""
+    for job in job_ids:
+        cancel_job(job)
+    return still_listed(job_ids, seconds)
 
 
 def _squeue(*args: str) -> tuple[int, str]:
