@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -156,3 +158,49 @@ def pytest_sessionfinish(session, exitstatus):
         from hpdl import procs
 
         procs.remove_shared_memory(procs.shared_memory_of([os.getpid()]))
+
+
+# -- fresh Unix accounts for the tests that start learners (test_hub.py, test_shared_kit.py) --------
+
+def user_processes(uid: int) -> list[psutil.Process]:
+    """The live processes running as `uid` (zombies left out)."""
+    found = []
+    for p in psutil.process_iter(["uids", "status"]):
+        try:
+            if p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.Error, TypeError):
+            continue
+    return found
+
+
+def remove_account(name: str) -> None:
+    """The account, its jobs, its processes and its MPI segments: nothing of it outlives the test."""
+    try:
+        uid = int(subprocess.run(["id", "-u", name], capture_output=True, text=True, check=True).stdout)
+    except subprocess.CalledProcessError:
+        return
+    subprocess.run(["scancel", "-u", name], capture_output=True, timeout=30)
+    deadline = time.monotonic() + 60
+    while subprocess.run(["squeue", "-h", "-u", name], capture_output=True, text=True,
+                         timeout=30).stdout.strip() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = user_processes(uid)
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            continue
+    psutil.wait_procs(left, timeout=30)  # userdel refuses an account a process still runs as
+    for seg in Path("/dev/shm").glob("mpich_shm_*"):
+        try:
+            if seg.stat().st_uid == uid:
+                seg.unlink()
+        except OSError:
+            continue
+    for _ in range(10):
+        subprocess.run(["userdel", "-r", name], capture_output=True, timeout=60)
+        if subprocess.run(["id", "-u", name], capture_output=True).returncode != 0:
+            return
+        time.sleep(1)
+    raise AssertionError(f"could not remove the test's account {name}")

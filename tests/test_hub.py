@@ -43,6 +43,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from conftest import remove_account, user_processes
 from test_browser import CHROMIUM_ARGS, chromium, free_port  # noqa: F401  (a fixture, and helpers)
 from test_slurm import slurm, wait_until as wait_for  # noqa: F401  (the local Slurm; a wait with a message)
 
@@ -105,17 +107,6 @@ class Learner:
     home: Path
 
 
-def user_processes(uid: int) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["uids", "status"]):
-        try:
-            if p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (psutil.Error, TypeError):
-            continue
-    return found
-
-
 def describe(procs: list[psutil.Process]) -> list[str]:
     out = []
     for p in procs:
@@ -139,26 +130,6 @@ def nothing_left_of(learner: "Learner", after: str, timeout: float = 60) -> None
     assert not left, f"still running as {learner.name} after {after}: {describe(left)}"
 
 
-def _remove_account(name: str) -> None:
-    try:
-        uid = int(subprocess.run(["id", "-u", name], capture_output=True, text=True, check=True).stdout)
-    except subprocess.CalledProcessError:
-        return
-    subprocess.run(["scancel", "-u", name], capture_output=True, timeout=30)
-    for p in user_processes(uid):  # the test's own accounts: nothing of theirs outlives it
-        try:
-            p.kill()
-        except psutil.Error:
-            continue
-    for seg in Path("/dev/shm").glob("mpich_shm_*"):  # what Slurm-ended ranks leave (cluster/README.md)
-        try:
-            if seg.stat().st_uid == uid:
-                seg.unlink()
-        except OSError:
-            continue
-    subprocess.run(["userdel", "-r", name], capture_output=True, timeout=60)
-
-
 @pytest.fixture
 def learners(slurm) -> dict[str, Learner]:  # noqa: F811  (the fixture imported above)
     """Two fresh local accounts in the learners' group and an instructor outside it, with passwords;
@@ -166,7 +137,7 @@ def learners(slurm) -> dict[str, Learner]:  # noqa: F811  (the fixture imported 
     subprocess.run(["groupadd", "-f", GROUP], check=True, timeout=30)
     made = {}
     for name in (*LEARNERS, INSTRUCTOR):
-        _remove_account(name)  # a fresh home each run
+        remove_account(name)  # a fresh home each run
         groups = ["-G", GROUP] if name in LEARNERS else []
         # uids of their own range: no other test's account shares (or inherits) one
         subprocess.run(["useradd", "-m", "-s", "/bin/bash", "-K", "UID_MIN=42100", "-K", "UID_MAX=42199",
@@ -178,7 +149,7 @@ def learners(slurm) -> dict[str, Learner]:  # noqa: F811  (the fixture imported 
                              Path(os.path.expanduser(f"~{name}")))
     yield made
     for name in (*LEARNERS, INSTRUCTOR):
-        _remove_account(name)
+        remove_account(name)
 
 
 @dataclass

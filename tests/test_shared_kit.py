@@ -34,8 +34,9 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
+
+from conftest import remove_account
 from test_slurm import slurm, wait_until  # noqa: F401  (the local Slurm; a wait with a message)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,47 +100,6 @@ def snapshot(kit: Path) -> dict[str, tuple]:
     return found
 
 
-def _user_processes(uid: int) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["uids"]):
-        try:
-            if p.info["uids"].real == uid:
-                found.append(p)
-        except (psutil.Error, TypeError):
-            continue
-    return found
-
-
-def remove_account(name: str) -> None:
-    """The account, its jobs, its processes and its MPI segments: nothing of it outlives the test."""
-    try:
-        uid = int(subprocess.run(["id", "-u", name], capture_output=True, text=True, check=True).stdout)
-    except subprocess.CalledProcessError:
-        return
-    subprocess.run(["scancel", "-u", name], capture_output=True, timeout=30)
-    deadline = time.monotonic() + 60
-    while subprocess.run(["squeue", "-h", "-u", name], capture_output=True, text=True,
-                         timeout=30).stdout.strip() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    left = _user_processes(uid)
-    for p in left:
-        try:
-            p.kill()
-        except psutil.Error:
-            continue
-    psutil.wait_procs(left, timeout=30)  # userdel refuses an account a process still runs as
-    for seg in Path("/dev/shm").glob("mpich_shm_*"):
-        try:
-            if seg.stat().st_uid == uid:
-                seg.unlink()
-        except OSError:
-            continue
-    for _ in range(10):
-        subprocess.run(["userdel", "-r", name], capture_output=True, timeout=60)
-        if subprocess.run(["id", "-u", name], capture_output=True).returncode != 0:
-            return
-        time.sleep(1)
-    raise AssertionError(f"could not remove the test's account {name}")
 
 
 def as_user(name: str, *cmd: str, cwd: Path, env: dict[str, str] | None = None,
