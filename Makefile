@@ -51,7 +51,7 @@ test-hub: setup-dev
 setup: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml cluster/build/horovod.sh cluster/build/requirements.txt \
-  cluster/build/relocate_wheel.py
+  cluster/build/relocate_wheel.py cluster/build/jupyterlab-overrides.json
 	@start=$$(date +%s); \
 	test -x $(PY) || $(PYTHON) -m venv $(VENV); \
 	sed $(if $(MPI_PACKAGES_$(MPI)),'/^mpich==/d','') requirements.txt > $(VENV)/requirements-$(MPI).txt && \
@@ -60,6 +60,7 @@ $(STAMP): requirements.txt pyproject.toml cluster/build/horovod.sh cluster/build
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e . && \
 	PYTHON=$(PY) bash cluster/build/horovod.sh && \
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (hpdl)" >/dev/null && \
+	install -D -m 644 cluster/build/jupyterlab-overrides.json $(VENV)/share/jupyter/lab/settings/overrides.json && \
 	touch $(STAMP) && \
 	echo "hpdl: installed in $$(( $$(date +%s) - start )) s"
 

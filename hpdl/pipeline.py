@@ -215,6 +215,8 @@ def plot_bubbles(measured: Mapping[tuple[str, int], Mapping[int, float]], memory
     """
     import matplotlib.pyplot as plt
 
+    from hpdl.plots import log2_axis
+
     fig, axes = plt.subplots(1, 2 if memory else 1, figsize=(11 if memory else 6, 3.6), squeeze=False)
     a = axes[0][0]
     colours = {}
@@ -225,9 +227,8 @@ def plot_bubbles(measured: Mapping[tuple[str, int], Mapping[int, float]], memory
         if name == "GPipe":
             a.plot(ms, [bubble_formula(p, m) for m in ms], "--", color="grey", lw=1)
     a.plot([], [], "--", color="grey", lw=1, label="(p-1)/(m+p-1)")
-    a.set(xscale="log", xlabel="micro-batches m", ylabel="bubble (idle fraction)", ylim=(0, 1), title="bubble")
-    a.set_xticks(sorted({m for by_m in measured.values() for m in by_m}),
-                 [str(m) for m in sorted({m for by_m in measured.values() for m in by_m})])
+    a.set(xlabel="micro-batches m", ylabel="bubble (idle fraction)", ylim=(0, 1), title="bubble")
+    log2_axis(a, [m for by_m in measured.values() for m in by_m])
     a.legend(fontsize=8)
     if memory:
         b = axes[0][1]
@@ -235,9 +236,8 @@ def plot_bubbles(measured: Mapping[tuple[str, int], Mapping[int, float]], memory
             ms = sorted(by_m)
             b.plot(ms, [by_m[m] / 2**10 for m in ms], "o-" if name == "GPipe" else "s:",
                    color=colours.get(p, "C5"), label=f"{name}, p={p}")
-        b.set(xscale="log", xlabel="micro-batches m", ylabel="KiB", title="peak activations held, stage 0")
-        b.set_xticks(sorted({m for by_m in memory.values() for m in by_m}),
-                     [str(m) for m in sorted({m for by_m in memory.values() for m in by_m})])
+        b.set(xlabel="micro-batches m", ylabel="KiB", title="peak activations held, stage 0")
+        log2_axis(b, [m for by_m in memory.values() for m in by_m])
         b.legend(fontsize=8)
     fig.tight_layout()
     plt.close(fig)

@@ -83,11 +83,11 @@ def lab_env(tmp: Path) -> dict[str, str]:
 
 def lab_settings(tmp: Path) -> list[str]:
     """Lab flags for a fresh user: settings, workspaces and checkpoints in `tmp`. Autosave is off so running
-    notebook 00 never writes its outputs into the repository; no news is fetched from the web."""
+    notebook 00 never writes its outputs into the repository. (No news and no update check: the kit's own
+    default, cluster/build/jupyterlab-overrides.json installed in the venv, which the test checks.)"""
     settings, workspaces = tmp / "lab-settings", tmp / "lab-workspaces"
     for plugin, values in {
         "@jupyterlab/docmanager-extension/plugin": {"autosave": False},
-        "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
     }.items():
         path = settings / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -365,6 +365,11 @@ def test_notebook_00_runs_in_a_real_browser(chromium, lab, tmp_path, record_prop
     from playwright.sync_api import TimeoutError as PageTimeout, expect, sync_playwright
 
     base, token, server, log = lab
+    # a learner is never asked "Would you like to get notified about official Jupyter news?"
+    status, body = http(f"{base}/lab/api/settings/@jupyterlab/apputils-extension:notification?token={token}")
+    composite = json.loads(body).get("composite", {})
+    assert status == 200 and composite.get("fetchNews") == "false" and composite.get("checkForUpdates") is False, \
+        f"JupyterLab's news prompt is on for learners (settings: {composite}); make setup installs the kit's overrides"
     notebook_before = (ROOT / NOTEBOOK).read_bytes()
     shot = tmp_path / "notebook-00.png"
     t0 = time.monotonic()

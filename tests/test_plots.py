@@ -79,3 +79,18 @@ def test_lines_with_log_axes():
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
     assert len(ax.lines) == 2 and ax.lines[0].get_marker() in ("None", "", None)
     assert ax.get_legend() is not None
+
+
+def test_log_axes_label_only_the_values_measured():
+    """Over 1, 2, 4, 8 a log axis printed "3×10⁰" and "6×10⁰" between the ticks (lesson 09's bubble plots)."""
+    from hpdl.pipeline import plot_bubbles
+
+    measured = {("GPipe", 4): {1: 0.75, 2: 0.6, 4: 0.43, 8: 0.27}, ("1F1B", 4): {1: 0.75, 2: 0.6, 4: 0.43, 8: 0.28}}
+    memory = {("GPipe", 4): {1: 1024, 2: 2048, 4: 4096, 8: 8192}}
+    fig = plot_bubbles(measured, memory)
+    (ax,) = plots.lines([1, 2, 4, 8], {"a": [1, 2, 3, 4]}, xlabel="m", ylabel="t", logx=True).axes
+    for axis in [*fig.axes, ax]:
+        axis.figure.canvas.draw()
+        shown = [t.get_text() for t in axis.get_xticklabels(minor=False) if t.get_text()]
+        minor = [t.get_text() for t in axis.get_xticklabels(minor=True) if t.get_text()]
+        assert shown == ["1", "2", "4", "8"] and minor == [], (shown, minor)

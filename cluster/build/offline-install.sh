@@ -100,6 +100,8 @@ fi
 "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$prefix" >/dev/null
 "$venv/bin/python" -m compileall -q "$prefix/hpdl" >/dev/null || true
 "$venv/bin/python" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (hpdl)" >/dev/null
+# JupyterLab's defaults for every learner of this venv: no "get notified about Jupyter news?" prompt, no update check
+install -D -m 644 "$prefix/cluster/build/jupyterlab-overrides.json" "$venv/share/jupyter/lab/settings/overrides.json"
 "$venv/bin/python" -c "import hpdl, torch, mpi4py.MPI, horovod.torch, jupyterlab, ipyparallel" \
   || { echo "offline-install: failed: the kit's venv cannot import its packages (above)" >&2; exit 1; }
 if [ "$(id -u)" = 0 ] && command -v runuser >/dev/null && ! runuser -u nobody -- "$venv/bin/python" -c "import hpdl" 2>/dev/null; then
