@@ -1,8 +1,9 @@
 """The checks of lessons 05 and 06 on real ranks: each known-bad implementation — gradients summed
-but not averaged, no parameter broadcast, overlapping sampler shards, and the other usual slips —
-is rejected with a hint naming it, and other right answers pass. That the solutions, as learners
-are shown them, earn full marks (hidden cases included) is tested by running solutions/*.ipynb in
-grade mode (test_notebooks.py). Every check runs the learner's function on fresh MPI ranks.
+but not averaged, no parameter broadcast, overlapping sampler shards, a resume whose momentum,
+learning rate or epoch is not the checkpoint's, and the other usual slips — is rejected with a hint
+naming it, and other right answers pass. That the solutions, as learners are shown them, earn full
+marks (hidden cases included) is tested by running solutions/*.ipynb in grade mode
+(test_notebooks.py). Every check runs the learner's function on fresh MPI ranks.
 """
 from __future__ import annotations
 
@@ -12,11 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from mpi4py import MPI
 from torch.distributed import all_reduce as imported_all_reduce
-from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
 
 import hpdl
 from conftest import hints, passed, rejected
@@ -213,43 +211,46 @@ def test_overlap_allreduce_known_bad_rejected(bad, words):
     rejected(hpdl.check("overlap_allreduce", bad, ranks=[2]), *words)
 
 
-# -- 06: train_horovod ---------------------------------------------------------------------------
+# -- 06: resume_horovod --------------------------------------------------------------------------
 
-def _horovod(broadcast=True, op=None, shard=True, set_epoch=True):
-    def train_horovod(comm, model, dataset, epochs, lr, batch_size):
+def _resume(broadcast=True, optimizer_state=True, rescale=True, continue_epoch=True, wrap=True):
+    """A resume at another rank count, right or with one known slip."""
+    def resume_horovod(comm, checkpoint, model):
         import horovod.torch as hvd
 
+        opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+        if wrap:
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        state = torch.load(checkpoint) if checkpoint is not None else None
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
         if broadcast:
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-        extra = {} if op is None else {"op": getattr(hvd, op)}
-        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **extra)
-        hvd.broadcast_optimizer_state(opt, root_rank=0)
-        replicas, rank = (hvd.size(), hvd.rank()) if shard else (1, 0)
-        sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=0)
-        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-        losses = []
-        for epoch in range(epochs):
-            if set_epoch:
-                sampler.set_epoch(epoch)
-            total, batches = 0.0, 0
-            for x, y in loader:
-                opt.zero_grad()
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-                total, batches = total + loss.item(), batches + 1
-            losses.append(hvd.allreduce(torch.tensor([total / batches]), name=f"loss.{epoch}").item())
-        return losses
+        if optimizer_state:
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+        else:  # every rank keeps its own optimizer state: rank 0's momentum, the others' none
+            opt.param_groups[0]["lr"] = hvd.broadcast_object(opt.param_groups[0]["lr"], 0, name="lr")
+        saved = hvd.broadcast_object((state["size"], state["epoch"]) if state else None, 0, name="saved")
+        if rescale:
+            for group in opt.param_groups:
+                group["lr"] *= hvd.size() / saved[0]
+        return opt, (saved[1] + 1 if continue_epoch else 0)
 
-    return train_horovod
+    return resume_horovod
+
+
+def test_resume_horovod_right_answer_passes():
+    result = hpdl.check("resume_horovod", _resume(), ranks=[1, 2, 3])
+    assert passed(result), hints(result)
 
 
 @pytest.mark.parametrize("bad, words", [
-    (_horovod(op="Sum"), ["summed over the ranks"]),
-    (_horovod(broadcast=False), ["different parameters", "broadcast_parameters"]),
-    (_horovod(shard=False), ["more than one rank", "distributedsampler"]),
-    (_horovod(set_epoch=False), ["set_epoch"]),
+    (_resume(broadcast=False), ["different parameters", "broadcast_parameters"]),
+    (_resume(optimizer_state=False), ["momentum", "broadcast_optimizer_state"]),
+    (_resume(rescale=False), ["not rescaled", "hvd.size()"]),
+    (_resume(continue_epoch=False), ["restarts from scratch", "set_epoch"]),
+    (_resume(wrap=False), ["different parameters", "distributedoptimizer"]),
 ])
-def test_train_horovod_known_bad_rejected(bad, words):
-    rejected(hpdl.check("train_horovod", bad, ranks=[2]), *words)
+def test_resume_horovod_known_bad_rejected(bad, words):
+    rejected(hpdl.check("resume_horovod", bad, ranks=[2]), *words)

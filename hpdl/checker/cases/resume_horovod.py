@@ -1,0 +1,217 @@
+"""Checks for lesson 06's exercise: resuming a Horovod training on a different number of ranks.
+
+    def resume_horovod(comm, checkpoint, model) -> tuple[optimizer, int]:
+        # Horovod is initialised. `checkpoint` is the path of a file rank 0 saved with torch.save,
+        # given on rank 0 only (None elsewhere): {"model": state_dict, "optimizer": the state_dict
+        # of SGD(momentum=0.9), "epoch": the last epoch finished, "size": the ranks that wrote it}.
+        # Put its parameters and optimizer state (momentum) on every rank, in an SGD(momentum=0.9)
+        # wrapped in hvd.DistributedOptimizer, with the learning rate rescaled from "size" ranks to
+        # hvd.size(); return that optimizer and the epoch training continues at.
+
+Every rank is handed a model initialised differently, so a rank that keeps its own shows. The
+checkpoint was written by more or fewer ranks than the check runs (its learning rate and momentum
+are not the defaults). After the learner's function returns, the check trains a few more epochs
+with the optimizer it returned (DistributedSampler, set_epoch(epoch) from the epoch it returned),
+and compares with the reference: the same resume done by hand, trained the same way with DDP.
+Decided on what training does: parameters identical on every rank and equal to the reference's.
+What the ranks held right after resuming (parameters, momentum, learning rate, epoch) only
+chooses the message.
+"""
+from __future__ import annotations
+
+from hpdl.checker.cases import Case, Wrong
+from hpdl.checker.cases import _dp
+
+SIGNATURE = ("resume_horovod(comm, checkpoint, model) -> (optimizer, next_epoch)   "
+             "# checkpoint: a path on rank 0, None elsewhere")
+RANKS = (1, 2, 3)
+TIMEOUT = 60.0  # importing torch and Horovod, joining both
+WIDTHS = (32, 24, 10)
+SAMPLES = 48  # divides by every rank count: equal shards, no padding
+BATCH = 4  # per rank
+EPOCHS_AFTER = 2  # the check trains this many epochs after the resume
+MOMENTUM = 0.9
+
+
+def cases(size):
+    """Checkpoints written by another number of ranks than `size` (the rescale must show)."""
+    writers = {1: (2, 4, 3), 2: (4, 1, 3), 3: (2, 6, 1)}[size] if size in (1, 2, 3) else (size + 1, 1, 2 * size)
+    slow = 1e6
+    return [
+        Case(f"written by {writers[0]} ranks after epoch 1", {"seed": 1, "writers": writers[0], "epoch": 1,
+                                                              "base_lr": 0.05}, slow_factor=slow),
+        Case(f"written by {writers[1]} ranks after epoch 4", {"seed": 2, "writers": writers[1], "epoch": 4,
+                                                              "base_lr": 0.02}, slow_factor=slow),
+        Case(f"written by {writers[2]} ranks after epoch 0", {"seed": 3, "writers": writers[2], "epoch": 0,
+                                                              "base_lr": 0.03}, hidden=True, slow_factor=slow),
+    ]
+
+
+def checkpoint_state(params: dict) -> dict:
+    """What the writing job saved: its model, SGD's momentum (not zero) and learning rate
+    (base_lr times the ranks it ran on), the last epoch it finished, and its rank count."""
+    import torch
+
+    model = _dp.mlp(WIDTHS, seed=1000 + params["seed"])
+    opt = torch.optim.SGD(model.parameters(), lr=params["base_lr"] * params["writers"], momentum=MOMENTUM)
+    g = torch.Generator().manual_seed(2000 + params["seed"])
+    for p in model.parameters():
+        opt.state[p]["momentum_buffer"] = 0.1 * torch.randn(p.shape, generator=g)
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": params["epoch"],
+            "size": params["writers"]}
+
+
+def inputs(case, rank, size):
+    """Rank 0: the path of the checkpoint (written here); the others: None. A model per rank, and
+    the seed of the data the check trains on afterwards (not the learner's)."""
+    import os
+    import tempfile
+
+    import torch
+
+    model = _dp.mlp(WIDTHS, seed=100 * case.params["seed"] + rank)
+    if rank != 0:
+        return None, model, case.params["seed"]
+    path = os.path.join(tempfile.mkdtemp(prefix="hpdl-resume-"), "checkpoint.pt")
+    torch.save(checkpoint_state(case.params), path)
+    return path, model, case.params["seed"]
+
+
+def train(model, opt, first_epoch: int, seed: int, size: int, rank: int) -> None:
+    """The check's own training after the resume: EPOCHS_AFTER epochs from `first_epoch`."""
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    dataset = TensorDataset(*_dp.batch(SAMPLES, WIDTHS[0], WIDTHS[-1], seed=seed))
+    sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+    for epoch in range(first_epoch, first_epoch + EPOCHS_AFTER):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+
+def _momentum(opt, model) -> list | None:
+    try:
+        bufs = [opt.state[p].get("momentum_buffer") for p in model.parameters()]
+    except (AttributeError, TypeError, KeyError):
+        return None
+    return None if any(b is None for b in bufs) else [b.detach().cpu().numpy().copy() for b in bufs]
+
+
+def _remove(path) -> None:
+    import os
+    import shutil
+
+    if path is not None and os.path.isdir(os.path.dirname(path)):
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def call(fn, comm, args):
+    import horovod.torch as hvd
+
+    _dp.ensure_horovod()
+    path, model, seed = args
+    try:
+        out = fn(comm, path, model)
+    finally:
+        _remove(path)
+    if not (isinstance(out, tuple) and len(out) == 2 and hasattr(out[0], "param_groups")
+            and isinstance(out[1], int) and not isinstance(out[1], bool)):
+        return {"error": f"returned {type(out).__name__}; expected a tuple (optimizer, next_epoch)"}
+    opt, epoch = out
+    resumed = {"params0": _dp.params(model), "momentum": _momentum(opt, model), "epoch": epoch,
+               "lr": [float(g["lr"]) for g in opt.param_groups], "error": None}
+    if not 0 <= epoch < 1000:
+        return {**resumed, "params": None}
+    train(model, opt, epoch, seed, hvd.size(), hvd.rank())
+    return {**resumed, "params": _dp.params(model)}
+
+
+def reference(comm, path, model, seed):
+    """The resume by hand: rank 0 reads the file and sends it to all (over MPI); every rank loads
+    it, rescales the learning rate, and trains as the check does, averaging with DDP (Gloo)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _dp.ensure_process_group()
+    state = comm.bcast(torch.load(path) if comm.Get_rank() == 0 else None, root=0)
+    _remove(path)
+    model.load_state_dict(state["model"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=MOMENTUM)
+    opt.load_state_dict(state["optimizer"])
+    saved_lr = opt.param_groups[0]["lr"]
+    opt.param_groups[0]["lr"] = saved_lr * comm.Get_size() / state["size"]
+    resumed = {"params0": _dp.params(model), "momentum": _momentum(opt, model), "epoch": state["epoch"] + 1,
+               "lr": opt.param_groups[0]["lr"], "saved_lr": saved_lr}
+    train(DDP(model), opt, state["epoch"] + 1, seed, comm.Get_size(), comm.Get_rank())
+    return {**resumed, "params": _dp.params(model)}
+
+
+def verify(case, ctx):
+    got, expected = ctx.got, ctx.expected
+    mine = None if got.get("error") else _resume_problem(got, expected, ctx.size)
+    everyone = ctx.comm.allgather((_flat(got.get("params0")), _flat(got.get("params")), mine))  # every rank, first
+    if got.get("error"):
+        return Wrong(got["error"])
+    if not all(_same(everyone[0][0], other[0]) for other in everyone):
+        return Wrong("right after resuming, the ranks hold different parameters",
+                     hint="only rank 0 read the checkpoint: after it loads the model, send its parameters "
+                          "to every rank with hvd.broadcast_parameters(model.state_dict(), root_rank=0).")
+    for rank, (_, _, problem) in enumerate(everyone):  # every rank reports the first rank's slip
+        if problem is not None:
+            return Wrong(f"rank {rank}: {problem.message}", hint=problem.hint)
+    if not all(_same(everyone[0][1], other[1]) for other in everyone):
+        return Wrong("the resume was right, but training with the optimizer returned left the ranks with "
+                     "different parameters",
+                     hint="return the optimizer wrapped in hvd.DistributedOptimizer(opt, "
+                          "named_parameters=model.named_parameters()), so gradients are averaged.")
+    err = _dp.close(got["params"], expected["params"], rtol=1e-4, atol=1e-5)
+    if err is not None:
+        return Wrong(f"after training on, the parameters differ from the reference's by up to {err:.3g}",
+                     max_error=err)
+    return None
+
+
+def _resume_problem(got, expected, size) -> Wrong | None:
+    """What this rank holds right after resuming, against a right resume, in the order a resume
+    does it: parameters, momentum, learning rate, epoch."""
+    import numpy as np
+
+    if _dp.close(got["params0"], expected["params0"], rtol=0, atol=0) is not None:
+        return Wrong("right after resuming, the parameters are not the checkpoint's",
+                     hint="on rank 0, model.load_state_dict(state[\"model\"]) before broadcasting them.")
+    if got["momentum"] is None or _dp.close(got["momentum"], expected["momentum"], rtol=0, atol=0) is not None:
+        return Wrong("right after resuming, the optimizer's momentum is not the checkpoint's",
+                     hint="on rank 0, optimizer.load_state_dict(state[\"optimizer\"]) after wrapping it in "
+                          "hvd.DistributedOptimizer, then hvd.broadcast_optimizer_state(optimizer, root_rank=0) "
+                          "on every rank: the momentum is part of the training's state.")
+    lr = got["lr"][0] if got["lr"] else float("nan")
+    if not np.isclose(lr, expected["lr"], rtol=1e-6):
+        saved = " (the checkpoint's own: not rescaled)" if np.isclose(lr, expected["saved_lr"]) else ""
+        return Wrong(f"the learning rate after resuming is {lr:.6g}{saved}; for {size} rank(s) it is "
+                     f"{expected['lr']:.6g}",
+                     hint="the checkpoint's learning rate was scaled for state[\"size\"] ranks; multiply it by "
+                          "hvd.size() / state[\"size\"] in every param group (the lesson's linear scaling rule).")
+    if got["epoch"] != expected["epoch"]:
+        restarted = " (training restarts from scratch)" if got["epoch"] == 0 else ""
+        return Wrong(f"returned epoch {got['epoch']}{restarted}; the checkpoint finished epoch "
+                     f"{expected['epoch'] - 1}, so training continues at {expected['epoch']}",
+                     hint="the epoch decides the sampler's shuffle (set_epoch) and any schedule: return "
+                          "state[\"epoch\"] + 1, sent from rank 0 with hvd.broadcast_object(..., name=...).")
+    return None
+
+
+def _same(a, b) -> bool:
+    import numpy as np
+
+    return a is not None and b is not None and np.array_equal(a, b)
+
+
+def _flat(arrays):
+    import numpy as np
+
+    return None if arrays is None else np.concatenate([np.asarray(a, np.float64).ravel() for a in arrays])
