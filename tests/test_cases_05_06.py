@@ -241,7 +241,8 @@ def _resume(broadcast=True, optimizer_state=True, rescale=True, continue_epoch=T
 
 
 def test_resume_horovod_right_answer_passes():
-    result = hpdl.check("resume_horovod", _resume(), ranks=[1, 2, 3])
+    # one rank count here: the solution notebook, run in grade mode, passes at every one (test_notebooks)
+    result = hpdl.check("resume_horovod", _resume(), ranks=[3])
     assert passed(result), hints(result)
 
 
