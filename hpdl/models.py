@@ -10,12 +10,16 @@
 - `train_flops(make_model, shape)`: the floating-point operations of one forward and backward
   pass, counted by torch on the meta device (no memory, no compute); `gradient_ready(...)`,
   when backward produces each gradient.
+- `tiny_transformer(...)`: a GPT-style decoder (token and position embeddings, pre-norm blocks of
+  causal self-attention and a 4× MLP, a head), small enough to train on CPU in a lesson; the
+  running model of lesson 10.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -330,3 +334,65 @@ def gradient_ready(make_model, input_shape: Sequence[int]) -> list[tuple[int, fl
         sum(o.sum() for o in outs).backward()
         backward = counter.get_total_flops() - forward
     return [(n, (flops - forward) / backward) for n, flops in marks]
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention, each position seeing only itself and earlier ones."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)   # query, key and value of every head in one matrix
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attention(LN(x)), then x + MLP(LN(x)); the MLP is d → 4d → d."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(d), CausalSelfAttention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Embeddings(nn.Module):
+    """Token embedding plus learned position embedding."""
+
+    def __init__(self, vocab: int, d: int, seq: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the projection to the vocabulary."""
+
+    def __init__(self, vocab: int, d: int):
+        super().__init__()
+        self.ln, self.out = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+def tiny_transformer(vocab: int = 64, d: int = 64, heads: int = 4, layers: int = 4, seq: int = 32,
+                     seed: int = 0) -> nn.Sequential:
+    """Embeddings, `layers` TransformerBlocks, Head: a Sequential, so each part is a unit to shard,
+    checkpoint or place on its own. About 12·d² parameters per block (d=64: 50 k)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(Embeddings(vocab, d, seq), *[TransformerBlock(d, heads) for _ in range(layers)],
+                         Head(vocab, d))

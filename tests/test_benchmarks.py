@@ -82,6 +82,7 @@ QUICK = [
     ("weak_scaling.py", ["--framework", "horovod", "--batch-size", "4", "--image-size", "32", "--steps", "2",
                          "--rounds", "1"], 2, rf"^2 ranks, horovod, each:\s+{NUMBER} images/s"),
     ("check_inline.py", ["--repeats", "1"], None, rf"^goal 5 s: 4-rank check now {NUMBER} s"),
+    ("sharding_memory.py", ["--ranks", "2", "--steps", "1"], None, rf"^max memory error = {NUMBER} %$"),
 ]
 
 

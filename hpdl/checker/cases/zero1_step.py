@@ -1,0 +1,135 @@
+"""Checks for lesson 10's first exercise: one ZeRO-1 step (optimizer state sharded) with mpi4py.
+
+    def zero1_step(comm, params, grad, momentum, lr, beta):
+        # params (n,): the whole model, flat, identical on every rank. grad (n,): this rank's
+        # gradient (its own part of the batch). momentum (n,): SGD's momentum buffer, of which this
+        # rank holds only its shard, elements torch.tensor_split(torch.arange(n), p)[rank] (the
+        # first n % p ranks get one more); the other entries are NaN, as if they lived elsewhere.
+        # Average the gradients over the ranks, but only for your shard (a reduce-scatter);
+        # update your shard: momentum = beta * momentum + g; params -= lr * momentum;
+        # then give every rank every updated shard (an all-gather).
+        # Return (params, momentum): the whole updated model, and the momentum buffer (yours updated).
+
+Compared on every rank, 1–4 ranks, with SGD with momentum run on the whole model on one device,
+sizes divisible and not divisible by the rank count, and fewer elements than ranks. The momentum
+outside a rank's shard is NaN, so a rank that updates the whole model shows; so does a shard cut
+differently, or weights that were never gathered.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hpdl.checker import hooks
+from hpdl.checker.cases import Case, Wrong
+from hpdl.checker.cases.column_parallel_linear import rows_of as shard_of  # tensor_split's cut
+
+SIGNATURE = "zero1_step(comm, params, grad, momentum, lr, beta) -> (params, momentum)"
+RANKS = (1, 2, 3, 4)
+TIMEOUT = 30.0  # the first case of a job pays for importing torch
+
+
+def cases(size):
+    slow = 1e6
+    return [
+        Case("n = 12", {"n": 12, "seed": 1}, slow_factor=slow),
+        Case("n = 10: not divisible by 3 or 4", {"n": 10, "seed": 2}, slow_factor=slow),
+        Case("n = 1001", {"n": 1001, "seed": 3}, slow_factor=slow),
+        Case("n = 3: fewer elements than ranks", {"n": 3, "seed": 4}, hidden=True, slow_factor=slow),
+        Case("n = 4099", {"n": 4099, "seed": 5}, hidden=True, slow_factor=slow),
+    ]
+
+
+def _problem(params, size):
+    """The whole problem, the same on every rank: weights, every rank's gradient, the momentum."""
+    import torch
+
+    g = torch.Generator().manual_seed(params["seed"])
+    n = params["n"]
+    weights = torch.randn(n, generator=g)
+    grads = torch.randn(size, n, generator=g)
+    momentum = torch.randn(n, generator=g)     # not zero: as after a few steps
+    return weights, grads, momentum
+
+
+def inputs(case, rank, size):
+    """params, this rank's grad, the momentum (NaN outside this rank's shard), lr, beta."""
+    import torch
+
+    weights, grads, momentum = _problem(case.params, size)
+    lo, hi = shard_of(rank, size, case.params["n"])
+    mine = torch.full_like(momentum, float("nan"))
+    mine[lo:hi] = momentum[lo:hi]
+    return weights, grads[rank].clone(), mine, 0.1, 0.9
+
+
+def reference(comm, params, grad, momentum, lr, beta):
+    """SGD with momentum on the whole model, on one device, from every rank's gradient and shard."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    n = params.numel()
+    g = np.mean(comm.allgather(grad.numpy()), axis=0, dtype=np.float64).astype(np.float32)
+    m = np.concatenate(comm.allgather(momentum.numpy()[slice(*shard_of(rank, size, n))]))
+    m = beta * m + g
+    new_params = (params.numpy() - lr * m).astype(np.float32)
+    lo, hi = shard_of(rank, size, n)
+    new_momentum = np.full(n, np.nan, dtype=np.float32)
+    new_momentum[lo:hi] = m[lo:hi]
+    return new_params, new_momentum
+
+
+def model_solution(comm, params, grad, momentum, lr, beta):
+    """The model solution: Reduce_scatter the gradient, update the shard, Allgatherv the weights."""
+    import torch
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    sizes = [len(part) for part in torch.tensor_split(torch.arange(params.numel()), size)]
+    lo = sum(sizes[:rank])
+    hi = lo + sizes[rank]
+    g = torch.empty(sizes[rank])
+    comm.Reduce_scatter(grad.numpy(), g.numpy(), recvcounts=sizes, op=MPI.SUM)
+    g /= size
+    m = momentum[lo:hi]
+    m.mul_(beta).add_(g)
+    shard = (params[lo:hi] - lr * m).contiguous()
+    new = torch.empty_like(params)
+    comm.Allgatherv(shard.numpy(), [new.numpy(), sizes])
+    return new, momentum
+
+
+_NAMES = ("params", "momentum")
+
+
+def verify(case, ctx):
+    got = ctx.got
+    if not isinstance(got, (list, tuple)) or len(got) != 2:
+        return Wrong(f"returned {hooks._describe(got)}; expected a tuple (params, momentum)")
+    for name, g, e in zip(_NAMES, got, ctx.expected):
+        w = hooks.compare(g, e, what=f"rank {ctx.rank}'s {name}", rtol=1e-5, atol=1e-6)
+        if w is not None:
+            return w
+    return None
+
+
+def diagnose(case, ctx):
+    got = ctx.got
+    if not isinstance(got, (list, tuple)) or len(got) != 2:
+        return "return two tensors: the whole updated params and the momentum buffer."
+    params, _ = (hooks._as_array(g) for g in got)
+    n, p, r = case.params["n"], ctx.size, ctx.rank
+    lo, hi = shard_of(r, p, n)
+    if params is None or params.shape != (n,):
+        return f"params must be the whole model: {n} values."
+    if np.isnan(params).any():
+        if any(c.name in ("Allreduce", "allreduce") for c in ctx.calls):
+            return ("NaN in the weights: every rank updated the whole model, with momentum it does not hold (NaN). "
+                    "In ZeRO-1 a rank updates only its shard — reduce-scatter the gradients, not all-reduce.")
+        return (f"NaN in the weights: you used momentum entries this rank does not hold. Rank {r} of {p} holds "
+                f"elements {lo}..{hi - 1} of {n} (torch.tensor_split(torch.arange(n), p)[rank]: the first n % p ranks "
+                "get one more) — an even split (n // p each, the rest on the last rank) is off by one.")
+    start = ctx.args[0].numpy()
+    others = np.ones(n, dtype=bool)
+    others[lo:hi] = False
+    if p > 1 and others.any() and np.array_equal(params[others], start[others]):
+        return ("only your own shard of the weights changed: after updating it, all-gather the shards "
+                "(comm.Allgatherv with every rank's count) so that every rank has the whole new model.")
+    return None

@@ -1,0 +1,208 @@
+"""Checks for lesson 10's second exercise: ZeRO-3's forward through sharded layers, with mpi4py.
+
+    def zero3_unit(comm, shards, shapes, x):
+        # A stack of layers x → tanh(x @ W.T + b). Layer l's parameters, flattened (W row by row,
+        # then b: out·in + out values), are split over the ranks by torch.tensor_split: this rank
+        # holds only shards[l], its part (the first ranks get one more value when it does not divide).
+        # shapes[l] = (out, in). x (B, in of layer 0): the same on every rank.
+        # For each layer in order: all-gather its shards into the whole flat vector (Allgatherv),
+        # take W and b from it, compute, and FREE the gathered layer before gathering the next:
+        # a rank must never hold the whole model at once.
+        # Return the output of the last layer (the same on every rank).
+
+Compared on every rank, 1–4 ranks, with the layers run on one device. While the learner's
+function runs, what it holds is followed (the torch tensors it makes, through weak references,
+and what Python and numpy allocate, through tracemalloc; sampled at every torch operation and
+every MPI call): a rank that keeps the gathered layers alive holds the whole model and is
+rejected, whatever its output.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hpdl.checker import hooks
+from hpdl.checker.cases import Case, Wrong
+
+SIGNATURE = "zero3_unit(comm, shards, shapes, x) -> y"
+RANKS = (1, 2, 3, 4)
+TIMEOUT = 30.0  # the first case of a job pays for importing torch
+MEASURED_FROM = 64 * 1024   # layers of at least this many bytes: their memory is checked
+# layers' worth of bytes a rank may hold at once: the layer in use, the next one (prefetched), and
+# room for index bookkeeping (torch.arange(n) for tensor_split's counts is int64: two layers' worth)
+LAYERS_AT_ONCE = 3.5
+
+
+def cases(size):
+    slow = 1e6
+    return [
+        Case("3 layers 8 → 6 → 5 → 4, batch 3", {"widths": [8, 6, 5, 4], "batch": 3, "seed": 1}, slow_factor=slow),
+        Case("6 layers of 192 × 192, batch 4: memory measured", {"widths": [192] * 7, "batch": 4, "seed": 2},
+             slow_factor=slow),
+        Case("2 layers 2 → 1 → 1: fewer values than ranks in a layer", {"widths": [2, 1, 1], "batch": 2, "seed": 3},
+             hidden=True, slow_factor=slow),
+        Case("5 layers of 161 × 161, batch 2: memory measured", {"widths": [161] * 6, "batch": 2, "seed": 4},
+             hidden=True, slow_factor=slow),
+    ]
+
+
+def _layers(params):
+    import torch
+
+    g = torch.Generator().manual_seed(params["seed"])
+    widths = params["widths"]
+    layers = [(torch.randn(o, i, generator=g) / i ** 0.5, torch.randn(o, generator=g) * 0.1)
+              for i, o in zip(widths[:-1], widths[1:])]
+    return layers, torch.randn(params["batch"], widths[0], generator=g)
+
+
+def inputs(case, rank, size):
+    """This rank's shard of each layer's flat (W, b), the shapes, and x."""
+    import torch
+
+    layers, x = _layers(case.params)
+    shards = [torch.tensor_split(torch.cat([w.reshape(-1), b]), size)[rank].clone() for w, b in layers]
+    return shards, [tuple(w.shape) for w, _ in layers], x
+
+
+class _Held:
+    """What the learner's function holds now, in bytes: the torch tensors made while it runs (each
+    storage once, while any tensor made on it lives: followed by weak references) plus what Python
+    and numpy have allocated since it started (tracemalloc). MPI's own buffers are not counted."""
+
+    def __init__(self):
+        import tracemalloc
+
+        self.tensors, self.peak = [], 0
+        tracemalloc.start()
+        self.base = tracemalloc.get_traced_memory()[0]
+
+    def made(self, out) -> None:
+        import weakref
+
+        import torch
+
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.tensors.append(weakref.ref(t))
+
+    def note(self) -> None:
+        import tracemalloc
+
+        storages = {}
+        for ref in self.tensors:
+            t = ref()
+            if t is not None:
+                s = t.untyped_storage()
+                storages[s.data_ptr()] = s.nbytes()
+        self.tensors = [ref for ref in self.tensors if ref() is not None]
+        python = tracemalloc.get_traced_memory()[0] - self.base
+        self.peak = max(self.peak, sum(storages.values()) + python)
+
+    def stop(self) -> int:
+        import tracemalloc
+
+        self.note()
+        numpy_peak = tracemalloc.get_traced_memory()[1] - self.base
+        tracemalloc.stop()
+        return max(self.peak, numpy_peak)
+
+
+class _Peak:
+    """The learner's communicator, noting what is held before and after every MPI call."""
+
+    def __init__(self, comm, note):
+        self._comm, self._note = comm, note
+
+    def __getattr__(self, name):
+        attr = getattr(self._comm, name)
+        if not callable(attr):
+            return attr
+
+        def sampled(*args, **kwargs):
+            self._note()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self._note()
+
+        return sampled
+
+
+def call(fn, comm, args):
+    """Run the learner's function while following the peak of what it holds (see _Held)."""
+    from torch.overrides import TorchFunctionMode
+
+    held = _Held()
+
+    class Sampling(TorchFunctionMode):
+        def __torch_function__(self, func, types, fargs=(), kwargs=None):
+            out = func(*fargs, **(kwargs or {}))
+            held.made(out)
+            held.note()
+            return out
+
+    try:
+        with Sampling():
+            y = fn(_Peak(comm, held.note), *args)
+    finally:
+        peak = held.stop()
+    return {"y": hooks._as_array(y) if hooks._as_array(y) is not None else y, "peak": int(peak)}
+
+
+def reference(comm, shards, shapes, x):
+    """The layers on one device (rebuilt from every rank's shards)."""
+    import torch
+
+    for shard, (o, i) in zip(shards, shapes):
+        flat = torch.cat([torch.from_numpy(a) for a in comm.allgather(shard.numpy())])
+        x = torch.tanh(x @ flat[:o * i].view(o, i).T + flat[o * i:])
+    return x.numpy()
+
+
+def model_solution(comm, shards, shapes, x):
+    """The model solution: per layer, Allgatherv into a fresh buffer, compute, drop the buffer."""
+    import torch
+
+    size = comm.Get_size()
+    for shard, (o, i) in zip(shards, shapes):
+        base, extra = divmod(o * i + o, size)               # torch.tensor_split's counts
+        counts = [base + (1 if r < extra else 0) for r in range(size)]
+        full = torch.empty(o * i + o)
+        comm.Allgatherv(shard.numpy(), [full.numpy(), counts])
+        x = torch.tanh(x @ full[:o * i].view(o, i).T + full[o * i:])
+        del full                                      # freed: the next layer may take its place
+    return x
+
+
+def _layer_bytes(case) -> int:
+    widths = case.params["widths"]
+    return max(4 * (i * o + o) for i, o in zip(widths[:-1], widths[1:]))
+
+
+def verify(case, ctx):
+    got = ctx.got
+    if not isinstance(got, dict) or "y" not in got:
+        return Wrong(f"returned {hooks._describe(got)}; expected the last layer's output")
+    w = hooks.compare(got["y"], ctx.expected, what=f"rank {ctx.rank}'s output", rtol=1e-4, atol=1e-5)
+    if w is not None:
+        return w
+    layer = _layer_bytes(case)
+    widths = case.params["widths"]
+    if layer >= MEASURED_FROM and ctx.size > 1 and got["peak"] > LAYERS_AT_ONCE * layer:
+        return Wrong(f"rank {ctx.rank} held {got['peak'] / 2**10:.0f} KiB at once, {got['peak'] / layer:.1f} layers' "
+                     f"worth ({layer / 2**10:.0f} KiB each, {len(widths) - 1} layers): the gathered layers were never "
+                     "freed", hint="drop the gathered layer (del it, and the views W and b taken from it) before "
+                     "gathering the next one: ZeRO-3 holds one whole layer at a time, never the whole model.")
+    return None
+
+
+def diagnose(case, ctx):
+    got = ctx.got
+    y = hooks._as_array(got.get("y")) if isinstance(got, dict) else None
+    if y is None or y.shape != ctx.expected.shape:
+        return "return the last layer's output, a (batch, out) tensor."
+    if np.isnan(y).any():
+        return "NaN in the output: the gathered buffer was used before every shard arrived in it."
+    return ("the output differs from the layers run on one device: gather the layers in order (layer 0 first), and "
+            "place the shards in rank order — rank r's shard is torch.tensor_split(flat, p)[r], so Allgatherv with "
+            "every rank's count rebuilds W (out × in, row by row) followed by b.")
