@@ -27,7 +27,9 @@ and may define
     HINT_ONLY_ROOT = "..."                   # shown when only rank 0 got it right
 
 The learner's function runs in a job of its own (one process per rank, sandboxed where
-possible) that holds only inputs() and call(); `reference` and verify() run in the checker's
+possible) that holds only inputs() and call() and what they use, cut from this module's source
+(split.py) and handed over, never the file, which its sandbox hides (so keep the answer out of
+what inputs() and call() use); `reference` and verify() run in the checker's
 reference job, on the same inputs, and verify() sees what the learner's ranks returned, as
 plain data. `ctx.calls` lists the MPI (and torch.distributed) calls the learner made
 (name, dest, source, count: elements sent), recorded on every communicator they could reach.
