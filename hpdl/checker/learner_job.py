@@ -32,6 +32,7 @@ from hpdl.checker.rank_job import RankJob, learner_traceback, learner_where, mai
 KEEP = ("inputs", "call")
 # hpdl.checker modules of the deciding side (reference ranks, verdicts, the grader): never loaded here
 DECIDING_SIDE = {"reference_job", "jobs", "checking", "client", "grade_service"}
+_KIT_MODULES: set[str] = set()  # modules whose own answers were replaced (refuse_kit_answers): never loaded afresh
 
 
 class _NoAnswerKey(importlib.abc.MetaPathFinder):
@@ -52,8 +53,8 @@ class _NoAnswerKey(importlib.abc.MetaPathFinder):
 class _Public(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Serves the public cut of the case module (and of the sibling modules it imports) from source."""
 
-    def __init__(self, sources: dict[str, str]):
-        self.sources = sources
+    def __init__(self, sources: dict[str, str], files: dict[str, str]):
+        self.sources, self.files = sources, files
 
     def find_spec(self, fullname, path, target=None):
         if fullname in self.sources:
@@ -65,12 +66,12 @@ class _Public(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         name = module.__name__
-        exec(compile(self.sources[name], f"<public part of {name}>", "exec"), vars(module))
+        exec(compile(self.sources[name], self.files.get(name, f"<public part of {name}>"), "exec"), vars(module))
 
 
 def load_public(public: dict) -> types.ModuleType:
     """The case module as this process may hold it: split.shake's cut of inputs() and call()."""
-    finder = _Public(dict(public["sources"]))
+    finder = _Public(dict(public["sources"]), dict(public.get("files", {})))
     sys.meta_path.insert(0, finder)
     try:
         return importlib.import_module(public["module"])
@@ -100,9 +101,6 @@ def refuse_kit_answers(answers: dict[str, str]) -> None:
         refuse.__name__ = refuse.__qualname__ = attr
         setattr(module, attr, refuse)
         _KIT_MODULES.add(module_name)
-
-
-_KIT_MODULES: set[str] = set()  # modules whose answers were replaced: never loaded afresh here
 
 
 def strip_module(module: types.ModuleType) -> dict:

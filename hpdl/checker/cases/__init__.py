@@ -193,14 +193,19 @@ def sibling_path(name: str) -> Path | None:
 
 def public_part(name: str, roots: tuple[str, ...] = ("inputs", "call")) -> dict:
     """What a learner's check job may hold of exercise `name`: the module cut down to `roots` and
-    what they use (split.shake), as {"module": import name, "sources": {import name: source}}."""
+    what they use (split.shake), as {"module": import name, "sources": {import name: source}, "files":
+    {import name: the file it was cut from}}: its code keeps that file's name, so kit code in it is
+    known as the kit's (recording.paused), though the file itself stays hidden from the learner."""
     from hpdl.checker import split
 
     path = path_of(name)
     module_name = f"{__name__}.{name}" if path.parent in (HERE, *key_folders()) else f"hpdl_cases_{path.stem}"
-    sources = split.shake(name, set(roots), lambda n: path if n == name else sibling_path(n),
-                          module_name=module_name)
-    return {"module": module_name, "sources": sources}
+    def find(n: str) -> Path | None:
+        return path if n == name else sibling_path(n)
+
+    sources = split.shake(name, set(roots), find, module_name=module_name)
+    files = {m: str(find(m.rpartition(".")[2]) if m != module_name else path) for m in sources}
+    return {"module": module_name, "sources": sources, "files": files}  # files: the code's own names
 
 
 def hidden_from_learners() -> list[str]:
