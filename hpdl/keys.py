@@ -156,9 +156,10 @@ def public_module(name: str, module, find) -> tuple[str, dict[str, set[str]], st
     from hpdl.checker import split
 
     judging = [n for n in JUDGING if callable(getattr(module, n, None))]
-    answer = _names(split.shake(name, {"reference"}, find, deny=frozenset()))
-    learner = _names(split.shake(name, {"inputs", "call"}, find))
-    leaks = (_names(split.shake(name, set(judging), find)) & answer) - learner if judging else set()
+    answer = _names(split.shake(name, {"reference"}, find, deny=frozenset()), defs_only=True)
+    learner = _names(split.shake(name, {"inputs", "call"}, find), defs_only=True)
+    judged = _names(split.shake(name, set(judging), find), defs_only=True) if judging else set()
+    leaks = (judged & answer) - learner  # functions of the reference that verify() would bring along
     note = None
     if leaks:
         note = (f"{name}: its verify() uses {', '.join(sorted(n for _, n in leaks))}, part of the reference: "
@@ -170,14 +171,15 @@ def public_module(name: str, module, find) -> tuple[str, dict[str, set[str]], st
     return cut[own] + _generated(name, module), siblings, note
 
 
-def _names(sources: dict[str, str]) -> set[tuple[str, str]]:
-    """(module, name) of every top-level function and class in some modules' sources."""
+def _names(sources: dict[str, str], defs_only: bool = False) -> set[tuple[str, str]]:
+    """(module, name) of every top-level function and class (and, unless `defs_only`, constant and
+    import) in some modules' sources."""
     found = set()
     for mod, text in sources.items():
         for stmt in ast.parse(text).body:
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 found.add((mod, stmt.name))
-            elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Import, ast.ImportFrom)):
+            elif not defs_only and isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Import, ast.ImportFrom)):
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
                 found.update((mod, t.id) for t in targets if isinstance(t, ast.Name))
                 found.update((mod, a.asname or a.name) for a in getattr(stmt, "names", []))

@@ -55,6 +55,23 @@ def test_the_learners_part_of_every_case_module_holds_no_reference():
             assert word not in text, (name, word)
 
 
+def test_a_stripped_module_keeps_verify_unless_it_would_carry_the_reference():
+    """What `hpdl keys strip` leaves of each kit exercise (no MPI: the answers are computed apart).
+    choose_algorithm's verify() judges with best() and cost(), the reference's own functions: that
+    one alone falls back to comparing with the stored answers."""
+    def find(n):
+        return cases.HERE / f"{n}.py" if (cases.HERE / f"{n}.py").is_file() else None
+
+    fallbacks = []
+    for name in cases.known():
+        text, _, note = keys.public_module(name, cases.load(name), find)
+        assert "def reference" not in text and "def model_solution" not in text and "def best(" not in text, name
+        assert "PUBLIC_ONLY = True" in text and "def cases(size)" in text, name
+        compile(text, name, "exec")
+        fallbacks += [name] if note else []
+    assert fallbacks == ["choose_algorithm"]
+
+
 @needs_sandbox
 @pytest.mark.parametrize("attack", [A.import_reference, K.exec_case_file])
 def test_the_learner_job_cannot_import_or_read_the_case_module(attack, no_strays):
