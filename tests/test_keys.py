@@ -163,6 +163,10 @@ def test_a_stripped_kit_checks_public_cases_and_names_the_hidden_ones(shared_kit
             refused = ""
         except HpdlError as exc:
             refused = str(exc)
+        try:
+            hpdl.check("ring_allreduce", ring_ok, ranks=[2])
+        except HpdlError as exc:
+            refused += " | " + str(exc)
         os.environ["HPDL_KEYS"] = {str(key_dir)!r}  # self-study with the keys: the full check again
         keyed = hpdl.check("ring_allreduce", ring_ok, grade=True)
         thief = hpdl.check("ring_allreduce", key_attacks.exec_keys_file({str(key_dir)!r}))
@@ -176,6 +180,7 @@ def test_a_stripped_kit_checks_public_cases_and_names_the_hidden_ones(shared_kit
     assert "4 hidden cases not run here: hidden cases run when your instructor grades" in out["text"]
     assert out["bad"] == 0
     assert "grading needs them" in out["refused"] and "--keys" in out["refused"]
+    assert "at [1, 3] ranks only" in out["refused"]  # no stored answers at 2 ranks: said, not a crash
     assert out["keyed"] == [16, 16]  # the hidden cases from the keys: 7 at 1 rank, 9 at 3
     if sandbox.available():  # the keys folder sits inside the kit, which the sandbox shows: hidden all the same
         assert out["thief"] == 0

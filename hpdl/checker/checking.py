@@ -30,6 +30,10 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
                         "grading needs them. Point the grader at the keys: `hpdl grade --keys DIR`, or set "
                         "HPDL_KEYS=DIR.")
     sizes = _sizes(ranks, module)
+    stored = _sizes(None, module)
+    if case_api.is_public_only(module) and not set(sizes) <= set(stored):
+        raise HpdlError(f"This kit stores the answers of {name!r} at {stored} ranks only (its reference solution "
+                        f"was moved out): check with ranks among those, e.g. ranks={stored}.")
     plan, hidden_not_run = _plan(module, sizes, grading, timeout)
     forbidden = _forbidden(module)
     spec = {"exercise": name, "module_path": str(case_api.path_of(name)), "code": code, "forbidden": forbidden,
