@@ -10,6 +10,7 @@ VERBS = {
     "build": ("hpdl.build", "generate exercises/ from solutions/ (--check: fail on drift)"),
     "exercises": ("hpdl.workspace", "copy the exercises into your workspace, never overwriting your edits"),
     "grade": ("hpdl.grade", "grade a folder of submitted notebooks"),
+    "keys": ("hpdl.keys", "move the answer keys out of a shared kit (export --to DIR, then strip --keys DIR)"),
     "cleanup": ("hpdl.cluster.cleanup", "stop clusters this kit started and left behind"),
     "preflight": ("hpdl.preflight", "one short job on a site's nodes: GPUs, MPI, allreduce; a go/no-go report"),
     "rehearse": ("hpdl.rehearse", "the day before: N learners' jobs run lesson 00 and a check; a pass/fail table"),

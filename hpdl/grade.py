@@ -471,9 +471,11 @@ def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress
     write_reports(subs, out, exercises, *header)  # valid from the start: the rest "pending"
     # one 0700 folder for the batch, one 0700 folder per submission in it; inside a sandbox the
     # batch folder is an empty one with only the submission's own folder bound back
+    from hpdl.checker.checking import answer_keys
+
     work_root = Path(tempfile.mkdtemp(prefix="hpdl-grade-"))
     os.chmod(work_root, 0o700)
-    hidden = [str(folder.resolve()), str(out.resolve()), str(work_root), *_answer_keys()]
+    hidden = [str(folder.resolve()), str(out.resolve()), str(work_root), *answer_keys()]
     running: list[Running] = []
     bar = None
     if progress:
@@ -529,11 +531,6 @@ def _done(out: Path, subs: list[Submission], sub: Submission, exercises, bar, he
     write_reports(subs, out, exercises, *header)
     if bar is not None:
         bar.update(1)
-
-
-def _answer_keys() -> list[str]:
-    root = Path(__file__).resolve().parents[1]
-    return [str(root / "solutions")] if (root / "solutions").is_dir() else []
 
 
 # -- reports -------------------------------------------------------------------------------------
@@ -661,6 +658,16 @@ def _html(subs: list[Submission], exercises: list[str], worth: dict[str, float],
     )
 
 
+def use_keys(folder: Path | None) -> None:
+    """Point this grader's checks at the instructor's answer keys (a folder `hpdl keys export` made)."""
+    if folder is None:
+        return
+    from hpdl import keys
+
+    keys.check_folder(folder)
+    os.environ[settings.KEYS.name] = str(folder.resolve())
+
+
 def _bytes(text: str) -> int:
     """'4G', '512M', '1.5GiB' or a number of bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
@@ -690,6 +697,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="grade even where the sandbox is incomplete (no bubblewrap, no seccomp, no cgroup): "
                          "the parts that work are used, the report names the missing ones. Submissions may "
                          "then reach your files, environment and network: only for trusted notebooks")
+    ap.add_argument("--keys", type=Path, default=None,
+                    help="the answer keys (`hpdl keys export --to DIR`): reference solutions and hidden cases, "
+                         "needed where the kit was stripped (`hpdl keys strip`); sets HPDL_KEYS for this run")
     ap.add_argument("--allow-root", action="store_true",
                     help="grade as root all the same (a container or a CI runner): the sandbox hides homes and "
                          "/root, but a submission runs as root inside it")
@@ -705,6 +715,7 @@ def main(argv: list[str]) -> int:
     caps = Caps(memory=_bytes(args.memory), tasks=args.tasks)
     if caps.memory < 256 * 2**20:
         raise HpdlError(f"--memory {args.memory}: a notebook's kernel needs at least 256M.")
+    use_keys(args.keys)
     wanted = None
     if args.exercises:
         from hpdl.checker.cases import known

@@ -197,6 +197,9 @@ WORKSPACE = _declare("HPDL_WORKSPACE", "path", None, "the learner's own folder: 
                      "else ~/hpdl-workspace")
 CASES_PATH = _declare("HPDL_CASES_PATH", "paths", "", "more folders of exercise checks (a course's own "
                       "cases), searched after hpdl/checker/cases", ("kernel", "grader"))
+KEYS = _declare("HPDL_KEYS", "path", None, "the instructor's answer keys (`hpdl keys export --to DIR`): full "
+                "case modules with reference solutions and hidden cases, searched before hpdl/checker/cases; "
+                "`hpdl grade --keys DIR` sets it", ("kernel", "grader"), default_text="none: the kit's own cases")
 NO_SANDBOX = _declare("HPDL_NO_SANDBOX", "flag", "0", "run learners' check jobs without the bubblewrap sandbox "
                       "(rlimits and a process group only); benchmarks compare both", ("kernel", "grader"))
 BWRAP = _declare("HPDL_BWRAP", "path", None, "the bubblewrap binary for the sandbox", ("kernel", "grader"),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hpdl
-from conftest import passed, rejected
+from conftest import rejected
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,13 +53,14 @@ def step_no_last_bucket(compute, nbytes, alpha, beta, gamma, p, overlap=0.0, buc
     return compute + max(0.0, t - overlap * compute)                            # all of it can hide
 
 
-def test_predict_step_time_library_passes():
-    def predict_step_time(*args, **kwargs):  # a learner who calls the kit's predictor passes
+def test_predict_step_time_calling_the_kits_predictor_is_refused():
+    def predict_step_time(*args, **kwargs):  # the kit's own answer: refused inside a check (hooks.KIT_ANSWERS)
         from hpdl.predict import predict_step_time
 
         return predict_step_time(*args, **kwargs)
 
-    assert passed(hpdl.check("predict_step_time", predict_step_time, ranks=[2]))
+    result = hpdl.check("predict_step_time", predict_step_time, ranks=[2])
+    assert result.score == 0 and all(c.rejected == "hpdl.predict.predict_step_time" for c in result.cases), result
 
 
 @pytest.mark.parametrize("bad, words", [

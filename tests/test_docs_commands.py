@@ -63,6 +63,8 @@ BLOCKS = {
     ("cluster/README.md", "$KIT/.venv/bin/hpdl course end --site"): ("help", "needs the course's learners' group; "
                                                                "tests/test_course.py runs a dry run and a teardown"),
     ("cluster/README.md", "echo '0 6 * * * root"): ("paths", "a cron line for the teardown's date"),
+    ("cluster/README.md", "$KIT/.venv/bin/hpdl keys export --to"): ("help", "it would strip this kit; tests/"
+                                                                  "test_keys.py exports, strips and grades a copy"),
     ("cluster/slurm/README.md", "cluster/slurm/local-slurm.sh start"): ("run", "the local Slurm the tests use; its "
                                                                         "`stop` line is left out (below)"),
 }

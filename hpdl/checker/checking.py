@@ -25,11 +25,19 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
                progress: bool = True, hidden: list[str] = ()) -> CheckResult:
     """Run the packed function `code` on the cases of exercise `name` (the grader calls this too)."""
     t0 = time.perf_counter()
+    if grading and case_api.is_public_only(module):
+        raise HpdlError(f"This kit holds only the public checks of {name!r} (its answer keys were moved out): "
+                        "grading needs them. Point the grader at the keys: `hpdl grade --keys DIR`, or set "
+                        "HPDL_KEYS=DIR.")
     sizes = _sizes(ranks, module)
+    stored = _sizes(None, module)
+    if case_api.is_public_only(module) and not set(sizes) <= set(stored):
+        raise HpdlError(f"This kit stores the answers of {name!r} at {stored} ranks only (its reference solution "
+                        f"was moved out): check with ranks among those, e.g. ranks={stored}.")
     plan, hidden_not_run = _plan(module, sizes, grading, timeout)
     forbidden = _forbidden(module)
     spec = {"exercise": name, "module_path": str(case_api.path_of(name)), "code": code, "forbidden": forbidden,
-            "hidden": list(hidden) + _answer_keys()}
+            "public": case_api.public_part(name), "hidden": list(hidden) + answer_keys()}
     bar = _progress(sum(len(v) for v in plan.values()), name) if progress else None
     try:
         runner = Runner(name, module, spec, plan, progress=bar, every_case=grading)
@@ -57,12 +65,14 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
                        seconds=time.perf_counter() - t0, hints=hints)
 
 
-def _answer_keys() -> list[str]:
-    """Folders a sandboxed learner job does not see: the kit's solutions."""
+def answer_keys() -> list[str]:
+    """What a sandboxed learner job does not see: the kit's solutions, the case modules' files and
+    the instructor's keys (the job gets the public part of its exercise in its spec instead)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    return [str(root / "solutions")] if (root / "solutions").is_dir() else []
+    solutions = [str(root / "solutions")] if (root / "solutions").is_dir() else []
+    return solutions + case_api.hidden_from_learners()
 
 
 # -- planning ----------------------------------------------------------------------------------

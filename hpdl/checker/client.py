@@ -33,14 +33,14 @@ def forced_grade_mode() -> bool:
 
 def run_check(name: str, fn=None, *, ranks=None, grade: bool | None = None, timeout: float | None = None,
               caller=None) -> CheckResult:
-    module = case_api.load(name)
     if forced_grade_mode():  # the exercise's own rank counts, time limits and hidden cases
         ranks, grade, timeout = None, True, None
-    code = learner_code(name, fn, caller)
-    if settings.GRADE_SERVICE.is_set():
+    if settings.GRADE_SERVICE.is_set():  # being graded: the case modules are hidden here, the grader has them
         from hpdl.checker import grade_service
 
-        return grade_service.request(name, code)
+        return grade_service.request(name, learner_code(name, fn, caller))
+    module = case_api.load(name)
+    code = learner_code(name, fn, caller)
     result = check_code(name, module, code, ranks=ranks, grading=grade_mode(grade), timeout=timeout)
     _record(result, code)  # only where $HPDL_GRADE_RESULTS names a file (tests)
     return result

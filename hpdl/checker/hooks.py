@@ -4,6 +4,7 @@ Case modules call these from verify() on every rank. The client imports case mod
 their cases and hints), so nothing here imports mpi4py.MPI (that would start MPI in the
 learner's kernel) or torch: both are only touched through the objects handed in.
 
+- KIT_ANSWERS: the kit's own implementations of exercises; refused in every learner job.
 - REDUCTIONS / DATA_COLLECTIVES: name lists for a case module's FORBIDDEN (recording.py, in the
   learner's job, records every call and refuses these, on any communicator and through
   torch.distributed).
@@ -34,6 +35,19 @@ COLLECTIVES = [
     "Scatter_init", "Alltoall_init", "Reduce_scatter_init", "Reduce_scatter_block_init",
     "Neighbor_allgather", "Neighbor_alltoall",
 ]
+_OWN = "this exercise asks you to write it yourself: the kit's version is not available while your code is checked"
+#: The kit's own implementations of exercises (module.function -> why): in the learner's check
+#: job each is replaced by a function that refuses, as a forbidden MPI call is (learner_job.py).
+KIT_ANSWERS = {
+    "hpdl.predict.predict_step_time": _OWN,
+    "hpdl.predict.allreduce_seconds": _OWN + " (the α-β-γ cost of an all-reduce is part of the answer)",
+    "hpdl.predict.comm_seconds": _OWN + " (the α-β-γ cost of an all-reduce is part of the answer)",
+    "hpdl.predict.hierarchical_seconds": _OWN + " (the α-β-γ cost of an all-reduce is part of the answer)",
+    "hpdl.predict.step": _OWN,
+    "hpdl.tune.tuning_json": _OWN,
+    "hpdl.tune.algorithm_for": _OWN,
+    "hpdl.dp.throughput": _OWN,
+}
 #: The allreduce family: what a hand-written allreduce must not call.
 REDUCTIONS = [n for n in COLLECTIVES if "educe" in n or n in ("Scan", "scan", "Exscan", "exscan", "Iscan", "Iexscan")]
 #: Every collective that moves data: what a point-to-point-only exercise must not call.

@@ -76,6 +76,8 @@ class Job:
                          cases=[(p.index, p.case.to_dict()) for p in todo])
         if kind == "reference":
             self.spec.pop("code", None)  # the learner's code never enters the reference job
+        else:
+            self.spec.pop("module_path", None)  # the learner's job holds the public part only
         safefiles.create_exclusive(os.path.join(self.dir, "spec.pkl"), pickle.dumps(self.spec))
         module = "hpdl.checker.learner_job" if kind == "learner" else "hpdl.checker.reference_job"
         launch = job_launch(size, module, self.dir, _job_env(self.dir))  # on this node, no batch system

@@ -8,14 +8,19 @@ every MPI and torch.distributed call recorded (recording.py), and writes what ca
 plain data (wire.py) to JOB_DIR/out-<case>-<rank>.bin, with start/end events in
 JOB_DIR/rank<R>.jsonl. The checker's reference job compares them; see jobs.py.
 
-Before the learner's code is unpacked, the case module is cut down to what inputs() and
-call() use (the reference, verify and their helpers are removed), and importing the kit's
-case modules or solutions is refused, so the answer key is not within the learner's reach.
+This process never reads the case module's file (its sandbox hides the kit's case modules and
+the instructor's keys): the checker hands it the part of the module that inputs() and call()
+use, cut out by split.py, as source in its spec (spec["public"]). Before the learner's code is
+unpacked that part is loaded, cut down again (strip_module), importing the kit's case modules or
+solutions is refused, and the kit's own implementations of exercises (hooks.KIT_ANSWERS) are
+replaced by functions that refuse to run, so the answer key is not within the learner's reach.
 """
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.abc
+import importlib.util
 import os
 import sys
 import time
@@ -27,6 +32,7 @@ from hpdl.checker.rank_job import RankJob, learner_traceback, learner_where, mai
 KEEP = ("inputs", "call")
 # hpdl.checker modules of the deciding side (reference ranks, verdicts, the grader): never loaded here
 DECIDING_SIDE = {"reference_job", "jobs", "checking", "client", "grade_service"}
+_KIT_MODULES: set[str] = set()  # modules whose own answers were replaced (refuse_kit_answers): never loaded afresh
 
 
 class _NoAnswerKey(importlib.abc.MetaPathFinder):
@@ -34,11 +40,67 @@ class _NoAnswerKey(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path, target=None):
         package, _, short_name = fullname.rpartition(".")
+        if fullname in _KIT_MODULES:
+            raise ImportError(f"{fullname} holds the kit's own version of an exercise: it cannot be loaded again "
+                              "while your code is being checked")
         if fullname.startswith("hpdl.checker.cases") or fullname.startswith("hpdl_cases_") \
                 or (package == "hpdl.checker" and short_name in DECIDING_SIDE):
             raise ImportError(f"{fullname} holds the checker's reference solutions: not importable while "
                               "your code is being checked")
         return None
+
+
+class _Public(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves the public cut of the case module (and of the sibling modules it imports) from source."""
+
+    def __init__(self, sources: dict[str, str], files: dict[str, str]):
+        self.sources, self.files = sources, files
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname in self.sources:
+            return importlib.util.spec_from_loader(fullname, self, origin=f"<public part of {fullname}>")
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        name = module.__name__
+        exec(compile(self.sources[name], self.files.get(name, f"<public part of {name}>"), "exec"), vars(module))
+
+
+def load_public(public: dict) -> types.ModuleType:
+    """The case module as this process may hold it: split.shake's cut of inputs() and call()."""
+    finder = _Public(dict(public["sources"]), dict(public.get("files", {})))
+    sys.meta_path.insert(0, finder)
+    try:
+        return importlib.import_module(public["module"])
+    finally:
+        sys.meta_path.remove(finder)
+
+
+def refuse_kit_answers(answers: dict[str, str]) -> None:
+    """Replace each of the kit's own implementations of an exercise with a function that refuses
+    (recording.ForbiddenCall), holding no reference to the original: the learner's function,
+    however it names them, gets the refusal, and the module cannot be loaded again from here."""
+    from hpdl.checker.recording import ForbiddenCall
+
+    for dotted, reason in answers.items():
+        module_name, _, attr = dotted.rpartition(".")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+
+        def refuse(*args, _name=dotted, _reason=reason, **kwargs):
+            from hpdl.checker.recording import recorder
+
+            recorder.rejected.append(_name)  # rejected even if the learner catches the exception
+            raise ForbiddenCall(_name, _reason)
+
+        refuse.__name__ = refuse.__qualname__ = attr
+        setattr(module, attr, refuse)
+        _KIT_MODULES.add(module_name)
 
 
 def strip_module(module: types.ModuleType) -> dict:
@@ -100,13 +162,15 @@ class LearnerJob(RankJob):
 
     def run(self) -> int:
         from hpdl.checker import recording, wire
-        from hpdl.checker.cases import Case, load_file
+        from hpdl.checker.cases import Case
+        from hpdl.checker.hooks import KIT_ANSWERS
 
         spec = self.spec
         code = spec["code"]
-        module = load_file(spec["module_path"])
+        module = load_public(spec["public"])
         funcs = strip_module(module)
-        recording.install(spec.get("forbidden") or {})
+        recording.install({**KIT_ANSWERS, **(spec.get("forbidden") or {})})
+        refuse_kit_answers(KIT_ANSWERS)
         fn, unpack_error = None, ""
         try:
             from hpdl.checker.source import unpack

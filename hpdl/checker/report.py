@@ -187,7 +187,8 @@ class CheckResult:
         notes += list(self.hints)
         if self.hidden_not_run:
             plural = "s" if self.hidden_not_run > 1 else ""
-            notes.append(f"{self.hidden_not_run} hidden case{plural} run only when grading.")
+            notes.append(f"{self.hidden_not_run} hidden case{plural} not run here: hidden cases run when your "
+                         "instructor grades.")
         return notes
 
     def __repr__(self) -> str:

@@ -536,9 +536,11 @@ def wrap(cmd: list[str], *, writable: list[str] = (), hidden: list[str] = (), cw
     args = [exe, *_base_args(exe), *(["--share-net"] if network else [])]  # after --unshare-all
     for path in _devices():
         args += ["--dev-bind", path, path]
-    for path in hidden:
+    for path in hidden:  # a folder: an empty tmpfs over it; a file (an answer key): /dev/null over it
         if os.path.isdir(path):
             args += _sized(exe, HIDDEN_BYTES, os.path.realpath(path))
+        elif os.path.isfile(path):
+            args += ["--ro-bind", "/dev/null", os.path.realpath(path)]
     for path in writable:
         real = os.path.realpath(path)
         args += ["--bind", real, real]

@@ -27,7 +27,9 @@ and may define
     HINT_ONLY_ROOT = "..."                   # shown when only rank 0 got it right
 
 The learner's function runs in a job of its own (one process per rank, sandboxed where
-possible) that holds only inputs() and call(); `reference` and verify() run in the checker's
+possible) that holds only inputs() and call() and what they use, cut from this module's source
+(split.py) and handed over, never the file, which its sandbox hides (so keep the answer out of
+what inputs() and call() use); `reference` and verify() run in the checker's
 reference job, on the same inputs, and verify() sees what the learner's ranks returned, as
 plain data. `ctx.calls` lists the MPI (and torch.distributed) calls the learner made
 (name, dest, source, count: elements sent), recorded on every communicator they could reach.
@@ -165,7 +167,56 @@ def path_of(name: str) -> Path:
 
 def _folders() -> list[Path]:
     extra = settings.CASES_PATH.get()
-    return [HERE, *extra]
+    return [*key_folders(), HERE, *extra]
+
+
+def key_folders() -> list[Path]:
+    """The instructor's answer keys (`hpdl keys export`), when HPDL_KEYS (or `hpdl grade --keys`)
+    names them: full case modules, found before the kit's own (which a shared kit holds public only)."""
+    keys = settings.KEYS.get()
+    return [Path(keys).resolve()] if keys else []
+
+
+def is_public_only(module: ModuleType) -> bool:
+    """A module `hpdl keys strip` made: public cases, no reference(); expected answers as data."""
+    return bool(getattr(module, "PUBLIC_ONLY", False))
+
+
+def sibling_path(name: str) -> Path | None:
+    """A module of the kit's case package by name (a helper such as _dp): the keys' copy first."""
+    for folder in [*key_folders(), HERE]:
+        candidate = folder / f"{name}.py"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def public_part(name: str, roots: tuple[str, ...] = ("inputs", "call")) -> dict:
+    """What a learner's check job may hold of exercise `name`: the module cut down to `roots` and
+    what they use (split.shake), as {"module": import name, "sources": {import name: source}, "files":
+    {import name: the file it was cut from}}: its code keeps that file's name, so kit code in it is
+    known as the kit's (recording.paused), though the file itself stays hidden from the learner."""
+    from hpdl.checker import split
+
+    path = path_of(name)
+    module_name = f"{__name__}.{name}" if path.parent in (HERE, *key_folders()) else f"hpdl_cases_{path.stem}"
+    def find(n: str) -> Path | None:
+        return path if n == name else sibling_path(n)
+
+    sources = split.shake(name, set(roots), find, module_name=module_name)
+    files = {m: str(find(m.rpartition(".")[2]) if m != module_name else path) for m in sources}
+    return {"module": module_name, "sources": sources, "files": files}  # files: the code's own names
+
+
+def hidden_from_learners() -> list[str]:
+    """Paths a learner's check job must not see: the keys folder, every case module's file
+    (the package's __init__ stays: it is the API) and the compiled copies beside them."""
+    paths = [str(f) for f in key_folders() if f.is_dir()]
+    for folder in [HERE, *settings.CASES_PATH.get()]:
+        if folder.is_dir():
+            paths += [str(p) for p in sorted(folder.glob("*.py")) if p.name != "__init__.py"]
+            paths += [str(folder / "__pycache__")] if (folder / "__pycache__").is_dir() else []
+    return paths
 
 
 def known() -> list[str]:
@@ -177,11 +228,10 @@ def known() -> list[str]:
 
 def load_file(path: str | Path) -> ModuleType:
     """Import a case module from its file and check its interface (HpdlError saying what is wrong)."""
-    if LOCKED:
-        raise ImportError("case modules hold the checker's reference solutions: not loadable while your code "
-                          "is being checked")
+    _refuse_if_locked()
     path = Path(path).resolve()
-    if path.parent == HERE:
+    _search_keys_first()
+    if path.parent in (HERE, *key_folders()):
         module = importlib.import_module(f"hpdl.checker.cases.{path.stem}")
     else:
         modname = f"hpdl_cases_{path.stem}"
@@ -194,6 +244,18 @@ def load_file(path: str | Path) -> ModuleType:
             spec.loader.exec_module(module)
     validate(module, path)
     return module
+
+
+def _search_keys_first() -> None:
+    """Case modules (and the helpers they import) from the keys folder before the kit's own; when
+    that order changed (HPDL_KEYS set in this process), those imported before are imported again."""
+    order = [str(f) for f in key_folders()] + [str(HERE)]
+    if __path__ == order:
+        return
+    __path__[:] = order
+    for name in [n for n in sys.modules if n.startswith(__name__ + ".")]:
+        del sys.modules[name]
+        globals().pop(name.rpartition(".")[2], None)
 
 
 #: What a case module must define, and what it may (see the docstring above).
@@ -210,6 +272,8 @@ def validate(module: ModuleType, path: Path | str | None = None) -> None:
     if not isinstance(getattr(module, "SIGNATURE", None), str):
         problems.append("SIGNATURE must be a string such as \"f(comm, x: np.ndarray) -> np.ndarray\"")
     for name in REQUIRED_FUNCTIONS:
+        if name == "reference" and is_public_only(module):
+            continue  # stripped (`hpdl keys strip`): expected answers come as data
         if not callable(getattr(module, name, None)):
             problems.append(f"{name}() is missing (or not a function)")
     for name in OPTIONAL_FUNCTIONS:
@@ -245,5 +309,12 @@ def validate(module: ModuleType, path: Path | str | None = None) -> None:
                         + "; ".join(problems) + ".")
 
 
+def _refuse_if_locked() -> None:
+    if LOCKED:
+        raise ImportError("case modules hold the checker's reference solutions: not loadable while your code "
+                          "is being checked")
+
+
 def load(name: str) -> ModuleType:
+    _refuse_if_locked()
     return load_file(path_of(name))
