@@ -24,6 +24,7 @@ Needs root (CAP_NET_ADMIN in the host's namespace) and `ip`, `tc`, `unshare`.
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
@@ -31,10 +32,11 @@ import re
 import shlex
 import shutil
 import subprocess
+import tempfile
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from hpdl.errors import HpdlError
 
@@ -135,6 +137,13 @@ class Network:
         hosts = ",".join(f"{self.address(i)}:{k}" for i, k in enumerate(self.ranks_per_node))
         return ["-launcher", "ssh", "-launcher-exec", self.script, "-localhost", self.bridge_address, "-hosts", hosts]
 
+    def job_command(self) -> list[str]:
+        """`mpiexec` for a job of one rank per slot on these nodes (append the program); run it
+        with RANK_ENV in its environment. For benchmarks and lessons' `!` lines beside the ranks."""
+        from hpdl.launchers.mpiexec import find_mpiexec
+
+        return [find_mpiexec(), *self.mpiexec_flags(), "-n", str(sum(self.ranks_per_node))]
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -233,6 +242,19 @@ def create(n: int, nodes: int, link: str | int | float, run_dir: Path) -> Networ
         remove(net.to_dict())
         raise
     return net
+
+
+@contextlib.contextmanager
+def nodes(n: int, count: int, link: str | int | float,
+          end_processes: Callable[[list[int]], None] | None = None) -> Iterator[Network]:
+    """Emulated nodes for the length of a `with` block, without ranks of the kit's: a benchmark's
+    or a script's own MPI jobs run on them through `Network.job_command()`."""
+    with tempfile.TemporaryDirectory(prefix="hpdl-nodes-") as folder:
+        net = create(n, count, link, Path(folder))
+        try:
+            yield net
+        finally:
+            remove(net.to_dict(), end_processes)
 
 
 def _pids_in(ns: str) -> list[int]:

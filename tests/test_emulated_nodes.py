@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -164,3 +165,18 @@ def test_a_sweep_recognises_only_the_kits_names():
     net = emulated.Network("0a1b2c", "10.231.3.0/24", [2, 2], "1gbit")
     assert emulated.Network.from_dict(json.loads(json.dumps(net.to_dict()))) == net
     assert net.namespaces == ["hpdl-0a1b2c-n0", "hpdl-0a1b2c-n1"] and net.bridge_address == "10.231.3.254"
+
+
+@needs_root
+def test_the_benchmark_prints_its_claims(no_strays, no_leftovers):
+    """benchmarks/emulated_nodes.py once, quickly: its lines, not its numbers (the machine is shared)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "benchmarks/emulated_nodes.py", "--rates", "1gbit", "--sizes-mib", "0.25", "4",
+           "--iters", "2", "--rounds", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=root)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    number = r"[-+]?\d+(?:\.\d+)?"
+    assert re.fullmatch(rf"max \|busbw / link - 1\| = {number} %", lines[-1]), lines[-1]
+    assert any(re.match(rf"\s+1gbit\s+4 MiB: busbw\s+{number}\s+link\s+125.0", s) for s in lines), lines
+    assert any(re.match(rf"\s+measured / predicted ratio - 1 = {number} %", s) for s in lines), lines
