@@ -195,3 +195,15 @@ def test_one_job_on_emulated_nodes_from_the_shell(no_strays, no_leftovers):
     bad = subprocess.run([sys.executable, "-m", "hpdl.emulated_job", "--link", "fast", "true"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "is not a rate" in bad.stderr
+
+
+def test_the_layout_can_come_from_the_environment(monkeypatch):
+    """HPDL_NODES and HPDL_LINK stand in for nodes= and link= (a site's or a lesson's default)."""
+    monkeypatch.setenv("HPDL_NODES", "3")
+    with pytest.raises(HpdlError, match="nodes=3 but only n=2"):
+        hpdl.start(n=2, quiet=True)
+    monkeypatch.setenv("HPDL_NODES", "2")
+    monkeypatch.setenv("HPDL_LINK", "fast")
+    with pytest.raises(HpdlError, match="link='fast' is not a rate"):
+        hpdl.start(n=2, quiet=True)
+    assert hpdl.status() == {"running": False}

@@ -166,7 +166,7 @@ def start(
     timeout: float | None = None,
     env: dict[str, str] | None = None,
     nodes: int | None = None,
-    link: str | int | float = "1gbit",
+    link: str | int | float | None = None,
     quiet: bool = False,
 ) -> Cluster:
     """Start `n` engines as MPI ranks and make `%%px` run cells on all of them.
@@ -181,7 +181,8 @@ def start(
     In a script, `with hpdl.start(n=2) as c:` stops the ranks when the block ends.
     `nodes` places the ranks on that many emulated nodes of this machine, joined by links of
     rate `link` (tc's spelling: "1gbit", "200mbit"): ranks of a node share memory, traffic
-    between nodes crosses the limited link (hpdl/emulated.py; needs root).
+    between nodes crosses the limited link (hpdl/emulated.py; needs root). Defaults:
+    $HPDL_NODES (0: none) and $HPDL_LINK, read at this call.
     """
     global _current
     launcher = launchers.resolve(launcher)
@@ -220,8 +221,10 @@ def start(
 
 def _check_nodes(n: int, launcher: str, nodes, link) -> tuple | None:
     """(nodes, link) for emulated nodes, checked; None for ranks on this machine as they are."""
+    nodes = nodes if nodes is not None else (settings.NODES.get() or None)
     if nodes is None:
         return None
+    link = link if link is not None else settings.LINK.get()
     emulated.placement(n, nodes)
     emulated.link_bits_per_second(link)
     if not _launcher_traits(launcher)[0]:
