@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import logging
 import os
 import re
@@ -38,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from hpdl import procs
 from hpdl.errors import HpdlError
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,9 @@ PREFIX = "hpdl-"          # network namespaces: hpdl-<tag>-n<i>
 LINK_PREFIX = "hpv-"      # the host's end of each node's veth pair: hpv-<tag>-<i>
 BRIDGE_PREFIX = "hpb-"    # the bridge joining the nodes: hpb-<tag>
 NETNS_ETC = Path("/etc/netns")  # where `ip netns exec` finds a namespace's own /etc/hosts
+# the process that made each set of nodes, by tag (not in /etc/netns: `ip netns exec` mounts
+# every file there over /etc)
+OWNERS = Path("/run/hpdl-emulated")
 SUBNETS = ipaddress.ip_network("10.231.0.0/16")  # one /24 of it per emulated cluster
 MTU = 9000                # jumbo frames: TCP headers cost ~1 % of the link instead of ~4 %
 # Hydra's environment for every rank: UCX would take the nodes for one machine (same boot id)
@@ -237,6 +242,8 @@ def create(n: int, nodes: int, link: str | int | float, run_dir: Path) -> Networ
         _ip("link", "set", net.bridge, "up")
         for i in range(nodes):
             _add_node(net, i, rate_bits)
+        OWNERS.mkdir(mode=0o700, exist_ok=True)
+        (OWNERS / f"{net.tag}.json").write_text(json.dumps(procs.record(os.getpid()).to_dict()))
         net.script = _write_script(net, run_dir)
     except BaseException:
         remove(net.to_dict())
@@ -268,6 +275,7 @@ def remove(state: dict, end_processes: Callable[[list[int]], None] | None = None
     reaper's, since only it and hpdl.procs end processes)."""
     net = Network.from_dict(state)
     _remove_names([*net.namespaces, *net.links, net.bridge], end_processes)
+    (OWNERS / f"{net.tag}.json").unlink(missing_ok=True)
     left = leftovers({net.tag})
     if left:
         log.warning("could not remove emulated nodes' %s", ", ".join(left))
@@ -307,10 +315,25 @@ def _remove_names(names: list[str], end_processes: Callable[[list[int]], None] |
             _ip("link", "del", name, check=False)
 
 
-def sweep(keep: set[str] = frozenset(), end_processes: Callable[[list[int]], None] | None = None) -> list[str]:
-    """Remove every emulated node of the kit whose tag is not in `keep` (`hpdl cleanup`, a test's
-    end), ending what still runs in them through `end_processes`; returns the tags removed."""
+def _owner_alive(tag: str) -> bool:
+    """Whether the process that made these nodes still runs (another kernel's, another user's
+    HPDL_HOME: not ours to sweep); False when unknown."""
+    try:
+        owner = procs.Proc.from_dict(json.loads((OWNERS / f"{tag}.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return procs.is_alive(owner)
+
+
+def sweep(keep: set[str] = frozenset(), end_processes: Callable[[list[int]], None] | None = None,
+          *, even_if_owned: bool = False) -> list[str]:
+    """Remove every emulated node of the kit whose tag is not in `keep` and whose maker is gone
+    (`hpdl cleanup`, a test's end), ending what still runs in them through `end_processes`;
+    returns the tags removed. `even_if_owned`: also those whose maker runs (a test's own)."""
     names = leftovers() + (os.listdir(NETNS_ETC) if NETNS_ETC.is_dir() else [])
-    found = {name: tag for name, tag in _tagged(names).items() if tag not in keep}
+    tags = {tag for tag in _tagged(names).values() if tag not in keep and (even_if_owned or not _owner_alive(tag))}
+    found = {name: tag for name, tag in _tagged(names).items() if tag in tags}
     _remove_names(sorted(found, key=lambda name: not name.startswith(PREFIX)), end_processes)
+    for tag in tags:
+        (OWNERS / f"{tag}.json").unlink(missing_ok=True)
     return sorted(set(found.values()))

@@ -54,7 +54,7 @@ def no_leftovers():
     yield
     left = sorted(set(emulated.leftovers()) - before)
     if left:
-        emulated.sweep(end_processes=reaper.end_pids)
+        emulated.sweep(end_processes=reaper.end_pids, even_if_owned=True)
     assert not left, f"emulated nodes left behind: {left}"
 
 
@@ -186,7 +186,7 @@ def test_the_benchmark_prints_its_claims(no_strays, no_leftovers):
 def test_one_job_on_emulated_nodes_from_the_shell(no_strays, no_leftovers):
     """`python -m hpdl.emulated_job`: a script's own MPI job on the nodes, which go with it."""
     code = ("from mpi4py import MPI; import socket; c = MPI.COMM_WORLD; "
-            "print('RANK', c.rank, socket.gethostname(), c.allreduce(c.rank + 1), flush=True)")
+            "print(f'RANK {c.rank} {socket.gethostname()} {c.allreduce(c.rank + 1)}', flush=True)")
     done = subprocess.run([sys.executable, "-m", "hpdl.emulated_job", "--nodes", "2", "--link", "200mbit", "-n", "3",
                            "--timeout", "120", sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -207,3 +207,28 @@ def test_the_layout_can_come_from_the_environment(monkeypatch):
     with pytest.raises(HpdlError, match="link='fast' is not a rate"):
         hpdl.start(n=2, quiet=True)
     assert hpdl.status() == {"running": False}
+
+
+@needs_root
+def test_hpdl_cleanup_removes_nodes_no_cluster_owns_with_what_runs_in_them(tmp_path, capsys, no_leftovers):
+    """What a crash leaves (nodes whose maker died, a process still inside one) goes with
+    `hpdl cleanup`; nodes whose maker still runs stay."""
+    from hpdl.cluster import cleanup
+
+    make = ("import json, sys; from pathlib import Path; from hpdl import emulated; "
+            "print(json.dumps(emulated.create(2, 2, '1gbit', Path(sys.argv[1])).to_dict()))")
+    made = subprocess.run([sys.executable, "-c", make, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    net = emulated.Network.from_dict(json.loads(made.stdout))
+    mine = emulated.create(2, 2, "1gbit", tmp_path)  # this process made them: still alive
+    inside = subprocess.Popen(["ip", "netns", "exec", net.namespaces[1], "sleep", "60"])
+    try:
+        assert cleanup.main([]) == 0
+        assert "removed 1 set(s) of emulated nodes" in capsys.readouterr().out
+        assert inside.wait(timeout=10) != 0  # ended, not finished
+        assert emulated.leftovers({net.tag}) == [] and not (emulated.NETNS_ETC / net.namespaces[0]).exists()
+        assert len(emulated.leftovers({mine.tag})) == 5
+    finally:
+        inside.kill()
+        inside.wait()
+        emulated.remove(mine.to_dict())
