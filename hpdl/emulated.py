@@ -77,9 +77,9 @@ def link_bits_per_second(link: str | int | float) -> float:
 
 def missing() -> str | None:
     """What this machine lacks for emulated nodes, worded as what to do; None when nothing."""
-    need = [tool for tool in ("ip", "tc", "unshare") if shutil.which(tool) is None]
+    need = [tool for tool in ("ip", "tc", "unshare", "hostname") if shutil.which(tool) is None]
     if need:
-        return (f"Emulated nodes need {', '.join(need)} (Debian: apt-get install iproute2 util-linux), "
+        return (f"Emulated nodes need {', '.join(need)} (Debian: apt-get install iproute2 util-linux hostname), "
                 "which this machine does not have.")
     if os.geteuid() != 0:
         return ("Emulated nodes create network namespaces, veth links and a bridge, which needs root "
