@@ -62,20 +62,18 @@ def worker_allreduce(sizes: list[int], iters: int) -> dict:
 def hierarchical(x: np.ndarray, node, leaders) -> None:
     """Reduce in the node to its first rank, all-reduce across nodes' first ranks, broadcast.
 
-    The other ranks of a node wait for the broadcast asleep (a non-blocking one, tested every
-    0.5 ms): busy-waiting, they would take the cores the first ranks' TCP traffic needs, which
-    on a real node each rank has of its own."""
+    The other ranks of a node wait for the first one asleep (hpdl.bench.idle_wait: a barrier
+    tested every 0.5 ms): busy-waiting in the broadcast, they would take the cores the first
+    ranks' TCP traffic needs, which on a real node each rank has of its own."""
     from mpi4py import MPI
+
+    from hpdl.bench import idle_wait
 
     node.Reduce(MPI.IN_PLACE if node.rank == 0 else x, x if node.rank == 0 else None, op=MPI.SUM, root=0)
     if leaders != MPI.COMM_NULL:
         leaders.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
-    req = node.Ibcast(x, root=0)  # one kind of broadcast on every rank: collectives must match
-    if leaders != MPI.COMM_NULL:
-        req.Wait()
-        return
-    while not req.Test():
-        time.sleep(0.0005)
+    idle_wait(node)
+    node.Bcast(x, root=0)
 
 
 def worker_hier(size: int, iters: int, rounds: int) -> dict:
