@@ -179,10 +179,8 @@ def start(
     `env` sets environment variables on every rank before MPI, torch.distributed and Horovod
     start — the way to try knobs such as HOROVOD_FUSION_THRESHOLD, NCCL_ALGO or MV2_USE_CUDA.
     In a script, `with hpdl.start(n=2) as c:` stops the ranks when the block ends.
-    `nodes` places the ranks on that many emulated nodes of this machine, joined by links of
-    rate `link` (tc's spelling: "1gbit", "200mbit"): ranks of a node share memory, traffic
-    between nodes crosses the limited link (hpdl/emulated.py; needs root). Defaults:
-    $HPDL_NODES (0: none) and $HPDL_LINK, read at this call.
+    `nodes` puts the ranks on that many emulated nodes joined by links of rate `link` ("1gbit"; as
+    root; hpdl/emulated.py); defaults $HPDL_NODES (0: none) and $HPDL_LINK, read at this call.
     """
     global _current
     launcher = launchers.resolve(launcher)
