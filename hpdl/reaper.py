@@ -12,7 +12,7 @@ start time, host, boot id — so a pid reused after the kernel died, or a state 
 another node or after a reboot, never gets a signal:
 
     {"watch": PROC, "procs": [PROC, ...], "groups": [PROC, ...], "launcher": "slurm", "jobs": ["123"],
-     "shm": [PATH, ...]}
+     "shm": [PATH, ...], "network": {"tag": ..., "subnet": ..., ...} or null}
 
     python -m hpdl.reaper STATE_FILE
 """
@@ -33,9 +33,10 @@ log = logging.getLogger(__name__)
 
 
 def write_state(path: Path, watch: procs.Proc | None, recorded: list[procs.Proc], groups: list[procs.Proc],
-                jobs: list[str], shm: list[str], launcher: str = "local") -> None:
+                jobs: list[str], shm: list[str], launcher: str = "local", network: dict | None = None) -> None:
     """Write the state atomically (the reaper may read it at any moment). `jobs` are the batch
-    jobs `launcher` submitted for the ranks: the reaper cancels them through that launcher."""
+    jobs `launcher` submitted for the ranks: the reaper cancels them through that launcher;
+    `network` the emulated nodes the ranks run on (hpdl.emulated.Network.to_dict()), removed after them."""
     state = {
         "watch": watch.to_dict() if watch else None,
         "procs": [p.to_dict() for p in recorded],
@@ -43,6 +44,7 @@ def write_state(path: Path, watch: procs.Proc | None, recorded: list[procs.Proc]
         "launcher": launcher,
         "jobs": list(jobs),
         "shm": sorted(shm),
+        "network": network,
     }
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state))
@@ -107,6 +109,20 @@ def kill_all(state: dict, grace: float = 2.0) -> None:
     if w is not None and w.host == socket.gethostname() and procs.start_time(w.pid) is None:
         shm |= procs.singleton_shared_memory(w.pid)  # a dead kernel that had started MPI itself
     procs.remove_shared_memory(shm)
+    _remove_nodes(state)  # after the processes: a namespace lives while one runs in it
+
+
+def _remove_nodes(state: dict) -> None:
+    """The emulated nodes the ranks ran on (hpdl.emulated), if any."""
+    if state.get("network"):
+        from hpdl import emulated
+
+        emulated.remove(state["network"], end_pids)
+
+
+def end_pids(pids: list[int], grace: float = 1.0) -> None:
+    """End these processes and their descendants (left in an emulated node's namespace)."""
+    procs.end([p for p in map(procs.record, pids) if p is not None], grace=grace)
 
 
 def watch(state_file: str, poll: float = 0.5) -> int:

@@ -175,7 +175,7 @@ KERNEL_CODE = ("import hpdl, json\nc = hpdl.start(n=2, frameworks=(), quiet=True
                "print(json.dumps(sorted(c.engine_pids().values()) + [c.ipp.controller.pid]))")
 
 
-def _kernel_with_cluster():
+def _kernel_with_cluster(code: str = KERNEL_CODE):
     from jupyter_client import KernelManager
 
     km = KernelManager(kernel_name="python3")
@@ -184,7 +184,7 @@ def _kernel_with_cluster():
     kc.start_channels()
     kc.wait_for_ready(timeout=60)
     out = []
-    kc.execute_interactive(KERNEL_CODE, timeout=120,
+    kc.execute_interactive(code, timeout=120,
                            output_hook=lambda m: out.append(m["content"].get("text", ""))
                            if m["msg_type"] == "stream" else None)
     import json

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpdl import procs, reaper, settings
+from hpdl import emulated, procs, reaper, settings
 
 if TYPE_CHECKING:
     from hpdl.cluster.lifecycle import Cluster
@@ -60,7 +60,9 @@ def record(cluster: "Cluster") -> None:
     # MPI's shared-memory segments between ranks: a killed job leaves them in RAM (/dev/shm),
     # and once its ranks are gone nothing maps them any more, so remember them now.
     shm = sorted(procs.shared_memory_of(ranks))
-    reaper.write_state(cluster.state_file, procs.record(os.getpid()), recorded, groups, jobs, shm, cluster.launcher)
+    network = cluster.network.to_dict() if cluster.network is not None else None
+    reaper.write_state(cluster.state_file, procs.record(os.getpid()), recorded, groups, jobs, shm, cluster.launcher,
+                       network)
 
 
 def force_stop(cluster: "Cluster") -> None:
@@ -76,6 +78,8 @@ def force_stop(cluster: "Cluster") -> None:
         cluster.ipp.stop_cluster_sync()
     except Exception as exc:
         log.warning("ipyparallel could not stop cluster %s cleanly: %s", cluster.ipp.cluster_id, exc)
+    if cluster.network is not None:  # after its processes: a namespace lives while one runs in it
+        emulated.remove(cluster.network.to_dict(), reaper.end_pids)
     cluster.state_file.unlink(missing_ok=True)  # the reaper sees it gone and leaves
     if cluster.reaper is not None:
         procs.end_popen(cluster.reaper, grace=3.0)
@@ -99,6 +103,19 @@ def end_orphaned_clusters(everything: bool = False) -> int:
     return n
 
 
+def sweep_emulated_nodes() -> list[str]:
+    """Remove emulated nodes (hpdl.emulated) that no live cluster on this host recorded: those of
+    a kernel killed before its reaper knew of them, or left by a crash. Returns their tags."""
+    if emulated.missing():  # not root: the kit cannot have made any
+        return []
+    keep = set()
+    for state_file in (home() / "runs").glob("*/reaper.json"):
+        state = reaper.read_state(state_file)
+        if state and state.get("network") and not reaper.orphaned(state):
+            keep.add(state["network"]["tag"])
+    return emulated.sweep(keep, reaper.end_pids)
+
+
 def main(argv: list[str]) -> int:
     """`hpdl cleanup [--all]`: end clusters whose kernel is gone (the reaper normally does this
     by itself). Clusters recorded on another host (a $HOME shared by a cluster's nodes) are left
@@ -113,7 +130,9 @@ def main(argv: list[str]) -> int:
                     help="end every cluster of this kit recorded on this host, its kernel gone or not")
     args = ap.parse_args(argv)
     n = end_orphaned_clusters(args.all)
+    nodes = sweep_emulated_nodes()
     removed = procs.remove_orphaned_shared_memory()
     print(f"hpdl cleanup: ended {n} cluster{'s' if n != 1 else ''}"
+          + (f"; removed {len(nodes)} set(s) of emulated nodes" if nodes else "")
           + (f"; removed {len(removed)} MPI shared-memory file(s) nothing used any more." if removed else "."))
     return 0

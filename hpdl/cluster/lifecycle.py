@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpdl import hang, launchers, mpilib, procs, settings
+from hpdl import emulated, hang, launchers, mpilib, procs, settings
 from hpdl.cluster import cleanup
 from hpdl.errors import ClusterNotRunning, HpdlError
 
@@ -56,10 +56,12 @@ class Cluster:
     wedged: dict = field(default_factory=dict)  # msg_id -> rank, for cells that timed out
     rank_procs: dict = field(default_factory=dict)  # rank -> procs.Proc, where the ranks run here
     stopped: bool = False
+    network: Any = None  # emulated.Network when the ranks run on emulated nodes, else None
 
     def __repr__(self) -> str:  # cheap: no health probe (a rank may be stuck)
         state = "stopped" if self.stopped else f"started {time.time() - self.started_at:.0f} s ago"
-        return f"<hpdl cluster: {self.n} rank{'s' if self.n != 1 else ''} via {self.launcher}, {state}>"
+        nodes = f" on {self.network.nodes} emulated nodes ({self.network.link})" if self.network else ""
+        return f"<hpdl cluster: {self.n} rank{'s' if self.n != 1 else ''}{nodes} via {self.launcher}, {state}>"
 
     def __enter__(self) -> "Cluster":
         return self
@@ -163,6 +165,8 @@ def start(
     cell_timeout: float | None = None,
     timeout: float | None = None,
     env: dict[str, str] | None = None,
+    nodes: int | None = None,
+    link: str | int | float | None = None,
     quiet: bool = False,
 ) -> Cluster:
     """Start `n` engines as MPI ranks and make `%%px` run cells on all of them.
@@ -175,6 +179,8 @@ def start(
     `env` sets environment variables on every rank before MPI, torch.distributed and Horovod
     start — the way to try knobs such as HOROVOD_FUSION_THRESHOLD, NCCL_ALGO or MV2_USE_CUDA.
     In a script, `with hpdl.start(n=2) as c:` stops the ranks when the block ends.
+    `nodes` puts the ranks on that many emulated nodes joined by links of rate `link` ("1gbit"; as
+    root; hpdl/emulated.py); defaults $HPDL_NODES (0: none) and $HPDL_LINK, read at this call.
     """
     global _current
     launcher = launchers.resolve(launcher)
@@ -184,11 +190,13 @@ def start(
     if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) for k in env)):
         raise HpdlError(f"env is a dict of environment variables, e.g. {{'HOROVOD_CYCLE_TIME': '5'}}; got {env!r}.")
     env = {k: str(v) for k, v in (env or {}).items()}
+    layout = _check_nodes(n, launcher, nodes, link)
 
     if _current is not None:
         old = _current
         why = old.problem()
-        same = (old.n, old.launcher, old.env) == (n, launcher, env) and set(frameworks) <= set(old.frameworks)
+        same = (old.n, old.launcher, old.env, _layout(old)) == (n, launcher, env, layout) \
+            and set(frameworks) <= set(old.frameworks)
         if why is None and same:
             old.cell_timeout = cell_timeout
             _activate(old)
@@ -201,7 +209,7 @@ def start(
     swept = procs.remove_orphaned_shared_memory()  # e.g. a kernel restarted after it had started MPI
     if swept:
         log.info("removed MPI shared memory nothing used any more: %s", swept)
-    cluster = _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet)
+    cluster = _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet, layout)
     cluster.start_seconds = time.perf_counter() - t0
     _current = cluster
     _activate(cluster)
@@ -209,7 +217,44 @@ def start(
     return cluster
 
 
-def _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet) -> Cluster:
+def _check_nodes(n: int, launcher: str, nodes, link) -> tuple | None:
+    """(nodes, link) for emulated nodes, checked; None for ranks on this machine as they are."""
+    nodes = nodes if nodes is not None else (settings.NODES.get() or None)
+    if nodes is None:
+        return None
+    link = link if link is not None else settings.LINK.get()
+    emulated.placement(n, nodes)
+    emulated.link_bits_per_second(link)
+    if not _launcher_traits(launcher)[0]:
+        raise HpdlError(f"nodes={nodes} emulates nodes on this machine, but launcher={launcher!r} starts ranks "
+                        "elsewhere: use launcher='local' (or leave out nodes= to use the real nodes).")
+    problem = emulated.missing()
+    if problem:
+        raise HpdlError(problem)
+    return nodes, str(link)
+
+
+def _layout(cluster: Cluster) -> tuple | None:
+    net = cluster.network
+    return None if net is None else (net.nodes, net.link)
+
+
+def _on_nodes(n: int, config, kwargs: dict, layout: tuple, run_dir: Path):
+    """Create the emulated nodes; point the engines' mpiexec and the controller at them."""
+    which = launchers.mpiexec_implementation(config.MPIEngineSetLauncher.mpi_cmd[0])
+    if which not in ("MPICH", "MVAPICH2"):
+        raise HpdlError(f"Emulated nodes start ranks through MPICH's Hydra, but this Python's mpiexec is "
+                        f"{which}. Use the kit's MPICH (`make lab`) for nodes=.")
+    if left := cleanup.sweep_emulated_nodes():
+        log.info("removed emulated nodes no running cluster owned: %s", left)
+    network = emulated.create(n, layout[0], layout[1], run_dir)
+    config.MPIEngineSetLauncher.mpi_cmd = [*config.MPIEngineSetLauncher.mpi_cmd, *network.mpiexec_flags()]
+    config.EngineLauncher.environment = {**emulated.RANK_ENV, **config.EngineLauncher.environment}
+    kwargs["controller_ip"] = network.bridge_address
+    return network
+
+
+def _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet, layout=None) -> Cluster:
     import ipyparallel as ipp
     from traitlets.config import Config
 
@@ -232,19 +277,18 @@ def _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet) -> Clust
     # silence before an engine is given up.
     kwargs["controller_args"] = [*kwargs.get("controller_args", []), "--HeartMonitor.period=500",
                                  "--HeartMonitor.max_heartmonitor_misses=60"]
-    ipp_cluster = ipp.Cluster(
-        n=n,
-        cluster_id=cluster_id,
-        profile_dir=str(profile_dir),
-        config=config,
-        log_level=40,
-        engine_timeout=max(60, timeout),
-        shutdown_atexit=True,
-        **kwargs,
-    )
+    network = _on_nodes(n, config, kwargs, layout, run_dir) if layout else None
+    try:
+        ipp_cluster = ipp.Cluster(n=n, cluster_id=cluster_id, profile_dir=str(profile_dir), config=config,
+                                  log_level=40, engine_timeout=max(60, timeout), shutdown_atexit=True, **kwargs)
+    except BaseException:
+        if network is not None:
+            emulated.remove(network.to_dict())
+        raise
 
     state_file = run_dir / "reaper.json"
-    cluster = Cluster(n, launcher, frameworks, cell_timeout, env, ipp_cluster, None, run_dir, state_file, None)
+    cluster = Cluster(n, launcher, frameworks, cell_timeout, env, ipp_cluster, None, run_dir, state_file, None,
+                      network=network)
     try:
         bar = _progress(n + 1, quiet)
         ipp_cluster.start_controller_sync()
@@ -370,6 +414,10 @@ def _summary(c: Cluster) -> str:
     if len(libs) > 1 or any(r.get("mpi_library", {}).get("cuda_aware") for r in c.ranks) or \
             any(r["device"].startswith("cuda") for r in c.ranks):
         lines += [f"  MPI library: {lib}" for lib in libs]  # on GPUs, or when ranks disagree, show which
+    if c.network is not None:
+        per_node = "/".join(map(str, sorted(set(c.network.ranks_per_node))))
+        lines.append(f"  emulated nodes: {c.network.nodes} × {per_node} ranks, joined by {c.network.link} links "
+                     "(shared memory within a node, TCP between)")
     lines += [f"  note: {n}" for n in sorted({r["device_note"] for r in c.ranks if r.get("device_note")})]
     return "\n".join(lines)
 
@@ -417,6 +465,8 @@ def restart(**kwargs) -> Cluster:
     if old is not None:
         settings = dict(n=old.n, launcher=old.launcher, frameworks=old.frameworks,
                         cell_timeout=old.cell_timeout, env=old.env)
+        if old.network is not None:
+            settings.update(nodes=old.network.nodes, link=old.network.link)
     settings.update(kwargs)
     stop(quiet=True)
     return start(**settings)
@@ -433,6 +483,8 @@ def status() -> dict:
         "launcher": c.launcher,
         "frameworks": list(c.frameworks),
         "env": dict(c.env),
+        "nodes": None if c.network is None else {"nodes": c.network.nodes, "link": c.network.link,
+                                                 "ranks_per_node": list(c.network.ranks_per_node)},
         "problem": c.problem(),
         "ranks": [{k: r.get(k) for k in ("rank", "host", "pid", "device", "threads")} for r in c.ranks],
         "start_seconds": round(c.start_seconds, 2),

@@ -1,0 +1,339 @@
+"""Emulated nodes: several "machines" on this one, joined by links of a known bandwidth.
+
+Why: on one machine every rank shares memory, so communication is nearly free and the lessons
+cannot show what a network costs. Linux can give each group of ranks a machine of its own as far
+as networking goes: a network namespace per node (its own interface and address) and a UTS
+namespace (its own hostname), joined to the others by a veth pair into a bridge on the host,
+with a token-bucket filter (`tc ... tbf`) limiting each node's link to the rate asked for, in
+both directions. Ranks of one node still share memory (MPI sees one host); between nodes their
+traffic crosses TCP over the limited link. No added latency: `netem` is not in every kernel.
+
+    hpdl.start(n=4, nodes=2, link="1gbit")    # 2 nodes x 2 ranks, 1 Gbit/s between them
+
+How the ranks get there: MPICH's Hydra starts one proxy per host through a remote launcher
+(normally ssh); we name a small script of ours instead (`-launcher ssh -launcher-exec`), which
+runs the proxy inside that node's namespaces (`ip netns exec` + `unshare --uts`). `ip netns exec`
+also mounts /etc/netns/<namespace>/hosts over /etc/hosts, which is how the nodes know each
+other's names without touching the real /etc/hosts. The ipyparallel controller listens on the
+bridge's address, which every node reaches.
+
+Every kernel object is named with the kit's prefix and a tag of the cluster (namespaces
+`hpdl-<tag>-n<i>`, links `hpv-<tag>-<i>`, bridge `hpb-<tag>`), recorded in the reaper's state,
+removed by `remove()` at stop, by the reaper when the kernel dies, and by `sweep()` (hpdl cleanup).
+Needs root (CAP_NET_ADMIN in the host's namespace) and `ip`, `tc`, `unshare`.
+"""
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from hpdl import procs
+from hpdl.errors import HpdlError
+
+log = logging.getLogger(__name__)
+
+PREFIX = "hpdl-"          # network namespaces: hpdl-<tag>-n<i>
+LINK_PREFIX = "hpv-"      # the host's end of each node's veth pair: hpv-<tag>-<i>
+BRIDGE_PREFIX = "hpb-"    # the bridge joining the nodes: hpb-<tag>
+NETNS_ETC = Path("/etc/netns")  # where `ip netns exec` finds a namespace's own /etc/hosts
+# the process that made each set of nodes, by tag (not in /etc/netns: `ip netns exec` mounts
+# every file there over /etc)
+OWNERS = Path("/run/hpdl-emulated")
+SUBNETS = ipaddress.ip_network("10.231.0.0/16")  # one /24 of it per emulated cluster
+MTU = 9000                # jumbo frames: TCP headers cost ~1 % of the link instead of ~4 %
+# Hydra's environment for every rank: UCX would take the nodes for one machine (same boot id)
+# and use shared memory between them; TCP only between nodes. Within a node MPICH's own shared
+# memory still carries the traffic.
+RANK_ENV = {"UCX_TLS": "tcp,self"}
+
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(k|m|g)?(bit|bps)\s*$", re.IGNORECASE)
+_SCALE = {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}
+
+
+def link_bits_per_second(link: str | int | float) -> float:
+    """"1gbit" -> 1e9, "200mbit" -> 2e8, "100mbps" (bytes) -> 8e8; a number is bits per second.
+    The spelling is tc's, so a lesson's rate reads the same as the command that sets it."""
+    if isinstance(link, (int, float)) and not isinstance(link, bool) and link > 0:
+        return float(link)
+    m = _RATE.match(str(link)) if isinstance(link, str) else None
+    if not m or float(m.group(1)) <= 0:
+        raise HpdlError(f"link={link!r} is not a rate: write it as tc does, e.g. link='1gbit', '200mbit' "
+                        "or '50mbps' (bytes per second), or a number of bits per second.")
+    bits = float(m.group(1)) * _SCALE[(m.group(2) or "").lower() or None]
+    return bits * (8 if m.group(3).lower() == "bps" else 1)
+
+
+def missing() -> str | None:
+    """What this machine lacks for emulated nodes, worded as what to do; None when nothing."""
+    need = [tool for tool in ("ip", "tc", "unshare", "hostname") if shutil.which(tool) is None]
+    if need:
+        return (f"Emulated nodes need {', '.join(need)} (Debian: apt-get install iproute2 util-linux hostname), "
+                "which this machine does not have.")
+    if os.geteuid() != 0:
+        return ("Emulated nodes create network namespaces, veth links and a bridge, which needs root "
+                "(CAP_NET_ADMIN on the host's network). Run JupyterLab as root in a container or VM of "
+                "your own (e.g. `sudo make lab`), or use hpdl.start(n=...) without nodes=.")
+    return None
+
+
+def placement(n: int, nodes: int) -> list[int]:
+    """Ranks per node, in blocks as a batch system places them: 5 ranks on 2 nodes -> [3, 2]."""
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise HpdlError(f"nodes is the number of emulated nodes, a whole number ≥ 1; got {nodes!r}.")
+    if nodes > n:
+        raise HpdlError(f"nodes={nodes} but only n={n} ranks: every node needs a rank; try nodes={n}.")
+    if nodes > 64:
+        raise HpdlError(f"nodes={nodes} is more than the kit emulates at once (64).")
+    return [n // nodes + (i < n % nodes) for i in range(nodes)]
+
+
+@dataclass
+class Network:
+    """One cluster's emulated nodes: what was created, enough to remove it again (to_dict)."""
+
+    tag: str
+    subnet: str             # e.g. "10.231.7.0/24": node i is .i+1, the bridge .254
+    ranks_per_node: list[int]
+    link: str               # tc's rate, as given
+    script: str = ""        # the launcher-exec script Hydra runs instead of ssh
+
+    @property
+    def nodes(self) -> int:
+        return len(self.ranks_per_node)
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [f"{PREFIX}{self.tag}-n{i}" for i in range(self.nodes)]
+
+    @property
+    def links(self) -> list[str]:
+        return [f"{LINK_PREFIX}{self.tag}-{i}" for i in range(self.nodes)]
+
+    @property
+    def bridge(self) -> str:
+        return f"{BRIDGE_PREFIX}{self.tag}"
+
+    def address(self, i: int) -> str:
+        return str(ipaddress.ip_network(self.subnet)[i + 1])
+
+    @property
+    def bridge_address(self) -> str:
+        return str(ipaddress.ip_network(self.subnet)[254])
+
+    @staticmethod
+    def hostname(i: int) -> str:
+        return f"node{i}"
+
+    def mpiexec_flags(self) -> list[str]:
+        """Hydra's flags: our script instead of ssh, the nodes' addresses with their rank counts,
+        and the address the proxies call back on (the host's name would resolve to nothing there)."""
+        hosts = ",".join(f"{self.address(i)}:{k}" for i, k in enumerate(self.ranks_per_node))
+        return ["-launcher", "ssh", "-launcher-exec", self.script, "-localhost", self.bridge_address, "-hosts", hosts]
+
+    def job_command(self) -> list[str]:
+        """`mpiexec` for a job of one rank per slot on these nodes (append the program); run it
+        with RANK_ENV in its environment. For benchmarks and lessons' `!` lines beside the ranks."""
+        from hpdl.launchers.mpiexec import find_mpiexec
+
+        return [find_mpiexec(), *self.mpiexec_flags(), "-n", str(sum(self.ranks_per_node))]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Network":
+        return cls(str(d["tag"]), str(d["subnet"]), [int(k) for k in d["ranks_per_node"]], str(d["link"]),
+                   str(d.get("script", "")))
+
+
+# -- creating and removing -------------------------------------------------------------------------
+
+def _ip(*args: str, check: bool = True) -> str:
+    """Run `ip ARGS` (or `tc` when args start with "tc"); HpdlError with its message when it fails."""
+    cmd = list(args) if args[0] in ("tc", "ip") else ["ip", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if check and p.returncode != 0:
+        raise HpdlError(f"Setting up the emulated nodes failed at `{shlex.join(cmd)}`: {p.stderr.strip()}")
+    return p.stdout
+
+
+def _free_subnet() -> str:
+    """A /24 of SUBNETS that no interface here uses yet (another cluster's, or the site's)."""
+    used = set()
+    for addr in re.findall(r"inet (\d+\.\d+\.\d+\.\d+)", _ip("-4", "-o", "addr", "show")):
+        if ipaddress.ip_address(addr) in SUBNETS:
+            used.add(ipaddress.ip_network(f"{addr}/24", strict=False))
+    for net in SUBNETS.subnets(new_prefix=24):
+        if net.network_address.packed[2] and net not in used:
+            return str(net)
+    raise HpdlError(f"No free /24 left in {SUBNETS} for emulated nodes: run `hpdl cleanup` to remove leftovers.")
+
+
+def _tbf(rate_bits: float) -> list[str]:
+    """tc's token bucket for `rate_bits`: a burst of 10 ms of traffic (at least 256 KiB and a frame:
+    a smaller bucket than the kernel's timer tick empties caps the rate below what was asked)."""
+    burst = max(256 * 1024, int(rate_bits / 8 / 100)) + MTU
+    return ["tbf", "rate", f"{int(rate_bits)}bit", "burst", str(burst), "latency", "50ms"]
+
+
+_SCRIPT = """#!/bin/sh
+# Written by hpdl for one cluster's emulated nodes. Hydra (mpiexec) runs it instead of ssh:
+#   SCRIPT [ssh options] HOST COMMAND...
+# and it runs COMMAND inside HOST's network namespace, with the node's hostname.
+while [ "${{1#-}}" != "$1" ]; do shift; done
+host=$1; shift
+case "$host" in
+{cases}
+  *) echo "hpdl: $host is not one of this cluster's emulated nodes" >&2; exit 1 ;;
+esac
+exec ip netns exec "$ns" unshare --uts sh -c "hostname $name && exec $*"
+"""
+
+
+def _write_script(net: Network, run_dir: Path) -> str:
+    cases = "\n".join(f"  {net.address(i)}|{net.hostname(i)}) ns={ns}; name={net.hostname(i)} ;;"
+                      for i, ns in enumerate(net.namespaces))
+    path = run_dir / "node-exec.sh"
+    path.write_text(_SCRIPT.format(cases=cases))
+    path.chmod(0o700)
+    return str(path)
+
+
+def _add_node(net: Network, i: int, rate_bits: float) -> None:
+    ns, link = net.namespaces[i], net.links[i]
+    _ip("netns", "add", ns)
+    _ip("link", "add", link, "mtu", str(MTU), "type", "veth", "peer", "name", "eth0", "mtu", str(MTU), "netns", ns)
+    _ip("link", "set", link, "master", net.bridge, "up")
+    _ip("-n", ns, "addr", "add", f"{net.address(i)}/24", "dev", "eth0")
+    _ip("-n", ns, "link", "set", "eth0", "up")
+    _ip("-n", ns, "link", "set", "lo", "up")
+    _ip("tc", "qdisc", "add", "dev", link, "root", *_tbf(rate_bits))              # into the node
+    _ip("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *_tbf(rate_bits))  # out of it
+    hosts = ["127.0.0.1 localhost", f"{net.bridge_address} hpdl-host"]
+    hosts += [f"{net.address(j)} {net.hostname(j)}" for j in range(net.nodes)]
+    (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
+    (NETNS_ETC / ns / "hosts").write_text("\n".join(hosts) + "\n")
+
+
+def create(n: int, nodes: int, link: str | int | float, run_dir: Path) -> Network:
+    """The nodes for `n` ranks: namespaces, veth links limited to `link`, a bridge, the hosts
+    files and Hydra's script. On any failure what was made is removed again."""
+    per_node = placement(n, nodes)
+    rate_bits = link_bits_per_second(link)
+    problem = missing()
+    if problem:
+        raise HpdlError(problem)
+    net = Network(uuid.uuid4().hex[:6], _free_subnet(), per_node, str(link))
+    try:
+        _ip("link", "add", net.bridge, "mtu", str(MTU), "type", "bridge")
+        _ip("addr", "add", f"{net.bridge_address}/24", "dev", net.bridge)
+        _ip("link", "set", net.bridge, "up")
+        for i in range(nodes):
+            _add_node(net, i, rate_bits)
+        OWNERS.mkdir(mode=0o700, exist_ok=True)
+        (OWNERS / f"{net.tag}.json").write_text(json.dumps(procs.record(os.getpid()).to_dict()))
+        net.script = _write_script(net, run_dir)
+    except BaseException:
+        remove(net.to_dict())
+        raise
+    return net
+
+
+@contextlib.contextmanager
+def nodes(n: int, count: int, link: str | int | float,
+          end_processes: Callable[[list[int]], None] | None = None) -> Iterator[Network]:
+    """Emulated nodes for the length of a `with` block, without ranks of the kit's: a benchmark's
+    or a script's own MPI jobs run on them through `Network.job_command()`."""
+    with tempfile.TemporaryDirectory(prefix="hpdl-nodes-") as folder:
+        net = create(n, count, link, Path(folder))
+        try:
+            yield net
+        finally:
+            remove(net.to_dict(), end_processes)
+
+
+def _pids_in(ns: str) -> list[int]:
+    return [int(p) for p in _ip("netns", "pids", ns, check=False).split() if p.isdigit()]
+
+
+def remove(state: dict, end_processes: Callable[[list[int]], None] | None = None) -> None:
+    """Remove one cluster's nodes (Network.to_dict()); what is already gone is skipped, and
+    what cannot be removed is logged, never raised: this runs while stopping. Processes still
+    in a namespace keep it and its link alive: `end_processes(pids)` ends them first (the
+    reaper's, since only it and hpdl.procs end processes)."""
+    net = Network.from_dict(state)
+    _remove_names([*net.namespaces, *net.links, net.bridge], end_processes)
+    (OWNERS / f"{net.tag}.json").unlink(missing_ok=True)
+    left = leftovers({net.tag})
+    if left:
+        log.warning("could not remove emulated nodes' %s", ", ".join(left))
+
+
+_TAGGED = re.compile(r"^(?:hpdl-([0-9a-f]{6})-n\d+|hpv-([0-9a-f]{6})-\d+|hpb-([0-9a-f]{6}))$")
+
+
+def _tagged(names) -> dict[str, str]:
+    """name -> tag, for the kit's namespaces, links, bridges and /etc/netns folders among `names`."""
+    out = {}
+    for name in names:
+        m = _TAGGED.match(name)
+        if m:
+            out[name] = next(g for g in m.groups() if g)
+    return out
+
+
+def leftovers(tags: set[str] | None = None) -> list[str]:
+    """The kit's namespaces and links on this machine (of `tags` only, if given)."""
+    names = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
+    names += os.listdir("/sys/class/net") if os.path.isdir("/sys/class/net") else []
+    return sorted(name for name, tag in _tagged(names).items() if tags is None or tag in tags)
+
+
+def _remove_names(names: list[str], end_processes: Callable[[list[int]], None] | None) -> None:
+    """Remove the kit's namespaces (with what runs in them), links and /etc/netns folders by name."""
+    for name in names:
+        if name.startswith(PREFIX):
+            if (Path("/run/netns") / name).exists():
+                if end_processes is not None and (pids := _pids_in(name)):
+                    log.warning("ending %d process(es) left in %s", len(pids), name)
+                    end_processes(pids)
+                _ip("netns", "del", name, check=False)
+            shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
+        elif Path(f"/sys/class/net/{name}").exists():
+            _ip("link", "del", name, check=False)
+
+
+def _owner_alive(tag: str) -> bool:
+    """Whether the process that made these nodes still runs (another kernel's, another user's
+    HPDL_HOME: not ours to sweep); False when unknown."""
+    try:
+        owner = procs.Proc.from_dict(json.loads((OWNERS / f"{tag}.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return procs.is_alive(owner)
+
+
+def sweep(keep: set[str] = frozenset(), end_processes: Callable[[list[int]], None] | None = None,
+          *, even_if_owned: bool = False) -> list[str]:
+    """Remove every emulated node of the kit whose tag is not in `keep` and whose maker is gone
+    (`hpdl cleanup`, a test's end), ending what still runs in them through `end_processes`;
+    returns the tags removed. `even_if_owned`: also those whose maker runs (a test's own)."""
+    names = leftovers() + (os.listdir(NETNS_ETC) if NETNS_ETC.is_dir() else [])
+    tags = {tag for tag in _tagged(names).values() if tag not in keep and (even_if_owned or not _owner_alive(tag))}
+    found = {name: tag for name, tag in _tagged(names).items() if tag in tags}
+    _remove_names(sorted(found, key=lambda name: not name.startswith(PREFIX)), end_processes)
+    for tag in tags:
+        (OWNERS / f"{tag}.json").unlink(missing_ok=True)
+    return sorted(set(found.values()))
