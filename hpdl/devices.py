@@ -61,7 +61,7 @@ def own_index(local_rank: int, visible: int) -> int | None:
     Under per-task binding (`srun --gpus-per-task=1`, CUDA_VISIBLE_DEVICES set per task) a rank
     sees one GPU, its own: cuda:0 whatever its local rank. Where every rank sees all of the node's
     GPUs, local rank r takes cuda:r. None: no GPU of its own (more ranks than GPUs). This is what
-    `assign` decides for a whole node in either case (tests/test_gpu_paths.py checks they agree),
+    `assign` decides for a whole node in either case (tests/test_gpu_standin.py checks they agree),
     for scripts that run without the kit's ranks (notebooks/scripts/train_ddp.py).
     """
     if visible == 1:
