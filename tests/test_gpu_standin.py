@@ -196,6 +196,8 @@ def test_lesson_runs_on_stand_in_gpus(path: Path, tmp_path, monkeypatch, no_stra
     # a rank refused by the stand-in leaves the others waiting in their next collective: %%px's own
     # limit reports where they wait well before the notebook's
     monkeypatch.setenv("HPDL_CELL_TIMEOUT", "150")
+    log = tmp_path / "refused.txt"  # what any rank refused, shown even where the notebook shows a hang only
+    monkeypatch.setenv("GPU_STANDIN_LOG", str(log))
     nb = nbformat.read(path, as_version=4)
     cells = []
     for cell in nb.cells[:last_needed_cell(nb) + 1]:
@@ -210,6 +212,10 @@ def test_lesson_runs_on_stand_in_gpus(path: Path, tmp_path, monkeypatch, no_stra
         client.execute()
     except (CellExecutionError, CellTimeoutError) as exc:
         plain = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
-        pytest.fail(f"{path.parent.name}/{path.name}, {_failed_cell(nb)}, on stand-in GPUs: {plain[-2500:]}")
+        refused = log.read_text().splitlines() if log.exists() else []
+        refused += [line.strip() for line in plain.splitlines() if re.search(r"^\s*RankHang\b", line)]
+        pytest.fail(f"{path.parent.name}/{path.name}, {_failed_cell(nb)}, on stand-in GPUs:\n"
+                    + ("\n".join(dict.fromkeys(refused)) or plain[-2500:]))
     finally:
         print(f"{path.parent.name}/{path.name} on stand-in GPUs: {time.perf_counter() - t0:.1f} s")
+    assert not log.exists(), f"{path.name} caught what the stand-in refused:\n{log.read_text()}"
