@@ -118,6 +118,25 @@ def test_one_rank_placement_is_the_node_rule(ranks, gpus, bound):
     assert mine == (node if node is not None else [r if r < gpus else None for r in range(ranks)])
 
 
+def test_every_text_on_placement_says_the_one_rule():
+    """Where a lesson or a guide names cuda:<local_rank> or hvd.local_rank() as the device, it says in the
+    same paragraph that under per-task binding (--gpus-per-task) each rank's GPU is cuda:0."""
+    texts = [p for folder in ("notebooks", "solutions") for p in (ROOT / folder).glob("*.ipynb")]
+    texts += list((ROOT / "cluster").rglob("*.md")) + [ROOT / "README.md"] + list((ROOT / "docs").glob("*.md"))
+    found = 0
+    for path in texts:
+        if path.suffix == ".ipynb":
+            paragraphs = [p for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown"
+                          for p in c.source.split("\n\n")]
+        else:
+            paragraphs = path.read_text().split("\n\n")
+        for p in paragraphs:
+            if re.search(r"cuda:<local_rank>|cuda:local_rank|set_device\((hvd\.)?local_rank\(?\)?\)", p):
+                found += 1
+                assert "cuda:0" in p and "--gpus-per-task" in p, f"{path.relative_to(ROOT)}: {p}"
+    assert found >= 2  # lesson 06 and the build guide say it
+
+
 # -- notebooks/scripts/train_ddp.py, benchmarks/synthetic.py, preflight ---------------------------
 
 @pytest.mark.slow
