@@ -64,7 +64,7 @@ def _rank_size(framework: str) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _mean_over_ranks(framework: str, value: float, device=None) -> float:
+def _mean_over_ranks(framework: str, value: float, device) -> float:
     """The mean of `value` over all ranks, the same on every rank.
 
     DDP: the tensor lives on the group's device — an NCCL group reduces GPU tensors only, so a
@@ -77,7 +77,7 @@ def _mean_over_ranks(framework: str, value: float, device=None) -> float:
         return hvd.allreduce(torch.tensor([value], dtype=torch.float64), name="synthetic.mean").item()
     import torch.distributed as dist
 
-    t = torch.tensor([value], dtype=torch.float64, device=device or "cpu")
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
 

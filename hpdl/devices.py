@@ -55,6 +55,20 @@ def assign(node_visible: Sequence[Sequence[str]]) -> list[int | None] | None:
     return out
 
 
+def own_index(local_rank: int, visible: int) -> int | None:
+    """The placement rule for one rank that knows only its local rank and how many GPUs it sees.
+
+    Under per-task binding (`srun --gpus-per-task=1`, CUDA_VISIBLE_DEVICES set per task) a rank
+    sees one GPU, its own: cuda:0 whatever its local rank. Where every rank sees all of the node's
+    GPUs, local rank r takes cuda:r. None: no GPU of its own (more ranks than GPUs). This is what
+    `assign` decides for a whole node in either case (tests/test_gpu_standin.py checks they agree),
+    for scripts that run without the kit's ranks (notebooks/scripts/train_ddp.py).
+    """
+    if visible == 1:
+        return 0
+    return local_rank if local_rank < visible else None
+
+
 def choose(local_rank: int, node_visible: Sequence[Sequence[str]], cuda_build: bool = True,
            gpus_on_node: int = 0, policy: str = "auto") -> Choice:
     """This rank's device from what every rank on its node sees (the same answer on each of them).

@@ -145,7 +145,9 @@ def init_torch_distributed(rank: int, world_size: int, device, timeout_s: float 
     else:
         store = dist.TCPStore(addr, port, world_size, False, timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # device_id: NCCL binds the rank's GPU at once, instead of guessing it at the first collective
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
     return backend
 
 

@@ -320,7 +320,7 @@ def rank_prologue(site: SlurmSite, keep: Iterable[str] = ()) -> str:
     if saving:
         lines.append('eval "$hpdl_kept"; unset hpdl_kept')
     if site.mpi_library:
-        # the path may name variables a module set ($MV2_GDR_HOME): expand on the node, keep quoted
+        # the path may name variables a module set ($MV2_PATH): expand on the node, keep quoted
         lib = '"' + site.mpi_library.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`") + '"'
         lines += [f"hpdl_libmpi={lib}",
                   '[ -r "$hpdl_libmpi" ] || { echo "hpdl: mpi_library $hpdl_libmpi: no such file on $(hostname)" >&2;'

@@ -72,14 +72,14 @@ def test_torchrun_two_processes_train_and_agree(tmp_path, no_strays):
     _assert_trained_and_agree(_results(out, 2), "torchrun", 3)
 
 
-def test_slurm_variables_are_enough(tmp_path, no_strays):
-    """What srun gives each task (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), without Slurm itself."""
-    out = tmp_path / "out"
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_"))}
-    base.update(SLURM_NTASKS="2", SLURM_JOB_ID="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), "--epochs", "3", "--out", str(out)],
+def as_srun_tasks(args: list[str], env: dict, ranks: int = 2) -> list[tuple[int, str, str]]:
+    """train_ddp.py on `ranks` processes given what srun gives each task (SLURM_PROCID, SLURM_NTASKS,
+    SLURM_LOCALID), without Slurm itself: (exit code, stdout, stderr) per rank."""
+    base = {k: v for k, v in env.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_"))}
+    base.update(SLURM_NTASKS=str(ranks), SLURM_JOB_ID="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), *args],
                               env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(ranks)]
     try:
         outputs = [p.communicate(timeout=TIMEOUT) for p in procs]
     finally:
@@ -87,9 +87,15 @@ def test_slurm_variables_are_enough(tmp_path, no_strays):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, (stdout, stderr) in zip(procs, outputs):
-        assert p.returncode == 0, stderr[-3000:]
-    assert "2 ranks via srun" in outputs[0][0]
+    return [(p.returncode, stdout, stderr) for p, (stdout, stderr) in zip(procs, outputs)]
+
+
+def test_slurm_variables_are_enough(tmp_path, no_strays):
+    out = tmp_path / "out"
+    ran = as_srun_tasks(["--epochs", "3", "--out", str(out)], dict(os.environ))
+    for code, _, stderr in ran:
+        assert code == 0, stderr[-3000:]
+    assert "2 ranks via srun" in ran[0][1]
     _assert_trained_and_agree(_results(out, 2), "srun", 3)
 
 

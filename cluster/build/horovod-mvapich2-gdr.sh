@@ -25,7 +25,7 @@ default_ccs() {
 }
 die() { echo "horovod-mvapich2-gdr: $*" >&2; exit 1; }
 
-mv2="${MV2_PATH:-${MV2_GDR_HOME:-${MVAPICH2_GDR_HOME:-${MVAPICH2_HOME:-}}}}"
+mv2="${MV2_PATH:-}"   # MVAPICH2-GDR's folder: the one name the kit uses (its user guide's too)
 if [ -z "$mv2" ] && command -v mpiname >/dev/null; then mv2="$(dirname "$(dirname "$(command -v mpiname)")")"; fi
 [ -n "$mv2" ] || die "no MVAPICH2-GDR found: module load mvapich2-gdr, or set MV2_PATH to its folder."
 lib="$(ls "$mv2"/lib64/libmpi.so "$mv2"/lib/libmpi.so 2>/dev/null | head -n1 || true)"

@@ -4,7 +4,8 @@
 #
 # Horovod 0.28.1 is the last release and predates torch 2.1. We build it unchanged, with our
 # own compiler front (./cxx17) that raises the C++ standard to what torch's headers need.
-# The wheel is kept in a wheelhouse keyed by Python, torch, MPI and GPU flavour, so a second
+# The wheel is kept in a wheelhouse keyed by Python, torch, MPI and GPU flavour (and for GPUs the CUDA
+# version, compute capabilities and NCCL), so a second
 # set-up installs in seconds instead of rebuilding (minutes).
 #
 #   PYTHON=.venv/bin/python cluster/build/horovod.sh            # CPU: MPI + Gloo
@@ -35,13 +36,29 @@ if "$PYTHON" -c "import horovod.torch" 2>/dev/null; then
   echo "horovod: the installed Horovod loads another MPI than mpi4py's: $(mpi_libs horovod.torch); reinstalling"
 fi
 
+# A GPU build is also keyed by what its kernels and collectives were compiled for: the CUDA version,
+# the compute capabilities (an sm_80 wheel has no kernels for an H100's sm_90) and the NCCL it links.
 key=$("$PYTHON" - <<'PY'
 import os, re, sys, torch
 from mpi4py import MPI
 name, ver = MPI.get_vendor()
 gpu = os.environ.get("HOROVOD_GPU_OPERATIONS", "cpu").lower()
 tv = re.sub(r"[^A-Za-z0-9.]+", "_", torch.__version__)
-print(f"py{sys.version_info[0]}{sys.version_info[1]}-torch{tv}-{name.replace(' ', '')}{'.'.join(map(str, ver))}-{gpu}")
+key = f"py{sys.version_info[0]}{sys.version_info[1]}-torch{tv}-{name.replace(' ', '')}{'.'.join(map(str, ver))}-{gpu}"
+if gpu != "cpu":
+    cc = re.sub(r"[^0-9]+", "_", os.environ.get("HOROVOD_BUILD_CUDA_CC_LIST", "")).strip("_") or "default"
+    nccl = "none"
+    header = os.path.join(os.environ.get("HOROVOD_NCCL_HOME", ""), "include", "nccl.h")
+    if gpu == "nccl" and os.path.isfile(header):
+        text = open(header).read()
+        nccl = ".".join(re.search(rf"#define NCCL_{p}\s+(\d+)", text).group(1) for p in ("MAJOR", "MINOR", "PATCH"))
+    elif gpu == "nccl":
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))  # the NCCL torch's wheel brings
+        except Exception:
+            nccl = "unknown"
+    key += f"-cuda{torch.version.cuda or 'none'}-sm{cc}-nccl{nccl}"
+print(key)
 PY
 )
 dest="$WHEELHOUSE/$key"

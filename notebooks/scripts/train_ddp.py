@@ -54,6 +54,8 @@ def rendezvous() -> tuple[int, int, int, str]:
     if any(name in env for name in MPI_RANK_VARIABLES):                          # mpiexec
         from mpi4py import MPI
 
+        from hpdl.sites import outward_address
+
         comm = MPI.COMM_WORLD
         rank, size = comm.Get_rank(), comm.Get_size()
         local = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -63,7 +65,7 @@ def rendezvous() -> tuple[int, int, int, str]:
         # rank 0 chooses where to meet and tells everyone: MPI carries the rendezvous
         where = None
         if rank == 0:
-            addr = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(hosts[0])
+            addr = "127.0.0.1" if len(set(hosts)) == 1 else outward_address(hosts[0])  # not Debian's 127.0.1.1
             where = (env.get("MASTER_ADDR", addr), int(env.get("MASTER_PORT", _free_port())))
         addr, port = comm.bcast(where, root=0)
         env["MASTER_ADDR"], env["MASTER_PORT"] = addr, str(port)
@@ -81,14 +83,22 @@ def rendezvous() -> tuple[int, int, int, str]:
 
 
 def pick_device(local_rank: int) -> torch.device:
-    """One GPU per rank on GPU nodes (refusing to put two ranks on one GPU), else the CPU."""
+    """This rank's own GPU on GPU nodes (refusing to put two ranks on one GPU), else the CPU.
+
+    One rule, the kit's (hpdl.devices.own_index): a rank that sees one GPU — Slurm's per-task
+    binding, `srun --gpus-per-task=1` — uses it, cuda:0; where every rank sees all of the node's
+    GPUs, local rank r uses cuda:r.
+    """
+    from hpdl.devices import own_index
+
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    if local_rank >= torch.cuda.device_count():
+    index = own_index(local_rank, torch.cuda.device_count())
+    if index is None:
         raise SystemExit(f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): "
-                         "start at most one rank per GPU on each node")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+                         "start at most one rank per GPU on each node, or bind one to each (--gpus-per-task=1)")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def digits(device: torch.device) -> tuple[TensorDataset, TensorDataset]:
@@ -118,7 +128,8 @@ def main() -> None:
     device = pick_device(local_rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://",
-                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120),
+                            device_id=device if device.type == "cuda" else None)  # NCCL binds its GPU now
     if rank == 0:
         print(f"{world_size} ranks via {launcher}; rendezvous at {os.environ['MASTER_ADDR']}:"
               f"{os.environ['MASTER_PORT']}; backend {dist.get_backend()}", flush=True)
@@ -170,7 +181,7 @@ def main() -> None:
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        result = {"rank": rank, "world_size": world_size, "launcher": launcher, "losses": losses,
+        result = {"rank": rank, "world_size": world_size, "launcher": launcher, "device": str(device), "losses": losses,
                   "first_epoch": first_epoch, "accuracy": accuracy if losses else None, "digest": digest}
         (args.out / f"rank{rank}.json").write_text(json.dumps(result))
     # DDP holds the process group: let go of it first, so that destroying the group joins Gloo's
