@@ -70,16 +70,16 @@ def call(fn, comm, args):
     (table,) = args
     obj = fn([tuple(row) for row in table])
     try:
-        text = json.dumps(obj)
+        json.dumps(obj)  # the file MPICH reads is JSON: anything else is refused here
     except (TypeError, ValueError) as exc:
         return {"error": f"what tuning_file returned cannot be written as JSON: {exc}", "problems": []}
     out = {"problems": tune.problems(obj) if isinstance(obj, dict) else [f"returned {type(obj).__name__}, not a dict"]}
-    if comm.Get_rank() != 0:
+    if comm.Get_rank() != 0 or not isinstance(obj, dict):  # not a dict: wrong already, nothing for MPICH to read
         return out
     fd, path = tempfile.mkstemp(prefix="hpdl-tuning-", suffix=".json")
     os.close(fd)
     try:
-        tune.write_tuning_file(obj if isinstance(obj, dict) else json.loads(text), path)
+        tune.write_tuning_file(obj, path)
         points = probes(table)
         seen = tune.probe([n for n, _ in points], ranks=PROBE_RANKS, tuning_file=path, timeout=TIMEOUT - 15)
         out["probe"] = [[n, name, tune.classify(seen[n], max(1, n // 4))] for n, name in points]
