@@ -181,11 +181,13 @@ def check_complete(python: str, out: Path, lines: list[str], work: Path) -> None
 
 def kept_horovod(out: Path, gpu_ops: str, tag: dict) -> Path | None:
     """The Horovod wheel cluster/build/horovod.sh kept for this Python, torch and `mpich` wheel (its
-    key), already relocated; None when there is none or the MPI is the site's (known only once loaded)."""
+    key), already relocated; None when there is none or the MPI is the site's (known only once loaded).
+    A GPU build is always made afresh: its key also names the CUDA version, compute capabilities and
+    NCCL it was compiled for (horovod.sh), which are known only inside the build."""
     from hpdl import settings
 
     versions = wheel_versions(out)
-    if "mpich" not in versions or "torch" not in versions:
+    if gpu_ops != "cpu" or "mpich" not in versions or "torch" not in versions:
         return None
     if settings.WHEELHOUSE.var in os.environ:
         cache = Path(str(settings.WHEELHOUSE.get())).expanduser()
