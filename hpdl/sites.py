@@ -320,13 +320,23 @@ def rank_prologue(site: SlurmSite, keep: Iterable[str] = ()) -> str:
     if saving:
         lines.append('eval "$hpdl_kept"; unset hpdl_kept')
     if site.mpi_library:
+        into = _container_env_prefix(site)
         # the path may name variables a module set ($MV2_PATH): expand on the node, keep quoted
         lib = '"' + site.mpi_library.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`") + '"'
         lines += [f"hpdl_libmpi={lib}",
                   '[ -r "$hpdl_libmpi" ] || { echo "hpdl: mpi_library $hpdl_libmpi: no such file on $(hostname)" >&2;'
                   " exit 2; }",
-                  'export LD_PRELOAD="$hpdl_libmpi${LD_PRELOAD:+:$LD_PRELOAD}" MPI4PY_LIBMPI="$hpdl_libmpi"']
+                  f'export {into}LD_PRELOAD="$hpdl_libmpi${{{into}LD_PRELOAD:+:${into}LD_PRELOAD}}" '
+                  f'{into}MPI4PY_LIBMPI="$hpdl_libmpi"']
     return "\n".join(lines)
+
+
+def _container_env_prefix(site: SlurmSite) -> str:
+    """Where the prologue's MPI library goes when the ranks run in a container (`wrap`): this prologue runs
+    on the host, before `apptainer exec`, so a plain LD_PRELOAD would load the site's libmpi into apptainer
+    itself. APPTAINERENV_X (SINGULARITYENV_X) sets X inside the container only."""
+    runtime = Path(site.wrap[0]).name if site.wrap else ""
+    return {"apptainer": "APPTAINERENV_", "singularity": "SINGULARITYENV_"}.get(runtime, "")
 
 
 def rank_wrapper(site: SlurmSite, keep: Iterable[str] = ()) -> list[str]:

@@ -226,6 +226,26 @@ def test_site_mpi_library_is_what_mpi4py_loads_not_the_venvs(tmp_path):
     assert missing.returncode == 2 and "mpi_library /nowhere/libmpi.so: no such file" in missing.stderr
 
 
+def test_in_a_container_the_site_mpi_library_is_set_inside_it_not_on_apptainer(tmp_path):
+    """The prologue runs on the host before `apptainer exec`: the site's libmpi must reach the ranks inside
+    the container (APPTAINERENV_*), not be preloaded into apptainer itself. A stand-in `apptainer` on PATH
+    (no container runtime here) prints what it was started with, as apptainer would hand it in."""
+    lib = tmp_path / "libmpi.so.12"
+    lib.write_bytes(b"")
+    stub = tmp_path / "bin" / "apptainer"
+    stub.parent.mkdir()
+    stub.write_text('#!/bin/sh\necho "runtime:${LD_PRELOAD:-}|${MPI4PY_LIBMPI:-}"\n'
+                    'echo "inside:${APPTAINERENV_LD_PRELOAD:-}|${APPTAINERENV_MPI4PY_LIBMPI:-}"\n')
+    stub.chmod(0o755)
+    site = sites.SlurmSite(mpi_library=str(lib), wrap=["apptainer", "exec", "/opt/hpdl.sif"])
+    env = {"PATH": f"{stub.parent}:{os.environ['PATH']}", "LD_PRELOAD": "", "MPI4PY_LIBMPI": ""}
+    out = _run_prologue(site, {}, [*site.wrap, "python", "-m", "ipyparallel.engine"], env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["runtime:|", f"inside:{lib}|{lib}"], out.stdout
+    bare = sites.rank_prologue(sites.SlurmSite(mpi_library=str(lib)))  # no container: as before
+    assert 'export LD_PRELOAD="$hpdl_libmpi' in bare and "APPTAINERENV_" not in bare
+
+
 def test_site_profiles_still_read_and_comments_are_harmless(tmp_path, monkeypatch):
     monkeypatch.delenv("HPDL_SITE", raising=False)
     for name in ("generic", "mvapich2-gdr", "nccl-gpu"):
