@@ -319,7 +319,7 @@ def _two_ranks(label: str, path: str, name: str, text: str, entry: dict) -> dict
     with the flags the kit gives this implementation (Open MPI: as root, more ranks than cores)."""
     from hpdl import launchers
 
-    rc, out, err = _run([*launchers.side_job_command(2), sys.executable, "-c", _PROBE_RANKS], 90)
+    rc, out, err = _run([*launchers.side_job_command(2, gpus=False), sys.executable, "-c", _PROBE_RANKS], 90)
     seen = sorted(tuple(map(int, s.split())) for s in out.split("\n") if re.fullmatch(r"\d+ \d+", s.strip()))
     entry["two_ranks"] = seen
     if seen == [(0, 2), (1, 2)]:

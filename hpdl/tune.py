@@ -305,7 +305,7 @@ def run_job(ranks: int, args: list[str], env: dict[str, str] | None = None, time
     whole job is ended and its MPI shared memory removed."""
     from hpdl import launchers, sidejob
 
-    cmd = [*launchers.side_job_command(ranks), sys.executable, "-m", "hpdl.tune", *args]
+    cmd = [*launchers.side_job_command(ranks, gpus=False), sys.executable, "-m", "hpdl.tune", *args]
     done = sidejob.run(cmd, timeout, env=sidejob.job_env(env))
     if done.timed_out:
         raise HpdlError(f"the MPI job `{' '.join(args)}` did not finish in {timeout:.0f} s; it was stopped")

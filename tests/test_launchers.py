@@ -124,6 +124,9 @@ def test_side_job_inside_an_allocation_overlaps_the_engines_step(monkeypatch, tm
     monkeypatch.setenv("HPDL_SLURM_PMI", "pmix")
     assert launchers.side_job_command(4)[:7] == ["srun", "--overlap", "--mpi=pmix", "--kill-on-bad-exit=1",
                                                   "--job-name=hpdl-side", "-n", "4"]
+    # a job that uses no GPU (tuning, probes) asks for none: Slurm < 22.05 overlaps CPUs only
+    assert "--gres=none" in launchers.side_job_command(4, gpus=False)
+    assert "--gres=none" not in launchers.side_job_command(4)
     # a lesson's `!` line inside JupyterLab's Slurm job: an overlapping step, not an mpiexec that queues
     assert hpdl.job_command(4).startswith("srun --overlap --mpi=pmix ")
 

@@ -304,6 +304,11 @@ def test_in_job_step_runs_the_site_prologue_and_asks_only_what_the_job_holds(slu
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             side = [s for s in out.stdout.splitlines() if s.startswith("SIDE")]
             assert side == [f"SIDE {[(2, 3, 'from site', [str(libmpi)])] * 2}"], out.stderr
+            # a tuning sweep's job asks for no GPU, so older Slurm does not queue it behind the engines'
+            cpu_only = launchers.side_job_command(2, gpus=False) + [sys.executable, "-c", SIDE_JOB]
+            assert "--gres=none" in cpu_only and "--gres=none" not in cmd
+            out = subprocess.run(cpu_only, capture_output=True, text=True, timeout=120)
+            assert [s for s in out.stdout.splitlines() if s.startswith("SIDE")] == side, out.stderr
         finally:
             hpdl.stop(quiet=True)
     finally:

@@ -38,7 +38,7 @@ def job_launch(size: int, module: str, job_dir: str, env: dict[str, str]) -> Lau
     try:
         return Launch([*launchers.local_job_command(size), *program], launchers.local_job_env(env))
     except HpdlError as exc:
-        cmd = launchers.side_job_command(size)  # outside a batch job: the same HpdlError again
+        cmd = launchers.side_job_command(size, gpus=False)  # outside a batch job: the same HpdlError again
         kept = tuple(sorted(set(env) - set(launchers.local_job_env(env))))
         why = (f"Note: this Python's MPI has no launcher of its own here ({str(exc).splitlines()[0]}), so the "
                f"check's jobs ran through the batch system ({cmd[0]}); their sandbox kept the network and the "

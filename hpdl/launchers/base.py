@@ -13,6 +13,7 @@ A launcher is found in two ways:
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import shlex
@@ -74,8 +75,10 @@ class Launcher:
     def cancel(self, job_id: str) -> None:
         """Remove a job this launcher submitted (a batch system's job id); nothing to do by default."""
 
-    def side_job_command(self, n: int) -> list[str]:
-        """How to start a separate short MPI job of `n` ranks here (append the program and its args)."""
+    def side_job_command(self, n: int, gpus: bool = True) -> list[str]:
+        """How to start a separate short MPI job of `n` ranks here (append the program and its args).
+        `gpus=False`: the job uses no GPU (tuning sweeps, probes), so a batch system may start it
+        without asking for the ranks' GPUs, which the engines hold."""
         return mpiexec_command(n)
 
     def local_job_command(self, n: int) -> list[str]:
@@ -224,13 +227,17 @@ def describe(launcher: str) -> str:
     return get(launcher).describe()
 
 
-def side_job_command(n: int) -> list[str]:
+def side_job_command(n: int, gpus: bool = True) -> list[str]:
     """How to start a separate short MPI job of `n` ranks from here, e.g. a check.
 
     Locally the venv's `mpiexec -n N`; inside a Slurm allocation `srun --overlap ... -n N`, which
     runs beside the engines' step instead of waiting for its CPUs (an mpiexec there would itself
-    go through srun and queue behind the engines). Append the program and its arguments."""
-    return detected().side_job_command(n)
+    go through srun and queue behind the engines). `gpus=False` for a job that uses no GPU (see
+    Launcher.side_job_command). Append the program and its arguments."""
+    launcher = detected()
+    if gpus or "gpus" not in inspect.signature(launcher.side_job_command).parameters:
+        return launcher.side_job_command(n)  # a site's launcher written before `gpus` existed
+    return launcher.side_job_command(n, gpus=False)
 
 
 def local_job_command(n: int) -> list[str]:

@@ -71,14 +71,16 @@ class Slurm(Launcher):
     def cancel(self, job_id: str) -> None:
         cancel_job(job_id)
 
-    def side_job_command(self, n: int) -> list[str]:
+    def side_job_command(self, n: int, gpus: bool = True) -> list[str]:
         """Inside an allocation: an srun step sharing the CPUs (--overlap) with the engines' step,
-        which holds them all; outside, this machine's mpiexec."""
+        which holds them all; outside, this machine's mpiexec. A job without GPUs asks for none
+        (--gres=none): before Slurm 22.05 --overlap shares CPUs only, so a step that asked for the
+        job's GPUs would queue behind the engines that hold them."""
         if not self.detect():
             return mpiexec_command(n)
         site = load_site()
         return ["srun", "--overlap", f"--mpi={site.pmi}", "--kill-on-bad-exit=1", "--job-name=hpdl-side",
-                "-n", str(n), STEP_EXPORT, *rank_wrapper(site)]
+                "-n", str(n), *([] if gpus else ["--gres=none"]), STEP_EXPORT, *rank_wrapper(site)]
 
     def local_job_command(self, n: int) -> list[str]:
         """This node's mpiexec, its ranks forked here, also inside an allocation: a check's jobs
