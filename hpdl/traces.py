@@ -123,19 +123,25 @@ def step_overlap(trace: dict, rank: int, step: tuple[float, float]) -> dict[str,
             "overlap_ms": max(0.0, min(c1, m1) - max(c0, m0)) / 1e3, "allreduces": len(comm)}
 
 
-def overlap(trace: dict) -> dict[int, dict[str, float]]:
-    """Per rank, the median over its steps of `step_overlap`, and `fraction`: the share of the
-    communication span that ran while backward was still computing (1.0: all of it hidden)."""
+def overlap(trace: dict, first: int | None = None) -> dict[int, dict[str, float]]:
+    """Per rank, the median over its steps (the `first` ones, if given) of `step_overlap`, and
+    `fraction`: the share of the communication span that ran while backward was still computing
+    (1.0: all of it hidden)."""
     out = {}
     for rank in range(trace.get("otherData", {}).get("ranks", 0)):
-        per_step = [step_overlap(trace, rank, s) for s in steps(trace, rank)]
-        if not per_step:
-            raise HpdlError(f"rank {rank}'s trace has no steps: wrap each step in "
-                            "torch.profiler.record_function(f'step {i}').")
+        per_step = [step_overlap(trace, rank, s) for s in _steps_of(trace, rank)[:first]]
         med = {k: statistics.median(s[k] for s in per_step) for k in per_step[0]}
         med["fraction"] = med["overlap_ms"] / med["comm_ms"] if med["comm_ms"] else 0.0
         out[rank] = med
     return out
+
+
+def _steps_of(trace: dict, rank: int) -> list[tuple[float, float]]:
+    found = steps(trace, rank)
+    if not found:
+        raise HpdlError(f"rank {rank}'s trace has no steps: wrap each step in "
+                        "torch.profiler.record_function(f'step {i}').")
+    return found
 
 
 def ddp_overlap(model) -> dict[str, float]:
@@ -162,9 +168,13 @@ def draw(trace: dict, step: int = -1, ax=None, title: str | None = None):
     ranks = trace.get("otherData", {}).get("ranks", 0)
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.6 + 0.7 * ranks))
-    first = min((steps(trace, r)[step][0] for r in range(ranks)), default=0.0)
+    chosen = [_steps_of(trace, r) for r in range(ranks)]
+    if not all(-len(c) <= step < len(c) for c in chosen):
+        raise HpdlError(f"step={step}: the trace holds {min(len(c) for c in chosen)} step(s) on every rank; "
+                        "pick one of those (0 is the first, -1 the last).")
+    first = min((c[step][0] for c in chosen), default=0.0)
     for r in range(ranks):
-        s = steps(trace, r)[step]
+        s = chosen[r][step]
         for row, names, colour in ((2 * r, (BACKWARD,), "#fd8d3c"), (2 * r + 0.8, ALLREDUCE, "#08519c")):
             bars = [((a - first) / 1e3, (b - a) / 1e3) for a, b in _within(spans(trace, r, names), *s)]
             ax.broken_barh(bars, (row, 0.7), color=colour)

@@ -86,12 +86,9 @@ def lab_settings(tmp: Path) -> list[str]:
     notebook 00 never writes its outputs into the repository. (No news and no update check: the kit's own
     default, cluster/build/jupyterlab-overrides.json installed in the venv, which the test checks.)"""
     settings, workspaces = tmp / "lab-settings", tmp / "lab-workspaces"
-    for plugin, values in {
-        "@jupyterlab/docmanager-extension/plugin": {"autosave": False},
-    }.items():
-        path = settings / f"{plugin}.jupyterlab-settings"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(values))
+    path = settings / "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"autosave": False}))
     workspaces.mkdir(parents=True, exist_ok=True)
     return [
         f"--LabApp.user_settings_dir={settings}",

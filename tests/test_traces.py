@@ -58,6 +58,8 @@ def test_a_rank_without_its_mark_or_its_steps_is_named():
     stepless = {"traceEvents": [e for e in r0["traceEvents"] if e.get("name") != "step 0"]}
     with pytest.raises(HpdlError, match="rank 0's trace has no steps.*record_function"):
         traces.overlap(traces.merge([stepless]))
+    with pytest.raises(HpdlError, match="step=5: the trace holds 1 step"):
+        traces.draw(traces.merge([r0]), step=5)
 
 
 @pytest.mark.timeout(240)
