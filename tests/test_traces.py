@@ -62,6 +62,9 @@ def test_a_rank_without_its_mark_or_its_steps_is_named():
         traces.draw(traces.merge([r0]), step=5)
 
 
+SLACK_US = 5000
+
+
 @pytest.mark.timeout(240)
 def test_a_ddp_step_traced_on_two_ranks_shows_every_bucket_inside_its_step(tmp_path, no_strays):
     """benchmarks/trace_overlap.py on 2 real ranks: the merged trace holds both ranks on one clock,
@@ -92,5 +95,9 @@ def test_a_ddp_step_traced_on_two_ranks_shows_every_bucket_inside_its_step(tmp_p
         per_rank.append(reduces)
         ratio = acc["trace"]["comm_ms"] / acc["ddp"]["comm_ms"]
         assert 0.5 < ratio < 2, f"rank {rank}: trace {acc['trace']} vs DDP {acc['ddp']}"
-    overlapping = sum(a[0] < b[1] and b[0] < a[1] for a, b in zip(*per_rank))
-    assert overlapping == len(per_rank[0]), f"only {overlapping} of {len(per_rank[0])} all-reduces meet across ranks"
+    # the ranks agree on an instant by a barrier, whose exit a loaded 2-core machine may skew by a
+    # descheduled rank's few ms: pairs meet within SLACK (a unit slip is 1000× off, a step ≥ 30 ms)
+    gaps = [max(a[0], b[0]) - min(a[1], b[1]) for a, b in zip(*per_rank)]
+    apart = [round(g / 1000, 1) for g in gaps if g > SLACK_US]
+    assert not apart, f"{len(apart)} of {len(gaps)} all-reduces do not meet across ranks: apart by {apart} ms"
+    assert sum(g < 0 for g in gaps) >= len(gaps) // 2, f"most all-reduces should overlap across ranks: {gaps}"
