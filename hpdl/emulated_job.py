@@ -38,9 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     except HpdlError as exc:
         print(f"hpdl: {exc}", file=sys.stderr)
         return 2
+    return finish(done, args.timeout)
+
+
+def finish(done: sidejob.Finished, timeout: float) -> int:
+    """Print what the command printed; its exit status, 124 (as timeout(1)) when it was ended."""
     sys.stdout.write(done.output)
     if done.timed_out:
-        print(f"hpdl: the job did not finish in {args.timeout:.0f} s and was ended.", file=sys.stderr)
+        print(f"hpdl: the command did not finish in {timeout:.0f} s and was ended.", file=sys.stderr)
         return 124
     return done.returncode or 0
 
