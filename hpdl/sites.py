@@ -41,7 +41,8 @@ SLURM_KEYS: dict[str, tuple[type, str]] = {
     "sbatch": (list, 'extra sbatch options, e.g. ["--constraint=gpu", "--exclusive"]'),
     "srun": (list, 'extra srun options, e.g. ["--cpu-bind=cores"]'),
     "wrap": (list, 'command put before each engine, e.g. ["apptainer", "exec", "--nv", "/opt/hpdl.sif"]'),
-    "controller_host": (str, "host name or address compute nodes use to reach this machine"),
+    "controller_host": (str, "host name or address compute nodes use to reach this machine (the login node; a kernel "
+                        "inside a job uses its own node's name)"),
     "start_timeout": (int, "seconds to wait for ranks, queue time included"),
     "learners_per_node": (int, "learners whose jobs share one node (0: not planned; 1: a node each)"),
 }

@@ -3,8 +3,9 @@ multi-node Slurm paths cross a real, rate-limited network on one machine.
 
 Real slurmctld and slurmd, real MPI ranks, real ipyparallel engines: `srun -N2` places tasks on
 both nodes, preflight's across-node row measures the link that was set (not shared memory), the
-kit's Slurm launcher starts engines on both nodes whose MPI and Gloo all-reduces agree, and
-nothing — daemon, namespace, job — is left when the block ends."""
+kit's Slurm launcher starts engines on both nodes whose MPI and Gloo all-reduces agree while a
+check's sandboxed job still runs on the login node, and nothing — daemon, namespace, job — is
+left when the block ends."""
 from __future__ import annotations
 
 import json
@@ -31,7 +32,11 @@ KIT_RANKS = textwrap.dedent("""
         v = hpdl.view()
         v.execute("import socket; host = socket.gethostname(); s = comm.allreduce(rank + 1); "
                   "t = torch.tensor([rank + 1.0]); dist.all_reduce(t); ts = t.item()", block=True)
-        print(json.dumps([v.pull(k, block=True) for k in ("host", "s", "ts")]))
+        pulled = [v.pull(k, block=True) for k in ("host", "s", "ts")]
+        sys.path.insert(0, sys.argv[1])
+        import learner_ring  # a right ring: the check's own local job, sandboxed, must run beside the nodes
+        result = hpdl.check("ring_allreduce", learner_ring.ring_ok, ranks=[2], timeout=60)
+        print(json.dumps([*pulled, sorted(set(result.verdicts.values()))]))
     finally:
         hpdl.stop(quiet=True)
 """)
@@ -80,9 +85,10 @@ def test_jobs_preflight_and_the_kits_ranks_span_two_emulated_nodes(tmp_path):
         assert across["busbw"][-1] < 1.15 * LINK_BYTES_PER_S < within["busbw"][-1], (across, within)
 
         # the kit's Slurm launcher, as in a learner's kernel on the login node
-        p = subprocess.run([sys.executable, "-c", KIT_RANKS], env={**env, "HPDL_SITE": str(site)},
-                           capture_output=True, text=True, timeout=300)
+        p = subprocess.run([sys.executable, "-c", KIT_RANKS, str(ROOT / "tests" / "fixtures")],
+                           env={**env, "HPDL_SITE": str(site)}, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stdout + p.stderr
-        hosts, sums, gloo = json.loads(p.stdout.strip().splitlines()[-1])
+        hosts, sums, gloo, verdicts = json.loads(p.stdout.strip().splitlines()[-1])
         assert hosts == ["node0", "node0", "node1", "node1"] and sums == [10] * 4 and gloo == [10.0] * 4, p.stdout
+        assert verdicts == ["PASS"], p.stdout
     assert _daemons(conf) == []

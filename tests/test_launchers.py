@@ -162,6 +162,15 @@ def test_a_checks_job_inside_an_allocation_is_the_local_mpiexec_without_the_batc
     assert out.stdout.strip() == "[(0, 2, 3), (1, 2, 3)]", out.stderr
 
 
+def test_a_local_jobs_ranks_keep_a_shared_memory_transport_whatever_ucx_tls_the_nodes_ranks_were_given():
+    """A check's job runs sandboxed on one node with no network: emulated nodes' UCX_TLS=tcp,self
+    would keep its ranks apart ('Destination is unreachable'; tests/test_emulated_slurm.py runs a
+    check so); a site's list with shared memory in it, or one that only excludes, is kept."""
+    assert launchers.local_job_env({"UCX_TLS": "tcp,self", "PATH": "/bin"}) == {"PATH": "/bin"}
+    for kept in ("rc,sm,self", "^cma", "tcp,posix,self"):
+        assert launchers.local_job_env({"UCX_TLS": kept})["UCX_TLS"] == kept
+
+
 # -- one source for the job's and the step's resources --------------------------------------------
 
 def test_job_and_step_resources_come_from_the_same_site_fields():
@@ -311,3 +320,7 @@ def test_the_address_other_nodes_are_given_is_not_debians_loopback_alias(monkeyp
     from hpdl.launchers import slurm
 
     assert slurm.controller_address(sites.load_site()) == "10.1.2.3"
+    # a kernel inside a job (the hub's) is on a compute node: the login node's name is not its own
+    monkeypatch.setattr(socket, "gethostname", lambda: "laptop")
+    assert slurm.controller_address(sites.load_site(), inside=True) == "127.0.1.1"
+

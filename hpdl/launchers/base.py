@@ -249,10 +249,20 @@ def local_job_command(n: int) -> list[str]:
     return detected().local_job_command(n)
 
 
+UCX_SHARED_MEMORY = ("sm", "shm", "posix", "sysv", "cma", "xpmem", "knem", "all")
+
+
 def local_job_env(env: dict[str, str]) -> dict[str, str]:
     """`env` for a `local_job_command` job: inside a Slurm allocation without SLURM_*, PMI_*, PMIX_*
-    (else the MPI would see the outer job and start its ranks through srun, or as its step's)."""
-    return detected().local_job_env(env)
+    (else the MPI would see the outer job and start its ranks through srun, or as its step's).
+    Its ranks share this node and, sandboxed, have no network: a UCX_TLS naming no shared-memory
+    transport (emulated nodes' `tcp,self`) would leave them unable to reach each other, so UCX
+    chooses for itself there."""
+    env = detected().local_job_env(env)
+    tls = env.get("UCX_TLS", "")
+    if tls and not tls.startswith("^") and not set(tls.replace(" ", "").split(",")) & set(UCX_SHARED_MEMORY):
+        del env["UCX_TLS"]
+    return env
 
 
 def job_command(n: int) -> str:

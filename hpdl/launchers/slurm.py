@@ -99,9 +99,10 @@ class Slurm(Launcher):
                 "cluster, `module load slurm` (or ask your admins); here, use launcher='local'."
             )
         site = load_site()
-        kwargs = {"controller_ip": controller_address(site),
-                  "controller_location": site.controller_host or socket.gethostname()}
-        if self.inside():
+        inside = self.inside()
+        kwargs = {"controller_ip": controller_address(site, inside),
+                  "controller_location": (not inside and site.controller_host) or socket.gethostname()}
+        if inside:
             kwargs.update(self._configure_step(config, n, site))
         else:
             from hpdl.launchers._slurm_engines import SbatchEngineSetLauncher
@@ -143,10 +144,12 @@ def step_command(site: SlurmSite | None = None) -> list[str]:
             *rank_wrapper(site)]
 
 
-def controller_address(site: SlurmSite) -> str:
+def controller_address(site: SlurmSite, inside: bool = False) -> str:
     """The address the controller binds and engines connect to: `controller_host`'s (else this
-    host's name's), the first that is not loopback when it has several."""
-    host = site.controller_host or socket.gethostname()
+    host's name's), the first that is not loopback when it has several. `controller_host` names
+    the login node: inside an allocation (a hub's or Open OnDemand's kernel) the controller runs
+    on the job's compute node, so it is that node's own name's, whatever the profile says."""
+    host = (not inside and site.controller_host) or socket.gethostname()
     try:
         return outward_address(host)
     except socket.gaierror as exc:
