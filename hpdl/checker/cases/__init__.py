@@ -25,6 +25,11 @@ and may define
     def diagnose(case, ctx) -> str | None    # a hint for a wrong result on one rank
     def explain(results) -> str | None       # a hint from the pattern over all cases (client side)
     HINT_ONLY_ROOT = "..."                   # shown when only rank 0 got it right
+    VERIFY_TIMEOUT = 95.0                    # seconds for verify() when it runs a job (default 60)
+    PRIVATE_INPUTS = True                    # inputs() mixes case.params["nonce"] into its seed:
+                                             # each check draws a fresh nonce, and a learner's rank
+                                             # gets its own inputs as data, never the nonce, so no
+                                             # rank can work out another's without a message
 
 The learner's function runs in a job of its own (one process per rank, sandboxed where
 possible) that holds only inputs() and call() and what they use, cut from this module's source
@@ -150,6 +155,13 @@ class Context:
         if self._comm is None:
             self._comm = self._world.Dup()
         return self._comm
+
+
+def with_nonce(case: Case, nonce: int | None) -> Case:
+    """The case as the checker's side sees it: its params with this check's nonce (PRIVATE_INPUTS)."""
+    if nonce is None:
+        return case
+    return Case(**{**case.to_dict(), "params": {**case.params, "nonce": nonce}})
 
 
 def path_of(name: str) -> Path:
