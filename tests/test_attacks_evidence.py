@@ -4,6 +4,9 @@ Classes of attack, each on real ranks (fixtures/evidence_attacks.py):
 - inputs a rank can work out for itself: the case's seed is found from the rank's own vector, every
   rank's vector rebuilt, the sum returned without a message. Each check now draws a fresh nonce,
   known to the checker's side only; each learner's rank gets its own inputs as data.
+- inputs that carry the answer: the throughput step's time per sample was an attribute of the step
+  (and the case's params a frame away). The step is now a proxy asking a helper process to sleep,
+  and each check scales the listed times by a factor drawn from its nonce.
 - judging code in the learner's process: the tuning-file check ran MPICH through hpdl.tune from the
   learner's rank, where the learner can replace hpdl.tune's functions. MPICH now runs in verify().
 - the recorder in the learner's process (its pause flag, its list of calls): still rewritable; the
@@ -39,6 +42,12 @@ def test_a_rank_cannot_rebuild_the_other_ranks_inputs(exercise, no_strays):
     result = hpdl.check(exercise, E.sum_without_messages, ranks=[3])
     no_points(result)
     assert all(c.verdict == "WRONG" for c in result.cases), result
+
+
+def test_the_steps_cost_is_not_in_the_learners_process(no_strays):
+    result = hpdl.check("throughput", E.throughput_read_from_the_step, grade=True)
+    no_points(result)
+    all_points(hpdl.check("throughput", E.throughput_timed, grade=True))  # a meter that times the steps
 
 
 def test_the_tuning_file_is_judged_by_mpich_outside_the_learners_process(no_strays):

@@ -80,9 +80,10 @@ def answer_keys() -> list[str]:
 # -- planning ----------------------------------------------------------------------------------
 
 def _nonce(module) -> int | None:
-    """A fresh secret per check for a module with PRIVATE_INPUTS: only the checker's side and the
+    """A fresh secret per check for a module with PRIVATE_INPUTS or ORACLE: only the checker's side and the
     client know it (a stripped kit's stored answers were computed without one)."""
-    if not getattr(module, "PRIVATE_INPUTS", False) or case_api.is_public_only(module):
+    wanted = getattr(module, "PRIVATE_INPUTS", False) or getattr(module, "ORACLE", False)
+    if not wanted or case_api.is_public_only(module):
         return None
     return secrets.randbits(62)
 

@@ -71,7 +71,7 @@ class Job:
     """One mpiexec job: `size` ranks of `module` working through `todo` cases in order."""
 
     def __init__(self, kind: str, spec: dict, size: int, todo: list[Planned], tmp: str, sandboxed: bool,
-                 private: dict[int, bytes] | None = None):
+                 private: dict[int, bytes] | None = None, oracle: dict[int, bytes] | None = None):
         self.kind, self.size, self.todo = kind, size, list(todo)
         self.dir = tempfile.mkdtemp(prefix=f"{kind[0]}{size}-", dir=tmp)
         os.chmod(self.dir, 0o700)
@@ -85,9 +85,10 @@ class Job:
         else:
             self.spec.pop("module_path", None)  # the learner's job holds the public part only
             self.spec.pop("nonce", None)  # each rank gets its own inputs instead (PRIVATE_INPUTS)
-            self.spec["private"] = private is not None
-            for rank, data in (private or {}).items():  # read and removed by the rank before the learner's code
-                safefiles.create_exclusive(os.path.join(self.dir, f"in-{rank}.bin"), data)
+            self.spec["private"], self.spec["oracle"] = private is not None, oracle is not None
+            for name, files in (("in", private), ("oracle", oracle)):  # read and removed before the learner's code
+                for rank, data in (files or {}).items():
+                    safefiles.create_exclusive(os.path.join(self.dir, f"{name}-{rank}.bin"), data)
         safefiles.create_exclusive(os.path.join(self.dir, "spec.pkl"), pickle.dumps(self.spec))
         module = "hpdl.checker.learner_job" if kind == "learner" else "hpdl.checker.reference_job"
         launch = job_launch(size, module, self.dir, _job_env(self.dir))  # on this node, no batch system
@@ -255,7 +256,7 @@ class SizeRun:
 
     def _learner(self, todo: list[Planned]) -> Job:
         return Job("learner", self.runner.spec, self.size, todo, self.tmp, sandboxed=self.runner.sandboxed,
-                   private=self.runner.private_inputs(self.size, todo))
+                   private=self.runner.private_inputs(self.size, todo), oracle=self.runner.secrets(self.size, todo))
 
     def _go(self, index: int, verify: bool, seconds: dict | None = None) -> None:
         path = os.path.join(self.reference.dir, f"go-{index}.json")
@@ -433,12 +434,21 @@ class Runner:
     def private_inputs(self, size: int, todo: list[Planned]) -> dict[int, bytes] | None:
         """Each rank's inputs to its cases, as plain data, when the check has a nonce (PRIVATE_INPUTS):
         computed here with the nonce, which the learner's job never sees."""
+        return self._per_rank("PRIVATE_INPUTS", size, todo,
+                              lambda case, rank: list(self.module.inputs(case, rank, size)), by_name=False)
+
+    def secrets(self, size: int, todo: list[Planned]) -> dict[int, bytes] | None:
+        """Each rank's secrets for its oracle helper (ORACLE, oracle.py), by case name."""
+        return self._per_rank("ORACLE", size, todo, lambda case, rank: self.module.secrets(case, rank, size),
+                              by_name=True)
+
+    def _per_rank(self, flag: str, size: int, todo: list[Planned], make, by_name: bool) -> dict[int, bytes] | None:
         nonce = self.spec.get("nonce")
-        if nonce is None:
+        if nonce is None or not getattr(self.module, flag, False):
             return None
         from hpdl.checker import wire
 
-        return {rank: wire.pack({p.index: list(self.module.inputs(with_nonce(p.case, nonce), rank, size))
+        return {rank: wire.pack({(p.case.name if by_name else p.index): make(with_nonce(p.case, nonce), rank)
                                  for p in todo}) for rank in range(size)}
 
     # -- building results -------------------------------------------------------------------

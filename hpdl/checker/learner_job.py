@@ -29,7 +29,7 @@ import types
 
 from hpdl.checker.rank_job import RankJob, learner_traceback, learner_where, main, short, state
 
-KEEP = ("inputs", "call")
+KEEP = ("inputs", "call", "serve")
 # hpdl.checker modules of the deciding side (reference ranks, verdicts, the grader): never loaded here
 DECIDING_SIDE = {"reference_job", "jobs", "checking", "client", "grade_service"}
 _KIT_MODULES: set[str] = set()  # modules whose own answers were replaced (refuse_kit_answers): never loaded afresh
@@ -172,6 +172,10 @@ class LearnerJob(RankJob):
         recording.install({**KIT_ANSWERS, **(spec.get("forbidden") or {})})
         refuse_kit_answers(KIT_ANSWERS)
         self.private = self.take_private_inputs() if spec.get("private") else None
+        if spec.get("oracle"):  # before the learner's code: the helper holds the secrets, this process never
+            from hpdl.checker import oracle
+
+            oracle.start(os.path.join(self.dir, f"oracle-{self.rank}.bin"), funcs["serve"])
         fn, unpack_error = None, ""
         try:
             from hpdl.checker.source import unpack
