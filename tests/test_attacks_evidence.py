@@ -11,7 +11,8 @@ Classes of attack, each on real ranks (fixtures/evidence_attacks.py):
   learner's rank, where the learner can replace hpdl.tune's functions. MPICH now runs in verify().
 - the recorder in the learner's process (its pause flag, its list of calls): still rewritable; the
   tests are marked as known failures until the evidence comes from outside that process.
-On one rank `return x` is right: those cases run for no points.
+Tests too weak: on one rank `return x` is right (those cases now run for no points); a shuffle
+seeded by the epoch alone passed (epoch 0 is now also asked with another seed).
 Right answers a check failed: a tree that sends each child its shape first, recursive doubling in
 segments (ranks a rank sends to are counted, not messages), and a ring on a communicator of the
 learner's own, numbered otherwise (peers are recorded as ranks of the world).
@@ -59,6 +60,12 @@ def test_returning_the_input_earns_nothing_on_one_rank_or_more(no_strays):
     result = hpdl.check("ring_allreduce", E.returns_its_input, ranks=[1, 2])
     assert result.score == 0 and result.max_score > 0, result
     assert {c.verdict for c in result.cases if c.ranks == 1} == {"PASS"}, result  # right there, for no points
+
+
+def test_a_shuffle_that_ignores_the_seed_is_wrong(no_strays):
+    result = hpdl.check("shard_indices", E.shard_ignores_seed, ranks=[2])
+    assert all(c.verdict == "WRONG" and "seed" in c.message for c in result.cases if c.params["n"] >= 10), result
+    assert result.score < result.max_score
 
 
 @pytest.mark.xfail(strict=True, reason="the recorder lives in the learner's process: its pause flag can be set")
