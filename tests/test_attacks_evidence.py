@@ -12,7 +12,8 @@ Classes of attack, each on real ranks (fixtures/evidence_attacks.py):
 - the recorder in the learner's process (its pause flag, its list of calls): still rewritable; the
   tests are marked as known failures until the evidence comes from outside that process.
 Tests too weak: on one rank `return x` is right (those cases now run for no points); a shuffle
-seeded by the epoch alone passed (epoch 0 is now also asked with another seed).
+seeded by the epoch alone passed (epoch 0 is now also asked with another seed); one tiny
+all-reduce from a hook counted as overlap (values all-reduced during backward are now counted).
 Right answers a check failed: a tree that sends each child its shape first, recursive doubling in
 segments (ranks a rank sends to are counted, not messages), and a ring on a communicator of the
 learner's own, numbered otherwise (peers are recorded as ranks of the world).
@@ -66,6 +67,12 @@ def test_a_shuffle_that_ignores_the_seed_is_wrong(no_strays):
     result = hpdl.check("shard_indices", E.shard_ignores_seed, ranks=[2])
     assert all(c.verdict == "WRONG" and "seed" in c.message for c in result.cases if c.params["n"] >= 10), result
     assert result.score < result.max_score
+
+
+def test_one_tiny_allreduce_during_backward_is_not_overlap(no_strays):
+    result = hpdl.check("overlap_allreduce", E.overlap_one_tiny_allreduce, ranks=[2])
+    several = [c for c in result.cases if "one bucket" not in c.name]
+    assert several and all(c.verdict == "WRONG" and "while backward ran" in c.message for c in several), result
 
 
 @pytest.mark.xfail(strict=True, reason="the recorder lives in the learner's process: its pause flag can be set")

@@ -229,6 +229,13 @@ TORCH_COLLECTIVES = {
 }
 
 
+def _numel(args, kwargs) -> int | None:
+    """Elements in a torch.distributed call's tensor (its first argument), when it is one tensor."""
+    tensor = args[0] if args else kwargs.get("tensor")
+    numel = getattr(tensor, "numel", None)
+    return int(numel()) if callable(numel) else None
+
+
 def _patch_c10d(c10d) -> None:
     for name, rule in TORCH_COLLECTIVES.items():
         base = getattr(c10d, name, None)
@@ -241,7 +248,7 @@ def _patch_c10d(c10d) -> None:
                 if reason:
                     recorder.rejected.append(f"torch.distributed.{_name}")
                     raise ForbiddenCall(f"torch.distributed.{_name}", reason)
-                recorder.calls.append(Call(_name))
+                recorder.calls.append(Call(_name, count=_numel(args, kwargs)))
             return _base(*args, **kwargs)
 
         fn.__name__, fn.__qualname__, fn.__wrapped__, fn._hpdl_recorded = name, name, base, True

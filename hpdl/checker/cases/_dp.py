@@ -96,6 +96,17 @@ def launches() -> int:
     return counter.torch_calls + sum(1 for c in calls if c.name in MPI_REDUCES)
 
 
+def launched_elements() -> int | None:
+    """Elements all-reduced so far through torch.distributed (as recording.py noted them); None
+    outside a learner's check job (the reference's own all-reduces are not recorded)."""
+    import sys
+
+    recording = sys.modules.get("hpdl.checker.recording")
+    if recording is None or not recording.recorder.torch_hooked:
+        return None
+    return sum(c.count or 0 for c in recording.recorder.calls if c.name in ("all_reduce", "all_reduce_coalesced"))
+
+
 def params(model) -> list:
     return [p.detach().cpu().numpy().copy() for p in model.parameters()]
 
