@@ -13,7 +13,8 @@ Classes of attack, each on real ranks (fixtures/evidence_attacks.py):
   tests are marked as known failures until the evidence comes from outside that process.
 Tests too weak: on one rank `return x` is right (those cases now run for no points); a shuffle
 seeded by the epoch alone passed (epoch 0 is now also asked with another seed); one tiny
-all-reduce from a hook counted as overlap (values all-reduced during backward are now counted).
+all-reduce from a hook counted as overlap (values all-reduced during backward are now counted);
+Reduce+Bcast was no all-reduce to the count (a Reduce now counts as one).
 Right answers a check failed: a tree that sends each child its shape first, recursive doubling in
 segments (ranks a rank sends to are counted, not messages), and a ring on a communicator of the
 learner's own, numbered otherwise (peers are recorded as ranks of the world).
@@ -73,6 +74,11 @@ def test_one_tiny_allreduce_during_backward_is_not_overlap(no_strays):
     result = hpdl.check("overlap_allreduce", E.overlap_one_tiny_allreduce, ranks=[2])
     several = [c for c in result.cases if "one bucket" not in c.name]
     assert several and all(c.verdict == "WRONG" and "while backward ran" in c.message for c in several), result
+
+
+def test_reduce_and_bcast_per_tensor_count_as_all_reduces(no_strays):
+    result = hpdl.check("allreduce_gradients", E.reduce_then_bcast_per_tensor, ranks=[2])
+    assert all(c.verdict == "WRONG" and "all-reduces for" in c.message for c in result.cases), result
 
 
 @pytest.mark.xfail(strict=True, reason="the recorder lives in the learner's process: its pause flag can be set")
