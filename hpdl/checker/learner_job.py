@@ -176,6 +176,7 @@ class LearnerJob(RankJob):
             from hpdl.checker import oracle
 
             oracle.start(os.path.join(self.dir, f"oracle-{self.rank}.bin"), funcs["serve"])
+            self.barrier("oracle")  # every rank's secrets file gone before any learner's code runs
         fn, unpack_error = None, ""
         try:
             from hpdl.checker.source import unpack
