@@ -181,7 +181,8 @@ def test_a_stripped_kit_checks_public_cases_and_names_the_hidden_ones(shared_kit
     assert out["bad"] == 0
     assert "grading needs them" in out["refused"] and "--keys" in out["refused"]
     assert "at [1, 3] ranks only" in out["refused"]  # no stored answers at 2 ranks: said, not a crash
-    assert out["keyed"] == [16, 16]  # the hidden cases from the keys: 7 at 1 rank, 9 at 3
+    assert out["keyed"] == [9, 9]  # the hidden cases from the keys: 7 at 1 rank (no points: return x is right
+    # there), 9 at 3
     if sandbox.available():  # the keys folder sits inside the kit, which the sandbox shows: hidden all the same
         assert out["thief"] == 0
 
@@ -230,7 +231,7 @@ def test_grading_with_exported_keys_full_marks_and_nothing_for_a_thief(shared_ki
          *flags, timeout=280)
     rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
     full = float(rows["solved.ipynb"]["max_score"])
-    assert full == 16  # every case at 1 and 3 ranks, the hidden ones from the keys included
+    assert full == 9  # every case at 3 ranks, the hidden ones from the keys included (1 rank: no points)
     assert float(rows["solved.ipynb"]["score"]) == full, rows["solved.ipynb"]
     assert float(rows["thief.ipynb"]["score"]) == 0, rows["thief.ipynb"]
     executed = json.dumps(nbformat.read(out / "executed" / "thief.ipynb", as_version=4).cells[3].outputs)

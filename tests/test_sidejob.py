@@ -136,7 +136,9 @@ def test_only_the_supervisor_starts_or_polls_side_jobs():
     cluster/cleanup.py (a watchman, not a side job), engines by ipyparallel (cluster/lifecycle.py)."""
     allowed = {"sidejob.py": "side jobs", "cluster/cleanup.py": "the reaper",
                "launchers/__main__.py": "a rank's prologue, which becomes its engine (exec)",
-               "checker/confine.py": "untrusted code's first process, which becomes the command (exec)"}
+               "checker/confine.py": "untrusted code's first process, which becomes the command (exec)",
+               "checker/oracle.py": "a learner rank's helper holding the case's secrets, forked before the "
+                                    "learner's code and ending with the rank (no command, no side job)"}
     found = {}
     for path in PKG.rglob("*.py"):
         rel = path.relative_to(PKG).as_posix()

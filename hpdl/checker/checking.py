@@ -7,6 +7,7 @@ and adds the hints. Client side: nothing here runs on a rank.
 """
 from __future__ import annotations
 
+import secrets
 import time
 
 from hpdl.checker import cases as case_api
@@ -37,7 +38,8 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
     plan, hidden_not_run = _plan(module, sizes, grading, timeout)
     forbidden = _forbidden(module)
     spec = {"exercise": name, "module_path": str(case_api.path_of(name)), "code": code, "forbidden": forbidden,
-            "public": case_api.public_part(name), "hidden": list(hidden) + answer_keys()}
+            "public": case_api.public_part(name), "hidden": list(hidden) + answer_keys(),
+            "nonce": _nonce(module), "verify_timeout": getattr(module, "VERIFY_TIMEOUT", None)}
     bar = _progress(sum(len(v) for v in plan.values()), name) if progress else None
     try:
         runner = Runner(name, module, spec, plan, progress=bar, every_case=grading)
@@ -76,6 +78,15 @@ def answer_keys() -> list[str]:
 
 
 # -- planning ----------------------------------------------------------------------------------
+
+def _nonce(module) -> int | None:
+    """A fresh secret per check for a module with PRIVATE_INPUTS or ORACLE: only the checker's side and the
+    client know it (a stripped kit's stored answers were computed without one)."""
+    wanted = getattr(module, "PRIVATE_INPUTS", False) or getattr(module, "ORACLE", False)
+    if not wanted or case_api.is_public_only(module):
+        return None
+    return secrets.randbits(62)
+
 
 def _sizes(ranks, module) -> list[int]:
     if ranks is None:

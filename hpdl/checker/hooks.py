@@ -160,6 +160,8 @@ def broadcast_rounds(calls_by_rank: list[list], root: int) -> int | None:
     for r, calls in enumerate(calls_by_rank):
         for c in calls:
             if c.dest is not None and 0 <= c.dest < p and c.dest != r:
+                if parent.get(c.dest) == r:
+                    continue  # more messages to the same child (its shape first, a segmented send): one edge
                 if c.dest in parent or c.dest == root:
                     return None
                 parent[c.dest] = r
@@ -180,9 +182,13 @@ def broadcast_rounds(calls_by_rank: list[list], root: int) -> int | None:
 
 
 def max_sends(ctx, limit: int, why: str) -> Wrong | None:
-    n = len(sends(ctx.calls))
-    if n > limit:
-        return Wrong(f"rank {ctx.rank} sent {n} messages; {why} (at most {limit} with {ctx.size} ranks)")
+    """WRONG when this rank sent to more than `limit` other ranks: a tree's children, a
+    butterfly's partners. Ranks, not messages: a message of metadata first (shape, dtype) or a
+    long array sent in segments is still one edge of the pattern."""
+    peers = sorted(set(sends(ctx.calls)) - {ctx.rank})
+    if len(peers) > limit:
+        return Wrong(f"rank {ctx.rank} sent to {len(peers)} ranks {peers}; {why} (at most {limit} with "
+                     f"{ctx.size} ranks)")
     return None
 
 

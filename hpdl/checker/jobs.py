@@ -39,7 +39,7 @@ from pathlib import Path
 
 from hpdl import hang, procs, safefiles, settings, sidejob
 from hpdl.checker import sandbox
-from hpdl.checker.cases import Case
+from hpdl.checker.cases import Case, with_nonce
 from hpdl.checker.report import CaseResult, Verdict
 from hpdl.checker.runner import job_launch
 from hpdl.hang import rank_word
@@ -51,6 +51,11 @@ VERIFY_TIMEOUT = 60.0  # s: for the reference job's verify() once the learner's 
 MAX_EVENT_BYTES = 1 << 20  # one event line from a learner's rank; longer ones are cut
 MAX_OUTPUT_BYTES = 512 * 2**20  # one rank's packed outputs for one case
 POLL = 0.02
+
+
+def verify_timeout(spec: dict) -> float:
+    """The reference job's time for verify(): longer for a module whose verify() runs a job (VERIFY_TIMEOUT)."""
+    return max(VERIFY_TIMEOUT, float(spec.get("verify_timeout") or 0))
 
 
 @dataclass
@@ -65,12 +70,13 @@ class Planned:
 class Job:
     """One mpiexec job: `size` ranks of `module` working through `todo` cases in order."""
 
-    def __init__(self, kind: str, spec: dict, size: int, todo: list[Planned], tmp: str, sandboxed: bool):
+    def __init__(self, kind: str, spec: dict, size: int, todo: list[Planned], tmp: str, sandboxed: bool,
+                 private: dict[int, bytes] | None = None, oracle: dict[int, bytes] | None = None):
         self.kind, self.size, self.todo = kind, size, list(todo)
         self.dir = tempfile.mkdtemp(prefix=f"{kind[0]}{size}-", dir=tmp)
         os.chmod(self.dir, 0o700)
         self.sandboxed = sandboxed
-        slack = VERIFY_TIMEOUT if kind == "reference" else 30
+        slack = verify_timeout(spec) if kind == "reference" else 30
         self.spec = dict(spec, size=size, client_pid=0 if sandboxed else os.getpid(),
                          lifetime=START_TIMEOUT + sum(p.timeout for p in todo) + slack * len(todo) + 30,
                          cases=[(p.index, p.case.to_dict()) for p in todo])
@@ -78,6 +84,11 @@ class Job:
             self.spec.pop("code", None)  # the learner's code never enters the reference job
         else:
             self.spec.pop("module_path", None)  # the learner's job holds the public part only
+            self.spec.pop("nonce", None)  # each rank gets its own inputs instead (PRIVATE_INPUTS)
+            self.spec["private"], self.spec["oracle"] = private is not None, oracle is not None
+            for name, files in (("in", private), ("oracle", oracle)):  # read and removed before the learner's code
+                for rank, data in (files or {}).items():
+                    safefiles.create_exclusive(os.path.join(self.dir, f"{name}-{rank}.bin"), data)
         safefiles.create_exclusive(os.path.join(self.dir, "spec.pkl"), pickle.dumps(self.spec))
         module = "hpdl.checker.learner_job" if kind == "learner" else "hpdl.checker.reference_job"
         launch = job_launch(size, module, self.dir, _job_env(self.dir))  # on this node, no batch system
@@ -244,7 +255,8 @@ class SizeRun:
         self.broken: dict | None = None  # the reference job failed: the checker's own fault
 
     def _learner(self, todo: list[Planned]) -> Job:
-        return Job("learner", self.runner.spec, self.size, todo, self.tmp, sandboxed=self.runner.sandboxed)
+        return Job("learner", self.runner.spec, self.size, todo, self.tmp, sandboxed=self.runner.sandboxed,
+                   private=self.runner.private_inputs(self.size, todo), oracle=self.runner.secrets(self.size, todo))
 
     def _go(self, index: int, verify: bool, seconds: dict | None = None) -> None:
         path = os.path.join(self.reference.dir, f"go-{index}.json")
@@ -270,7 +282,8 @@ class SizeRun:
                     self.todo.pop(0)
                     self._next_learner()
                     continue
-                if ref.crash or ref.exited() or time.monotonic() - self.verifying[cur.index] > VERIFY_TIMEOUT:
+                late = time.monotonic() - self.verifying[cur.index] > verify_timeout(runner.spec)
+                if ref.crash or ref.exited() or late:
                     self._checker_failed(decided, ref)
                 break
             if ref.crash or (ref.exited() and cur.index not in ref.ends):
@@ -417,6 +430,26 @@ class Runner:
             if not settings.CHECK_KEEP.get():
                 shutil.rmtree(tmp, ignore_errors=True)
         return results
+
+    def private_inputs(self, size: int, todo: list[Planned]) -> dict[int, bytes] | None:
+        """Each rank's inputs to its cases, as plain data, when the check has a nonce (PRIVATE_INPUTS):
+        computed here with the nonce, which the learner's job never sees."""
+        return self._per_rank("PRIVATE_INPUTS", size, todo,
+                              lambda case, rank: list(self.module.inputs(case, rank, size)), by_name=False)
+
+    def secrets(self, size: int, todo: list[Planned]) -> dict[int, bytes] | None:
+        """Each rank's secrets for its oracle helper (ORACLE, oracle.py), by case name."""
+        return self._per_rank("ORACLE", size, todo, lambda case, rank: self.module.secrets(case, rank, size),
+                              by_name=True)
+
+    def _per_rank(self, flag: str, size: int, todo: list[Planned], make, by_name: bool) -> dict[int, bytes] | None:
+        nonce = self.spec.get("nonce")
+        if nonce is None or not getattr(self.module, flag, False):
+            return None
+        from hpdl.checker import wire
+
+        return {rank: wire.pack({(p.case.name if by_name else p.index): make(with_nonce(p.case, nonce), rank)
+                                 for p in todo}) for rank in range(size)}
 
     # -- building results -------------------------------------------------------------------
     def _result(self, planned: Planned, size: int, verdict: Verdict, message: str, **kw) -> CaseResult:

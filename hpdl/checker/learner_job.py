@@ -29,7 +29,7 @@ import types
 
 from hpdl.checker.rank_job import RankJob, learner_traceback, learner_where, main, short, state
 
-KEEP = ("inputs", "call")
+KEEP = ("inputs", "call", "serve")
 # hpdl.checker modules of the deciding side (reference ranks, verdicts, the grader): never loaded here
 DECIDING_SIDE = {"reference_job", "jobs", "checking", "client", "grade_service"}
 _KIT_MODULES: set[str] = set()  # modules whose own answers were replaced (refuse_kit_answers): never loaded afresh
@@ -171,6 +171,12 @@ class LearnerJob(RankJob):
         funcs = strip_module(module)
         recording.install({**KIT_ANSWERS, **(spec.get("forbidden") or {})})
         refuse_kit_answers(KIT_ANSWERS)
+        self.private = self.take_private_inputs() if spec.get("private") else None
+        if spec.get("oracle"):  # before the learner's code: the helper holds the secrets, this process never
+            from hpdl.checker import oracle
+
+            oracle.start(os.path.join(self.dir, f"oracle-{self.rank}.bin"), funcs["serve"])
+            self.barrier("oracle")  # every rank's secrets file gone before any learner's code runs
         fn, unpack_error = None, ""
         try:
             from hpdl.checker.source import unpack
@@ -195,8 +201,25 @@ class LearnerJob(RankJob):
         self.emit(ev="exit")
         return 0
 
+    def take_private_inputs(self) -> dict:
+        """This rank's inputs to every case (PRIVATE_INPUTS), read and removed before the learner's
+        code is unpacked on any rank. (Not hidden from the other ranks' memory: MPICH's shared-memory
+        transport reads it (process_vm_readv), and ranks that share data by other means than
+        messages share it anyway; the recorded messages are what tells.)"""
+        from hpdl.checker import wire
+
+        path = os.path.join(self.dir, f"in-{self.rank}.bin")
+        with open(path, "rb") as f:
+            data = wire.unpack(f.read())
+        os.remove(path)
+        self.barrier("inputs")
+        return data
+
     def run_case(self, funcs: dict, case, index: int, fn, recording, wire) -> dict:
-        args = tuple(funcs["inputs"](case, self.rank, self.size))
+        if self.private is not None:
+            args = tuple(self.private.pop(index))
+        else:
+            args = tuple(funcs["inputs"](case, self.rank, self.size))
         comm = self.world.Dup()
         if self.spec["code"].get("from_engines"):
             self.rebind(fn, comm)

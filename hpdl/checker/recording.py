@@ -125,6 +125,29 @@ def _peer(args, kwargs, pos, key):
     return value if value >= 0 else None
 
 
+def _in_world(comm, dest, source):
+    """Peers as ranks of MPI.COMM_WORLD (whose numbering the communicator handed in shares): a
+    learner's own Split/Create/Cart communicator numbers ranks its own way, and the checks compare
+    peers with neighbours in the world. An intercommunicator's peers are left as they are."""
+    if dest is None and source is None:
+        return dest, source
+    from mpi4py import MPI
+
+    try:
+        if comm.Is_inter():
+            return dest, source
+        group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        try:
+            peers = [p for p in (dest, source) if p is not None]
+            mapped = iter(MPI.Group.Translate_ranks(group, peers, world))
+        finally:
+            group.Free()
+            world.Free()
+    except Exception:  # an invalid communicator: MPI itself says so when the call goes on
+        return dest, source
+    return (None if dest is None else next(mapped)), (None if source is None else next(mapped))
+
+
 def _count(buf) -> int | None:
     """Elements in a send buffer: an array, [array, MPI type], or a Python object."""
     if isinstance(buf, (list, tuple)) and buf:
@@ -147,7 +170,7 @@ def _wrap(cls_name: str, name: str, base):
         dest, source = _peer(args, kwargs, dpos, "dest"), _peer(args, kwargs, spos, "source")
         sending = dest is not None
         count = _count(args[0] if args else kwargs.get("buf", kwargs.get("obj"))) if sending else None
-        recorder.note(name, dest, source, count)
+        recorder.note(name, *_in_world(self, dest, source), count)
         peer = f" to rank {dest}" if dest is not None else ""
         peer += f" from rank {source}" if source is not None else ""
         recorder.current = f"comm.{name}(){peer}"
@@ -206,6 +229,13 @@ TORCH_COLLECTIVES = {
 }
 
 
+def _numel(args, kwargs) -> int | None:
+    """Elements in a torch.distributed call's tensor (its first argument), when it is one tensor."""
+    tensor = args[0] if args else kwargs.get("tensor")
+    numel = getattr(tensor, "numel", None)
+    return int(numel()) if callable(numel) else None
+
+
 def _patch_c10d(c10d) -> None:
     for name, rule in TORCH_COLLECTIVES.items():
         base = getattr(c10d, name, None)
@@ -218,7 +248,7 @@ def _patch_c10d(c10d) -> None:
                 if reason:
                     recorder.rejected.append(f"torch.distributed.{_name}")
                     raise ForbiddenCall(f"torch.distributed.{_name}", reason)
-                recorder.calls.append(Call(_name))
+                recorder.calls.append(Call(_name, count=_numel(args, kwargs)))
             return _base(*args, **kwargs)
 
         fn.__name__, fn.__qualname__, fn.__wrapped__, fn._hpdl_recorded = name, name, base, True

@@ -29,13 +29,13 @@ from hpdl.checker.rank_job import RankJob, main, short, state
 class ReferenceJob(RankJob):
     def run(self) -> int:
         from hpdl.checker import expected as stored
-        from hpdl.checker.cases import Case, is_public_only, load_file
+        from hpdl.checker.cases import Case, is_public_only, load_file, with_nonce
 
         module = load_file(self.spec["module_path"])
         answers = stored.load(module) if is_public_only(module) else None
         self.emit(ev="ready", pid=os.getpid(), rank=self.rank, size=self.size)
         for index, case_dict in self.spec["cases"]:
-            case = Case(**case_dict)
+            case = with_nonce(Case(**case_dict), self.spec.get("nonce"))
             state["case"], state["phase"] = index, "reference"
             self.emit(ev="start", case=index)
             args = tuple(module.inputs(case, self.rank, self.size))

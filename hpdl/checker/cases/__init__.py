@@ -25,6 +25,15 @@ and may define
     def diagnose(case, ctx) -> str | None    # a hint for a wrong result on one rank
     def explain(results) -> str | None       # a hint from the pattern over all cases (client side)
     HINT_ONLY_ROOT = "..."                   # shown when only rank 0 got it right
+    ORACLE = True                            # secrets(case, rank, size) (with the check's nonce) go to a
+                                             # helper process beside each learner rank, which answers
+                                             # serve(request, secrets); inputs() on the learner's side
+                                             # (no nonce) hands out proxies that ask it (oracle.py)
+    VERIFY_TIMEOUT = 95.0                    # seconds for verify() when it runs a job (default 60)
+    PRIVATE_INPUTS = True                    # inputs() mixes case.params["nonce"] into its seed:
+                                             # each check draws a fresh nonce, and a learner's rank
+                                             # gets its own inputs as data, never the nonce, so no
+                                             # rank can work out another's without a message
 
 The learner's function runs in a job of its own (one process per rank, sandboxed where
 possible) that holds only inputs() and call() and what they use, cut from this module's source
@@ -152,6 +161,13 @@ class Context:
         return self._comm
 
 
+def with_nonce(case: Case, nonce: int | None) -> Case:
+    """The case as the checker's side sees it: its params with this check's nonce (PRIVATE_INPUTS)."""
+    if nonce is None:
+        return case
+    return Case(**{**case.to_dict(), "params": {**case.params, "nonce": nonce}})
+
+
 def path_of(name: str) -> Path:
     """The file of the case module for exercise `name`; HpdlError names the known ones."""
     from hpdl.errors import HpdlError
@@ -191,7 +207,7 @@ def sibling_path(name: str) -> Path | None:
     return None
 
 
-def public_part(name: str, roots: tuple[str, ...] = ("inputs", "call")) -> dict:
+def public_part(name: str, roots: tuple[str, ...] = ("inputs", "call", "serve")) -> dict:
     """What a learner's check job may hold of exercise `name`: the module cut down to `roots` and
     what they use (split.shake), as {"module": import name, "sources": {import name: source}, "files":
     {import name: the file it was cut from}}: its code keeps that file's name, so kit code in it is

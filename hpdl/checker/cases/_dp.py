@@ -8,9 +8,12 @@ backward ran" from "all sent afterwards". Nothing here is imported on the client
 """
 from __future__ import annotations
 
-# MPI calls on the learner's communicator that all-reduce data
+# MPI calls on the learner's communicator that all-reduce data (a Reduce is one when a Bcast
+# follows: counted too, so Reduce+Bcast per tensor is as many all-reduces as tensors)
 MPI_REDUCES = {"Allreduce", "allreduce", "Iallreduce", "Allreduce_init", "Reduce_scatter",
-               "Reduce_scatter_block", "Ireduce_scatter", "Ireduce_scatter_block"}
+               "Reduce_scatter_block", "Ireduce_scatter", "Ireduce_scatter_block", "Reduce", "reduce", "Ireduce",
+               "Reduce_init"}
+TORCH_REDUCES = ("all_reduce", "all_reduce_coalesced", "reduce")
 
 
 def _unrecorded():
@@ -91,9 +94,20 @@ def launches() -> int:
     recording = sys.modules.get("hpdl.checker.recording")
     if recording is not None and recording.recorder.torch_hooked:
         calls = recording.recorder.calls
-        return sum(1 for c in calls if c.name in MPI_REDUCES or c.name in ("all_reduce", "all_reduce_coalesced"))
+        return sum(1 for c in calls if c.name in MPI_REDUCES or c.name in TORCH_REDUCES)
     calls = recording.recorder.calls if recording is not None else []
     return counter.torch_calls + sum(1 for c in calls if c.name in MPI_REDUCES)
+
+
+def launched_elements() -> int | None:
+    """Elements all-reduced so far through torch.distributed (as recording.py noted them); None
+    outside a learner's check job (the reference's own all-reduces are not recorded)."""
+    import sys
+
+    recording = sys.modules.get("hpdl.checker.recording")
+    if recording is None or not recording.recorder.torch_hooked:
+        return None
+    return sum(c.count or 0 for c in recording.recorder.calls if c.name in TORCH_REDUCES)
 
 
 def params(model) -> list:

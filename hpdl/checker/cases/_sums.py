@@ -35,13 +35,19 @@ def sum_cases(size: int) -> list[Case]:
         elif kind != "large" and n % p == 0:
             kind = "divisible"
         cases.append(Case(f"n={n} {dtype} ({kind})", {"n": n, "dtype": dtype, "seed": seed, "uneven": n % p != 0,
-                                                        "short": n < p}, hidden=hidden))
+                                                        "short": n < p}, hidden=hidden, points=one_rank_points(p)))
     return cases
 
 
+def one_rank_points(size: int) -> float:
+    """On one rank `return x` is right: the case still runs (a function must work there), for no points."""
+    return 0.0 if size == 1 else 1.0
+
+
 def vector(case: Case, rank: int) -> np.ndarray:
+    """This rank's summand. With a check's nonce (PRIVATE_INPUTS) no rank can work out another's."""
     params = case.params
-    rng = np.random.default_rng(1000 * params["seed"] + rank)
+    rng = np.random.default_rng([params.get("nonce", 0), 1000 * params["seed"] + rank])
     x = rng.integers(-99, 100, params["n"]).astype(np.float64) + rank / 4
     return x.astype(params["dtype"])
 

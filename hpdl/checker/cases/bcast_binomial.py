@@ -11,10 +11,12 @@ import numpy as np
 
 from hpdl.checker import hooks
 from hpdl.checker.cases import Case, Wrong
+from hpdl.checker.cases._sums import one_rank_points
 
 SIGNATURE = "bcast_binomial(comm, x: np.ndarray | None, root: int) -> np.ndarray"
 RANKS = (1, 2, 3, 4)
 TIMEOUT = 5.0
+PRIVATE_INPUTS = True  # each rank gets only its own inputs: the others' come by message or not at all
 FORBIDDEN = {
     name: "the broadcast is to be built from point-to-point messages along a binomial tree, not from "
           "MPI's collectives"
@@ -34,7 +36,7 @@ def cases(size: int) -> list[Case]:
             continue
         seen.add((root, n, dtype))
         out.append(Case(f"root={root} n={n} {dtype}", {"root": root, "n": n, "dtype": dtype, "seed": seed},
-                        hidden=hidden))
+                        hidden=hidden, points=one_rank_points(p)))
     return out
 
 
@@ -43,7 +45,7 @@ def inputs(case, rank: int, size: int) -> tuple:
     root = params["root"]
     if rank != root:
         return (None, root)
-    rng = np.random.default_rng(params["seed"])
+    rng = np.random.default_rng([params.get("nonce", 0), params["seed"]])
     return ((rng.integers(-1000, 1000, params["n"]) + 0.5).astype(params["dtype"]), root)
 
 

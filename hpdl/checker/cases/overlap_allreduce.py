@@ -10,8 +10,9 @@
 `call()` builds it on a model whose initial parameters differ per rank, then trains three steps
 on different data per rank (zero_grad, backward, finish(), SGD step), counting all-reduces
 launched during backward and in total. Checked: parameters broadcast at the start; after
-every finish() the gradients are the average over ranks; parameters identical everywhere; at
-least one all-reduce launched while backward ran; no more all-reduces than buckets.
+every finish() the gradients are the average over ranks; parameters identical everywhere; all
+buckets but at most one all-reduced while backward ran (counted in values, not calls); no more
+all-reduces than buckets.
 """
 from __future__ import annotations
 
@@ -110,11 +111,13 @@ def _train(build, comm, model, bucket_mb, batches) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for x, y in batches:
         opt.zero_grad()
-        start = _dp.launches()
+        start, elements = _dp.launches(), _dp.launched_elements()
         F.cross_entropy(model(x), y).backward()
         during = _dp.launches() - start
+        values = None if elements is None else _dp.launched_elements() - elements
         finish()
-        out["steps"].append({"during": during, "total": _dp.launches() - start, "grads": _dp.grads(model)})
+        out["steps"].append({"during": during, "total": _dp.launches() - start, "grads": _dp.grads(model),
+                             "values_during": values})
         opt.step()
     out["params"] = _dp.params(model)
     return out
@@ -128,7 +131,10 @@ def call(fn, comm, args):
 def reference(comm, model, bucket_mb, batches):
     _dp.ensure_process_group()
     out = _train(model_solution, comm, model, bucket_mb, batches)
-    out["buckets"] = len(buckets_of(model.parameters(), bucket_mb))
+    buckets = buckets_of(model.parameters(), bucket_mb)
+    out["buckets"] = len(buckets)
+    out["gradient_values"] = sum(p.numel() for p in model.parameters())
+    out["largest_bucket"] = max(sum(p.numel() for p in b) for b in buckets)
     return out
 
 
@@ -167,11 +173,28 @@ def verify(case, ctx):
         return Wrong(f"no all-reduce started while backward ran ({buckets} buckets expected)",
                      hint="launch each bucket's all-reduce from a hook (p.register_post_accumulate_grad_hook) with "
                           "async_op=True as soon as its last gradient is ready; only wait for them in finish().")
+    wrong = _overlapped(got, expected) if size > 1 and buckets > 1 else None
+    if wrong is not None:
+        return wrong
     most = max(s["total"] for s in got["steps"])
     if size > 1 and most > buckets + 1:
         return Wrong(f"{most} all-reduces in a step where buckets of ≤ {case.params['bucket_mb']:g} MiB give {buckets}",
                      hint="pack the gradients of a bucket into one flat buffer (torch.cat) and all-reduce that once, "
                           "instead of one all-reduce per tensor.")
+    return None
+
+
+def _overlapped(got, expected) -> Wrong | None:
+    """All buckets but at most one all-reduced while backward ran, counted in gradient values (one
+    tiny all-reduce from a hook, the rest after backward, overlaps nothing)."""
+    need = expected["gradient_values"] - expected["largest_bucket"]
+    for i, step in enumerate(got["steps"]):
+        values = step.get("values_during")
+        if isinstance(values, int) and values < need:
+            return Wrong(f"in step {i + 1} only {values} of the {expected['gradient_values']} gradient values were "
+                         f"all-reduced while backward ran; all buckets but the last start there",
+                         hint="start each bucket's all-reduce from the hook that completes it, on the bucket's whole "
+                              "flat buffer; finish() only waits for them.")
     return None
 
 

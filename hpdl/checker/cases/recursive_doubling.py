@@ -15,6 +15,7 @@ from hpdl.checker.cases._sums import diagnose_sum, explain_sums, sum_cases, vect
 SIGNATURE = "recursive_doubling(comm, x: np.ndarray) -> np.ndarray"
 RANKS = (1, 2, 3, 4)
 TIMEOUT = 5.0
+PRIVATE_INPUTS = True  # each rank gets only its own inputs: the others' come by message or not at all
 FORBIDDEN = {
     name: "recursive doubling is to be built from point-to-point exchanges (Sendrecv), not from MPI's collectives"
     for name in hooks.DATA_COLLECTIVES

@@ -16,6 +16,7 @@ from hpdl.checker.cases._sums import chunk_bounds, diagnose_sum, explain_sums, s
 SIGNATURE = "ring_allreduce(comm, x: np.ndarray) -> np.ndarray"
 RANKS = (1, 2, 3, 4)
 TIMEOUT = 5.0
+PRIVATE_INPUTS = True  # each rank gets only its own inputs: the others' come by message or not at all
 FORBIDDEN = {
     name: "the ring allreduce is to be built from point-to-point messages (Send/Recv/Sendrecv), "
           "not from MPI's own collectives"

@@ -4,11 +4,12 @@
         # this rank's sample indices for this epoch: one shuffle of range(n), the same on every
         # rank (seeded with seed + epoch), of which each rank takes its own part
 
-`call()` asks each rank for epochs 0, 0 again, 1 and 2, and the checks look at all ranks'
-answers together: every rank the same number of indices (else ranks run different numbers of
-steps and DDP waits forever for the missing one); no index on two ranks except the few
-repeated to pad (DistributedSampler) — or none dropped except the tail (drop_last); the same
-answer when asked twice; shuffled; a different order every epoch (what set_epoch does).
+`call()` asks each rank for epochs 0, 0 again, 1 and 2, and epoch 0 with another seed; the
+checks look at all ranks' answers together: every rank the same number of indices (else ranks
+run different numbers of steps and DDP waits forever for the missing one); no index on two
+ranks except the few repeated to pad (DistributedSampler) — or none dropped except the tail
+(drop_last); the same answer when asked twice; shuffled; a different order every epoch (what
+set_epoch does) and for another seed.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ SIGNATURE = "shard_indices(comm, n, epoch, seed=0) -> list[int]   # this rank's 
 RANKS = (1, 2, 3)
 TIMEOUT = 20.0
 EPOCHS = (0, 0, 1, 2)  # epoch 0 twice: the same question must get the same answer
+OTHER_SEED = 1000  # epoch 0 is asked once more with seed + OTHER_SEED: the order must depend on the seed
 
 
 def cases(size):
@@ -54,20 +56,21 @@ def _as_list(x):
 def call(fn, comm, args):
     n, seed = args
     out = []
-    for epoch in EPOCHS:
-        got = fn(comm, n, epoch, seed)
+    for epoch, s in [(e, seed) for e in EPOCHS] + [(0, seed + OTHER_SEED)]:
+        got = fn(comm, n, epoch, s)
         if got is None:
             return {"error": f"epoch {epoch}: the function returned None; return this rank's list of indices"}
         try:
             out.append(_as_list(got))
         except (TypeError, ValueError):
             return {"error": f"epoch {epoch}: returned {type(got).__name__}, not a list of whole numbers"}
-    return {"epochs": out}
+    return {"epochs": out[:-1], "other_seed": out[-1]}
 
 
 def reference(comm, n, seed):
     rank, size = comm.Get_rank(), comm.Get_size()
-    return {"epochs": [reference_shard(n, rank, size, e, seed) for e in EPOCHS]}
+    return {"epochs": [reference_shard(n, rank, size, e, seed) for e in EPOCHS],
+            "other_seed": reference_shard(n, rank, size, 0, seed + OTHER_SEED)}
 
 
 def _problems(shards: list[list[int]], n: int) -> Wrong | None:
@@ -137,6 +140,9 @@ def verify(case, ctx):
         return Wrong("two different epochs gave the same order",
                      hint="seed the shuffle with seed + epoch (that is what sampler.set_epoch(epoch) is for): "
                           "with the same order every epoch, the model sees the batches in the same order forever.")
+    if n >= 10 and all(a.get("other_seed") == a["epochs"][0] for a in answers):
+        return Wrong(f"seed {case.params['seed']} and seed {case.params['seed'] + OTHER_SEED} gave the same order "
+                     "in epoch 0", hint="the shuffle must depend on the seed too: seed + epoch, not the epoch alone.")
     return None
 
 

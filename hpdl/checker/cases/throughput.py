@@ -6,8 +6,11 @@
 
 The step here is a stand-in whose cost is known: it sleeps a fixed time per sample, and its
 first calls are slow, as a real first step is (allocations, kernel selection, caches). So
-the right answer is known in advance (1 / seconds per sample), and the usual slips land far
-from it: timing the warm-up too, counting batches instead of samples, assuming every batch
+the right answer is known in advance (1 / seconds per sample) to the checker, never to the
+learner's process: each check scales the cases' time per sample by a factor drawn from its
+nonce (1.3 to 1.8, so the listed values are not the answer), and the learner's step is a proxy
+that asks a helper process (oracle.py) to sleep, the only one that knows how long. The usual
+slips land far from it: timing the warm-up too, counting batches instead of samples, assuming every batch
 is as large as the first, inverting the ratio. Sleeps can only overrun, so a busy machine
 reads a little low; the accepted band is [0.5, 1.15] × the true rate.
 
@@ -23,6 +26,7 @@ from hpdl.checker.cases import Case, Wrong
 SIGNATURE = "throughput(step, batches, warmup=1) -> float   # samples per second after warm-up"
 RANKS = (1,)
 TIMEOUT = 20.0
+ORACLE = True  # the step's cost lives in a helper process beside the learner's rank
 LOW, HIGH = 0.5, 1.15
 
 
@@ -55,6 +59,48 @@ class SleepyStep:
         time.sleep(extra + self.per_sample * n)
 
 
+class RemoteStep:
+    """The learner's step(batch): the helper process sleeps for it; this object knows no cost."""
+
+    def __init__(self, case_name: str):
+        self.case = case_name
+        self.calls: list[int] = []
+
+    def __call__(self, batch):
+        from hpdl.checker import oracle
+
+        n = len(batch[0])
+        self.calls.append(n)
+        oracle.ask({"case": self.case, "n": n})
+
+
+def per_sample(params: dict) -> float:
+    """The case's seconds per sample; with the check's nonce (the checker's side), scaled 1.3-1.8×."""
+    if "nonce" not in params:
+        return params["per_sample"]
+    import random
+
+    return params["per_sample"] * (1.3 + 0.5 * random.Random(f"{params['nonce']}:{params['sizes']}").random())
+
+
+def secrets(case, rank, size) -> dict:
+    """What the helper beside the learner's rank knows (jobs.Runner.secrets)."""
+    p = case.params
+    return {"per_sample": per_sample(p), "first": p["first"], "warmup": p["warmup"], "served": 0}
+
+
+def serve(request: dict, known: dict) -> dict:
+    """In the helper: sleep for one step of `n` samples of a case (its warm-up calls are slow)."""
+    s = known[str(request["case"])]
+    n = int(request["n"])
+    if not 0 <= n <= 1 << 20:
+        raise ValueError(f"a batch of {n} samples")
+    extra = s["first"] if s["served"] < s["warmup"] else 0.0
+    s["served"] += 1
+    time.sleep(extra + s["per_sample"] * n)
+    return {}
+
+
 def _batches(sizes):
     return [(list(range(n)), [0] * n) for n in sizes]
 
@@ -62,7 +108,13 @@ def _batches(sizes):
 def inputs(case, rank, size):
     """(step, batch sizes, warmup, as a generator?): `call()` turns the sizes into batches."""
     p = case.params
-    return SleepyStep(p["per_sample"], p["first"], p["warmup"]), p["sizes"], p["warmup"], p.get("generator", False)
+    if "nonce" not in p:  # the learner's side, or a check without a nonce (a stripped kit's public cases)
+        from hpdl.checker import oracle
+
+        step = RemoteStep(case.name) if oracle.running() else SleepyStep(p["per_sample"], p["first"], p["warmup"])
+    else:
+        step = SleepyStep(per_sample(p), p["first"], p["warmup"])
+    return step, p["sizes"], p["warmup"], p.get("generator", False)
 
 
 def call(fn, comm, args):
@@ -98,19 +150,19 @@ def diagnose(case, ctx):
     rate, truth = ctx.got["rate"], ctx.expected["rate"]
     if not isinstance(rate, numbers.Real) or rate <= 0:
         return None
-    sizes, w = p["sizes"], p["warmup"]
+    sizes, w, cost = p["sizes"], p["warmup"], per_sample(p)
     timed = sum(sizes[w:])
     if rate * truth < 1.0 or rate < 1e-2 * truth:
         return "that looks like seconds per sample: return samples / seconds."
     guesses = {
         "the warm-up batches were timed too: start the clock after the first `warmup` steps.":
-            sum(sizes) / (sum(sizes) * p["per_sample"] + w * p["first"]),
+            sum(sizes) / (sum(sizes) * cost + w * p["first"]),
         "the warm-up batches' samples were counted: count only the timed batches.":
-            sum(sizes) / (timed * p["per_sample"]),
+            sum(sizes) / (timed * cost),
         "that is batches per second: count samples, len(batch[0]) for each batch.":
-            (len(sizes) - w) / (timed * p["per_sample"]),
+            (len(sizes) - w) / (timed * cost),
         "every batch was counted as large as the first: count len(batch[0]) of each batch.":
-            sizes[0] * (len(sizes) - w) / (timed * p["per_sample"]),
+            sizes[0] * (len(sizes) - w) / (timed * cost),
     }
     best = min(guesses, key=lambda k: abs(guesses[k] / rate - 1))
     if abs(guesses[best] / rate - 1) < 0.25 and abs(truth / rate - 1) > 0.15:

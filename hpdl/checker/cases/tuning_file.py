@@ -4,8 +4,9 @@
         # table: [(up_to_bytes, algorithm), ..., (None, algorithm)], sizes growing;
         # return the JSON object MPICH reads from MPIR_CVAR_COLL_SELECTION_TUNING_JSON_FILE
 
-The check is MPICH itself. Rank 0 writes what the learner returned to a file and starts a
-fresh 4-rank `mpiexec` job with MPIR_CVAR_COLL_SELECTION_TUNING_JSON_FILE pointing at it; there
+The check is MPICH itself, run on the checker's side (verify(), in the reference job: nothing
+in the learner's process decides, hpdl.tune included). Rank 0 writes what the learner returned
+to a file and starts a fresh 4-rank `mpiexec` job with MPIR_CVAR_COLL_SELECTION_TUNING_JSON_FILE pointing at it; there
 an MPI_Allreduce with a user-defined sum records how MPICH calls it, which tells the algorithm
 MPICH really ran (hpdl.tune.classify). Each table row is probed at its boundary, 16 bytes past
 it and inside it; every probe must show the row's algorithm. A file MPICH refuses, a missing
@@ -28,6 +29,9 @@ SIGNATURE = "tuning_file(table: list[tuple[int | None, str]]) -> dict   # MPICH'
 RANKS = (1, 2)
 TIMEOUT = 90.0
 PROBE_RANKS = 4
+PROBE_TIMEOUT = 75.0  # s: MPICH's run on the checker's side
+VERIFY_TIMEOUT = PROBE_TIMEOUT + 20  # s: the checker's time for verify(), which runs it
+MAX_JSON = 1 << 20  # characters: MPICH reads the file on the checker's side
 
 
 def cases(size):
@@ -63,50 +67,62 @@ def inputs(case, rank, size):
 
 
 def call(fn, comm, args):
-    """Everyone builds the file; rank 0 alone has MPICH run it (a fresh job of PROBE_RANKS ranks)."""
-    from hpdl import tune
-    from hpdl.errors import HpdlError
-
+    """Everyone builds the file and hands it back as data: MPICH runs it on the checker's side (verify)."""
     (table,) = args
     obj = fn([tuple(row) for row in table])
     try:
-        json.dumps(obj)  # the file MPICH reads is JSON: anything else is refused here
+        text = json.dumps(obj)  # the file MPICH reads is JSON: anything else is refused here
     except (TypeError, ValueError) as exc:
-        return {"error": f"what tuning_file returned cannot be written as JSON: {exc}", "problems": []}
-    out = {"problems": tune.problems(obj) if isinstance(obj, dict) else [f"returned {type(obj).__name__}, not a dict"]}
-    if comm.Get_rank() != 0 or not isinstance(obj, dict):  # not a dict: wrong already, nothing for MPICH to read
-        return out
-    fd, path = tempfile.mkstemp(prefix="hpdl-tuning-", suffix=".json")
-    os.close(fd)
-    try:
-        tune.write_tuning_file(obj, path)
-        points = probes(table)
-        seen = tune.probe([n for n, _ in points], ranks=PROBE_RANKS, tuning_file=path, timeout=TIMEOUT - 15)
-        out["probe"] = [[n, name, tune.classify(seen[n], max(1, n // 4))] for n, name in points]
-    except HpdlError as exc:
-        out["error"] = f"MPICH did not run with this file: {exc}"
-    finally:
-        os.remove(path)
-    return out
+        return {"error": f"what tuning_file returned cannot be written as JSON: {exc}"}
+    if len(text) > MAX_JSON:
+        return {"error": f"what tuning_file returned is {len(text)} characters of JSON; a selection table "
+                         f"is a few hundred"}
+    return {"json": obj}
 
 
 def reference(comm, table):
     return {"table": [list(row) for row in table]}
 
 
+def probe(table, obj) -> dict:
+    """MPICH run with the learner's file (a fresh job of PROBE_RANKS ranks): the algorithm at each probe."""
+    from hpdl import tune
+    from hpdl.errors import HpdlError
+
+    fd, path = tempfile.mkstemp(prefix="hpdl-tuning-", suffix=".json")
+    os.close(fd)
+    try:
+        tune.write_tuning_file(obj, path)
+        points = probes(table)
+        seen = tune.probe([n for n, _ in points], ranks=PROBE_RANKS, tuning_file=path, timeout=PROBE_TIMEOUT)
+        return {"probe": [[n, name, tune.classify(seen[n], max(1, n // 4))] for n, name in points]}
+    except HpdlError as exc:
+        return {"error": f"MPICH did not run with this file: {exc}"}
+    finally:
+        os.remove(path)
+
+
 def verify(case, ctx):
-    got = ctx.got
-    hint = "; ".join(got.get("problems") or []) or None
-    if got.get("error"):
-        return Wrong(got["error"][-600:], hint=hint)
-    if "probe" not in got:
+    """On the checker's side, so nothing in the learner's process (hpdl.tune included) has a say."""
+    from hpdl import tune
+
+    got = ctx.got if isinstance(ctx.got, dict) else {"error": f"the check got {type(ctx.got).__name__} back"}
+    obj = got.get("json")
+    ran = probe(case.params["table"], obj) if ctx.rank == 0 and "error" not in got and isinstance(obj, dict) \
+        else None
+    ran = ctx.comm.bcast(ran, root=0)  # collective: every rank, before any return
+    problems = tune.problems(obj) if isinstance(obj, dict) else [f"returned {type(obj).__name__}, not a dict"]
+    hint = "; ".join(problems) or None
+    if got.get("error") or (ran or {}).get("error"):
+        return Wrong((got.get("error") or ran["error"])[-600:], hint=hint)
+    if ran is None:
         return Wrong(hint) if hint and ctx.rank == 0 else None
-    wrong = [(n, want, ran) for n, want, ran in got["probe"] if want not in ran.split("|")]
+    wrong = [(n, want, algo) for n, want, algo in ran["probe"] if want not in algo.split("|")]
     if not wrong:
         return None
-    n, want, ran = wrong[0]
-    return Wrong(f"{len(wrong)} of {len(got['probe'])} probes ran the wrong algorithm; e.g. at {n} B per rank "
-                 f"the table says {want}, MPICH ran {ran}", hint=hint or _guess(case, got))
+    n, want, algo = wrong[0]
+    return Wrong(f"{len(wrong)} of {len(ran['probe'])} probes ran the wrong algorithm; e.g. at {n} B per rank "
+                 f"the table says {want}, MPICH ran {algo}", hint=hint or _guess(case, ran))
 
 
 def _guess(case, got) -> str:

@@ -1,0 +1,89 @@
+"""Learner's ranks: a helper process that holds what the learner's function must not see.
+
+Some exercises hand the learner's function an object whose behaviour is the answer (a step that
+costs a set time per sample): kept in the learner's process, its settings are the answer too,
+one attribute or frame away. For a case module with ORACLE = True the client writes each rank's
+secrets to JOB_DIR/oracle-<rank>.bin; before the learner's code is unpacked, the rank forks this
+helper, which reads and removes that file, makes itself unreadable to other processes
+(PR_SET_DUMPABLE 0; the sandbox's seccomp filter forbids ptrace) and answers requests with the
+module's serve(request, secrets). The learner's process holds only a socket: `ask()`.
+
+Requests and answers are one JSON object per line, never pickles: the helper runs no code the
+learner sends. It ends when its rank does (PR_SET_PDEATHSIG, and the socket closing).
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+from typing import Any, Callable
+
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
+MAX_LINE = 1 << 16
+
+_sock: socket.socket | None = None
+_file = None
+
+
+def start(path: str, serve: Callable[[dict, Any], dict]) -> None:
+    """Fork the helper for this rank's secrets at `path`; return once it has read and removed them."""
+    global _sock, _file
+    parent, child = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the helper: never returns
+        parent.close()
+        code = 0
+        try:
+            _serve_forever(child, path, serve)
+        except BaseException:
+            code = 1
+        os._exit(code)
+    child.close()
+    if parent.recv(1) != b"R":
+        raise RuntimeError("the checker's helper process did not start")
+    _sock, _file = parent, parent.makefile("rwb")
+
+
+def _serve_forever(sock: socket.socket, path: str, serve) -> None:
+    from hpdl.checker import wire
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    with open(path, "rb") as f:
+        secrets = wire.unpack(f.read())
+    os.remove(path)
+    sock.sendall(b"R")
+    stream = sock.makefile("rwb")
+    while True:
+        line = stream.readline(MAX_LINE)
+        if not line:
+            return
+        try:
+            request = json.loads(line)
+            answer = serve(request, secrets) if isinstance(request, dict) else {"error": "not a request"}
+        except Exception as exc:
+            answer = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        stream.write(json.dumps(answer).encode() + b"\n")
+        stream.flush()
+
+
+def running() -> bool:
+    return _file is not None
+
+
+def ask(request: dict) -> dict:
+    """The helper's answer to one request (RuntimeError when it is gone)."""
+    if _file is None:
+        raise RuntimeError("no helper process in this rank")
+    _file.write(json.dumps(request).encode() + b"\n")
+    _file.flush()
+    line = _file.readline(MAX_LINE)
+    if not line:
+        raise RuntimeError("the checker's helper process is gone")
+    answer = json.loads(line)
+    if "error" in answer:
+        raise RuntimeError(f"the checker's helper process refused: {answer['error']}")
+    return answer

@@ -1,0 +1,100 @@
+"""Checks decide on evidence the learner's process cannot make up, and pass right answers.
+
+Classes of attack, each on real ranks (fixtures/evidence_attacks.py):
+- inputs a rank can work out for itself: the case's seed is found from the rank's own vector, every
+  rank's vector rebuilt, the sum returned without a message. Each check now draws a fresh nonce,
+  known to the checker's side only; each learner's rank gets its own inputs as data.
+- inputs that carry the answer: the throughput step's time per sample was an attribute of the step
+  (and the case's params a frame away). The step is now a proxy asking a helper process to sleep,
+  and each check scales the listed times by a factor drawn from its nonce.
+- judging code in the learner's process: the tuning-file check ran MPICH through hpdl.tune from the
+  learner's rank, where the learner can replace hpdl.tune's functions. MPICH now runs in verify().
+- the recorder in the learner's process (its pause flag, its list of calls): still rewritable; the
+  tests are marked as known failures until the evidence comes from outside that process.
+Tests too weak: on one rank `return x` is right (those cases now run for no points); a shuffle
+seeded by the epoch alone passed (epoch 0 is now also asked with another seed); one tiny
+all-reduce from a hook counted as overlap (values all-reduced during backward are now counted);
+Reduce+Bcast was no all-reduce to the count (a Reduce now counts as one).
+Right answers a check failed: a tree that sends each child its shape first, recursive doubling in
+segments (ranks a rank sends to are counted, not messages), and a ring on a communicator of the
+learner's own, numbered otherwise (peers are recorded as ranks of the world).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import hpdl
+
+FIXTURES = Path(__file__).parent / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+import evidence_attacks as E  # noqa: E402
+from test_check_attacks import no_points  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def all_points(result) -> None:
+    assert result.passed and result.score == result.max_score, result
+
+
+@pytest.mark.parametrize("exercise", ["ring_allreduce", "recursive_doubling"])
+def test_a_rank_cannot_rebuild_the_other_ranks_inputs(exercise, no_strays):
+    result = hpdl.check(exercise, E.sum_without_messages, ranks=[3])
+    no_points(result)
+    assert all(c.verdict == "WRONG" for c in result.cases), result
+
+
+def test_the_steps_cost_is_not_in_the_learners_process(no_strays):
+    result = hpdl.check("throughput", E.throughput_read_from_the_step, grade=True)
+    no_points(result)
+    all_points(hpdl.check("throughput", E.throughput_timed, grade=True))  # a meter that times the steps
+
+
+def test_the_tuning_file_is_judged_by_mpich_outside_the_learners_process(no_strays):
+    result = hpdl.check("tuning_file", E.tuning_file_patched_probe, ranks=[1])
+    no_points(result)
+
+
+def test_returning_the_input_earns_nothing_on_one_rank_or_more(no_strays):
+    result = hpdl.check("ring_allreduce", E.returns_its_input, ranks=[1, 2])
+    assert result.score == 0 and result.max_score > 0, result
+    assert {c.verdict for c in result.cases if c.ranks == 1} == {"PASS"}, result  # right there, for no points
+
+
+def test_a_shuffle_that_ignores_the_seed_is_wrong(no_strays):
+    result = hpdl.check("shard_indices", E.shard_ignores_seed, ranks=[2])
+    assert all(c.verdict == "WRONG" and "seed" in c.message for c in result.cases if c.params["n"] >= 10), result
+    assert result.score < result.max_score
+
+
+def test_one_tiny_allreduce_during_backward_is_not_overlap(no_strays):
+    result = hpdl.check("overlap_allreduce", E.overlap_one_tiny_allreduce, ranks=[2])
+    several = [c for c in result.cases if "one bucket" not in c.name]
+    assert several and all(c.verdict == "WRONG" and "while backward ran" in c.message for c in several), result
+
+
+def test_reduce_and_bcast_per_tensor_count_as_all_reduces(no_strays):
+    result = hpdl.check("allreduce_gradients", E.reduce_then_bcast_per_tensor, ranks=[2])
+    assert all(c.verdict == "WRONG" and "all-reduces for" in c.message for c in result.cases), result
+
+
+@pytest.mark.xfail(strict=True, reason="the recorder lives in the learner's process: its pause flag can be set")
+def test_a_paused_recorder_does_not_hide_a_forbidden_collective(no_strays):
+    no_points(hpdl.check("ring_allreduce", E.paused_recorder_allreduce, ranks=[2]))
+
+
+@pytest.mark.xfail(strict=True, reason="the recorder lives in the learner's process: its calls can be rewritten")
+def test_rewritten_calls_do_not_make_a_linear_exchange_a_ring(no_strays):
+    no_points(hpdl.check("ring_allreduce", E.forged_ring_calls, ranks=[3]))
+
+
+@pytest.mark.parametrize("exercise, fn, ranks", [
+    ("bcast_binomial", E.bcast_shape_first, [3, 4]),
+    ("recursive_doubling", E.recursive_doubling_segmented, [3, 4]),
+    ("ring_allreduce", E.ring_on_reversed_split, [4]),
+])
+def test_right_answers_pass(exercise, fn, ranks, no_strays):
+    all_points(hpdl.check(exercise, fn, ranks=ranks))
