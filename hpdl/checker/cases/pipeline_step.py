@@ -37,6 +37,8 @@ SIGNATURE = "pipeline_step(comm, stage, batch, targets, m) -> float | None   # 1
 RANKS = (1, 2, 3, 4)
 TIMEOUT = 30.0  # the first case of a job pays for importing torch
 WIDTH, CLASSES = 16, 10
+FORBIDDEN = {name: "a pipeline stage exchanges activations and gradients with its neighbours in point-to-point "
+                   "messages (Send/Isend and Recv)" for name in hooks.DATA_COLLECTIVES}
 
 
 def cases(size):
@@ -251,22 +253,29 @@ def _schedule(ctx) -> Wrong | None:
                       "then the backwards left, in micro-batch order; fewer forwards first leave the next stages idle.")
 
 
+def _loss(ctx) -> Wrong | None:
+    loss, expected = ctx.got["loss"], ctx.expected["loss"]
+    if loss is None or not isinstance(loss, (int, float, np.floating)) or isinstance(loss, bool):
+        return Wrong(f"the last stage returned {type(loss).__name__}, not the loss as a float",
+                     hint="return the whole batch's mean loss as a float (the sum of the micro-batches' .item()).")
+    if not np.isclose(loss, expected, rtol=1e-4, atol=1e-6):
+        return Wrong(f"the last stage returned loss {loss:.6g}; the single device's is {expected:.6g}",
+                     max_error=abs(loss - expected),
+                     hint="return F.cross_entropy of the whole batch: each micro-batch's mean loss weighted by "
+                          "its share of the rows.")
+    return None
+
+
 def verify(case, ctx):
-    got, expected = ctx.got, ctx.expected
-    if ctx.rank == ctx.size - 1:
-        loss = got["loss"]
-        if loss is None or not isinstance(loss, (int, float, np.floating)) or isinstance(loss, bool):
-            return Wrong(f"the last stage returned {type(loss).__name__}, not the loss as a float",
-                         hint="return the whole batch's mean loss as a float (the sum of the micro-batches' .item()).")
-        if not np.isclose(loss, expected["loss"], rtol=1e-4, atol=1e-6):
-            return Wrong(f"the last stage returned loss {loss:.6g}; the single device's is {expected['loss']:.6g}",
-                         max_error=abs(loss - expected["loss"]),
-                         hint="return F.cross_entropy of the whole batch: each micro-batch's mean loss weighted by "
-                              "its share of the rows.")
+    """Gradients first (their diagnosis names the mistake), then the loss, the messages, the order."""
+    got = ctx.got
     if any(g is None for g in got["grads"]):
         return Wrong(f"rank {ctx.rank}: some parameters of the stage have no gradient after the step "
                      f"(p.grad is None)")
-    w = hooks.compare(got["grads"], expected["grads"], what=f"rank {ctx.rank}'s gradients", rtol=1e-4, atol=1e-6)
+    w = hooks.compare(got["grads"], ctx.expected["grads"], what=f"rank {ctx.rank}'s gradients", rtol=1e-4,
+                      atol=1e-6)
+    if w is None and ctx.rank == ctx.size - 1:
+        w = _loss(ctx)
     return w or _messages(ctx) or _schedule(ctx)
 
 
