@@ -44,7 +44,15 @@ def one_f_one_b(stages: int, micro: int, stage: int) -> list[Op]:
     return ops + [("B", i) for i in range(b, micro)]
 
 
-SCHEDULES = {"GPipe": gpipe, "1F1B": one_f_one_b}
+class _Schedules(dict):
+    """{"GPipe": gpipe, "1F1B": one_f_one_b}, looked up by name each time: a check that refuses the
+    kit's own 1F1B (hooks.KIT_ANSWERS replaces the module's function) is not bypassed through here."""
+
+    def __getitem__(self, name: str):
+        return globals()[super().__getitem__(name)]
+
+
+SCHEDULES = _Schedules({"GPipe": "gpipe", "1F1B": "one_f_one_b"})
 
 
 def bubble_formula(stages: int, micro: int) -> float:

@@ -1,8 +1,10 @@
 """The checks of lesson 09 on real ranks: the model solutions pass as a learner's copy, and each
-known-bad implementation is rejected with the reason named — micro-batch gradients summed
-without scaling, a send/recv order that deadlocks (HANG, with the stuck rank and line), a stage
-that skips the backward send, a tensor-parallel layer missing its all-reduce, an uneven split
-dropping columns.
+known-bad implementation is rejected with the reason named — GPipe's order (right gradients, too
+much memory), a pipe never filled, gradients not accumulated over micro-batches, micro-batch
+losses unscaled or weighted 1/m when their sizes differ, chunk(m) where m does not divide the
+batch, a send/recv order that deadlocks (HANG, with the stuck rank and line), a stage that skips
+the backward send, the kit's own 1F1B order (refused), a tensor-parallel layer missing its
+all-reduce, an uneven split dropping columns.
 
 That the solutions of solutions/09_model_parallelism.ipynb, as learners are shown them, earn
 full marks at 1–4 ranks (hidden cases included) is tested by running it in grade mode
@@ -20,7 +22,7 @@ from mpi4py import MPI
 import hpdl
 from hpdl.checker.cases import column_parallel_linear as cpl_case
 from hpdl.checker.cases import pipeline_step as pipe_case
-from conftest import learner_copy, passed, rejected
+from conftest import hints, learner_copy, passed, rejected
 
 rows_of = learner_copy(cpl_case.rows_of)  # the learner's own copy: case modules are not importable in a check
 
@@ -29,53 +31,104 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = "09_model_parallelism.ipynb"
 
 
-# -- exercise 1: pipeline_step ----------------------------------------------------------------------
+# -- exercise 1: pipeline_step (1F1B over mpi4py) ---------------------------------------------------
+
+one_f_one_b = learner_copy(pipe_case.one_f_one_b)  # the learner's own copy of the order (the kit's is refused)
 
 
 def test_pipeline_step_reference_passes(no_strays):
     assert passed(hpdl.check("pipeline_step", learner_copy(pipe_case.model_solution), ranks=[3]))
 
 
-def stage_unscaled(comm, stage, microbatches, targets):
-    """Micro-batch gradients summed: each loss backpropagated without the 1/m."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    first, last = rank == 0, rank == size - 1
-    kept = []
-    for i, x in enumerate(microbatches):
-        if not first:
-            comm.Recv(x.numpy(), source=rank - 1)
-            x.requires_grad_()
-        y = stage(x)
-        if last:
-            y = F.cross_entropy(y, targets[i])
-        else:
-            comm.Send(y.detach().numpy(), dest=rank + 1)
-        kept.append((x, y))
-    for x, y in kept:
-        if last:
-            y.backward()
-        else:
-            g = torch.empty_like(y)
-            comm.Recv(g.numpy(), source=rank + 1)
-            y.backward(g)
-        if not first:
+def run_order(comm, stage, parts, targets, order, weight, zero_each=False, send_back=True):
+    """A learner's step over micro-batches `parts` in `order` of ("F", i) / ("B", i), micro-batch
+    i's mean loss times weight(rows): each known-bad variant below turns one knob of it."""
+    rank, p = comm.Get_rank(), comm.Get_size()
+    first, last = rank == 0, rank == p - 1
+    ts = targets.split([len(x) for x in parts])
+    inputs, outputs, loss = {}, {}, 0.0
+    for kind, i in order:
+        if kind == "F":
+            x = parts[i]
+            if not first:
+                comm.Recv(x.numpy(), source=rank - 1)
+                x.requires_grad_()
+            y = stage(x)
+            if last:
+                y = F.cross_entropy(y, ts[i]) * weight(len(x))
+                loss += y.item()
+            else:
+                comm.Send(y.detach().numpy(), dest=rank + 1)
+            inputs[i], outputs[i] = x, y
+            continue
+        x, y, grad = inputs.pop(i), outputs.pop(i), None
+        if zero_each:
+            stage.zero_grad()                       # forgets the micro-batches before this one
+        if not last:
+            grad = torch.empty_like(y)
+            comm.Recv(grad.numpy(), source=rank + 1)
+        y.backward(grad)
+        if not first and send_back:
             comm.Send(x.grad.numpy(), dest=rank - 1)
-    return sum(y.item() for _, y in kept) / len(kept) if last else None
+    return loss if last else None
 
 
-def stage_deadlock(comm, stage, microbatches, targets):
-    """Waits for the gradient before sending the activation it depends on: rank 0 and 1 wait for each other."""
+def stage_gpipe(comm, stage, batch, targets, m):
+    """Right gradients, GPipe's order: all forwards, then all backwards."""
+    order = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch))
+
+
+def stage_no_warmup(comm, stage, batch, targets, m):
+    """Right gradients, one micro-batch at a time on every stage: the pipe never fills."""
+    order = [op for i in range(m) for op in (("F", i), ("B", i))]
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch))
+
+
+def stage_not_accumulated(comm, stage, batch, targets, m):
+    """1F1B, but p.grad zeroed before each backward: only the last micro-batch's gradient is left."""
+    order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch), True)
+
+
+def stage_unscaled(comm, stage, batch, targets, m):
+    """1F1B, micro-batch losses summed: each backpropagated without its share of the batch."""
+    order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: 1.0)
+
+
+def stage_equal_weights(comm, stage, batch, targets, m):
+    """1F1B, each micro-batch's mean loss weighted 1/m: wrong when the micro-batches differ in size."""
+    order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: 1 / m)
+
+
+def stage_chunk(comm, stage, batch, targets, m):
+    """1F1B over batch.chunk(m): fewer than m micro-batches, or other sizes, when m does not divide B."""
+    parts = batch.chunk(m)
+    order = one_f_one_b(comm.Get_size(), len(parts), comm.Get_rank())
+    return run_order(comm, stage, parts, targets, order, lambda rows: rows / len(batch))
+
+
+def stage_no_backward_send(comm, stage, batch, targets, m):
+    """Forgets to send x.grad back: the previous stage waits for it forever."""
+    order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch),
+                     send_back=False)
+
+
+def stage_deadlock(comm, stage, batch, targets, m):
+    """Waits for the gradient before sending the activation it depends on: ranks 0 and 1 wait for each other."""
     rank, size = comm.Get_rank(), comm.Get_size()
     first, last = rank == 0, rank == size - 1
-    m = len(microbatches)
     loss = 0.0
-    for i, x in enumerate(microbatches):
+    for x, t in zip(batch.tensor_split(m), targets.tensor_split(m)):
         if not first:
             comm.Recv(x.numpy(), source=rank - 1)
             x.requires_grad_()
         y = stage(x)
         if last:
-            out = F.cross_entropy(y, targets[i]) / m
+            out = F.cross_entropy(y, t) * len(x) / len(batch)
             loss += out.item()
             out.backward()
         else:
@@ -88,75 +141,54 @@ def stage_deadlock(comm, stage, microbatches, targets):
     return loss if last else None
 
 
-def stage_no_backward_send(comm, stage, microbatches, targets):
-    """Forgets to send x.grad back: the previous stage waits for it forever."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    first, last = rank == 0, rank == size - 1
-    m = len(microbatches)
-    kept = []
-    for i, x in enumerate(microbatches):
-        if not first:
-            comm.Recv(x.numpy(), source=rank - 1)
-            x.requires_grad_()
-        y = stage(x)
-        if last:
-            y = F.cross_entropy(y, targets[i]) / m
-        else:
-            comm.Send(y.detach().numpy(), dest=rank + 1)
-        kept.append((x, y))
-    for x, y in kept:
-        if last:
-            y.backward()
-        else:
-            g = torch.empty_like(y)
-            comm.Recv(g.numpy(), source=rank + 1)
-            y.backward(g)
-    return sum(y.item() for _, y in kept) if last else None
-
-
-def stage_forward_only_comm(comm, stage, microbatches, targets):
+def stage_forward_only_comm(comm, stage, batch, targets, m):
     """No backward messages at all: the earlier stages never get a gradient."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    first, last = rank == 0, rank == size - 1
-    m = len(microbatches)
     loss = 0.0
-    for i, x in enumerate(microbatches):
-        if not first:
+    for x, t in zip(batch.tensor_split(m), targets.tensor_split(m)):
+        if rank > 0:
             comm.Recv(x.numpy(), source=rank - 1)
         y = stage(x)
-        if last:
-            out = F.cross_entropy(y, targets[i]) / m
+        if rank == size - 1:
+            out = F.cross_entropy(y, t) * len(x) / len(batch)
             loss += out.item()
             out.backward()
         else:
             comm.Send(y.detach().numpy(), dest=rank + 1)
-    return loss if last else None
+    return loss if rank == size - 1 else None
 
 
-def stage_whole_batch(comm, stage, microbatches, targets):
+def stage_whole_batch(comm, stage, batch, targets, m):
     """Right gradients, but one message for the whole batch: no pipelining."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    first, last = rank == 0, rank == size - 1
-    x = torch.cat(microbatches)
-    if not first:
-        comm.Recv(x.numpy(), source=rank - 1)
-        x.requires_grad_()
-    y = stage(x)
-    if last:
-        loss = F.cross_entropy(y, torch.cat(targets))
-        loss.backward()
-    else:
-        comm.Send(y.detach().numpy(), dest=rank + 1)
-        g = torch.empty_like(y)
-        comm.Recv(g.numpy(), source=rank + 1)
-        y.backward(g)
-    if not first:
-        comm.Send(x.grad.numpy(), dest=rank - 1)
-    return loss.item() if last else None
+    return run_order(comm, stage, [batch], targets, [("F", 0), ("B", 0)], lambda rows: 1.0)
 
 
-def test_pipeline_step_unscaled_microbatch_grads_rejected(no_strays):
-    rejected(hpdl.check("pipeline_step", stage_unscaled, ranks=[2]), "times the single device", "1/")
+def stage_kit_schedule(comm, stage, batch, targets, m):
+    """The kit's own 1F1B order (hpdl.pipeline.one_f_one_b): refused inside a check."""
+    import hpdl.pipeline
+
+    order = hpdl.pipeline.one_f_one_b(comm.Get_size(), m, comm.Get_rank())
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch))
+
+
+@pytest.mark.parametrize("bad, ranks, words", [
+    (stage_gpipe, 2, ["held 4 micro-batches", "at most p - s", "GPipe"]),
+    (stage_no_warmup, 3, ["1F1B runs F0 F1", "fill the pipe"]),
+    (stage_not_accumulated, 2, ["last micro-batch's gradients alone", "accumulate"]),
+    (stage_unscaled, 2, ["4 times the single device", "share of the batch"]),
+    (stage_equal_weights, 2, ["weighted 1/4", "rows / B"]),
+    (stage_chunk, 2, ["tensor_split"]),
+    (stage_forward_only_comm, 2, ["backward never reached"]),
+    (stage_whole_batch, 2, ["one per micro-batch"]),
+])
+def test_pipeline_step_known_bad_rejected(bad, ranks, words, no_strays):
+    rejected(hpdl.check("pipeline_step", bad, ranks=[ranks]), *words)
+
+
+def test_pipeline_step_kit_schedule_refused(no_strays):
+    result = hpdl.check("pipeline_step", stage_kit_schedule, ranks=[2])
+    assert result.score == 0 and all(c.rejected == "hpdl.pipeline.one_f_one_b" for c in result.cases), result
+    assert "exercise" in hints(result)
 
 
 @pytest.mark.parametrize("bad, stuck", [(stage_deadlock, {0, 1}), (stage_no_backward_send, {0})])
@@ -168,14 +200,6 @@ def test_pipeline_step_hang_names_rank_and_line(bad, stuck, no_strays):
     assert stuck <= set(first.stuck), first.stuck
     where = " ".join(first.stuck.values())
     assert "line" in where and "comm.Recv" in where, where
-
-
-def test_pipeline_step_no_backward_messages_rejected(no_strays):
-    rejected(hpdl.check("pipeline_step", stage_forward_only_comm, ranks=[2]), "backward never reached")
-
-
-def test_pipeline_step_one_message_per_batch_rejected(no_strays):
-    rejected(hpdl.check("pipeline_step", stage_whole_batch, ranks=[2]), "one per micro-batch")
 
 
 # -- exercise 2: column_parallel_linear -------------------------------------------------------------

@@ -1,23 +1,30 @@
-"""Checks for lesson 09's first exercise: one micro-batched (GPipe) training step of a pipeline stage.
+"""Checks for lesson 09's first exercise: one 1F1B training step of a pipeline stage, over mpi4py.
 
-    def pipeline_step(comm, stage, microbatches, targets) -> float | None:
+    def pipeline_step(comm, stage, batch, targets, m) -> float | None:
         # rank s of comm holds stage s of the model (an nn.Module: its consecutive layers).
-        # microbatches: m tensors of shape (mb, W). On rank 0 the inputs; on the other ranks
-        #   zeros of the shape of what arrives from the previous stage: receive into them.
-        # targets: m label tensors; the last stage's loss of micro-batch i is
-        #   F.cross_entropy(output_i, targets[i]).
-        # Forward all m micro-batches, then backward all m (GPipe), with comm.Send / comm.Recv
-        # of tensor.numpy() between neighbouring stages. Afterwards every p.grad of the stage
-        # is the gradient of the MEAN of the m losses (the whole batch's loss).
-        # Return that mean loss (a float) on the last rank; None on the others.
+        # batch (B, W): on rank 0 the inputs; on the other ranks zeros of the shape of what
+        #   arrives from the previous stage: receive into its micro-batches.
+        # targets (B,): the labels, on every rank (the last stage uses them).
+        # Micro-batch i is batch.tensor_split(m)[i] (the first B % m have one row more).
+        # 1F1B: stage s runs min(p-s-1, m) forwards to fill the pipe, then one forward and one
+        # backward at a time, then the backwards left; backwards in micro-batch order. Messages
+        # with comm.Send/Isend/Recv of tensor.numpy(): activations forward, gradients backward.
+        # Afterwards every p.grad of the stage is the gradient of F.cross_entropy(model(batch),
+        # targets), the whole batch's mean loss. Return that loss (a float) on the last rank;
+        # None on the others.
 
-Every message between stages, forward (activations) and backward (gradients), has the shape
-(mb, W) of one micro-batch. The check runs the learner's stage on 1–4 ranks and compares,
-on every rank, each gradient with the single-device model's (the whole model on the whole
-batch, on one rank), and the loss on the last rank. It requires exactly m messages to the
-next stage and m to the previous one (one per micro-batch each way), and none to other ranks.
-A send/recv order that deadlocks ends as HANG, naming the stuck ranks and their lines.
-Messages go through the mpi4py communicator handed in, so the checker sees each one.
+The check runs the learner's stage on 1-4 ranks and decides on behaviour, observed while it runs:
+- on every rank, each gradient against the single-device model's (the whole model on the whole
+  batch), and the loss on the last rank;
+- the order in which the stage ran its micro-batches forward and backward: the case's call()
+  hooks the stage's last layer (a forward hook, then a hook on the output's gradient) in the
+  learner's own job, so the order is what autograd did, not what the source says. GPipe's order
+  (all forwards, then all backwards) gives the right gradients but holds m micro-batches'
+  activations where 1F1B holds at most p - s: rejected, with the peak it held;
+- exactly one message per micro-batch each way, of that micro-batch's size (tensor_split's,
+  also when B is not divisible by m), between neighbouring stages only.
+A send/recv order that deadlocks ends as HANG, naming the stuck ranks and their lines. The kit's
+own schedule (hpdl.pipeline.one_f_one_b) is refused inside the check (hooks.KIT_ANSWERS).
 """
 from __future__ import annotations
 
@@ -26,19 +33,25 @@ import numpy as np
 from hpdl.checker import hooks
 from hpdl.checker.cases import Case, Wrong
 
-SIGNATURE = "pipeline_step(comm, stage, microbatches, targets) -> float | None   # loss on the last rank"
+SIGNATURE = "pipeline_step(comm, stage, batch, targets, m) -> float | None   # 1F1B; the loss on the last rank"
 RANKS = (1, 2, 3, 4)
 TIMEOUT = 30.0  # the first case of a job pays for importing torch
 WIDTH, CLASSES = 16, 10
+FORBIDDEN = {name: "a pipeline stage exchanges activations and gradients with its neighbours in point-to-point "
+                   "messages (Send/Isend and Recv)" for name in hooks.DATA_COLLECTIVES}
 
 
 def cases(size):
     slow = 1e6  # tiny stages: timing says nothing here
     return [
-        Case("8 layers, 4 micro-batches of 3", {"layers": 8, "micro": 4, "mb": 3, "seed": 1}, slow_factor=slow),
-        Case("4 layers, 2 micro-batches of 5", {"layers": 4, "micro": 2, "mb": 5, "seed": 2}, slow_factor=slow),
-        Case("6 layers, 1 micro-batch of 4", {"layers": 6, "micro": 1, "mb": 4, "seed": 3}, slow_factor=slow),
-        Case("8 layers, 8 micro-batches of 2", {"layers": 8, "micro": 8, "mb": 2, "seed": 4}, hidden=True,
+        Case("8 layers, 12 rows in 4 micro-batches", {"layers": 8, "rows": 12, "micro": 4, "seed": 1},
+             slow_factor=slow),
+        Case("4 layers, 10 rows in 4 micro-batches (3, 3, 2, 2)", {"layers": 4, "rows": 10, "micro": 4, "seed": 2},
+             slow_factor=slow),
+        Case("6 layers, 6 rows in 4 micro-batches (2, 2, 1, 1)", {"layers": 6, "rows": 6, "micro": 4, "seed": 3},
+             slow_factor=slow),
+        Case("4 layers, 5 rows in 1 micro-batch", {"layers": 4, "rows": 5, "micro": 1, "seed": 4}, slow_factor=slow),
+        Case("8 layers, 19 rows in 8 micro-batches", {"layers": 8, "rows": 19, "micro": 8, "seed": 5}, hidden=True,
              slow_factor=slow),
     ]
 
@@ -59,124 +72,220 @@ def layers_of(stage: int, stages: int, layers: int) -> tuple[int, int]:
     return int(bounds[stage]), int(bounds[stage + 1])
 
 
+def one_f_one_b(stages: int, micro: int, stage: int) -> list[tuple[str, int]]:
+    """The order 1F1B runs one stage's ops in: what the learner's stage is compared with."""
+    warm = min(stages - stage - 1, micro)
+    ops = [("F", i) for i in range(warm)]
+    for i in range(micro - warm):
+        ops += [("F", warm + i), ("B", i)]
+    return ops + [("B", i) for i in range(micro - warm, micro)]
+
+
 def inputs(case, rank, size):
-    """(stage, microbatches, targets, hidden): hidden holds what the reference needs and the learner does not."""
+    """(stage, batch, targets, m, hidden): hidden holds what the reference needs and the learner does not."""
     import torch
 
     p = case.params
     full = model(p["layers"], p["seed"])
     lo, hi = layers_of(rank, size, p["layers"])
-    stage = full[lo:hi]
     g = torch.Generator().manual_seed(100 + p["seed"])
-    x = [torch.randn(p["mb"], WIDTH, generator=g) for _ in range(p["micro"])]
-    y = [torch.randint(0, CLASSES, (p["mb"],), generator=g) for _ in range(p["micro"])]
-    micro = x if rank == 0 else [torch.zeros(p["mb"], WIDTH) for _ in range(p["micro"])]
-    return stage, micro, y, {"model": full, "x": x, "layers": (lo, hi)}
+    x = torch.randn(p["rows"], WIDTH, generator=g)
+    y = torch.randint(0, CLASSES, (p["rows"],), generator=g)
+    batch = x.clone() if rank == 0 else torch.zeros(p["rows"], WIDTH)
+    return full[lo:hi], batch, y, p["micro"], {"model": full, "x": x, "layers": (lo, hi)}
 
 
 def _grads(module) -> list:
     return [None if q.grad is None else q.grad.detach().numpy().copy() for q in module.parameters()]
 
 
+def _watch(stage) -> tuple[list, object]:
+    """Record ("F", i) when the stage's last layer runs forward with autograd on, ("B", i) when
+    autograd computes the gradient of that output: the stage's schedule as it really ran."""
+    ops: list = []
+
+    def forward_hook(module, args, out):
+        if not getattr(out, "requires_grad", False):
+            return
+        i = sum(1 for kind, _ in ops if kind == "F")
+        ops.append(("F", i))
+        out.register_hook(lambda grad, i=i: ops.append(("B", i)))
+
+    return ops, stage[-1].register_forward_hook(forward_hook)
+
+
 def call(fn, comm, args):
-    """The learner's stage, then its gradients: the checker compares them in verify()."""
-    stage, micro, targets, _ = args
+    """The learner's stage, then its gradients and the order its micro-batches ran in."""
+    stage, batch, targets, m, _ = args
     for q in stage.parameters():
         q.grad = None
-    returned = fn(comm, stage, micro, targets)
-    return {"loss": returned, "grads": _grads(stage)}
+    ops, handle = _watch(stage)
+    try:
+        returned = fn(comm, stage, batch, targets, m)
+    finally:
+        handle.remove()
+    return {"loss": returned, "grads": _grads(stage), "ops": [list(op) for op in ops]}
 
 
-def reference(comm, stage, micro, targets, hidden):
-    """The single-device model on the whole batch; this rank's share of its gradients."""
-    import torch
-    import torch.nn.functional as F
-
-    full, (lo, hi) = hidden["model"], hidden["layers"]
-    loss = F.cross_entropy(full(torch.cat(hidden["x"])), torch.cat(targets))
+def _grads_of(full, lo: int, hi: int, loss) -> list:
+    for q in full.parameters():
+        q.grad = None
     loss.backward()
+    return _grads(full[lo:hi])
+
+
+def reference(comm, stage, batch, targets, m, hidden):
+    """The single-device model on the whole batch; this rank's share of its gradients. Also two
+    wrong answers the diagnosis recognises: the last micro-batch's share alone, and every
+    micro-batch's mean loss weighted 1/m whatever its size."""
+    import torch.nn.functional as F
+
+    full, x, (lo, hi) = hidden["model"], hidden["x"], hidden["layers"]
+    loss = F.cross_entropy(full(x), targets)
+    grads = _grads_of(full, lo, hi, loss)
+    xs, ts = x.tensor_split(m), targets.tensor_split(m)
+    last_only = _grads_of(full, lo, hi, F.cross_entropy(full(xs[-1]), ts[-1], reduction="sum") / len(x))
+    equal = _grads_of(full, lo, hi, sum(F.cross_entropy(full(a), b) for a, b in zip(xs, ts)) / m)
     last = comm.Get_rank() == comm.Get_size() - 1
-    return {"loss": loss.item() if last else None, "grads": _grads(full[lo:hi])}
+    return {"loss": loss.item() if last else None, "grads": grads, "last_only": last_only, "equal_weights": equal}
 
 
-def model_solution(comm, stage, microbatches, targets):
-    """The model solution (GPipe over mpi4py), used by the lesson's benchmark and tests."""
+def model_solution(comm, stage, batch, targets, m):
+    """The model solution (1F1B over mpi4py), used by the tests."""
     import torch
     import torch.nn.functional as F
 
-    rank, size, m = comm.Get_rank(), comm.Get_size(), len(microbatches)
-    first, last = rank == 0, rank == size - 1
-    inputs, outputs, losses = [], [], []
-    for i, x in enumerate(microbatches):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    first, last = rank == 0, rank == p - 1
+    xs, ts = batch.tensor_split(m), targets.tensor_split(m)
+    inputs, outputs, sends, loss = {}, {}, [], 0.0
+
+    def forward(i):
+        nonlocal loss
+        x = xs[i]
         if not first:
             comm.Recv(x.numpy(), source=rank - 1)
             x.requires_grad_()
         y = stage(x)
         if last:
-            loss = F.cross_entropy(y, targets[i]) / m
-            losses.append(loss.item())
-            y = loss
+            y = F.cross_entropy(y, ts[i], reduction="sum") / len(batch)
+            loss += y.item()
         else:
-            comm.Send(y.detach().numpy(), dest=rank + 1)
-        inputs.append(x)
-        outputs.append(y)
-    for x, y in zip(inputs, outputs):
-        if last:
-            y.backward()
-        else:
+            sends.append(comm.Isend(y.detach().numpy(), dest=rank + 1))
+        inputs[i], outputs[i] = x, y
+
+    def backward(i):
+        x, y, grad = inputs.pop(i), outputs.pop(i), None
+        if not last:
             grad = torch.empty_like(y)
             comm.Recv(grad.numpy(), source=rank + 1)
-            y.backward(grad)
+        y.backward(grad)
         if not first:
-            comm.Send(x.grad.numpy(), dest=rank - 1)
-    return sum(losses) if last else None
+            sends.append(comm.Isend(x.grad.numpy(), dest=rank - 1))
+
+    warm = min(p - rank - 1, m)
+    for i in range(warm):
+        forward(i)
+    for i in range(m - warm):
+        forward(warm + i)
+        backward(i)
+    for i in range(m - warm, m):
+        backward(i)
+    for request in sends:
+        request.Wait()
+    return loss if last else None
 
 
 def _messages(ctx) -> Wrong | None:
-    r, p, m = ctx.rank, ctx.size, ctx.case.params["micro"]
+    r, p, params = ctx.rank, ctx.size, ctx.case.params
+    m, rows = params["micro"], params["rows"]
     w = hooks.only_peers(ctx, {r - 1, r + 1}, "a pipeline stage talks only to its neighbouring stages")
     if w is not None:
         return w
-    sent = hooks.sends(ctx.calls)
-    received = [c.source for c in ctx.calls if c.source is not None]
-    for peer, what, direction in ((r + 1, "activations", "next"), (r - 1, "gradients", "previous")):
+    sizes = [len(part) * WIDTH for part in np.array_split(np.arange(rows), m)]
+    for peer, what in ((r + 1, "activations to the next"), (r - 1, "gradients to the previous")):
         if not 0 <= peer < p:
             continue
-        for verb, peers in (("sent", sent), ("received", received)):
-            n = peers.count(peer)
-            if n != m:
-                thing = what if verb == "sent" else ("gradients" if what == "activations" else "activations")
-                return Wrong(f"rank {r} {verb} {n} message(s) {'to' if verb == 'sent' else 'from'} the {direction} "
-                             f"stage (rank {peer}); with {m} micro-batch(es) it takes exactly {m}, one per "
-                             f"micro-batch ({thing})",
-                             hint="send each micro-batch's tensor on its own, as soon as it is computed: the next "
-                                  "stage can start on micro-batch 0 while this one computes micro-batch 1.")
+        sent = [c.count for c in ctx.calls if c.dest == peer]
+        received = [c for c in ctx.calls if c.source == peer]
+        if len(sent) != m or len(received) != m:
+            return Wrong(f"rank {r} sent {len(sent)} and received {len(received)} message(s) exchanging {what} "
+                         f"stage (rank {peer}); with {m} micro-batch(es) it takes exactly {m} each way, one per "
+                         f"micro-batch",
+                         hint="split the batch with tensor_split(m), which always gives m parts (chunk(m) gives "
+                              "fewer when B is not divisible by m), and send each micro-batch on its own.")
+        if all(isinstance(n, int) for n in sent) and sent != sizes:
+            return Wrong(f"rank {r} sent {what} stage messages of {sent} values; micro-batches of "
+                         f"tensor_split's sizes send {sizes}",
+                         hint="micro-batch i is batch.tensor_split(m)[i]: the first B % m have one row more.")
+    return None
+
+
+def _in_flight(ops) -> int:
+    """The most micro-batches whose forward had run and whose backward had not, at any moment."""
+    held = peak = 0
+    for kind, _ in ops:
+        held += 1 if kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def _schedule(ctx) -> Wrong | None:
+    r, p, m = ctx.rank, ctx.size, ctx.case.params["micro"]
+    got = [(str(kind), int(i)) for kind, i in ctx.got["ops"]]
+    want = one_f_one_b(p, m, r)
+    if got == want:
+        return None
+    show = lambda ops: " ".join(f"{k}{i}" for k, i in ops)  # noqa: E731
+    forwards = sum(1 for kind, _ in got if kind == "F")
+    if forwards != m:
+        return Wrong(f"stage {r} ran its layers forward (with autograd) {forwards} time(s); with {m} micro-batches "
+                     f"1F1B runs each micro-batch forward once: {show(want)}",
+                     hint="call stage(x) once per micro-batch of batch.tensor_split(m).")
+    peak = _in_flight(got)
+    if peak > min(m, p - r):
+        return Wrong(f"stage {r} of {p} held {peak} micro-batches' activations at once (forwards whose backward had "
+                     f"not run yet); 1F1B holds at most p - s = {p - r}. It ran {show(got)}; 1F1B runs {show(want)}",
+                     hint="that is GPipe's memory: right gradients, but every activation kept until the end. Start "
+                          "each backward as soon as its gradient can arrive: p-s-1 forwards, then alternate.")
+    return Wrong(f"stage {r} of {p} ran {show(got)}; 1F1B runs {show(want)}",
+                 hint="fill the pipe with min(p-s-1, m) forwards, then one forward and one backward at a time, "
+                      "then the backwards left, in micro-batch order; fewer forwards first leave the next stages idle.")
+
+
+def _loss(ctx) -> Wrong | None:
+    loss, expected = ctx.got["loss"], ctx.expected["loss"]
+    if loss is None or not isinstance(loss, (int, float, np.floating)) or isinstance(loss, bool):
+        return Wrong(f"the last stage returned {type(loss).__name__}, not the loss as a float",
+                     hint="return the whole batch's mean loss as a float (the sum of the micro-batches' .item()).")
+    if not np.isclose(loss, expected, rtol=1e-4, atol=1e-6):
+        return Wrong(f"the last stage returned loss {loss:.6g}; the single device's is {expected:.6g}",
+                     max_error=abs(loss - expected),
+                     hint="return F.cross_entropy of the whole batch: each micro-batch's mean loss weighted by "
+                          "its share of the rows.")
     return None
 
 
 def verify(case, ctx):
-    got, expected = ctx.got, ctx.expected
-    last = ctx.rank == ctx.size - 1
-    if last:
-        loss = got["loss"]
-        if loss is None or not isinstance(loss, (int, float, np.floating)) or isinstance(loss, bool):
-            return Wrong(f"the last stage returned {type(loss).__name__}, not the loss as a float",
-                         hint="return the mean of the micro-batch losses as a float (loss.item()).")
-        if not np.isclose(loss, expected["loss"], rtol=1e-4, atol=1e-6):
-            return Wrong(f"the last stage returned loss {loss:.6g}; the single device's is {expected['loss']:.6g}",
-                         max_error=abs(loss - expected["loss"]),
-                         hint="return the mean over micro-batches of F.cross_entropy(output, targets[i]).")
+    """Gradients first (their diagnosis names the mistake), then the loss, the messages, the order."""
+    got = ctx.got
     if any(g is None for g in got["grads"]):
         return Wrong(f"rank {ctx.rank}: some parameters of the stage have no gradient after the step "
                      f"(p.grad is None)")
-    w = hooks.compare(got["grads"], expected["grads"], what=f"rank {ctx.rank}'s gradients", rtol=1e-4, atol=1e-6)
-    if w is not None:
-        return w
-    return _messages(ctx)
+    w = hooks.compare(got["grads"], ctx.expected["grads"], what=f"rank {ctx.rank}'s gradients", rtol=1e-4,
+                      atol=1e-6)
+    if w is None and ctx.rank == ctx.size - 1:
+        w = _loss(ctx)
+    return w or _messages(ctx) or _schedule(ctx)
+
+
+def _like(x: np.ndarray, grads) -> bool:
+    y = np.concatenate([g.ravel() for g in grads]).astype(np.float64)
+    return bool(np.any(y)) and np.allclose(x, y, rtol=1e-4, atol=1e-6)
 
 
 def diagnose(case, ctx):
-    got, expected = ctx.got["grads"], ctx.expected["grads"]
+    got, expected = ctx.got["grads"], ctx.expected
     m = case.params["micro"]
     if any(g is None for g in got):
         if ctx.rank < ctx.size - 1:
@@ -184,15 +293,21 @@ def diagnose(case, ctx):
                     "(x.grad, after y.backward(grad)), and this stage must receive it and call y.backward(grad).")
         return "call backward on every micro-batch's loss."
     x = np.concatenate([g.ravel() for g in got]).astype(np.float64)
-    y = np.concatenate([e.ravel() for e in expected]).astype(np.float64)
+    y = np.concatenate([e.ravel() for e in expected["grads"]]).astype(np.float64)
     if not np.any(x) and np.any(y):
         return ("this stage's gradients are all zero: backward never reached it. Every stage but the first must "
                 "send the gradient of its input (x.grad) back to the previous stage.")
+    if m > 1 and _like(x, expected["last_only"]):
+        return ("these are the last micro-batch's gradients alone: the earlier ones were lost. Gradients accumulate "
+                "in p.grad over the m backwards; do not zero them (or replace p.grad) between micro-batches.")
+    if m > 1 and _like(x, expected["equal_weights"]) and not np.allclose(x, y, rtol=1e-4, atol=1e-6):
+        return (f"each micro-batch's mean loss weighted 1/{m}: with micro-batches of different sizes that is not the "
+                f"batch's mean. Weight micro-batch i by its rows / B (or use reduction='sum' and divide by B).")
     if np.dot(y, y) > 0:
         k = float(np.dot(x, y) / np.dot(y, y))
-        if m > 1 and abs(k - m) < 1e-3 * m and np.allclose(x, k * y, rtol=1e-3, atol=1e-6):
-            return (f"the gradients are {m} times the single device's: gradients of the {m} micro-batches "
-                    f"add up in p.grad, so scale each micro-batch's loss by 1/{m} (the batch's loss is their mean).")
+        if m > 1 and abs(k - m) < 0.1 * m:
+            return (f"the gradients are about {m} times the single device's: gradients of the {m} micro-batches add "
+                    f"up in p.grad, so scale each micro-batch's loss by its share of the batch (about 1/{m}).")
     return None
 
 
@@ -201,5 +316,7 @@ def explain(results):
     if hung:
         return ("a HANG means two stages wait for each other: each Recv needs a matching Send that the other rank "
                 "reaches without first waiting for this one. Forward: receive from the previous stage, compute, "
-                "send to the next. Backward: receive the gradient from the next stage, backward, send to the previous.")
+                "send to the next. Backward: receive the gradient from the next stage, backward, send to the previous."
+                " In 1F1B a stage sends an activation while its neighbour sends a gradient back: Isend (and Wait at "
+                "the end) keeps two sends towards each other from waiting on each other.")
     return None
