@@ -3,7 +3,7 @@ follows ZeRO's accounting — 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N bytes wit
 10 %, and each rank sends 2(N−1)/N·Ψ elements per step (DDP, stages 1–2) or 3(N−1)/N·Ψ (stage 3, FSDP2).
 
     .venv/bin/python benchmarks/sharding_memory.py
-    .venv/bin/python benchmarks/sharding_memory.py --ranks 2 3 4 --layers 8 --width 128 --steps 5
+    .venv/bin/python benchmarks/sharding_memory.py --ranks 2 3 4 --steps 5
 
 The trainers are the lesson's own: the classes DDP, Zero1, Zero2, Zero3 and FSDPTrainer/fsdp_model, and
 the running model, are read from notebooks/10_sharding_memory.ipynb and executed as written there (only
@@ -16,8 +16,14 @@ Method. Memory is exact, not sampled: the bytes of every distinct tensor storage
 step, when all of them exist (hpdl.sharding.held_bytes). Traffic counts what each torch.distributed
 collective moves per rank at the ring's lower bound ((N−1)/N of an all-gathered or reduce-scattered
 tensor, twice that for an all-reduce; hpdl.sharding.count_traffic), FSDP2's own calls included.
-Activations are left out of both the measurement and the formulas. The last line is the largest
-|measured / formula − 1| over every row.
+Activations are left out of both the measurement and the formulas.
+
+FSDP2's knobs, each beside the default in the same run: `reshard_after_forward=False` and an explicit
+prefetch of two units (`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`). For
+each, the state a rank holds between forward and backward (where resharding matters: 16Ψ/N, or
+16Ψ/N + 2Ψ when every unit stays gathered), the traffic per step, and the median step time (slowest
+rank; on a shared CPU a ratio, not a speed). The last line is the largest |measured / formula − 1|
+over every memory figure above it.
 """
 from __future__ import annotations
 
@@ -28,11 +34,13 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSON = ROOT / "notebooks" / "10_sharding_memory.ipynb"
 NAMES = ("DDP", "Zero1", "Zero2", "Zero3", "FSDP2")
+KNOBS = {"default": {}, "no reshard": {"reshard_after_forward": False}, "prefetch 2": {"prefetch": 2}}
 
 
 def lesson_definitions(namespace: dict) -> None:
@@ -84,10 +92,38 @@ def measure(args) -> None:
             print(json.dumps({"ranks": world, "name": name, "psi": psi, "state": max(states),
                               "formula": formula[name], "elements": traffic.elements / args.steps,
                               "elements_formula": passes[name] * (world - 1) / world * psi}), flush=True)
+    measure_knobs(ns, comm, x, y, args.steps)
     torch.distributed.destroy_process_group()
 
 
+def measure_knobs(ns: dict, comm, x, y, steps: int) -> None:
+    """FSDP2 with each of KNOBS: state between forward and backward, traffic, median step time."""
+    from mpi4py import MPI
+
+    import hpdl.sharding
+
+    world, psi = comm.Get_size(), ns["PSI"]
+    for name, kwargs in KNOBS.items():
+        trainer, probe, times = ns["FSDPTrainer"](ns["fsdp_model"](**kwargs)), {}, []
+        trainer.model.register_forward_hook(lambda *_: probe.__setitem__("after", ns["state_bytes"](trainer)))
+        ns["train_step"](trainer, x, y)
+        with hpdl.sharding.count_traffic(world) as traffic:
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                ns["train_step"](trainer, x, y)
+                times.append(time.perf_counter() - t0)
+        after = comm.allreduce(probe["after"], op=MPI.MAX)
+        seconds = comm.allreduce(sorted(times)[len(times) // 2], op=MPI.MAX)
+        gathered = 2 * psi if kwargs.get("reshard_after_forward") is False else 0
+        if comm.Get_rank() == 0:
+            print(json.dumps({"ranks": world, "knob": name, "psi": psi, "after": after, "seconds": seconds,
+                              "formula": 16 * psi / world + gathered, "elements": traffic.elements / steps}),
+                  flush=True)
+
+
 def report(rows: list[dict]) -> None:
+    knobs = [r for r in rows if "knob" in r]
+    rows = [r for r in rows if "knob" not in r]
     print(f"{'ranks':>5} {'trainer':<7}{'state MiB':>10}{'formula':>9}{'error':>8}{'sent/Ψ':>8}{'formula':>8}")
     worst = 0.0
     for r in rows:
@@ -95,6 +131,15 @@ def report(rows: list[dict]) -> None:
         worst = max(worst, abs(err))
         print(f"{r['ranks']:>5} {r['name']:<7}{r['state'] / 2**20:>10.3f}{r['formula'] / 2**20:>9.3f}{err:>8.2%}"
               f"{r['elements'] / r['psi']:>8.3f}{r['elements_formula'] / r['psi']:>8.3f}")
+    print(f"\nFSDP2's knobs\n{'ranks':>5} {'knob':<11}{'after fwd MiB':>14}{'formula':>9}{'error':>8}{'sent/Ψ':>8}"
+          f"{'ms/step':>9}{'÷ default':>10}")
+    default = {r["ranks"]: r for r in knobs if r["knob"] == "default"}
+    for r in knobs:
+        err = r["after"] / r["formula"] - 1
+        worst = max(worst, abs(err))
+        print(f"{r['ranks']:>5} {r['knob']:<11}{r['after'] / 2**20:>14.3f}{r['formula'] / 2**20:>9.3f}{err:>8.2%}"
+              f"{r['elements'] / r['psi']:>8.3f}{1e3 * r['seconds']:>9.0f}"
+              f"{r['seconds'] / default[r['ranks']]['seconds']:>10.2f}")
     print(f"max memory error = {100 * worst:.2f} %")
 
 
