@@ -1,155 +1,224 @@
-"""The checks of lesson 10 on real ranks: the model solutions pass as a learner's copy, and each
-known-bad implementation is rejected with the reason named — ZeRO-1: every rank updating the
-whole model, shards off by one when the size does not divide, the final all-gather missing;
-ZeRO-3: gathered layers never freed (measured while the function runs), shards or layers
-gathered in the wrong order.
+"""The checks of lesson 09 on real ranks: the model solutions pass as a learner's copy, and each
+known-bad implementation is rejected with the reason named — micro-batch gradients summed
+without scaling, a send/recv order that deadlocks (HANG, with the stuck rank and line), a stage
+that skips the backward send, a tensor-parallel layer missing its all-reduce, an uneven split
+dropping columns.
 
-That the solutions of solutions/10_sharding_memory.ipynb, as learners are shown them, earn full
-marks at 1–4 ranks (hidden cases included) is tested by running it in grade mode
+That the solutions of solutions/09_model_parallelism.ipynb, as learners are shown them, earn
+full marks at 1–4 ranks (hidden cases included) is tested by running it in grade mode
 (test_notebooks.py). Every check runs on fresh MPI ranks (mpiexec jobs).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import torch.nn.functional as F
 from mpi4py import MPI
 
 import hpdl
-from hpdl.checker.cases import zero1_step as z1_case
-from hpdl.checker.cases import zero3_unit as z3_case
+from hpdl.checker.cases import column_parallel_linear as cpl_case
+from hpdl.checker.cases import pipeline_step as pipe_case
 from conftest import learner_copy, passed, rejected
 
+rows_of = learner_copy(cpl_case.rows_of)  # the learner's own copy: case modules are not importable in a check
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = "09_model_parallelism.ipynb"
 
 
-# -- exercise 1: zero1_step -------------------------------------------------------------------------
+# -- exercise 1: pipeline_step ----------------------------------------------------------------------
 
 
-def test_zero1_step_reference_passes(no_strays):
-    solution = learner_copy(z1_case.model_solution)
-    assert passed(hpdl.check("zero1_step", solution, ranks=[3], grade=True))
+def test_pipeline_step_reference_passes(no_strays):
+    assert passed(hpdl.check("pipeline_step", learner_copy(pipe_case.model_solution), ranks=[3]))
 
 
-def zero1_whole_model(comm, params, grad, momentum, lr, beta):
-    """Every rank all-reduces the gradient and updates the whole model: no sharding at all."""
-    g = grad.clone()
-    comm.Allreduce(MPI.IN_PLACE, g.numpy(), op=MPI.SUM)
-    g /= comm.Get_size()
-    momentum.mul_(beta).add_(g)
-    return params - lr * momentum, momentum
-
-
-def updated_shard(comm, params, grad, momentum, lr, beta, sizes):
-    """Reduce-scatter with these shard sizes, update that shard: (its updated weights, sizes)."""
+def stage_unscaled(comm, stage, microbatches, targets):
+    """Micro-batch gradients summed: each loss backpropagated without the 1/m."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    lo = sum(sizes[:rank])
-    g = torch.empty(sizes[rank])
-    comm.Reduce_scatter(grad.numpy(), g.numpy(), recvcounts=sizes, op=MPI.SUM)
-    m = momentum[lo:lo + sizes[rank]]
-    m.mul_(beta).add_(g / size)
-    return (params[lo:lo + sizes[rank]] - lr * m).contiguous()
+    first, last = rank == 0, rank == size - 1
+    kept = []
+    for i, x in enumerate(microbatches):
+        if not first:
+            comm.Recv(x.numpy(), source=rank - 1)
+            x.requires_grad_()
+        y = stage(x)
+        if last:
+            y = F.cross_entropy(y, targets[i])
+        else:
+            comm.Send(y.detach().numpy(), dest=rank + 1)
+        kept.append((x, y))
+    for x, y in kept:
+        if last:
+            y.backward()
+        else:
+            g = torch.empty_like(y)
+            comm.Recv(g.numpy(), source=rank + 1)
+            y.backward(g)
+        if not first:
+            comm.Send(x.grad.numpy(), dest=rank - 1)
+    return sum(y.item() for _, y in kept) / len(kept) if last else None
 
 
-def zero1_even_split(comm, params, grad, momentum, lr, beta):
-    """Shards of n // p, the rest on the last rank: off by one against tensor_split's."""
-    size, n = comm.Get_size(), params.numel()
-    sizes = [n // size] * (size - 1) + [n - (n // size) * (size - 1)]
-    shard = updated_shard(comm, params, grad, momentum, lr, beta, sizes)
-    new = torch.empty_like(params)
-    comm.Allgatherv(shard.numpy(), [new.numpy(), sizes])
-    return new, momentum
-
-
-def zero1_no_allgather(comm, params, grad, momentum, lr, beta):
-    """Updates its shard and stops: the other ranks' shards are stale on this rank."""
+def stage_deadlock(comm, stage, microbatches, targets):
+    """Waits for the gradient before sending the activation it depends on: rank 0 and 1 wait for each other."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    sizes = [len(part) for part in torch.tensor_split(torch.arange(params.numel()), size)]
-    new = params.clone()
-    lo = sum(sizes[:rank])
-    new[lo:lo + sizes[rank]] = updated_shard(comm, params, grad, momentum, lr, beta, sizes)
-    return new, momentum
+    first, last = rank == 0, rank == size - 1
+    m = len(microbatches)
+    loss = 0.0
+    for i, x in enumerate(microbatches):
+        if not first:
+            comm.Recv(x.numpy(), source=rank - 1)
+            x.requires_grad_()
+        y = stage(x)
+        if last:
+            out = F.cross_entropy(y, targets[i]) / m
+            loss += out.item()
+            out.backward()
+        else:
+            g = torch.empty_like(y)
+            comm.Recv(g.numpy(), source=rank + 1)   # the gradient first ...
+            comm.Send(y.detach().numpy(), dest=rank + 1)   # ... then the activation it needs
+            y.backward(g)
+        if not first:
+            comm.Send(x.grad.numpy(), dest=rank - 1)
+    return loss if last else None
 
 
-def test_zero1_every_rank_updating_the_whole_model_rejected(no_strays):
-    rejected(hpdl.check("zero1_step", zero1_whole_model, ranks=[2]), "whole model", "reduce-scatter")
+def stage_no_backward_send(comm, stage, microbatches, targets):
+    """Forgets to send x.grad back: the previous stage waits for it forever."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    first, last = rank == 0, rank == size - 1
+    m = len(microbatches)
+    kept = []
+    for i, x in enumerate(microbatches):
+        if not first:
+            comm.Recv(x.numpy(), source=rank - 1)
+            x.requires_grad_()
+        y = stage(x)
+        if last:
+            y = F.cross_entropy(y, targets[i]) / m
+        else:
+            comm.Send(y.detach().numpy(), dest=rank + 1)
+        kept.append((x, y))
+    for x, y in kept:
+        if last:
+            y.backward()
+        else:
+            g = torch.empty_like(y)
+            comm.Recv(g.numpy(), source=rank + 1)
+            y.backward(g)
+    return sum(y.item() for _, y in kept) if last else None
 
 
-def test_zero1_shards_off_by_one_rejected(no_strays):
-    result = hpdl.check("zero1_step", zero1_even_split, ranks=[3])
-    rejected(result, "tensor_split", "off by one")
-    assert any(c.params["n"] % 3 for c in result.cases), "no case where 3 ranks split the values unevenly"
+def stage_forward_only_comm(comm, stage, microbatches, targets):
+    """No backward messages at all: the earlier stages never get a gradient."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    first, last = rank == 0, rank == size - 1
+    m = len(microbatches)
+    loss = 0.0
+    for i, x in enumerate(microbatches):
+        if not first:
+            comm.Recv(x.numpy(), source=rank - 1)
+        y = stage(x)
+        if last:
+            out = F.cross_entropy(y, targets[i]) / m
+            loss += out.item()
+            out.backward()
+        else:
+            comm.Send(y.detach().numpy(), dest=rank + 1)
+    return loss if last else None
 
 
-def test_zero1_missing_allgather_rejected(no_strays):
-    rejected(hpdl.check("zero1_step", zero1_no_allgather, ranks=[2]), "all-gather")
+def stage_whole_batch(comm, stage, microbatches, targets):
+    """Right gradients, but one message for the whole batch: no pipelining."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    first, last = rank == 0, rank == size - 1
+    x = torch.cat(microbatches)
+    if not first:
+        comm.Recv(x.numpy(), source=rank - 1)
+        x.requires_grad_()
+    y = stage(x)
+    if last:
+        loss = F.cross_entropy(y, torch.cat(targets))
+        loss.backward()
+    else:
+        comm.Send(y.detach().numpy(), dest=rank + 1)
+        g = torch.empty_like(y)
+        comm.Recv(g.numpy(), source=rank + 1)
+        y.backward(g)
+    if not first:
+        comm.Send(x.grad.numpy(), dest=rank - 1)
+    return loss.item() if last else None
 
 
-# -- exercise 2: zero3_unit -------------------------------------------------------------------------
+def test_pipeline_step_unscaled_microbatch_grads_rejected(no_strays):
+    rejected(hpdl.check("pipeline_step", stage_unscaled, ranks=[2]), "times the single device", "1/")
 
 
-def test_zero3_unit_reference_passes(no_strays):
-    solution = learner_copy(z3_case.model_solution)
-    assert passed(hpdl.check("zero3_unit", solution, ranks=[2, 3], grade=True))
+@pytest.mark.parametrize("bad, stuck", [(stage_deadlock, {0, 1}), (stage_no_backward_send, {0})])
+def test_pipeline_step_hang_names_rank_and_line(bad, stuck, no_strays):
+    result = hpdl.check("pipeline_step", bad, ranks=[3], timeout=12)
+    hung = [c for c in result.cases if c.verdict == "HANG"]
+    assert hung, [c.verdict for c in result.cases]
+    first = hung[0]
+    assert stuck <= set(first.stuck), first.stuck
+    where = " ".join(first.stuck.values())
+    assert "line" in where and "comm.Recv" in where, where
 
 
-def zero3_never_freed(comm, shards, shapes, x):
-    """Right output, but every gathered layer is kept: the whole model ends up on every rank."""
-    size = comm.Get_size()
-    gathered = []
-    for shard, (o, i) in zip(shards, shapes):
-        counts = [len(part) for part in torch.tensor_split(torch.arange(o * i + o), size)]
-        full = torch.empty(o * i + o)
-        comm.Allgatherv(shard.numpy(), [full.numpy(), counts])
-        gathered.append(full)                          # kept "for later": never freed
-        x = torch.tanh(x @ full[:o * i].view(o, i).T + full[o * i:])
-    return x
+def test_pipeline_step_no_backward_messages_rejected(no_strays):
+    rejected(hpdl.check("pipeline_step", stage_forward_only_comm, ranks=[2]), "backward never reached")
 
 
-def zero3_all_gathered_first(comm, shards, shapes, x):
-    """Gathers every layer up front, then computes: the same output, the whole model held at once."""
-    size = comm.Get_size()
-    fulls = []
-    for shard, (o, i) in zip(shards, shapes):
-        counts = [len(part) for part in torch.tensor_split(torch.arange(o * i + o), size)]
-        fulls.append(torch.empty(o * i + o))
-        comm.Allgatherv(shard.numpy(), [fulls[-1].numpy(), counts])
-    for full, (o, i) in zip(fulls, shapes):
-        x = torch.tanh(x @ full[:o * i].view(o, i).T + full[o * i:])
-    return x
+def test_pipeline_step_one_message_per_batch_rejected(no_strays):
+    rejected(hpdl.check("pipeline_step", stage_whole_batch, ranks=[2]), "one per micro-batch")
 
 
-def zero3_reversed_ranks(comm, shards, shapes, x):
-    """Puts the gathered shards together in the wrong order (last rank's first)."""
-    for shard, (o, i) in zip(shards, shapes):
-        full = torch.cat([torch.from_numpy(part) for part in reversed(comm.allgather(shard.numpy()))])
-        x = torch.tanh(x @ full[:o * i].view(o, i).T + full[o * i:])
-        del full
-    return x
+# -- exercise 2: column_parallel_linear -------------------------------------------------------------
 
 
-def zero3_layers_reversed(comm, shards, shapes, x):
-    """Gathers and applies the layers last first (shapes permitting: square layers only)."""
-    size = comm.Get_size()
-    for shard, (o, i) in reversed(list(zip(shards, shapes))):
-        counts = [len(part) for part in torch.tensor_split(torch.arange(o * i + o), size)]
-        full = torch.empty(o * i + o)
-        comm.Allgatherv(shard.numpy(), [full.numpy(), counts])
-        x = torch.tanh(x @ full[:o * i].view(o, i).T + full[o * i:])
-        del full
-    return x
+def test_column_parallel_linear_reference_passes(no_strays):
+    solution = learner_copy(cpl_case.rows_of, cpl_case.model_solution)
+    assert passed(hpdl.check("column_parallel_linear", solution, ranks=[3], grade=True))
 
 
-@pytest.mark.parametrize("bad", [zero3_never_freed, zero3_all_gathered_first])
-def test_zero3_layers_never_freed_rejected(bad, no_strays):
-    result = hpdl.check("zero3_unit", bad, ranks=[2])
-    rejected(result, "never freed", "layers' worth")
-    right = [c for c in result.cases if c.verdict == "PASS"]
-    assert right, "the small case (memory not measured) should pass: the output itself is right"
+def tp_no_allreduce(comm, x, weight, bias, grad_y):
+    lo, hi = rows_of(comm.Get_rank(), comm.Get_size(), weight.shape[0])
+    w, b = weight[lo:hi], bias[lo:hi]
+    y = torch.cat([torch.from_numpy(p) for p in comm.allgather((x @ w.T + b).numpy())], dim=1)
+    g = grad_y[:, lo:hi]
+    return y, g @ w, g.T @ x, g.sum(0)           # grad_x: this rank's part only
 
 
-def test_zero3_shards_in_the_wrong_order_rejected(no_strays):
-    rejected(hpdl.check("zero3_unit", zero3_reversed_ranks, ranks=[2]), "rank order")
+def tp_even_split(comm, x, weight, bias, grad_y):
+    k = weight.shape[0] // comm.Get_size()       # drops the last out % p rows
+    lo, hi = comm.Get_rank() * k, (comm.Get_rank() + 1) * k
+    w, b = weight[lo:hi], bias[lo:hi]
+    y = torch.cat([torch.from_numpy(p) for p in comm.allgather((x @ w.T + b).numpy())], dim=1)
+    g = grad_y[:, lo:hi]
+    grad_x = (g @ w).contiguous()
+    comm.Allreduce(MPI.IN_PLACE, grad_x.numpy(), op=MPI.SUM)
+    return y, grad_x, g.T @ x, g.sum(0)
 
 
-def test_zero3_layers_in_the_wrong_order_rejected(no_strays):
-    rejected(hpdl.check("zero3_unit", zero3_layers_reversed, ranks=[2]), "in order")
+def tp_whole_layer_here(comm, x, weight, bias, grad_y):
+    return x @ weight.T + bias, grad_y @ weight, grad_y.T @ x, grad_y.sum(0)
+
+
+def test_column_parallel_missing_allreduce_rejected(no_strays):
+    rejected(hpdl.check("column_parallel_linear", tp_no_allreduce, ranks=[2]), "grad_x", "all-reduce")
+
+
+def test_column_parallel_uneven_split_dropping_columns_rejected(no_strays):
+    result = hpdl.check("column_parallel_linear", tp_even_split, ranks=[3])
+    rejected(result, "tensor_split")
+    even = [c for c in result.cases if c.params["out"] % 3 == 0]
+    assert not even, "a case where 3 ranks split the outputs evenly would not tell the two splits apart"
+
+
+def test_column_parallel_whole_layer_on_one_rank_rejected(no_strays):
+    rejected(hpdl.check("column_parallel_linear", tp_whole_layer_here, ranks=[2]), "nan", "does not hold")
