@@ -1,7 +1,7 @@
-"""The checks of lesson 08 on real ranks: each known-bad implementation is rejected with a hint
+"""The checks of lesson 09 on real ranks: each known-bad implementation is rejected with a hint
 naming the slip — a bandwidth term without 2(p−1)/p, overlap taken off the compute, the latency
 paid once for all buckets; LARS without the trust ratio, with one ratio for the whole model, or
-dividing by a zero norm. That the solutions of solutions/08_scaling_studies.ipynb earn full marks
+dividing by a zero norm. That the solutions of solutions/09_scaling_studies.ipynb earn full marks
 at 1–4 ranks (hidden cases included) is tested by running it in grade mode (test_notebooks.py).
 """
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The checks of lesson 09 on real ranks: the model solutions pass as a learner's copy, and each
+"""The checks of lesson 10 on real ranks: the model solutions pass as a learner's copy, and each
 known-bad implementation is rejected with the reason named — micro-batch gradients summed
 without scaling, a send/recv order that deadlocks (HANG, with the stuck rank and line), a stage
 that skips the backward send, a tensor-parallel layer missing its all-reduce, an uneven split
 dropping columns.
 
-That the solutions of solutions/09_model_parallelism.ipynb, as learners are shown them, earn
+That the solutions of solutions/10_model_parallelism.ipynb, as learners are shown them, earn
 full marks at 1–4 ranks (hidden cases included) is tested by running it in grade mode
 (test_notebooks.py). Every check runs on fresh MPI ranks (mpiexec jobs).
 """
@@ -26,7 +26,7 @@ rows_of = learner_copy(cpl_case.rows_of)  # the learner's own copy: case modules
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = "09_model_parallelism.ipynb"
+NOTEBOOK = "10_model_parallelism.ipynb"
 
 
 # -- exercise 1: pipeline_step ----------------------------------------------------------------------

@@ -1,10 +1,10 @@
-"""The checks of lesson 10 on real ranks: the model solutions pass as a learner's copy, and each
+"""The checks of lesson 11 on real ranks: the model solutions pass as a learner's copy, and each
 known-bad implementation is rejected with the reason named — ZeRO-1: every rank updating the
 whole model, shards off by one when the size does not divide, the final all-gather missing;
 ZeRO-3: gathered layers never freed (measured while the function runs), shards or layers
 gathered in the wrong order.
 
-That the solutions of solutions/10_sharding_memory.ipynb, as learners are shown them, earn full
+That the solutions of solutions/11_sharding_memory.ipynb, as learners are shown them, earn full
 marks at 1–4 ranks (hidden cases included) is tested by running it in grade mode
 (test_notebooks.py). Every check runs on fresh MPI ranks (mpiexec jobs).
 """

@@ -1,4 +1,4 @@
-"""Checks for lesson 09's first exercise: one micro-batched (GPipe) training step of a pipeline stage.
+"""Checks for lesson 10's first exercise: one micro-batched (GPipe) training step of a pipeline stage.
 
     def pipeline_step(comm, stage, microbatches, targets) -> float | None:
         # rank s of comm holds stage s of the model (an nn.Module: its consecutive layers).
