@@ -6,11 +6,11 @@ GPipe's activation memory once m >= 2p.
 
 An MLP of --layers Linear(W, W)+Tanh blocks is cut into p equal stages on ranks 0..p-1 (the other
 ranks wait); one training step runs over m micro-batches of a fixed batch, with torch.distributed
-send/recv (Gloo here, NCCL on GPUs), sends non-blocking as in lesson 09. The formula assumes equal
+send/recv (Gloo here, NCCL on GPUs), sends non-blocking as in lesson 10. The formula assumes equal
 stages, so they are made equal: no narrower first or last layer, the loss is a cross-entropy over
 W classes, and stage 0 also computes the gradient of its input, as every other stage must. The
 column "stage max/mean" (the busiest stage's compute over the average stage's) shows what is left
-of imbalance; with unequal stages the busiest one sets the pace and the bubble grows (lesson 09's
+of imbalance; with unequal stages the busiest one sets the pace and the bubble grows (lesson 10's
 model shows that).
 
 Method. Each rank times each forward and backward of a micro-batch in CPU time
@@ -46,7 +46,7 @@ def model(width: int, layers: int) -> nn.Sequential:
 
 
 def step(stage, order, m, batch, width, prev, nxt, x, y, record) -> None:
-    """One training step of one stage (as in lesson 09): recv blocking, sends non-blocking."""
+    """One training step of one stage (as in lesson 10): recv blocking, sends non-blocking."""
     inputs, outputs, sends = {}, {}, []
     for kind, i in order:
         if kind == "F":

@@ -6,7 +6,7 @@ Every rank trains its own copy of an MLP on synthetic data with `--threads` torc
 all-reduces its gradients with MPI (mpi4py, in place) each step, so both the compute and the
 communication feel a rank that is descheduled. Rank 0 prints one JSON line last:
 {"ranks", "threads", "samples_per_s", "step_ms"} (samples over all ranks per second, median step).
-Lesson 07 runs it under several placements; compare lines from one run, not across runs.
+Lesson 08 runs it under several placements; compare lines from one run, not across runs.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ contention between ranks that each have a core (memory bandwidth, caches, clocks
 input, printed as such. Beyond the cores the model's own time-sharing (⌈k / cores⌉ turns) is
 printed next to the measured compute as its check. Printed per k: measured and predicted
 efficiency and their ratio. Left out, and visible when ranks outnumber cores: ranks that take
-turns on a core also take turns to communicate (see lesson 08).
+turns on a core also take turns to communicate (see lesson 09).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Claim: per-rank model-state memory of DDP, ZeRO stages 1–3 (built by hand in lesson 10) and FSDP2
+"""Claim: per-rank model-state memory of DDP, ZeRO stages 1–3 (built by hand in lesson 11) and FSDP2
 follows ZeRO's accounting — 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N bytes with mixed-precision Adam — within
 10 %, and each rank sends 2(N−1)/N·Ψ elements per step (DDP, stages 1–2) or 3(N−1)/N·Ψ (stage 3, FSDP2).
 
@@ -6,7 +6,7 @@ follows ZeRO's accounting — 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N bytes wit
     .venv/bin/python benchmarks/sharding_memory.py --ranks 2 3 4 --steps 5
 
 The trainers are the lesson's own: the classes DDP, Zero1, Zero2, Zero3 and FSDPTrainer/fsdp_model, and
-the running model, are read from notebooks/10_sharding_memory.ipynb and executed as written there (only
+the running model, are read from notebooks/11_sharding_memory.ipynb and executed as written there (only
 their definitions: imports, functions, classes and upper-case constants). For each rank count the
 script starts itself under `mpiexec -n N`; each trainer runs one step, then --steps measured steps of
 the lesson's task.
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LESSON = ROOT / "notebooks" / "10_sharding_memory.ipynb"
+LESSON = ROOT / "notebooks" / "11_sharding_memory.ipynb"
 NAMES = ("DDP", "Zero1", "Zero2", "Zero3", "FSDP2")
 KNOBS = {"default": {}, "no reshard": {"reshard_after_forward": False}, "prefetch 2": {"prefetch": 2}}
 

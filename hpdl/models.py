@@ -5,14 +5,14 @@
   parameters, for counting FLOPs and for timing on a GPU), `resnet101()` too; `resnet_tiny()` keeps the same
   shape of computation (stem, four stages, global pool) but is small enough for a 2-core
   laptop to train on ImageNet-shaped 3×224×224 tensors at hundreds of images per second.
-- `vgg16()`, `inception_v3()`: the other models of published scaling benchmarks (lesson 08),
+- `vgg16()`, `inception_v3()`: the other models of published scaling benchmarks (lesson 09),
   layer for layer as torchvision defines them, so their parameter counts match torchvision's.
 - `train_flops(make_model, shape)`: the floating-point operations of one forward and backward
   pass, counted by torch on the meta device (no memory, no compute); `gradient_ready(...)`,
   when backward produces each gradient.
 - `tiny_transformer(...)`: a GPT-style decoder (token and position embeddings, pre-norm blocks of
   causal self-attention and a 4× MLP, a head), small enough to train on CPU in a lesson; the
-  running model of lesson 10.
+  running model of lesson 11.
 """
 from __future__ import annotations
 

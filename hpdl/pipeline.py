@@ -1,4 +1,4 @@
-"""Plumbing for lesson 09 (pipeline parallelism): schedules as lists, timelines, bubbles, activation bytes.
+"""Plumbing for lesson 10 (pipeline parallelism): schedules as lists, timelines, bubbles, activation bytes.
 
 The concept — stages, micro-batches, send/recv between neighbours, GPipe and 1F1B — is written
 out in the notebook. This module holds what would only distract there:

@@ -2,7 +2,7 @@
 
 Every number here is data with its source next to it; nothing is fitted to the results. The
 predictor (hpdl/predict.py) turns the inputs into efficiencies; benchmarks/predict_published.py
-and lesson 08 print them side by side with the published ones.
+and lesson 09 print them side by side with the published ones.
 
 Parameter counts and FLOPs come from the model definitions in hpdl/models.py (built on the
 meta device: no memory, no download), whose parameter counts equal torchvision's.

@@ -1,4 +1,4 @@
-"""Plumbing for lesson 10 (sharding and memory): the concept — who holds which shard, which
+"""Plumbing for lesson 11 (sharding and memory): the concept — who holds which shard, which
 collective moves it — stays in the notebook's cells; this module only keeps the bookkeeping out
 of the way.
 

@@ -7,14 +7,16 @@
 
 Why a workspace: a kit installed once for a course (a shared folder, an image) is read-only to its
 learners, so JupyterLab opens in a folder of their own holding a copy of what they run and edit:
-the lessons (with their scripts), the exercises, and the benchmarks lessons 06-08 run. The workspace
+the lessons (with their scripts), the exercises, and the benchmarks lessons 06-09 run. The workspace
 is $HPDL_WORKSPACE, else workspace/ inside the kit when the learner may write there (their own
 clone: today's layout), else ~/hpdl-workspace; a workspace this command creates is 0700.
 
 Run it again after the kit is updated: new files are added, files the learner has not touched are
 updated, and a file the learner changed is left as it is and reported. A small manifest in each
 copied folder (.hpdl-manifest.json) remembers the hash of every file as it was copied; a file
-whose hash still matches is untouched by the learner.
+whose hash still matches is untouched by the learner. When the kit renames a notebook (RENAMED), the
+learner's untouched copy under the old name is removed, since the kit's file arrives under its new
+name; a copy they changed stays where it is, and the summary says what it is called now.
 """
 from __future__ import annotations
 
@@ -36,6 +38,11 @@ SKIP_DIRS = {".ipynb_checkpoints", "__pycache__"}
 PARTS = (("notebooks", True), ("exercises", True), ("benchmarks", False))
 SHARED_DEFAULT = "~/hpdl-workspace"  # the workspace when the kit is not the learner's to write
 LISTED = 12  # added/updated files named one by one up to this many; beyond, counted
+# notebooks the kit renamed, old name -> new: lesson 07 was split in two (07 and 08), and the lessons
+# after it moved up by one
+RENAMED = {"08_scaling_studies.ipynb": "09_scaling_studies.ipynb",
+           "09_model_parallelism.ipynb": "10_model_parallelism.ipynb",
+           "10_sharding_memory.ipynb": "11_sharding_memory.ipynb"}
 
 
 @dataclass
@@ -46,10 +53,12 @@ class Sync:
     updated: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)  # changed by the learner: left alone
+    retired: list[str] = field(default_factory=list)  # "old -> new": untouched copy of a renamed file, removed
+    renamed: list[str] = field(default_factory=list)  # "old -> new": changed copy of a renamed file, left alone
 
     def merge(self, other: Sync, prefix: str) -> None:
         """Add another folder's run, its paths under `prefix`/."""
-        for name in ("added", "updated", "unchanged", "kept"):
+        for name in ("added", "updated", "unchanged", "kept", "retired", "renamed"):
             getattr(self, name).extend(f"{prefix}/{p}" for p in getattr(other, name))
 
     def summary(self, dest: Path) -> str:
@@ -62,6 +71,13 @@ class Sync:
             lines.append("  These have a newer version in the kit, but you changed them, so they were not touched:")
             lines += [f"    {n}" for n in self.kept]
             lines.append("  To get the new version, rename your file and run `hpdl exercises` again.")
+        if self.retired:
+            lines.append("  Renamed in the kit; your copy under the old name was unchanged, so it was removed:")
+            lines += [f"    {n}" for n in self.retired]
+        if self.renamed:
+            lines.append("  Renamed in the kit; you changed your copy under the old name, so it stays as it is.")
+            lines.append("  Carry your work into the new file (or keep using the old one), then delete the old one:")
+            lines += [f"    {n}" for n in self.renamed]
         return "\n".join(lines)
 
 
@@ -142,10 +158,30 @@ def sync(source: Path, dest: Path) -> Sync:
             manifest[rel] = new
         else:
             result.kept.append(rel)
+    _retire_renamed(source, dest, manifest, result)
     tmp = manifest_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, manifest_path)
     return result
+
+
+def _retire_renamed(source: Path, dest: Path, manifest: dict, result: Sync) -> None:
+    """Copies of files the kit renamed: an untouched one goes (the kit's file is now there under its
+    new name), a changed one stays and is reported; only names in RENAMED, only files we copied."""
+    for rel in sorted(manifest):
+        old = Path(rel)
+        new = old.with_name(RENAMED.get(old.name, old.name))
+        if new == old or (source / old).exists() or not (source / new).exists():
+            continue
+        dst, pair = dest / old, f"{rel} -> {new.as_posix()}"
+        if not dst.is_file():
+            del manifest[rel]  # gone already: nothing to do
+        elif _hash(dst) == manifest[rel]:
+            dst.unlink()
+            del manifest[rel]
+            result.retired.append(pair)
+        else:
+            result.renamed.append(pair)
 
 
 def sync_kit(kit: Path, dest: Path) -> Sync:

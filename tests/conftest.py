@@ -204,3 +204,22 @@ def remove_account(name: str) -> None:
             return
         time.sleep(1)
     raise AssertionError(f"could not remove the test's account {name}")
+
+
+def solution_function(notebook: str, name: str):
+    """The function `name` as defined in solutions/`notebook`, with its source lines known (a
+    traceback quotes them), in a namespace holding `math` as the solution notebooks import it."""
+    import linecache
+    import math
+
+    import nbformat
+
+    nb = nbformat.read(ROOT / "solutions" / notebook, as_version=4)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and f"def {name}(" in cell.source:
+            filename = f"<{notebook} cell {i}>"
+            linecache.cache[filename] = (len(cell.source), None, cell.source.splitlines(True), filename)
+            namespace = {"math": math, "__name__": "solution"}
+            exec(compile(cell.source, filename, "exec"), namespace)
+            return namespace[name]
+    raise LookupError(f"no cell defines {name} in {notebook}")

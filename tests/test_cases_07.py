@@ -1,7 +1,6 @@
 """The checks of lesson 07 on real ranks: each solution passes at 3 and 4 ranks too (at its own
 rank counts, 1 and 2, the solution notebook run in grade mode tests it), and each known-bad
-implementation is rejected: a wrong crossover, a cost model off by a factor, a tuner that
-exhausts its budget or stops short, a malformed tuning file.
+implementation is rejected: a wrong crossover, a cost model off by a factor, a malformed tuning file.
 
 The solutions are taken from solutions/07_collective_tuning.ipynb as written there. The
 tuning-file check has MPICH itself read the file on fresh ranks; the unit tests at the end pin
@@ -9,16 +8,13 @@ the pieces of hpdl.tune it relies on (no MPI there).
 """
 from __future__ import annotations
 
-import itertools
-import linecache
 import math
 from pathlib import Path
 
-import nbformat
 import pytest
 
 import hpdl
-from conftest import hints, passed, rejected
+from conftest import hints, passed, rejected, solution_function
 from hpdl import tune
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,15 +24,7 @@ NOTEBOOK = "07_collective_tuning.ipynb"
 
 def solution(name: str):
     """The function `name` as defined in solutions/07, with its source lines known."""
-    nb = nbformat.read(ROOT / "solutions" / NOTEBOOK, as_version=4)
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type == "code" and f"def {name}(" in cell.source:
-            filename = f"<{NOTEBOOK} cell {i}>"
-            linecache.cache[filename] = (len(cell.source), None, cell.source.splitlines(True), filename)
-            namespace = {"math": math, "__name__": "solution"}
-            exec(compile(cell.source, filename, "exec"), namespace)
-            return namespace[name]
-    raise LookupError(f"no cell defines {name} in {NOTEBOOK}")
+    return solution_function(NOTEBOOK, name)
 
 
 # -- (a) choose_algorithm -------------------------------------------------------------------------
@@ -94,49 +82,7 @@ def test_choose_algorithm_rejects(bad, words, no_strays):
     rejected(hpdl.check("choose_algorithm", bad, ranks=[2]), *words)
 
 
-# -- (b) autotune ---------------------------------------------------------------------------------
-
-def tune_exhaustive(measure, space, budget):
-    configs = [dict(zip(space, v)) for v in itertools.product(*space.values())]
-    return min(configs, key=measure)
-
-
-def tune_truncated_grid(measure, space, budget):
-    configs = [dict(zip(space, v)) for v in itertools.product(*space.values())][:budget]
-    return min(configs, key=measure)
-
-
-def tune_first_knob_only(measure, space, budget):
-    knobs = list(space)
-    middle = {k: v[len(v) // 2] for k, v in space.items()}
-    return min(({**middle, knobs[0]: v} for v in space[knobs[0]]), key=measure)
-
-
-def tune_no_search(measure, space, budget):
-    return {k: v[0] for k, v in space.items()}
-
-
-def tune_out_of_space(measure, space, budget):
-    return {k: max(v) * 2 for k, v in space.items()}
-
-
-def test_autotune_solution_passes_beyond_its_rank_counts(no_strays):
-    result = hpdl.check("autotune", solution("autotune"), ranks=[3, 4], grade=True)
-    assert passed(result), hints(result)
-
-
-@pytest.mark.parametrize("bad, words", [
-    (tune_exhaustive, ["more than budget", "don't enumerate"]),
-    (tune_truncated_grid, ["the best in the space"]),
-    (tune_first_knob_only, ["the best in the space", "first knob"]),
-    (tune_no_search, ["the best in the space"]),
-    (tune_out_of_space, ["expected a dict with one value from the space"]),
-])
-def test_autotune_rejects(bad, words, no_strays):
-    rejected(hpdl.check("autotune", bad, ranks=[1]), *words)
-
-
-# -- (c) tuning_file: MPICH reads it on fresh ranks -------------------------------------------------
+# -- (b) tuning_file: MPICH reads it on fresh ranks -------------------------------------------------
 
 def _leaf(name):
     return {f"algorithm=MPIR_Allreduce_intra_{name}": {}}

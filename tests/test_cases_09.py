@@ -1,14 +1,8 @@
-"""The checks of lesson 09 on real ranks: the model solutions pass as a learner's copy, and each
-known-bad implementation is rejected with the reason named — GPipe's order (right gradients, too
-much memory), a pipe never filled, gradients not accumulated over micro-batches, micro-batch
-losses unscaled or weighted 1/m when their sizes differ, chunk(m) where m does not divide the
-batch, a send/recv order that deadlocks (HANG, with the stuck rank and line), a stage that skips
-the backward send, the kit's own 1F1B order (refused), a tensor-parallel layer missing its
-all-reduce, an uneven split dropping columns.
-
-That the solutions of solutions/09_model_parallelism.ipynb, as learners are shown them, earn
-full marks at 1–4 ranks (hidden cases included) is tested by running it in grade mode
-(test_notebooks.py). Every check runs on fresh MPI ranks (mpiexec jobs).
+"""The checks of lesson 09 on real ranks: each known-bad implementation is rejected with a hint
+naming the slip — a bandwidth term without 2(p−1)/p, overlap taken off the compute, the latency
+paid once for all buckets; LARS without the trust ratio, with one ratio for the whole model, or
+dividing by a zero norm. That the solutions of solutions/09_scaling_studies.ipynb earn full marks
+at 1–4 ranks (hidden cases included) is tested by running it in grade mode (test_notebooks.py).
 """
 from __future__ import annotations
 
@@ -16,233 +10,104 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from mpi4py import MPI
 
 import hpdl
-from hpdl.checker.cases import column_parallel_linear as cpl_case
-from hpdl.checker.cases import pipeline_step as pipe_case
-from conftest import hints, learner_copy, passed, rejected
-
-rows_of = learner_copy(cpl_case.rows_of)  # the learner's own copy: case modules are not importable in a check
+from conftest import rejected
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = "09_model_parallelism.ipynb"
 
 
-# -- exercise 1: pipeline_step (1F1B over mpi4py) ---------------------------------------------------
+# -- exercise 1: predict_step_time ---------------------------------------------------------------
 
-one_f_one_b = learner_copy(pipe_case.one_f_one_b)  # the learner's own copy of the order (the kit's is refused)
-
-
-def test_pipeline_step_reference_passes(no_strays):
-    assert passed(hpdl.check("pipeline_step", learner_copy(pipe_case.model_solution), ranks=[3]))
+def _ring(n, p, a, b, g):
+    return 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * g
 
 
-def run_order(comm, stage, parts, targets, order, weight, zero_each=False, send_back=True):
-    """A learner's step over micro-batches `parts` in `order` of ("F", i) / ("B", i), micro-batch
-    i's mean loss times weight(rows): each known-bad variant below turns one knob of it."""
-    rank, p = comm.Get_rank(), comm.Get_size()
-    first, last = rank == 0, rank == p - 1
-    ts = targets.split([len(x) for x in parts])
-    inputs, outputs, loss = {}, {}, 0.0
-    for kind, i in order:
-        if kind == "F":
-            x = parts[i]
-            if not first:
-                comm.Recv(x.numpy(), source=rank - 1)
-                x.requires_grad_()
-            y = stage(x)
-            if last:
-                y = F.cross_entropy(y, ts[i]) * weight(len(x))
-                loss += y.item()
-            else:
-                comm.Send(y.detach().numpy(), dest=rank + 1)
-            inputs[i], outputs[i] = x, y
-            continue
-        x, y, grad = inputs.pop(i), outputs.pop(i), None
-        if zero_each:
-            stage.zero_grad()                       # forgets the micro-batches before this one
-        if not last:
-            grad = torch.empty_like(y)
-            comm.Recv(grad.numpy(), source=rank + 1)
-        y.backward(grad)
-        if not first and send_back:
-            comm.Send(x.grad.numpy(), dest=rank - 1)
-    return loss if last else None
+def step_no_bus_factor(compute, nbytes, alpha, beta, gamma, p, overlap=0.0, buckets=1):
+    if p <= 1:
+        return compute
+    n = nbytes / buckets
+    t = buckets * (2 * (p - 1) * alpha + n * beta + (p - 1) / p * n * gamma)   # nβ: no 2(p−1)/p
+    return compute + max(t - overlap * compute, t / buckets)
 
 
-def stage_gpipe(comm, stage, batch, targets, m):
-    """Right gradients, GPipe's order: all forwards, then all backwards."""
-    order = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch))
+def step_overlap_on_compute(compute, nbytes, alpha, beta, gamma, p, overlap=0.0, buckets=1):
+    if p <= 1:
+        return compute
+    t = buckets * _ring(nbytes / buckets, p, alpha, beta, gamma)
+    return (1 - overlap) * compute + t                                           # shrinks the compute
 
 
-def stage_no_warmup(comm, stage, batch, targets, m):
-    """Right gradients, one micro-batch at a time on every stage: the pipe never fills."""
-    order = [op for i in range(m) for op in (("F", i), ("B", i))]
-    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch))
+def step_latency_once(compute, nbytes, alpha, beta, gamma, p, overlap=0.0, buckets=1):
+    if p <= 1:
+        return compute
+    t = _ring(nbytes, p, alpha, beta, gamma)                                     # buckets cost nothing
+    return compute + max(t - overlap * compute, t / buckets)
 
 
-def stage_not_accumulated(comm, stage, batch, targets, m):
-    """1F1B, but p.grad zeroed before each backward: only the last micro-batch's gradient is left."""
-    order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
-    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch), True)
+def step_no_last_bucket(compute, nbytes, alpha, beta, gamma, p, overlap=0.0, buckets=1):
+    if p <= 1:
+        return compute
+    t = buckets * _ring(nbytes / buckets, p, alpha, beta, gamma)
+    return compute + max(0.0, t - overlap * compute)                            # all of it can hide
 
 
-def stage_unscaled(comm, stage, batch, targets, m):
-    """1F1B, micro-batch losses summed: each backpropagated without its share of the batch."""
-    order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
-    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: 1.0)
+def test_predict_step_time_calling_the_kits_predictor_is_refused():
+    def predict_step_time(*args, **kwargs):  # the kit's own answer: refused inside a check (hooks.KIT_ANSWERS)
+        from hpdl.predict import predict_step_time
+
+        return predict_step_time(*args, **kwargs)
+
+    result = hpdl.check("predict_step_time", predict_step_time, ranks=[2])
+    assert result.score == 0 and all(c.rejected == "hpdl.predict.predict_step_time" for c in result.cases), result
 
 
-def stage_equal_weights(comm, stage, batch, targets, m):
-    """1F1B, each micro-batch's mean loss weighted 1/m: wrong when the micro-batches differ in size."""
-    order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
-    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: 1 / m)
-
-
-def stage_chunk(comm, stage, batch, targets, m):
-    """1F1B over batch.chunk(m): fewer than m micro-batches, or other sizes, when m does not divide B."""
-    parts = batch.chunk(m)
-    order = one_f_one_b(comm.Get_size(), len(parts), comm.Get_rank())
-    return run_order(comm, stage, parts, targets, order, lambda rows: rows / len(batch))
-
-
-def stage_no_backward_send(comm, stage, batch, targets, m):
-    """Forgets to send x.grad back: the previous stage waits for it forever."""
-    order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
-    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch),
-                     send_back=False)
-
-
-def stage_deadlock(comm, stage, batch, targets, m):
-    """Waits for the gradient before sending the activation it depends on: ranks 0 and 1 wait for each other."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    first, last = rank == 0, rank == size - 1
-    loss = 0.0
-    for x, t in zip(batch.tensor_split(m), targets.tensor_split(m)):
-        if not first:
-            comm.Recv(x.numpy(), source=rank - 1)
-            x.requires_grad_()
-        y = stage(x)
-        if last:
-            out = F.cross_entropy(y, t) * len(x) / len(batch)
-            loss += out.item()
-            out.backward()
-        else:
-            g = torch.empty_like(y)
-            comm.Recv(g.numpy(), source=rank + 1)   # the gradient first ...
-            comm.Send(y.detach().numpy(), dest=rank + 1)   # ... then the activation it needs
-            y.backward(g)
-        if not first:
-            comm.Send(x.grad.numpy(), dest=rank - 1)
-    return loss if last else None
-
-
-def stage_forward_only_comm(comm, stage, batch, targets, m):
-    """No backward messages at all: the earlier stages never get a gradient."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    loss = 0.0
-    for x, t in zip(batch.tensor_split(m), targets.tensor_split(m)):
-        if rank > 0:
-            comm.Recv(x.numpy(), source=rank - 1)
-        y = stage(x)
-        if rank == size - 1:
-            out = F.cross_entropy(y, t) * len(x) / len(batch)
-            loss += out.item()
-            out.backward()
-        else:
-            comm.Send(y.detach().numpy(), dest=rank + 1)
-    return loss if rank == size - 1 else None
-
-
-def stage_whole_batch(comm, stage, batch, targets, m):
-    """Right gradients, but one message for the whole batch: no pipelining."""
-    return run_order(comm, stage, [batch], targets, [("F", 0), ("B", 0)], lambda rows: 1.0)
-
-
-def stage_kit_schedule(comm, stage, batch, targets, m):
-    """The kit's own 1F1B order (hpdl.pipeline.one_f_one_b): refused inside a check."""
-    import hpdl.pipeline
-
-    order = hpdl.pipeline.one_f_one_b(comm.Get_size(), m, comm.Get_rank())
-    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch))
-
-
-@pytest.mark.parametrize("bad, ranks, words", [
-    (stage_gpipe, 2, ["held 4 micro-batches", "at most p - s", "GPipe"]),
-    (stage_no_warmup, 3, ["1F1B runs F0 F1", "fill the pipe"]),
-    (stage_not_accumulated, 2, ["last micro-batch's gradients alone", "accumulate"]),
-    (stage_unscaled, 2, ["4 times the single device", "share of the batch"]),
-    (stage_equal_weights, 2, ["weighted 1/4", "rows / B"]),
-    (stage_chunk, 2, ["tensor_split"]),
-    (stage_forward_only_comm, 2, ["backward never reached"]),
-    (stage_whole_batch, 2, ["one per micro-batch"]),
+@pytest.mark.parametrize("bad, words", [
+    (step_no_bus_factor, ["2(p−1)/p"]),
+    (step_overlap_on_compute, ["does not shrink the compute"]),
+    (step_latency_once, ["pays the latency"]),
+    (step_no_last_bucket, ["last bucket"]),
 ])
-def test_pipeline_step_known_bad_rejected(bad, ranks, words, no_strays):
-    rejected(hpdl.check("pipeline_step", bad, ranks=[ranks]), *words)
+def test_predict_step_time_known_bad_rejected(bad, words):
+    rejected(hpdl.check("predict_step_time", bad, ranks=[3]), *words)
 
 
-def test_pipeline_step_kit_schedule_refused(no_strays):
-    result = hpdl.check("pipeline_step", stage_kit_schedule, ranks=[2])
-    assert result.score == 0 and all(c.rejected == "hpdl.pipeline.one_f_one_b" for c in result.cases), result
-    assert "exercise" in hints(result)
+# -- exercise 2: lars_step ----------------------------------------------------------------------
+
+def lars_without_trust_ratio(params, grads, lr, trust_coef=0.001, weight_decay=0.0):
+    return [w - lr * (g + weight_decay * w) for w, g in zip(params, grads)]
 
 
-@pytest.mark.parametrize("bad, stuck", [(stage_deadlock, {0, 1}), (stage_no_backward_send, {0})])
-def test_pipeline_step_hang_names_rank_and_line(bad, stuck, no_strays):
-    result = hpdl.check("pipeline_step", bad, ranks=[3], timeout=12)
-    hung = [c for c in result.cases if c.verdict == "HANG"]
-    assert hung, [c.verdict for c in result.cases]
-    first = hung[0]
-    assert stuck <= set(first.stuck), first.stuck
-    where = " ".join(first.stuck.values())
-    assert "line" in where and "comm.Recv" in where, where
+def lars_dividing_by_zero(params, grads, lr, trust_coef=0.001, weight_decay=0.0):
+    out = []
+    for w, g in zip(params, grads):
+        ratio = trust_coef * w.norm() / (g.norm() + weight_decay * w.norm())      # 0/0 and x/0 unguarded
+        out.append(w - lr * ratio * (g + weight_decay * w))
+    return out
 
 
-# -- exercise 2: column_parallel_linear -------------------------------------------------------------
+def lars_zero_layer_stuck(params, grads, lr, trust_coef=0.001, weight_decay=0.0):
+    out = []
+    for w, g in zip(params, grads):
+        denominator = g.norm() + weight_decay * w.norm()
+        ratio = trust_coef * w.norm() / denominator if denominator > 0 else 1.0     # ‖w‖ = 0: ratio 0
+        out.append(w - lr * ratio * (g + weight_decay * w))
+    return out
 
 
-def test_column_parallel_linear_reference_passes(no_strays):
-    solution = learner_copy(cpl_case.rows_of, cpl_case.model_solution)
-    assert passed(hpdl.check("column_parallel_linear", solution, ranks=[3], grade=True))
+def lars_one_ratio(params, grads, lr, trust_coef=0.001, weight_decay=0.0):
+    w_all = torch.sqrt(sum(w.norm() ** 2 for w in params))
+    g_all = torch.sqrt(sum(g.norm() ** 2 for g in grads))
+    ratio = trust_coef * w_all / (g_all + weight_decay * w_all)
+    return [w - lr * ratio * (g + weight_decay * w) for w, g in zip(params, grads)]
 
 
-def tp_no_allreduce(comm, x, weight, bias, grad_y):
-    lo, hi = rows_of(comm.Get_rank(), comm.Get_size(), weight.shape[0])
-    w, b = weight[lo:hi], bias[lo:hi]
-    y = torch.cat([torch.from_numpy(p) for p in comm.allgather((x @ w.T + b).numpy())], dim=1)
-    g = grad_y[:, lo:hi]
-    return y, g @ w, g.T @ x, g.sum(0)           # grad_x: this rank's part only
-
-
-def tp_even_split(comm, x, weight, bias, grad_y):
-    k = weight.shape[0] // comm.Get_size()       # drops the last out % p rows
-    lo, hi = comm.Get_rank() * k, (comm.Get_rank() + 1) * k
-    w, b = weight[lo:hi], bias[lo:hi]
-    y = torch.cat([torch.from_numpy(p) for p in comm.allgather((x @ w.T + b).numpy())], dim=1)
-    g = grad_y[:, lo:hi]
-    grad_x = (g @ w).contiguous()
-    comm.Allreduce(MPI.IN_PLACE, grad_x.numpy(), op=MPI.SUM)
-    return y, grad_x, g.T @ x, g.sum(0)
-
-
-def tp_whole_layer_here(comm, x, weight, bias, grad_y):
-    return x @ weight.T + bias, grad_y @ weight, grad_y.T @ x, grad_y.sum(0)
-
-
-def test_column_parallel_missing_allreduce_rejected(no_strays):
-    rejected(hpdl.check("column_parallel_linear", tp_no_allreduce, ranks=[2]), "grad_x", "all-reduce")
-
-
-def test_column_parallel_uneven_split_dropping_columns_rejected(no_strays):
-    result = hpdl.check("column_parallel_linear", tp_even_split, ranks=[3])
-    rejected(result, "tensor_split")
-    even = [c for c in result.cases if c.params["out"] % 3 == 0]
-    assert not even, "a case where 3 ranks split the outputs evenly would not tell the two splits apart"
-
-
-def test_column_parallel_whole_layer_on_one_rank_rejected(no_strays):
-    rejected(hpdl.check("column_parallel_linear", tp_whole_layer_here, ranks=[2]), "nan", "does not hold")
+@pytest.mark.parametrize("bad, words", [
+    (lars_without_trust_ratio, ["plain sgd", "trust ratio"]),
+    (lars_dividing_by_zero, ["nan", "ratio of 1"]),
+    (lars_zero_layer_stuck, ["never moves"]),
+    (lars_one_ratio, ["per layer"]),
+])
+def test_lars_step_known_bad_rejected(bad, words):
+    rejected(hpdl.check("lars_step", bad, ranks=[2]), *words)

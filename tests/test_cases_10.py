@@ -1,155 +1,248 @@
 """The checks of lesson 10 on real ranks: the model solutions pass as a learner's copy, and each
-known-bad implementation is rejected with the reason named — ZeRO-1: every rank updating the
-whole model, shards off by one when the size does not divide, the final all-gather missing;
-ZeRO-3: gathered layers never freed (measured while the function runs), shards or layers
-gathered in the wrong order.
+known-bad implementation is rejected with the reason named — GPipe's order (right gradients, too
+much memory), a pipe never filled, gradients not accumulated over micro-batches, micro-batch
+losses unscaled or weighted 1/m when their sizes differ, chunk(m) where m does not divide the
+batch, a send/recv order that deadlocks (HANG, with the stuck rank and line), a stage that skips
+the backward send, the kit's own 1F1B order (refused), a tensor-parallel layer missing its
+all-reduce, an uneven split dropping columns.
 
-That the solutions of solutions/10_sharding_memory.ipynb, as learners are shown them, earn full
-marks at 1–4 ranks (hidden cases included) is tested by running it in grade mode
+That the solutions of solutions/10_model_parallelism.ipynb, as learners are shown them, earn
+full marks at 1–4 ranks (hidden cases included) is tested by running it in grade mode
 (test_notebooks.py). Every check runs on fresh MPI ranks (mpiexec jobs).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import torch.nn.functional as F
 from mpi4py import MPI
 
 import hpdl
-from hpdl.checker.cases import zero1_step as z1_case
-from hpdl.checker.cases import zero3_unit as z3_case
-from conftest import learner_copy, passed, rejected
+from hpdl.checker.cases import column_parallel_linear as cpl_case
+from hpdl.checker.cases import pipeline_step as pipe_case
+from conftest import hints, learner_copy, passed, rejected
+
+rows_of = learner_copy(cpl_case.rows_of)  # the learner's own copy: case modules are not importable in a check
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = "10_model_parallelism.ipynb"
 
 
-# -- exercise 1: zero1_step -------------------------------------------------------------------------
+# -- exercise 1: pipeline_step (1F1B over mpi4py) ---------------------------------------------------
+
+one_f_one_b = learner_copy(pipe_case.one_f_one_b)  # the learner's own copy of the order (the kit's is refused)
 
 
-def test_zero1_step_reference_passes(no_strays):
-    solution = learner_copy(z1_case.model_solution)
-    assert passed(hpdl.check("zero1_step", solution, ranks=[3], grade=True))
+def test_pipeline_step_reference_passes(no_strays):
+    assert passed(hpdl.check("pipeline_step", learner_copy(pipe_case.model_solution), ranks=[3]))
 
 
-def zero1_whole_model(comm, params, grad, momentum, lr, beta):
-    """Every rank all-reduces the gradient and updates the whole model: no sharding at all."""
-    g = grad.clone()
-    comm.Allreduce(MPI.IN_PLACE, g.numpy(), op=MPI.SUM)
-    g /= comm.Get_size()
-    momentum.mul_(beta).add_(g)
-    return params - lr * momentum, momentum
+def run_order(comm, stage, parts, targets, order, weight, zero_each=False, send_back=True):
+    """A learner's step over micro-batches `parts` in `order` of ("F", i) / ("B", i), micro-batch
+    i's mean loss times weight(rows): each known-bad variant below turns one knob of it."""
+    rank, p = comm.Get_rank(), comm.Get_size()
+    first, last = rank == 0, rank == p - 1
+    ts = targets.split([len(x) for x in parts])
+    inputs, outputs, loss = {}, {}, 0.0
+    for kind, i in order:
+        if kind == "F":
+            x = parts[i]
+            if not first:
+                comm.Recv(x.numpy(), source=rank - 1)
+                x.requires_grad_()
+            y = stage(x)
+            if last:
+                y = F.cross_entropy(y, ts[i]) * weight(len(x))
+                loss += y.item()
+            else:
+                comm.Send(y.detach().numpy(), dest=rank + 1)
+            inputs[i], outputs[i] = x, y
+            continue
+        x, y, grad = inputs.pop(i), outputs.pop(i), None
+        if zero_each:
+            stage.zero_grad()                       # forgets the micro-batches before this one
+        if not last:
+            grad = torch.empty_like(y)
+            comm.Recv(grad.numpy(), source=rank + 1)
+        y.backward(grad)
+        if not first and send_back:
+            comm.Send(x.grad.numpy(), dest=rank - 1)
+    return loss if last else None
 
 
-def updated_shard(comm, params, grad, momentum, lr, beta, sizes):
-    """Reduce-scatter with these shard sizes, update that shard: (its updated weights, sizes)."""
+def stage_gpipe(comm, stage, batch, targets, m):
+    """Right gradients, GPipe's order: all forwards, then all backwards."""
+    order = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch))
+
+
+def stage_no_warmup(comm, stage, batch, targets, m):
+    """Right gradients, one micro-batch at a time on every stage: the pipe never fills."""
+    order = [op for i in range(m) for op in (("F", i), ("B", i))]
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch))
+
+
+def stage_not_accumulated(comm, stage, batch, targets, m):
+    """1F1B, but p.grad zeroed before each backward: only the last micro-batch's gradient is left."""
+    order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch), True)
+
+
+def stage_unscaled(comm, stage, batch, targets, m):
+    """1F1B, micro-batch losses summed: each backpropagated without its share of the batch."""
+    order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: 1.0)
+
+
+def stage_equal_weights(comm, stage, batch, targets, m):
+    """1F1B, each micro-batch's mean loss weighted 1/m: wrong when the micro-batches differ in size."""
+    order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: 1 / m)
+
+
+def stage_chunk(comm, stage, batch, targets, m):
+    """1F1B over batch.chunk(m): fewer than m micro-batches, or other sizes, when m does not divide B."""
+    parts = batch.chunk(m)
+    order = one_f_one_b(comm.Get_size(), len(parts), comm.Get_rank())
+    return run_order(comm, stage, parts, targets, order, lambda rows: rows / len(batch))
+
+
+def stage_no_backward_send(comm, stage, batch, targets, m):
+    """Forgets to send x.grad back: the previous stage waits for it forever."""
+    order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch),
+                     send_back=False)
+
+
+def stage_deadlock(comm, stage, batch, targets, m):
+    """Waits for the gradient before sending the activation it depends on: ranks 0 and 1 wait for each other."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    lo = sum(sizes[:rank])
-    g = torch.empty(sizes[rank])
-    comm.Reduce_scatter(grad.numpy(), g.numpy(), recvcounts=sizes, op=MPI.SUM)
-    m = momentum[lo:lo + sizes[rank]]
-    m.mul_(beta).add_(g / size)
-    return (params[lo:lo + sizes[rank]] - lr * m).contiguous()
+    first, last = rank == 0, rank == size - 1
+    loss = 0.0
+    for x, t in zip(batch.tensor_split(m), targets.tensor_split(m)):
+        if not first:
+            comm.Recv(x.numpy(), source=rank - 1)
+            x.requires_grad_()
+        y = stage(x)
+        if last:
+            out = F.cross_entropy(y, t) * len(x) / len(batch)
+            loss += out.item()
+            out.backward()
+        else:
+            g = torch.empty_like(y)
+            comm.Recv(g.numpy(), source=rank + 1)   # the gradient first ...
+            comm.Send(y.detach().numpy(), dest=rank + 1)   # ... then the activation it needs
+            y.backward(g)
+        if not first:
+            comm.Send(x.grad.numpy(), dest=rank - 1)
+    return loss if last else None
 
 
-def zero1_even_split(comm, params, grad, momentum, lr, beta):
-    """Shards of n // p, the rest on the last rank: off by one against tensor_split's."""
-    size, n = comm.Get_size(), params.numel()
-    sizes = [n // size] * (size - 1) + [n - (n // size) * (size - 1)]
-    shard = updated_shard(comm, params, grad, momentum, lr, beta, sizes)
-    new = torch.empty_like(params)
-    comm.Allgatherv(shard.numpy(), [new.numpy(), sizes])
-    return new, momentum
-
-
-def zero1_no_allgather(comm, params, grad, momentum, lr, beta):
-    """Updates its shard and stops: the other ranks' shards are stale on this rank."""
+def stage_forward_only_comm(comm, stage, batch, targets, m):
+    """No backward messages at all: the earlier stages never get a gradient."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    sizes = [len(part) for part in torch.tensor_split(torch.arange(params.numel()), size)]
-    new = params.clone()
-    lo = sum(sizes[:rank])
-    new[lo:lo + sizes[rank]] = updated_shard(comm, params, grad, momentum, lr, beta, sizes)
-    return new, momentum
+    loss = 0.0
+    for x, t in zip(batch.tensor_split(m), targets.tensor_split(m)):
+        if rank > 0:
+            comm.Recv(x.numpy(), source=rank - 1)
+        y = stage(x)
+        if rank == size - 1:
+            out = F.cross_entropy(y, t) * len(x) / len(batch)
+            loss += out.item()
+            out.backward()
+        else:
+            comm.Send(y.detach().numpy(), dest=rank + 1)
+    return loss if rank == size - 1 else None
 
 
-def test_zero1_every_rank_updating_the_whole_model_rejected(no_strays):
-    rejected(hpdl.check("zero1_step", zero1_whole_model, ranks=[2]), "whole model", "reduce-scatter")
+def stage_whole_batch(comm, stage, batch, targets, m):
+    """Right gradients, but one message for the whole batch: no pipelining."""
+    return run_order(comm, stage, [batch], targets, [("F", 0), ("B", 0)], lambda rows: 1.0)
 
 
-def test_zero1_shards_off_by_one_rejected(no_strays):
-    result = hpdl.check("zero1_step", zero1_even_split, ranks=[3])
-    rejected(result, "tensor_split", "off by one")
-    assert any(c.params["n"] % 3 for c in result.cases), "no case where 3 ranks split the values unevenly"
+def stage_kit_schedule(comm, stage, batch, targets, m):
+    """The kit's own 1F1B order (hpdl.pipeline.one_f_one_b): refused inside a check."""
+    import hpdl.pipeline
+
+    order = hpdl.pipeline.one_f_one_b(comm.Get_size(), m, comm.Get_rank())
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch))
 
 
-def test_zero1_missing_allgather_rejected(no_strays):
-    rejected(hpdl.check("zero1_step", zero1_no_allgather, ranks=[2]), "all-gather")
+@pytest.mark.parametrize("bad, ranks, words", [
+    (stage_gpipe, 2, ["held 4 micro-batches", "at most p - s", "GPipe"]),
+    (stage_no_warmup, 3, ["1F1B runs F0 F1", "fill the pipe"]),
+    (stage_not_accumulated, 2, ["last micro-batch's gradients alone", "accumulate"]),
+    (stage_unscaled, 2, ["4 times the single device", "share of the batch"]),
+    (stage_equal_weights, 2, ["weighted 1/4", "rows / B"]),
+    (stage_chunk, 2, ["tensor_split"]),
+    (stage_forward_only_comm, 2, ["backward never reached"]),
+    (stage_whole_batch, 2, ["one per micro-batch"]),
+])
+def test_pipeline_step_known_bad_rejected(bad, ranks, words, no_strays):
+    rejected(hpdl.check("pipeline_step", bad, ranks=[ranks]), *words)
 
 
-# -- exercise 2: zero3_unit -------------------------------------------------------------------------
+def test_pipeline_step_kit_schedule_refused(no_strays):
+    result = hpdl.check("pipeline_step", stage_kit_schedule, ranks=[2])
+    assert result.score == 0 and all(c.rejected == "hpdl.pipeline.one_f_one_b" for c in result.cases), result
+    assert "exercise" in hints(result)
 
 
-def test_zero3_unit_reference_passes(no_strays):
-    solution = learner_copy(z3_case.model_solution)
-    assert passed(hpdl.check("zero3_unit", solution, ranks=[2, 3], grade=True))
+@pytest.mark.parametrize("bad, stuck", [(stage_deadlock, {0, 1}), (stage_no_backward_send, {0})])
+def test_pipeline_step_hang_names_rank_and_line(bad, stuck, no_strays):
+    result = hpdl.check("pipeline_step", bad, ranks=[3], timeout=12)
+    hung = [c for c in result.cases if c.verdict == "HANG"]
+    assert hung, [c.verdict for c in result.cases]
+    first = hung[0]
+    assert stuck <= set(first.stuck), first.stuck
+    where = " ".join(first.stuck.values())
+    assert "line" in where and "comm.Recv" in where, where
 
 
-def zero3_never_freed(comm, shards, shapes, x):
-    """Right output, but every gathered layer is kept: the whole model ends up on every rank."""
-    size = comm.Get_size()
-    gathered = []
-    for shard, (o, i) in zip(shards, shapes):
-        counts = [len(part) for part in torch.tensor_split(torch.arange(o * i + o), size)]
-        full = torch.empty(o * i + o)
-        comm.Allgatherv(shard.numpy(), [full.numpy(), counts])
-        gathered.append(full)                          # kept "for later": never freed
-        x = torch.tanh(x @ full[:o * i].view(o, i).T + full[o * i:])
-    return x
+# -- exercise 2: column_parallel_linear -------------------------------------------------------------
 
 
-def zero3_all_gathered_first(comm, shards, shapes, x):
-    """Gathers every layer up front, then computes: the same output, the whole model held at once."""
-    size = comm.Get_size()
-    fulls = []
-    for shard, (o, i) in zip(shards, shapes):
-        counts = [len(part) for part in torch.tensor_split(torch.arange(o * i + o), size)]
-        fulls.append(torch.empty(o * i + o))
-        comm.Allgatherv(shard.numpy(), [fulls[-1].numpy(), counts])
-    for full, (o, i) in zip(fulls, shapes):
-        x = torch.tanh(x @ full[:o * i].view(o, i).T + full[o * i:])
-    return x
+def test_column_parallel_linear_reference_passes(no_strays):
+    solution = learner_copy(cpl_case.rows_of, cpl_case.model_solution)
+    assert passed(hpdl.check("column_parallel_linear", solution, ranks=[3], grade=True))
 
 
-def zero3_reversed_ranks(comm, shards, shapes, x):
-    """Puts the gathered shards together in the wrong order (last rank's first)."""
-    for shard, (o, i) in zip(shards, shapes):
-        full = torch.cat([torch.from_numpy(part) for part in reversed(comm.allgather(shard.numpy()))])
-        x = torch.tanh(x @ full[:o * i].view(o, i).T + full[o * i:])
-        del full
-    return x
+def tp_no_allreduce(comm, x, weight, bias, grad_y):
+    lo, hi = rows_of(comm.Get_rank(), comm.Get_size(), weight.shape[0])
+    w, b = weight[lo:hi], bias[lo:hi]
+    y = torch.cat([torch.from_numpy(p) for p in comm.allgather((x @ w.T + b).numpy())], dim=1)
+    g = grad_y[:, lo:hi]
+    return y, g @ w, g.T @ x, g.sum(0)           # grad_x: this rank's part only
 
 
-def zero3_layers_reversed(comm, shards, shapes, x):
-    """Gathers and applies the layers last first (shapes permitting: square layers only)."""
-    size = comm.Get_size()
-    for shard, (o, i) in reversed(list(zip(shards, shapes))):
-        counts = [len(part) for part in torch.tensor_split(torch.arange(o * i + o), size)]
-        full = torch.empty(o * i + o)
-        comm.Allgatherv(shard.numpy(), [full.numpy(), counts])
-        x = torch.tanh(x @ full[:o * i].view(o, i).T + full[o * i:])
-        del full
-    return x
+def tp_even_split(comm, x, weight, bias, grad_y):
+    k = weight.shape[0] // comm.Get_size()       # drops the last out % p rows
+    lo, hi = comm.Get_rank() * k, (comm.Get_rank() + 1) * k
+    w, b = weight[lo:hi], bias[lo:hi]
+    y = torch.cat([torch.from_numpy(p) for p in comm.allgather((x @ w.T + b).numpy())], dim=1)
+    g = grad_y[:, lo:hi]
+    grad_x = (g @ w).contiguous()
+    comm.Allreduce(MPI.IN_PLACE, grad_x.numpy(), op=MPI.SUM)
+    return y, grad_x, g.T @ x, g.sum(0)
 
 
-@pytest.mark.parametrize("bad", [zero3_never_freed, zero3_all_gathered_first])
-def test_zero3_layers_never_freed_rejected(bad, no_strays):
-    result = hpdl.check("zero3_unit", bad, ranks=[2])
-    rejected(result, "never freed", "layers' worth")
-    right = [c for c in result.cases if c.verdict == "PASS"]
-    assert right, "the small case (memory not measured) should pass: the output itself is right"
+def tp_whole_layer_here(comm, x, weight, bias, grad_y):
+    return x @ weight.T + bias, grad_y @ weight, grad_y.T @ x, grad_y.sum(0)
 
 
-def test_zero3_shards_in_the_wrong_order_rejected(no_strays):
-    rejected(hpdl.check("zero3_unit", zero3_reversed_ranks, ranks=[2]), "rank order")
+def test_column_parallel_missing_allreduce_rejected(no_strays):
+    rejected(hpdl.check("column_parallel_linear", tp_no_allreduce, ranks=[2]), "grad_x", "all-reduce")
 
 
-def test_zero3_layers_in_the_wrong_order_rejected(no_strays):
-    rejected(hpdl.check("zero3_unit", zero3_layers_reversed, ranks=[2]), "in order")
+def test_column_parallel_uneven_split_dropping_columns_rejected(no_strays):
+    result = hpdl.check("column_parallel_linear", tp_even_split, ranks=[3])
+    rejected(result, "tensor_split")
+    even = [c for c in result.cases if c.params["out"] % 3 == 0]
+    assert not even, "a case where 3 ranks split the outputs evenly would not tell the two splits apart"
+
+
+def test_column_parallel_whole_layer_on_one_rank_rejected(no_strays):
+    rejected(hpdl.check("column_parallel_linear", tp_whole_layer_here, ranks=[2]), "nan", "does not hold")

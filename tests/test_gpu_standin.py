@@ -202,7 +202,7 @@ ON_GPUS = 'assert {str(d) for d in hpdl.view().pull("device", block=True)} == {"
 
 
 def kept_cells(cells: list) -> list:
-    """All but the cells that run a benchmark as a program of its own (`subprocess.run`: 07's Horovod
+    """All but the cells that run a benchmark as a program of its own (`subprocess.run`: 08's Horovod
     grid and autotuner, whose GPU paths the script tests here cover) and the cells that read what
     those defined."""
     import ast

@@ -82,7 +82,7 @@ def test_lines_with_log_axes():
 
 
 def test_log_axes_label_only_the_values_measured():
-    """Over 1, 2, 4, 8 a log axis printed "3×10⁰" and "6×10⁰" between the ticks (lesson 09's bubble plots)."""
+    """Over 1, 2, 4, 8 a log axis printed "3×10⁰" and "6×10⁰" between the ticks (lesson 10's bubble plots)."""
     from hpdl.pipeline import plot_bubbles
 
     measured = {("GPipe", 4): {1: 0.75, 2: 0.6, 4: 0.43, 8: 0.27}, ("1F1B", 4): {1: 0.75, 2: 0.6, 4: 0.43, 8: 0.28}}

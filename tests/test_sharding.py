@@ -1,4 +1,4 @@
-"""Lesson 10's plumbing (hpdl.sharding) and running model, in one process: the bookkeeping the
+"""Lesson 11's plumbing (hpdl.sharding) and running model, in one process: the bookkeeping the
 lesson's memory and traffic numbers rest on must count exactly what is there."""
 from __future__ import annotations
 

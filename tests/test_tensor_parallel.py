@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-LESSON = Path(__file__).resolve().parents[1] / "notebooks" / "10_sharding_memory.ipynb"
+LESSON = Path(__file__).resolve().parents[1] / "notebooks" / "11_sharding_memory.ipynb"
 
 SCRIPT = """
 import faulthandler, json, sys

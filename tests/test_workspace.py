@@ -110,3 +110,38 @@ def test_the_kit_goes_to_a_0700_workspace_its_lessons_exercises_and_benchmarks_s
     (kit / "exercises").rmdir()
     with pytest.raises(HpdlError, match="No exercises/"):
         workspace.sync_kit(kit, ws)
+
+
+def test_a_renamed_lesson_replaces_an_untouched_copy_and_keeps_a_changed_one(tmp_path):
+    """Lesson 07 was split in two and 08-10 became 09-11: a workspace made before gets the new names,
+    loses no edit, and is told where the notebook it changed lives now."""
+    kit, ws = tmp_path / "kit", tmp_path / "ws"
+    kit.mkdir()
+    for name in ("07_collective_tuning.ipynb", "08_scaling_studies.ipynb", "09_model_parallelism.ipynb"):
+        (kit / name).write_text(f"old kit's {name}")
+    workspace.sync(kit, ws)
+    (ws / "09_model_parallelism.ipynb").write_text("my pipeline stage")  # the learner's work
+    (ws / "07_collective_tuning.ipynb").write_text("my autotune")
+    for name in ("08_scaling_studies.ipynb", "09_model_parallelism.ipynb"):
+        (kit / name).unlink()
+    for name in ("07_collective_tuning.ipynb", "08_framework_tuning.ipynb", "09_scaling_studies.ipynb",
+                 "10_model_parallelism.ipynb"):
+        (kit / name).write_text(f"new kit's {name}")
+
+    result = workspace.sync(kit, ws)
+    assert sorted(p.name for p in ws.glob("*.ipynb")) == [
+        "07_collective_tuning.ipynb", "08_framework_tuning.ipynb", "09_model_parallelism.ipynb",
+        "09_scaling_studies.ipynb", "10_model_parallelism.ipynb"]
+    assert (ws / "09_model_parallelism.ipynb").read_text() == "my pipeline stage"
+    assert (ws / "07_collective_tuning.ipynb").read_text() == "my autotune"
+    assert (ws / "09_scaling_studies.ipynb").read_text() == "new kit's 09_scaling_studies.ipynb"
+    assert result.retired == ["08_scaling_studies.ipynb -> 09_scaling_studies.ipynb"]
+    assert result.renamed == ["09_model_parallelism.ipynb -> 10_model_parallelism.ipynb"]
+    assert result.kept == ["07_collective_tuning.ipynb"]
+    text = result.summary(ws)
+    assert "09_model_parallelism.ipynb -> 10_model_parallelism.ipynb" in text and "stays as it is" in text
+
+    # the changed copy is still named on the next run (it is still the learner's); the removed one stays gone
+    again = workspace.sync(kit, ws)
+    assert again.renamed == result.renamed and again.retired == [] and again.added == []
+    assert not (ws / "08_scaling_studies.ipynb").exists()

@@ -1,4 +1,4 @@
-"""Checks for lesson 07's exercise (b): a small autotuner with a measurement budget.
+"""Checks for lesson 08's exercise: a small autotuner with a measurement budget.
 
     def autotune(measure, space, budget) -> dict
         # space: {"knob": [value, ...], ...}; measure(config) -> seconds (noisy);

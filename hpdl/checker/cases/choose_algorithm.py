@@ -1,4 +1,4 @@
-"""Checks for lesson 07's exercise (a): pick the allreduce algorithm with the least modelled cost.
+"""Checks for lesson 07's first exercise: pick the allreduce algorithm with the least modelled cost.
 
     def choose_algorithm(nbytes, p, alpha, beta, gamma) -> str
         # "recursive_doubling", "reduce_scatter_allgather" or "ring": the cheapest in the α-β-γ

@@ -1,4 +1,4 @@
-"""Checks for lesson 09's second exercise: a column-parallel Linear (Megatron style), forward and backward.
+"""Checks for lesson 10's second exercise: a column-parallel Linear (Megatron style), forward and backward.
 
     def column_parallel_linear(comm, x, weight, bias, grad_y):
         # The layer y = x @ weight.T + bias, with its OUTPUT features (rows of weight) split

@@ -1,4 +1,4 @@
-"""Checks for lesson 08's second exercise: one LARS update (You, Gitman & Ginsburg, 2017).
+"""Checks for lesson 09's second exercise: one LARS update (You, Gitman & Ginsburg, 2017).
 
     lars_step(params, grads, lr, trust_coef=0.001, weight_decay=0.0) -> list[torch.Tensor]
         for every layer (tensor) w with gradient g:

@@ -1,4 +1,4 @@
-"""Checks for lesson 09's first exercise: one 1F1B training step of a pipeline stage, over mpi4py.
+"""Checks for lesson 10's first exercise: one 1F1B training step of a pipeline stage, over mpi4py.
 
     def pipeline_step(comm, stage, batch, targets, m) -> float | None:
         # rank s of comm holds stage s of the model (an nn.Module: its consecutive layers).

@@ -1,4 +1,4 @@
-"""Checks for lesson 08's first exercise: the core of the scaling predictor.
+"""Checks for lesson 09's first exercise: the core of the scaling predictor.
 
     predict_step_time(compute, nbytes, alpha, beta, gamma, p, overlap=0.0, buckets=1) -> float
         t_comm  = buckets · ring_allreduce(nbytes / buckets)

@@ -1,4 +1,4 @@
-"""Checks for lesson 07's exercise (c): a selection table turned into MPICH's own tuning file.
+"""Checks for lesson 07's second exercise: a selection table turned into MPICH's own tuning file.
 
     def tuning_file(table) -> dict
         # table: [(up_to_bytes, algorithm), ..., (None, algorithm)], sizes growing;

@@ -1,4 +1,4 @@
-"""Checks for lesson 10's first exercise: one ZeRO-1 step (optimizer state sharded) with mpi4py.
+"""Checks for lesson 11's first exercise: one ZeRO-1 step (optimizer state sharded) with mpi4py.
 
     def zero1_step(comm, params, grad, momentum, lr, beta):
         # params (n,): the whole model, flat, identical on every rank. grad (n,): this rank's

@@ -1,4 +1,4 @@
-"""Checks for lesson 10's second exercise: ZeRO-3's forward through sharded layers, with mpi4py.
+"""Checks for lesson 11's second exercise: ZeRO-3's forward through sharded layers, with mpi4py.
 
     def zero3_unit(comm, shards, shapes, x):
         # A stack of layers x → tanh(x @ W.T + b). Layer l's parameters, flattened (W row by row,

@@ -1,0 +1,155 @@
+"""The checks of lesson 11 on real ranks: the model solutions pass as a learner's copy, and each
+known-bad implementation is rejected with the reason named — ZeRO-1: every rank updating the
+whole model, shards off by one when the size does not divide, the final all-gather missing;
+ZeRO-3: gathered layers never freed (measured while the function runs), shards or layers
+gathered in the wrong order.
+
+That the solutions of solutions/11_sharding_memory.ipynb, as learners are shown them, earn full
+marks at 1–4 ranks (hidden cases included) is tested by running it in grade mode
+(test_notebooks.py). Every check runs on fresh MPI ranks (mpiexec jobs).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import hpdl
+from hpdl.checker.cases import zero1_step as z1_case
+from hpdl.checker.cases import zero3_unit as z3_case
+from conftest import learner_copy, passed, rejected
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+# -- exercise 1: zero1_step -------------------------------------------------------------------------
+
+
+def test_zero1_step_reference_passes(no_strays):
+    solution = learner_copy(z1_case.model_solution)
+    assert passed(hpdl.check("zero1_step", solution, ranks=[3], grade=True))
+
+
+def zero1_whole_model(comm, params, grad, momentum, lr, beta):
+    """Every rank all-reduces the gradient and updates the whole model: no sharding at all."""
+    g = grad.clone()
+    comm.Allreduce(MPI.IN_PLACE, g.numpy(), op=MPI.SUM)
+    g /= comm.Get_size()
+    momentum.mul_(beta).add_(g)
+    return params - lr * momentum, momentum
+
+
+def updated_shard(comm, params, grad, momentum, lr, beta, sizes):
+    """Reduce-scatter with these shard sizes, update that shard: (its updated weights, sizes)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    lo = sum(sizes[:rank])
+    g = torch.empty(sizes[rank])
+    comm.Reduce_scatter(grad.numpy(), g.numpy(), recvcounts=sizes, op=MPI.SUM)
+    m = momentum[lo:lo + sizes[rank]]
+    m.mul_(beta).add_(g / size)
+    return (params[lo:lo + sizes[rank]] - lr * m).contiguous()
+
+
+def zero1_even_split(comm, params, grad, momentum, lr, beta):
+    """Shards of n // p, the rest on the last rank: off by one against tensor_split's."""
+    size, n = comm.Get_size(), params.numel()
+    sizes = [n // size] * (size - 1) + [n - (n // size) * (size - 1)]
+    shard = updated_shard(comm, params, grad, momentum, lr, beta, sizes)
+    new = torch.empty_like(params)
+    comm.Allgatherv(shard.numpy(), [new.numpy(), sizes])
+    return new, momentum
+
+
+def zero1_no_allgather(comm, params, grad, momentum, lr, beta):
+    """Updates its shard and stops: the other ranks' shards are stale on this rank."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    sizes = [len(part) for part in torch.tensor_split(torch.arange(params.numel()), size)]
+    new = params.clone()
+    lo = sum(sizes[:rank])
+    new[lo:lo + sizes[rank]] = updated_shard(comm, params, grad, momentum, lr, beta, sizes)
+    return new, momentum
+
+
+def test_zero1_every_rank_updating_the_whole_model_rejected(no_strays):
+    rejected(hpdl.check("zero1_step", zero1_whole_model, ranks=[2]), "whole model", "reduce-scatter")
+
+
+def test_zero1_shards_off_by_one_rejected(no_strays):
+    result = hpdl.check("zero1_step", zero1_even_split, ranks=[3])
+    rejected(result, "tensor_split", "off by one")
+    assert any(c.params["n"] % 3 for c in result.cases), "no case where 3 ranks split the values unevenly"
+
+
+def test_zero1_missing_allgather_rejected(no_strays):
+    rejected(hpdl.check("zero1_step", zero1_no_allgather, ranks=[2]), "all-gather")
+
+
+# -- exercise 2: zero3_unit -------------------------------------------------------------------------
+
+
+def test_zero3_unit_reference_passes(no_strays):
+    solution = learner_copy(z3_case.model_solution)
+    assert passed(hpdl.check("zero3_unit", solution, ranks=[2, 3], grade=True))
+
+
+def zero3_never_freed(comm, shards, shapes, x):
+    """Right output, but every gathered layer is kept: the whole model ends up on every rank."""
+    size = comm.Get_size()
+    gathered = []
+    for shard, (o, i) in zip(shards, shapes):
+        counts = [len(part) for part in torch.tensor_split(torch.arange(o * i + o), size)]
+        full = torch.empty(o * i + o)
+        comm.Allgatherv(shard.numpy(), [full.numpy(), counts])
+        gathered.append(full)                          # kept "for later": never freed
+        x = torch.tanh(x @ full[:o * i].view(o, i).T + full[o * i:])
+    return x
+
+
+def zero3_all_gathered_first(comm, shards, shapes, x):
+    """Gathers every layer up front, then computes: the same output, the whole model held at once."""
+    size = comm.Get_size()
+    fulls = []
+    for shard, (o, i) in zip(shards, shapes):
+        counts = [len(part) for part in torch.tensor_split(torch.arange(o * i + o), size)]
+        fulls.append(torch.empty(o * i + o))
+        comm.Allgatherv(shard.numpy(), [fulls[-1].numpy(), counts])
+    for full, (o, i) in zip(fulls, shapes):
+        x = torch.tanh(x @ full[:o * i].view(o, i).T + full[o * i:])
+    return x
+
+
+def zero3_reversed_ranks(comm, shards, shapes, x):
+    """Puts the gathered shards together in the wrong order (last rank's first)."""
+    for shard, (o, i) in zip(shards, shapes):
+        full = torch.cat([torch.from_numpy(part) for part in reversed(comm.allgather(shard.numpy()))])
+        x = torch.tanh(x @ full[:o * i].view(o, i).T + full[o * i:])
+        del full
+    return x
+
+
+def zero3_layers_reversed(comm, shards, shapes, x):
+    """Gathers and applies the layers last first (shapes permitting: square layers only)."""
+    size = comm.Get_size()
+    for shard, (o, i) in reversed(list(zip(shards, shapes))):
+        counts = [len(part) for part in torch.tensor_split(torch.arange(o * i + o), size)]
+        full = torch.empty(o * i + o)
+        comm.Allgatherv(shard.numpy(), [full.numpy(), counts])
+        x = torch.tanh(x @ full[:o * i].view(o, i).T + full[o * i:])
+        del full
+    return x
+
+
+@pytest.mark.parametrize("bad", [zero3_never_freed, zero3_all_gathered_first])
+def test_zero3_layers_never_freed_rejected(bad, no_strays):
+    result = hpdl.check("zero3_unit", bad, ranks=[2])
+    rejected(result, "never freed", "layers' worth")
+    right = [c for c in result.cases if c.verdict == "PASS"]
+    assert right, "the small case (memory not measured) should pass: the output itself is right"
+
+
+def test_zero3_shards_in_the_wrong_order_rejected(no_strays):
+    rejected(hpdl.check("zero3_unit", zero3_reversed_ranks, ranks=[2]), "rank order")
+
+
+def test_zero3_layers_in_the_wrong_order_rejected(no_strays):
+    rejected(hpdl.check("zero3_unit", zero3_layers_reversed, ranks=[2]), "in order")
