@@ -293,3 +293,25 @@ def teardown() -> None:
                 dist.destroy_process_group()
         except Exception as exc:
             log.warning("torch.distributed did not shut down cleanly: %s", exc)
+
+
+def exit_on_term() -> None:
+    """From now on SIGTERM ends this rank at once (hpdl.stop, after `teardown`). Left to ipyparallel's
+    orderly exit, a rank spent 1.5–3 s in interpreter shutdown and MPI_Finalize while the stop waited
+    (2 ranks: stop 2.7 s, 0.6–1.4 s with this): once torch.distributed and Horovod have let go there is
+    nothing left to save, and the MPI segments MPI_Finalize would remove, the stop removes (it reads
+    them from the ranks' maps before signalling; see procs.end)."""
+    import contextlib
+    import signal
+    import sys
+
+    def now(signum, frame) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(0)
+
+    try:
+        signal.signal(signal.SIGTERM, now)
+    except ValueError:  # not the main thread: the orderly exit, as before
+        log.debug("SIGTERM handler not set: not in the main thread")
