@@ -293,3 +293,28 @@ def teardown() -> None:
                 dist.destroy_process_group()
         except Exception as exc:
             log.warning("torch.distributed did not shut down cleanly: %s", exc)
+
+
+def exit_on_term() -> None:
+    """From now on SIGTERM ends this rank promptly (hpdl.stop, after `teardown`): MPI_Finalize, then
+    os._exit. Left to ipyparallel's orderly exit, a rank spent 1.5–3 s in interpreter shutdown while
+    the stop waited (2 ranks: stop 2.7 s, 0.6–1.4 s with this); once torch.distributed and Horovod
+    have let go there is nothing left in the interpreter to save."""
+    import contextlib
+    import signal
+    import sys
+
+    def now(signum, frame) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            with contextlib.suppress(Exception):
+                mpi.Finalize()  # removes the segments of communicators freed before, which no map shows
+        os._exit(0)
+
+    try:
+        signal.signal(signal.SIGTERM, now)
+    except ValueError:  # not the main thread: the orderly exit, as before
+        log.debug("SIGTERM handler not set: not in the main thread")

@@ -37,11 +37,14 @@ ALLREDUCE = ("gloo:all_reduce", "nccl:all_reduce", "ncclDevKernel_AllReduce", "n
 
 
 def activities() -> list:
-    """CPU, and CUDA where this rank has a GPU (kernels and NCCL's own events then show)."""
+    """CPU, and CUDA where this rank has a GPU and torch can trace it (kernels and NCCL's own events
+    then show). A torch built without CUDA tracing (the CPU wheels) asked for CUDA events takes
+    seconds per step and may not stop, so what it supports decides, not only the GPU."""
     import torch
-    from torch.profiler import ProfilerActivity
+    from torch.profiler import ProfilerActivity, supported_activities
 
-    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    cuda = torch.cuda.is_available() and ProfilerActivity.CUDA in supported_activities()
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
 
 def mark_start(comm) -> None:

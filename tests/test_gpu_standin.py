@@ -201,10 +201,15 @@ def _failed_cell(nb) -> str:
 ON_GPUS = 'assert {str(d) for d in hpdl.view().pull("device", block=True)} == {"cuda:0"}, "ranks not on their GPUs"'
 
 
+# Cells that start jobs of their own, where the stand-in has nothing to see: a benchmark run as a program
+# (08's Horovod grid and autotuner, whose GPU paths the script tests here cover); an exercise's check, whose
+# jobs run the learner's function on CPU ranks (gloo) whatever the engines hold; the tuning sweeps and
+# probes, MPI side jobs that ask for no GPU. The plain headless run (test_notebooks.py) runs them all.
+OWN_JOBS = re.compile(r"subprocess\.run\(|hpdl\.check\(|hpdl\.tune\.(sweep_algorithm|probe)\(")
+
+
 def kept_cells(cells: list) -> list:
-    """All but the cells that run a benchmark as a program of its own (`subprocess.run`: 08's Horovod
-    grid and autotuner, whose GPU paths the script tests here cover) and the cells that read what
-    those defined."""
+    """All but the cells that start jobs of their own (OWN_JOBS) and the cells that read what those defined."""
     import ast
 
     skipped: set[str] = set()
@@ -218,7 +223,7 @@ def kept_cells(cells: list) -> list:
         stores = {n.id for n in names if isinstance(n.ctx, ast.Store)}
         reads = {n.id for n in names if isinstance(n.ctx, ast.Load)} - stores
         on_ranks = cell.source.lstrip().startswith("%%px")  # the ranks' names, not the notebook's
-        if cell.cell_type == "code" and ("subprocess.run(" in cell.source or (skipped & reads and not on_ranks)):
+        if cell.cell_type == "code" and (OWN_JOBS.search(cell.source) or (skipped & reads and not on_ranks)):
             skipped |= stores
             continue
         kept.append(cell)

@@ -101,3 +101,19 @@ def test_a_ddp_step_traced_on_two_ranks_shows_every_bucket_inside_its_step(tmp_p
     apart = [round(g / 1000, 1) for g in gaps if g > SLACK_US]
     assert not apart, f"{len(apart)} of {len(gaps)} all-reduces do not meet across ranks: apart by {apart} ms"
     assert sum(g < 0 for g in gaps) >= len(gaps) // 2, f"most all-reduces should overlap across ranks: {gaps}"
+
+
+def test_a_gpu_torch_cannot_trace_is_profiled_on_the_cpu_only():
+    """torch.cuda says yes on the GPU stand-in (as on a GPU node with a CPU-only torch), but this torch
+    cannot trace CUDA: asked for CUDA events it took ~30 s for two tiny steps and did not stop."""
+    from torch.profiler import ProfilerActivity, supported_activities
+    from test_gpu_standin import standin_env
+
+    if ProfilerActivity.CUDA in supported_activities():
+        pytest.skip("this torch traces CUDA: the stand-in's case does not arise")
+    code = "import json, torch, hpdl.traces; print(json.dumps([torch.cuda.is_available(), " \
+           "[a.name for a in hpdl.traces.activities()]]))"
+    done = subprocess.run([sys.executable, "-c", code], env=standin_env("node", gpus=2), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [True, ["CPU"]]

@@ -449,8 +449,8 @@ def stop(quiet: bool = False) -> None:
         return
     t0 = time.perf_counter()
     if cluster.client is not None and cluster.problem() is None:
-        try:  # Horovod's background thread would otherwise keep engines alive
-            cluster.client[:].execute("_hpdl_rank.teardown()", block=False).get(timeout=10)
+        try:  # Horovod's background thread would otherwise keep engines alive; then SIGTERM ends them at once
+            cluster.client[:].execute("_hpdl_rank.teardown(); _hpdl_rank.exit_on_term()", block=False).get(timeout=10)
         except Exception as exc:
             log.warning("the ranks' teardown did not finish (%s); ending them anyway", exc)
     cluster.stopped = True
