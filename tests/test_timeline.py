@@ -57,7 +57,8 @@ def test_fusion_shows_as_fewer_collective_calls(recorded):
         assert tl.collective_tensors() == TENSORS
         # NEGOTIATE_ALLREDUCE shows only when a rank had to wait for another: timing, not asserted
         assert {s.activity for s in tl.spans} >= {"ALLREDUCE", "MPI_ALLREDUCE"}
-        assert {rank for _, rank, _ in tl.ready} == {0, 1}        # both ranks reported every tensor
+        # a rank's ready tick is drawn inside a negotiation, so it too shows only when a rank waited
+        assert {rank for _, rank, _ in tl.ready} <= {0, 1} and {t for t, _, _ in tl.ready} <= set(tl.tensors)
         assert 0 < tl.busy_ms("ALLREDUCE") <= tl.duration_ms()
     assert unfused.collective_calls() == TENSORS
     assert fused.collective_calls() < TENSORS
