@@ -149,6 +149,14 @@ class Network:
 
         return [require_hydra(find_mpiexec()), *self.mpiexec_flags(), "-n", str(sum(self.ranks_per_node))]
 
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Network":
+        return cls(str(d["tag"]), str(d["subnet"]), [int(k) for k in d["ranks_per_node"]], str(d["link"]),
+                   str(d.get("script", "")))
+
 
 def require_hydra(mpiexec: str) -> str:
     """`mpiexec` if it is Hydra's (MPICH, MVAPICH2), which starts each node's proxy through our
@@ -161,14 +169,6 @@ def require_hydra(mpiexec: str) -> str:
         raise HpdlError(f"Emulated nodes start ranks through MPICH's Hydra, but {mpiexec} is {which}, which "
                         "the kit does not start on emulated nodes yet. Use the kit's MPICH (`make lab`) for nodes=.")
     return mpiexec
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Network":
-        return cls(str(d["tag"]), str(d["subnet"]), [int(k) for k in d["ranks_per_node"]], str(d["link"]),
-                   str(d.get("script", "")))
 
 
 # -- creating and removing -------------------------------------------------------------------------
