@@ -106,19 +106,25 @@ def worker(args) -> None:
 
 # -- the driver -----------------------------------------------------------------------------------
 
-def job(cmd: list[str], args, what: str, env: dict | None = None) -> dict:
-    """Run this file's worker under `cmd` (an mpiexec) as a side job; its rank 0's result."""
+def result_of(full: list[str], timeout: float, what: str, env: dict | None = None) -> dict:
+    """Run an MPI job (`full`: mpiexec and a worker) as a side job; the JSON its rank 0 printed
+    after `RESULT `. Exits with the job's output when it failed or printed none."""
     from hpdl import sidejob
     from hpdl.emulated import RANK_ENV
 
-    sizes = [str(s) for s in args.sizes]
-    full = [*cmd, sys.executable, HERE, "--worker", what, "--iters", str(args.iters), "--rounds", str(args.rounds),
-            "--sizes", *sizes]
-    done = sidejob.run(full, timeout=args.timeout, env={**os.environ, **RANK_ENV, **(env or {})})
+    done = sidejob.run(full, timeout=timeout, env={**os.environ, **RANK_ENV, **(env or {})})
     lines = [s for s in done.output.splitlines() if s.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         sys.exit(f"{what} job failed ({'timed out' if done.timed_out else done.returncode}):\n{done.output[-3000:]}")
-    result = json.loads(lines[-1][7:])
+    return json.loads(lines[-1][7:])
+
+
+def job(cmd: list[str], args, what: str, env: dict | None = None) -> dict:
+    """Run this file's worker under `cmd` (an mpiexec) as a side job; its rank 0's result."""
+    sizes = [str(s) for s in args.sizes]
+    full = [*cmd, sys.executable, HERE, "--worker", what, "--iters", str(args.iters), "--rounds", str(args.rounds),
+            "--sizes", *sizes]
+    result = result_of(full, args.timeout, what, env)
     return {int(k): v for k, v in result.items()} if what == "allreduce" else result
 
 

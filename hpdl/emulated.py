@@ -147,7 +147,7 @@ class Network:
         with RANK_ENV in its environment. For benchmarks and lessons' `!` lines beside the ranks."""
         from hpdl.launchers.mpiexec import find_mpiexec
 
-        return [find_mpiexec(), *self.mpiexec_flags(), "-n", str(sum(self.ranks_per_node))]
+        return [require_hydra(find_mpiexec()), *self.mpiexec_flags(), "-n", str(sum(self.ranks_per_node))]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -156,6 +156,19 @@ class Network:
     def from_dict(cls, d: dict) -> "Network":
         return cls(str(d["tag"]), str(d["subnet"]), [int(k) for k in d["ranks_per_node"]], str(d["link"]),
                    str(d.get("script", "")))
+
+
+def require_hydra(mpiexec: str) -> str:
+    """`mpiexec` if it is Hydra's (MPICH, MVAPICH2), which starts each node's proxy through our
+    script; else HpdlError naming the MPI found. Open MPI's prterun and Intel MPI's launcher
+    take other flags to do the same, which the kit does not give them yet."""
+    from hpdl.launchers.mpiexec import mpiexec_implementation
+
+    which = mpiexec_implementation(mpiexec)
+    if which not in ("MPICH", "MVAPICH2"):
+        raise HpdlError(f"Emulated nodes start ranks through MPICH's Hydra, but {mpiexec} is {which}, which "
+                        "the kit does not start on emulated nodes yet. Use the kit's MPICH (`make lab`) for nodes=.")
+    return mpiexec
 
 
 # -- creating and removing -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -143,6 +144,19 @@ def test_rates_read_as_tc_writes_them():
     assert emulated.link_bits_per_second("50mbps") == 4e8
     assert emulated.link_bits_per_second(1e6) == 1e6
     assert emulated.placement(5, 2) == [3, 2]
+
+
+def test_an_mpiexec_other_than_hydra_is_refused_with_what_to_use(tmp_path):
+    """Open MPI's and Intel MPI's launchers are not started on emulated nodes yet: their
+    `--version` text (as those MPIs print it) is enough to refuse before any namespace is made."""
+    kit = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    assert emulated.require_hydra(kit) == kit
+    for name, text in [("Open MPI", "mpiexec (Open MPI) 5.0.7"), ("Intel MPI", "Intel(R) MPI Library for Linux")]:
+        other = tmp_path / name.replace(" ", "")
+        other.write_text(f"#!/bin/sh\necho '{text}'\n")
+        other.chmod(0o755)
+        with pytest.raises(HpdlError, match=f"is {name}, which the kit does not start on emulated nodes yet"):
+            emulated.require_hydra(str(other))
 
 
 def test_without_root_the_message_says_what_is_missing(tmp_path):

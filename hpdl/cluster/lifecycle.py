@@ -241,10 +241,7 @@ def _layout(cluster: Cluster) -> tuple | None:
 
 def _on_nodes(n: int, config, kwargs: dict, layout: tuple, run_dir: Path):
     """Create the emulated nodes; point the engines' mpiexec and the controller at them."""
-    which = launchers.mpiexec_implementation(config.MPIEngineSetLauncher.mpi_cmd[0])
-    if which not in ("MPICH", "MVAPICH2"):
-        raise HpdlError(f"Emulated nodes start ranks through MPICH's Hydra, but this Python's mpiexec is "
-                        f"{which}. Use the kit's MPICH (`make lab`) for nodes=.")
+    emulated.require_hydra(config.MPIEngineSetLauncher.mpi_cmd[0])
     if left := cleanup.sweep_emulated_nodes():
         log.info("removed emulated nodes no running cluster owned: %s", left)
     network = emulated.create(n, layout[0], layout[1], run_dir)
