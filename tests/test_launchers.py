@@ -324,3 +324,13 @@ def test_the_address_other_nodes_are_given_is_not_debians_loopback_alias(monkeyp
     monkeypatch.setattr(socket, "gethostname", lambda: "laptop")
     assert slurm.controller_address(sites.load_site(), inside=True) == "127.0.1.1"
 
+
+
+def test_a_controller_that_cannot_listen_is_said_plainly_and_leaves_nothing(monkeypatch, no_strays):
+    """An address this machine does not have (a login node's name inside a job, a wrong controller_host):
+    ipyparallel's own error is a RuntimeError about connection files; the learner reads what happened."""
+    real = launchers.configure
+    monkeypatch.setattr(launchers, "configure", lambda *a, **k: {**real(*a, **k), "controller_ip": "203.0.113.9"})
+    with pytest.raises(HpdlError, match=r"on 203\.0\.113\.9\) stopped as it started(.|\n)*controller_host"):
+        hpdl.start(n=2, launcher="local", frameworks=(), quiet=True, timeout=60)
+    assert hpdl.status() == {"running": False}

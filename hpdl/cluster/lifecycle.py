@@ -292,7 +292,7 @@ def _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet, layout=N
         launchers.secure_profile(profile_dir)  # the connection files are keys to run code as you
         cleanup.record(cluster)
         cluster.reaper = cleanup.start_reaper(state_file)
-        ipp_cluster.start_engines_sync(n)
+        _start_engines(ipp_cluster, n, kwargs.get("controller_ip"))
         cleanup.record(cluster)
         cluster.client = ipp_cluster.connect_client_sync()
         _wait_for_engines(cluster, n, timeout, bar)
@@ -305,6 +305,25 @@ def _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet, layout=N
         cleanup.force_stop(cluster)
         raise
     return cluster
+
+
+def _start_engines(ipp_cluster, n: int, address: str | None) -> None:
+    """ipyparallel's start_engines, with a controller that died as it started said plainly: it
+    waits for the controller's connection files and raises a RuntimeError of its internals."""
+    try:
+        ipp_cluster.start_engines_sync(n)
+    except RuntimeError as exc:
+        if "Controller stopped" not in str(exc):
+            raise
+        try:
+            output = ipp_cluster.controller.get_output(remove=False)
+        except Exception:  # its output is only the message's detail
+            output = ""
+        raise HpdlError(
+            f"The ranks' controller (the hub they connect to{f', on {address}' if address else ''}) stopped as it "
+            f"started, so no rank could start. It said:\n{_tail(output, 1)}\nOn a cluster, an address this "
+            "machine does not have is the usual cause: see the site profile's controller_host."
+        ) from None
 
 
 def _progress(total: int, quiet: bool):
