@@ -375,7 +375,7 @@ class Embeddings(nn.Module):
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return self.tok(idx) + self.pos.weight[: idx.shape[1]]  # positions 0..T-1: the table's first T rows
 
 
 class Head(nn.Module):
