@@ -48,7 +48,9 @@ def vector(case: Case, rank: int) -> np.ndarray:
     """This rank's summand. With a check's nonce (PRIVATE_INPUTS) no rank can work out another's."""
     params = case.params
     rng = np.random.default_rng([params.get("nonce", 0), 1000 * params["seed"] + rank])
-    x = rng.integers(-99, 100, params["n"]).astype(np.float64) + rank / 4
+    # positive: every other rank adds something, so no rank's own vector is ever the sum (with a
+    # zero on rank 0, a ring that leaves the sum on rank 0 only passed a one-element case at p = 2)
+    x = rng.integers(1, 100, params["n"]).astype(np.float64) + rank / 4
     return x.astype(params["dtype"])
 
 
