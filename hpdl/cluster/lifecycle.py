@@ -467,11 +467,21 @@ def stop(quiet: bool = False) -> None:
     if cluster.client is not None and cluster.problem() is None:
         try:  # Horovod's background thread would otherwise keep engines alive; then SIGTERM ends them at once
             cluster.client[:].execute("_hpdl_rank.teardown(); _hpdl_rank.exit_on_term()", block=False).get(timeout=10)
+            _leave_together(cluster)
         except Exception as exc:
             log.warning("the ranks' teardown did not finish (%s); ending them anyway", exc)
     cluster.stopped = True
     cleanup.force_stop(cluster)
     _say(f"hpdl: stopped {cluster.n} ranks in {time.perf_counter() - t0:.1f} s.", quiet)
+
+
+def _leave_together(cluster: Cluster, timeout: float = 10.0) -> None:
+    """Every rank finalizes MPI and exits, all at once, before anything is signalled: MPI_Finalize
+    removes the ranks' shared memory, which a signalled rank may not live to do (rank.leave).
+    The request never answers; the hub fails it for each engine as that engine goes."""
+    ar = cluster.client[:].execute("_hpdl_rank.leave()", block=False)
+    if not ar.wait(timeout):
+        log.warning("ranks still running %.0f s after they were asked to leave; ending them", timeout)
 
 
 def restart(**kwargs) -> Cluster:
