@@ -36,9 +36,18 @@ lab: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
 	  --ServerApp.root_dir="$(CURDIR)" $(ALLOW_ROOT) $(LAB_ARGS) notebooks/00_welcome.ipynb
 
+# Two parts (tests/conftest.py says why): most tests on TEST_WORKERS workers at once, then the tests marked
+# `alone` one at a time; both run, and the first failure's code is make's. Exit code 5 is pytest's "no test
+# selected" (PYTEST_ARGS naming tests of one part only). TEST_WORKERS=0: everything in this process, in order.
+TEST_WORKERS ?= 2
 test: setup-dev
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@a=0; b=0; \
+	echo "$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m 'not alone' $(PYTEST_ARGS)"; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not alone" $(PYTEST_ARGS) || a=$$?; \
+	echo "$(PY) -m pytest -m alone $(PYTEST_ARGS)"; \
+	$(PY) -m pytest -m alone $(PYTEST_ARGS) || b=$$?; \
+	for rc in $$a $$b; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done
 
 # The workshop hub (cluster/jupyterhub): its environment, and its end-to-end test alone (in make test too; root,
 # the local Slurm, Chromium). HPDL_KIT_VENV: the kit's venv learners run, if not $(VENV).

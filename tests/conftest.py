@@ -70,7 +70,7 @@ def no_strays(request):
     # MPI's shared memory between ranks lives in RAM until someone removes it. Ranks that Slurm
     # ends are Slurm's to clean (sites do it in the epilog; see cluster/README.md), so not here.
     shm_left = _new_segments(shm_before)
-    for _ in range(3):  # another session's job on this machine may be removing its own just now
+    for _ in range(10):  # another session's job (or worker's test) may be removing its own just now
         if not shm_left:
             break
         psutil.time.sleep(1.0)
@@ -95,6 +95,27 @@ def _others_shared_memory() -> set[Path]:
     me = psutil.Process()
     ours = {me.pid} | {c.pid for c in me.children(recursive=True)} | {p.pid for p in kit_processes()}
     return {Path(f) for f in procs.shared_memory_of(p for p in psutil.pids() if p not in ours)}
+
+
+# -- `make test` in two parts ----------------------------------------------------------------------
+# First most tests on two workers at once (pytest-xdist): a quarter of a one-at-a-time run was idle
+# cores (a hang's timeout, a job's start, Slurm's polling, a kernel's start), which the other worker
+# fills. Then, one at a time, the tests whose assertions read rates or clocks, or drive a browser,
+# which another test's load would disturb (ALONE: marked `alone`). Tests that use the machine's one
+# local Slurm share one worker (its session fixture stops a Slurm it started when that worker ends).
+ALONE = {"test_benchmarks", "test_emulated_nodes", "test_emulated_overlap", "test_emulated_slurm", "test_traces",
+         "test_timeline", "test_course", "test_hub", "test_panel", "test_browser",
+         "test_procs"}  # test_procs leaves MPI segments in /dev/shm on purpose: the other worker would see them
+ONE_SLURM = {"test_slurm", "test_ood", "test_shared_kit", "test_docs_commands", "test_preflight"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.path.stem
+        if module in ALONE:
+            item.add_marker(pytest.mark.alone)
+        elif module in ONE_SLURM:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 EXAMPLE = Path(__file__).parent / "fixtures" / "solutions" / "01_ring_example.ipynb"
