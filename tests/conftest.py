@@ -97,12 +97,13 @@ def _others_shared_memory() -> set[Path]:
     return {Path(f) for f in procs.shared_memory_of(p for p in psutil.pids() if p not in ours)}
 
 
-# -- `make test` in two parts ----------------------------------------------------------------------
-# First most tests on two workers at once (pytest-xdist): a quarter of a one-at-a-time run was idle
-# cores (a hang's timeout, a job's start, Slurm's polling, a kernel's start), which the other worker
-# fills. Then, one at a time, the tests whose assertions read rates or clocks, or drive a browser,
-# which another test's load would disturb (ALONE: marked `alone`). Tests that use the machine's one
-# local Slurm share one worker (its session fixture stops a Slurm it started when that worker ends).
+# -- `make test TEST_WORKERS=N`: two parts ------------------------------------------------------------
+# First the tests not marked `alone` on N workers at once (pytest-xdist), filling the time one test
+# waits (a hang's timeout, a job's start, Slurm's polling, a kernel's start: a quarter of a serial run
+# here). Then, one at a time, the tests whose assertions read rates or clocks, or drive a browser,
+# which another test's load would disturb (ALONE: marked `alone`). Tests of the machine's one local
+# Slurm share one worker (its session fixture stops a Slurm it started when that worker ends).
+# Not the default: on 2 cores MPI ranks that poll while they wait made two workers barely faster.
 ALONE = {"test_benchmarks", "test_emulated_nodes", "test_emulated_overlap", "test_emulated_slurm", "test_traces",
          "test_timeline", "test_course", "test_hub", "test_panel", "test_browser",
          "test_procs"}  # test_procs leaves MPI segments in /dev/shm on purpose: the other worker would see them

@@ -7,6 +7,10 @@ Classes of attack, each on real ranks (fixtures/evidence_attacks.py):
 - inputs that carry the answer: the throughput step's time per sample was an attribute of the step
   (and the case's params a frame away). The step is now a proxy asking a helper process to sleep,
   and each check scales the listed times by a factor drawn from its nonce.
+- inputs that carry the answer, again: the column-parallel layer's generator (inputs() uses it, so the
+  learner's job holds it) drew every rank's rows from the case's seed; the pipeline stage's inputs
+  carried the whole model and batch for the reference. Both now hand each rank its own part as data,
+  drawn with the check's nonce, and the reference gathers the rest from its own ranks.
 - judging code in the learner's process: the tuning-file check ran MPICH through hpdl.tune from the
   learner's rank, where the learner can replace hpdl.tune's functions. MPICH now runs in verify().
 - the recorder in the learner's process (its pause flag, its list of calls): still rewritable; the
@@ -79,6 +83,14 @@ def test_one_tiny_allreduce_during_backward_is_not_overlap(no_strays):
 def test_reduce_and_bcast_per_tensor_count_as_all_reduces(no_strays):
     result = hpdl.check("allreduce_gradients", E.reduce_then_bcast_per_tensor, ranks=[2])
     assert all(c.verdict == "WRONG" and "all-reduces for" in c.message for c in result.cases), result
+
+
+def test_the_layer_cannot_be_drawn_again_from_the_case_generator(no_strays):
+    no_points(hpdl.check("column_parallel_linear", E.column_parallel_from_the_seed, ranks=[2]))
+
+
+def test_the_pipeline_stage_arguments_carry_no_other_stage_nor_the_batch(no_strays):
+    no_points(hpdl.check("pipeline_step", E.pipeline_from_the_arguments, ranks=[2]))
 
 
 @pytest.mark.xfail(strict=True, reason="the recorder lives in the learner's process: its pause flag can be set")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -58,8 +59,10 @@ def record(cluster: "Cluster") -> None:
     # the controller and the first MPI launcher lead their own process groups
     groups = [p for p in recorded if p.pid in pids[:2]]
     # MPI's shared-memory segments between ranks: a killed job leaves them in RAM (/dev/shm),
-    # and once its ranks are gone nothing maps them any more, so remember them now.
-    shm = sorted(procs.shared_memory_of(ranks))
+    # and once its ranks are gone nothing maps them any more, so remember them now; also those
+    # of a batch job's ranks that run on this host (a site's epilog may not remove them).
+    here = [r["pid"] for r in cluster.ranks if r.get("host") == socket.gethostname()]
+    shm = sorted(procs.shared_memory_of(ranks or here))
     network = cluster.network.to_dict() if cluster.network is not None else None
     reaper.write_state(cluster.state_file, procs.record(os.getpid()), recorded, groups, jobs, shm, cluster.launcher,
                        network)

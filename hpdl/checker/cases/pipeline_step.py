@@ -35,6 +35,7 @@ from hpdl.checker.cases import Case, Wrong
 
 SIGNATURE = "pipeline_step(comm, stage, batch, targets, m) -> float | None   # 1F1B; the loss on the last rank"
 RANKS = (1, 2, 3, 4)
+PRIVATE_INPUTS = True  # each rank gets its own layers (and rank 0 the batch) as data: the rest come by message
 TIMEOUT = 30.0  # the first case of a job pays for importing torch
 WIDTH, CLASSES = 16, 10
 FORBIDDEN = {name: "a pipeline stage exchanges activations and gradients with its neighbours in point-to-point "
@@ -81,18 +82,44 @@ def one_f_one_b(stages: int, micro: int, stage: int) -> list[tuple[str, int]]:
     return ops + [("B", i) for i in range(micro - warm, micro)]
 
 
+def _seed(p: dict) -> int:
+    """The case's seed, mixed with the check's nonce where the checker's side has one (PRIVATE_INPUTS)."""
+    return (p["seed"] * 1_000_003 + p.get("nonce", 0)) % 2**62
+
+
 def inputs(case, rank, size):
-    """(stage, batch, targets, m, hidden): hidden holds what the reference needs and the learner does not."""
+    """(layers, batch, targets, m) as plain data: this rank's layers as (weight, bias) arrays, which
+    call() makes its stage of; the batch on rank 0 (zeros of its shape elsewhere); the labels.
+    Nothing of another rank's layers, nor the batch beyond rank 0: what a stage needs of them
+    comes by message, and with the check's nonce no rank can draw them again."""
     import torch
+    from torch import nn
 
     p = case.params
-    full = model(p["layers"], p["seed"])
     lo, hi = layers_of(rank, size, p["layers"])
-    g = torch.Generator().manual_seed(100 + p["seed"])
+    linears = [mod for mod in model(p["layers"], _seed(p)).modules() if isinstance(mod, nn.Linear)][lo:hi]
+    g = torch.Generator().manual_seed(100 + _seed(p))
     x = torch.randn(p["rows"], WIDTH, generator=g)
     y = torch.randint(0, CLASSES, (p["rows"],), generator=g)
-    batch = x.clone() if rank == 0 else torch.zeros(p["rows"], WIDTH)
-    return full[lo:hi], batch, y, p["micro"], {"model": full, "x": x, "layers": (lo, hi)}
+    batch = x.numpy() if rank == 0 else np.zeros((p["rows"], WIDTH), np.float32)
+    return ([(mod.weight.detach().numpy().copy(), mod.bias.detach().numpy().copy()) for mod in linears],
+            batch, y.numpy(), p["micro"])
+
+
+def stage_module(layers: list, last: bool):
+    """An nn.Sequential of these (weight, bias) layers, as model() builds them: Linear+Tanh blocks,
+    the model's last Linear bare (`last`: this part ends the model)."""
+    import torch
+    from torch import nn
+
+    mods = []
+    for i, (w, b) in enumerate(layers):
+        linear = nn.Linear(w.shape[1], w.shape[0])
+        with torch.no_grad():
+            linear.weight.copy_(torch.as_tensor(w))
+            linear.bias.copy_(torch.as_tensor(b))
+        mods.append(linear if last and i == len(layers) - 1 else nn.Sequential(linear, nn.Tanh()))
+    return nn.Sequential(*mods)
 
 
 def _grads(module) -> list:
@@ -116,9 +143,11 @@ def _watch(stage) -> tuple[list, object]:
 
 def call(fn, comm, args):
     """The learner's stage, then its gradients and the order its micro-batches ran in."""
-    stage, batch, targets, m, _ = args
-    for q in stage.parameters():
-        q.grad = None
+    import torch
+
+    layers, batch, targets, m = args
+    stage = stage_module(layers, last=comm.Get_rank() == comm.Get_size() - 1)
+    batch, targets = torch.as_tensor(batch), torch.as_tensor(targets)
     ops, handle = _watch(stage)
     try:
         returned = fn(comm, stage, batch, targets, m)
@@ -134,13 +163,20 @@ def _grads_of(full, lo: int, hi: int, loss) -> list:
     return _grads(full[lo:hi])
 
 
-def reference(comm, stage, batch, targets, m, hidden):
+def reference(comm, layers, batch, targets, m):
     """The single-device model on the whole batch; this rank's share of its gradients. Also two
     wrong answers the diagnosis recognises: the last micro-batch's share alone, and every
     micro-batch's mean loss weighted 1/m whatever its size."""
+    import torch
     import torch.nn.functional as F
 
-    full, x, (lo, hi) = hidden["model"], hidden["x"], hidden["layers"]
+    rank = comm.Get_rank()
+    every = comm.allgather(layers)  # each stage's layers, in order: the whole model
+    full = stage_module([layer for part in every for layer in part], last=True)
+    lo = sum(len(part) for part in every[:rank])
+    hi = lo + len(layers)
+    x = torch.as_tensor(comm.bcast(batch if rank == 0 else None, root=0))
+    targets = torch.as_tensor(targets)
     loss = F.cross_entropy(full(x), targets)
     grads = _grads_of(full, lo, hi, loss)
     xs, ts = x.tensor_split(m), targets.tensor_split(m)
