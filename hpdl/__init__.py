@@ -27,6 +27,7 @@ _FUNCTIONS = {
     "restart": "hpdl.cluster",
     "status": "hpdl.cluster",
     "view": "hpdl.cluster",
+    "nodes_missing": "hpdl.cluster",
     "job_command": "hpdl.launchers",
 }
 _MODULES = {"data", "models", "plots", "bench", "dp", "timeline", "predict", "published", "tune", "panel"}

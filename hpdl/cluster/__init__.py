@@ -15,6 +15,7 @@ from hpdl.cluster.lifecycle import (
     DEFAULT_CELL_TIMEOUT,
     Cluster,
     current,
+    nodes_missing,
     restart,
     running,
     start,
@@ -24,6 +25,6 @@ from hpdl.cluster.lifecycle import (
 )
 from hpdl.cluster.reports import wait
 
-__all__ = ["Cluster", "DEFAULT_CELL_TIMEOUT", "current", "home", "restart", "running", "start", "status", "stop",
-           "view", "wait"]
+__all__ = ["Cluster", "DEFAULT_CELL_TIMEOUT", "current", "home", "nodes_missing", "restart", "running", "start",
+           "status", "stop", "view", "wait"]
 

@@ -475,6 +475,21 @@ def stop(quiet: bool = False) -> None:
     _say(f"hpdl: stopped {cluster.n} ranks in {time.perf_counter() - t0:.1f} s.", quiet)
 
 
+def nodes_missing() -> str | None:
+    """Why `start(nodes=...)` cannot run here, worded as what to do (no root, no iproute2, an MPI
+    whose launcher the kit does not start on emulated nodes); None when it can. A lesson asks
+    first and runs its cells on one node instead, saying why, rather than stopping at an error."""
+    from hpdl.launchers.mpiexec import find_mpiexec
+
+    why = emulated.missing()
+    if why is None:
+        try:
+            emulated.require_hydra(find_mpiexec())
+        except HpdlError as exc:
+            why = str(exc)
+    return why
+
+
 def _leave_together(cluster: Cluster, timeout: float = 10.0) -> None:
     """Every rank finalizes MPI and exits, all at once, before anything is signalled: MPI_Finalize
     removes the ranks' shared memory, which a signalled rank may not live to do (rank.leave).
