@@ -334,3 +334,26 @@ def test_a_controller_that_cannot_listen_is_said_plainly_and_leaves_nothing(monk
     with pytest.raises(HpdlError, match=r"on 203\.0\.113\.9\) stopped as it started(.|\n)*controller_host"):
         hpdl.start(n=2, launcher="local", frameworks=(), quiet=True, timeout=60)
     assert hpdl.status() == {"running": False}
+
+
+def test_nodes_are_refused_before_anything_starts_where_the_mpi_cannot_place_them(monkeypatch, no_strays):
+    """An mpiexec that is not Hydra's (Open MPI here, as `make lab MPI=openmpi` has it): nodes_missing()
+    says so, and start(nodes=...) refuses with those words before a controller or a rank exists; lesson
+    04 asks first and runs on one node instead."""
+    from hpdl import emulated
+    from hpdl.launchers import mpiexec
+
+    if emulated.missing():
+        pytest.skip(emulated.missing())
+    assert hpdl.nodes_missing() is None  # root and the kit's MPICH: nothing missing
+    monkeypatch.setitem(mpiexec._IMPLEMENTATION, mpiexec.find_mpiexec(), "Open MPI")
+    why = hpdl.nodes_missing()
+    assert why and "is Open MPI" in why and "make lab" in why
+    from hpdl.cluster import home
+
+    runs = set((home() / "runs").glob("*")) if (home() / "runs").exists() else set()
+    with pytest.raises(HpdlError) as err:
+        hpdl.start(n=2, nodes=2, frameworks=(), quiet=True)
+    assert str(err.value) == why
+    assert not hpdl.status()["running"]
+    assert set((home() / "runs").glob("*")) <= runs  # no run folder: refused before a controller was started

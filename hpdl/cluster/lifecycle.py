@@ -228,7 +228,7 @@ def _check_nodes(n: int, launcher: str, nodes, link) -> tuple | None:
     if not _launcher_traits(launcher)[0]:
         raise HpdlError(f"nodes={nodes} emulates nodes on this machine, but launcher={launcher!r} starts ranks "
                         "elsewhere: use launcher='local' (or leave out nodes= to use the real nodes).")
-    problem = emulated.missing()
+    problem = nodes_missing()
     if problem:
         raise HpdlError(problem)
     return nodes, str(link)
