@@ -11,6 +11,10 @@ Classes of attack, each on real ranks (fixtures/evidence_attacks.py):
   learner's job holds it) drew every rank's rows from the case's seed; the pipeline stage's inputs
   carried the whole model and batch for the reference. Both now hand each rank its own part as data,
   drawn with the check's nonce, and the reference gathers the rest from its own ranks.
+- inputs that carry the answer, and a count the learner keeps: the autotune measure held the cost
+  formulas and counted its own calls (a tuner could read the best config, or reset the count and
+  measure everything). The cost table now lives in the oracle helper, which refuses calls past the
+  budget and signs its count; verify() reads the signed count.
 - judging code in the learner's process: the tuning-file check ran MPICH through hpdl.tune from the
   learner's rank, where the learner can replace hpdl.tune's functions. MPICH now runs in verify().
 - the recorder in the learner's process (its pause flag, its list of calls): still rewritable; the
@@ -55,6 +59,12 @@ def test_the_steps_cost_is_not_in_the_learners_process(no_strays):
     result = hpdl.check("throughput", E.throughput_read_from_the_step, grade=True)
     no_points(result)
     all_points(hpdl.check("throughput", E.throughput_timed, grade=True))  # a meter that times the steps
+
+
+@pytest.mark.parametrize("attack", [E.autotune_from_the_cost, E.autotune_resets_its_count,
+                                    E.autotune_swallows_the_refusal, E.autotune_forges_the_receipt])
+def test_the_tuners_costs_and_count_are_not_in_the_learners_process(attack, no_strays):
+    no_points(hpdl.check("autotune", attack, ranks=[1], grade=True))
 
 
 def test_the_tuning_file_is_judged_by_mpich_outside_the_learners_process(no_strays):

@@ -129,15 +129,18 @@ def _run(kit: Path, *args: str, timeout: float = 240, **env: str) -> subprocess.
 
 @pytest.fixture(scope="module")
 def shared_kit(tmp_path_factory) -> tuple[Path, Path]:
-    """A copy of the kit with one exercise (ring_allreduce, at 1 and 3 ranks), its keys exported into
+    """A copy of the kit with two exercises (ring_allreduce at 1 and 3 ranks; autotune, whose measure is
+    a helper process's, at 1), its keys exported into
     a folder inside the kit (so only the hiding of the keys keeps a sandbox from them), then stripped."""
     kit = tmp_path_factory.mktemp("shared") / "kit"
     shutil.copytree(ROOT / "hpdl", kit / "hpdl", ignore=shutil.ignore_patterns("__pycache__"))
     for p in (kit / "hpdl" / "checker" / "cases").glob("*.py"):
-        if p.name not in ("__init__.py", "ring_allreduce.py", "_sums.py"):
+        if p.name not in ("__init__.py", "ring_allreduce.py", "_sums.py", "autotune.py"):
             p.unlink()
     ring = kit / "hpdl" / "checker" / "cases" / "ring_allreduce.py"
     ring.write_text(ring.read_text().replace("RANKS = (1, 2, 3, 4)", "RANKS = (1, 3)"))
+    tune = kit / "hpdl" / "checker" / "cases" / "autotune.py"
+    tune.write_text(tune.read_text().replace("RANKS = (1, 2)", "RANKS = (1,)"))
     key_dir = kit / "instructor-keys"
     _run(kit, "-m", "hpdl.cli", "keys", "export", "--to", str(key_dir))
     _run(kit, "-m", "hpdl.cli", "keys", "strip", "--keys", str(key_dir))
@@ -170,8 +173,14 @@ def test_a_stripped_kit_checks_public_cases_and_names_the_hidden_ones(shared_kit
         os.environ["HPDL_KEYS"] = {str(key_dir)!r}  # self-study with the keys: the full check again
         keyed = hpdl.check("ring_allreduce", ring_ok, grade=True)
         thief = hpdl.check("ring_allreduce", key_attacks.exec_keys_file({str(key_dir)!r}))
+        sys.path.insert(0, {str(FIXTURES.parent)!r})
+        from conftest import solution_function
+        from test_cases_08 import tune_exhaustive
+        tuned = hpdl.check("autotune", solution_function("08_framework_tuning.ipynb", "autotune"))
+        greedy = hpdl.check("autotune", tune_exhaustive)
         print(json.dumps({{"good": good.to_dict(), "text": repr(good), "bad": bad.score, "refused": refused,
-                          "keyed": [keyed.score, keyed.max_score], "thief": thief.score}}))
+                          "keyed": [keyed.score, keyed.max_score], "thief": thief.score,
+                          "tuned": [tuned.score, tuned.max_score, len(tuned.cases)], "greedy": greedy.score}}))
     """)
     out = json.loads(_run(kit, "-c", script).stdout.strip().splitlines()[-1])
     good = out["good"]
@@ -183,6 +192,7 @@ def test_a_stripped_kit_checks_public_cases_and_names_the_hidden_ones(shared_kit
     assert "at [1, 3] ranks only" in out["refused"]  # no stored answers at 2 ranks: said, not a crash
     assert out["keyed"] == [9, 9]  # the hidden cases from the keys: 7 at 1 rank (no points: return x is right
     # there), 9 at 3
+    assert out["tuned"] == [3, 3, 3] and out["greedy"] == 0  # the oracle's helper measures in a stripped kit too
     if sandbox.available():  # the keys folder sits inside the kit, which the sandbox shows: hidden all the same
         assert out["thief"] == 0
 

@@ -25,10 +25,11 @@ and may define
     def diagnose(case, ctx) -> str | None    # a hint for a wrong result on one rank
     def explain(results) -> str | None       # a hint from the pattern over all cases (client side)
     HINT_ONLY_ROOT = "..."                   # shown when only rank 0 got it right
-    ORACLE = True                            # secrets(case, rank, size) (with the check's nonce) go to a
-                                             # helper process beside each learner rank, which answers
-                                             # serve(request, secrets); inputs() on the learner's side
-                                             # (no nonce) hands out proxies that ask it (oracle.py)
+    ORACLE = True                            # secrets(case, rank, size) (with the check's nonce, if any)
+                                             # go to a helper process beside each learner rank, which
+                                             # answers serve(request, secrets); inputs() on the learner's
+                                             # side hands out proxies that ask it (oracle.py); a stripped
+                                             # kit keeps the three, so its public cases run the same way
     VERIFY_TIMEOUT = 95.0                    # seconds for verify() when it runs a job (default 60)
     PRIVATE_INPUTS = True                    # inputs() mixes case.params["nonce"] into its seed:
                                              # each check draws a fresh nonce, and a learner's rank

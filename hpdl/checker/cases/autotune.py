@@ -11,10 +11,14 @@ a real measurement would. A config passes when its true (noise-free) cost is wit
 best in the space. Every call beyond the budget is refused (the case is WRONG: the tuner
 exhausted its budget); an exhaustive search never fits (the spaces are 2-4× the budget).
 A config outside the space, or a missing knob, is WRONG too.
+
+The learner's `measure` knows the space and the budget, nothing else: the cost table lives in a
+helper process beside the rank (ORACLE, oracle.py), which measures, counts and refuses calls past
+the budget, and signs its count with a key drawn from the check's nonce; verify() reads that
+receipt, never a count the learner's process kept.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 
 from hpdl.checker.cases import Case, Wrong
@@ -23,28 +27,40 @@ SIGNATURE = "autotune(measure, space: dict[str, list], budget: int) -> dict   # 
 RANKS = (1, 2)
 TIMEOUT = 20.0
 TOLERANCE = 1.05
+ORACLE = True  # the cost table lives in a helper process beside the learner's rank (oracle.py)
 
 
 class BudgetExhausted(RuntimeError):
     """Raised by measure() on the call after the last one the budget allows."""
 
 
-# Each surface: the knobs' values and a noise-free cost of the indices (i, j, ...) into them.
-def _surface(kind: str):
+# The knobs of each surface: public (the learner's function gets the space).
+SPACES = {
+    "bucket": {"bucket_cap_mb": [0.25, 0.5, 1, 2, 4, 8, 16, 25, 32, 64, 128, 256]},
+    "fusion": {"fusion_mb": [0, 1, 2, 4, 8, 16, 32, 64, 128], "cycle_ms": [0.5, 1, 2, 3.5, 5, 10, 20]},
+    "cliff": {"buffsize_kb": [64, 128, 256, 512, 1024, 2048, 4096, 8192], "channels": [1, 2, 4, 8, 16, 32]},
+    "corner": {"threads": [1, 2, 3, 4, 6, 8], "ranks_per_node": [1, 2, 4, 8, 16], "chunk_kb": [16, 64, 256, 1024]},
+}
+
+
+def _cost(kind: str):
+    """The noise-free cost of the indices (i, j, ...) into a surface's knobs: the checker's side only."""
     if kind == "bucket":  # DDP's bucket_cap_mb: a U-curve, minimum off-centre
-        space = {"bucket_cap_mb": [0.25, 0.5, 1, 2, 4, 8, 16, 25, 32, 64, 128, 256]}
-        return space, lambda i: 10.0 + 0.9 * (i - 7.3) ** 2
+        return lambda i: 10.0 + 0.9 * (i - 7.3) ** 2
     if kind == "fusion":  # Horovod fusion threshold × cycle time: a tilted valley
-        space = {"fusion_mb": [0, 1, 2, 4, 8, 16, 32, 64, 128], "cycle_ms": [0.5, 1, 2, 3.5, 5, 10, 20]}
-        return space, lambda i, j: 20 + 1.2 * (i - 5.6) ** 2 + 2.0 * (j - 1.2) ** 2 + 0.8 * (i - 5.6) * (j - 1.2)
+        return lambda i, j: 20 + 1.2 * (i - 5.6) ** 2 + 2.0 * (j - 1.2) ** 2 + 0.8 * (i - 5.6) * (j - 1.2)
     if kind == "cliff":  # too small a buffer falls off a cliff; otherwise a gentle slope
-        space = {"buffsize_kb": [64, 128, 256, 512, 1024, 2048, 4096, 8192],
-                 "channels": [1, 2, 4, 8, 16, 32]}
-        return space, lambda i, j: (60.0 if i < 2 else 10.0 + 0.6 * (7 - i)) + 1.5 * (j - 3.8) ** 2
+        return lambda i, j: (60.0 if i < 2 else 10.0 + 0.6 * (7 - i)) + 1.5 * (j - 3.8) ** 2
     if kind == "corner":  # the best setting sits at the far end of the first knob
-        space = {"threads": [1, 2, 3, 4, 6, 8], "ranks_per_node": [1, 2, 4, 8, 16], "chunk_kb": [16, 64, 256, 1024]}
-        return space, lambda i, j, k: 8.0 + 3.0 * (5 - i) + 1.4 * (j - 2.2) ** 2 + 0.7 * (k - 1.6) ** 2
+        return lambda i, j, k: 8.0 + 3.0 * (5 - i) + 1.4 * (j - 2.2) ** 2 + 0.7 * (k - 1.6) ** 2
     raise ValueError(kind)
+
+
+def _costs(kind: str) -> dict[str, float]:
+    """Every config's cost, keyed "i,j,...": the table the helper serves, never the formulas."""
+    cost = _cost(kind)
+    return {",".join(map(str, idx)): cost(*idx)
+            for idx in itertools.product(*(range(len(v)) for v in SPACES[kind].values()))}
 
 
 def cases(size):
@@ -60,52 +76,90 @@ def cases(size):
     ]
 
 
-class Measure:
-    """measure(config) -> seconds: the surface's cost times deterministic noise; counts its calls."""
+def index_of(space: dict, config) -> tuple | None:
+    """The config's indices into the space's knobs, or None when it is not a config of the space."""
+    if not isinstance(config, dict) or set(config) != set(space):
+        return None
+    try:
+        return tuple(space[k].index(config[k]) for k in space)
+    except (ValueError, TypeError):
+        return None
 
-    def __init__(self, surface: str, budget: int, noise: float, seed: int):
-        self.surface = surface
-        self.space, self.cost = _surface(surface)
-        self.budget, self.noise, self.seed = budget, noise, seed
-        self.calls = 0
-        self.seen: dict[tuple, int] = {}
-        self.exhausted = False
+
+class RemoteMeasure:
+    """measure(config) -> seconds: the helper process measures; this object knows the space and the
+    budget, never a cost. A call beyond the budget raises BudgetExhausted (the helper refuses it)."""
+
+    def __init__(self, case_name: str, surface: str, budget: int):
+        self.case, self.surface, self.budget = case_name, surface, budget
+        self.space = SPACES[surface]
         self.invalid: str | None = None
 
-    def index(self, config) -> tuple | None:
-        if not isinstance(config, dict) or set(config) != set(self.space):
-            return None
-        try:
-            return tuple(self.space[k].index(config[k]) for k in self.space)
-        except ValueError:
-            return None
-
     def __call__(self, config) -> float:
-        if self.calls >= self.budget:
-            self.exhausted = True
-            raise BudgetExhausted(f"measure() was called more than budget={self.budget} times")
-        idx = self.index(config)
+        from hpdl.checker import oracle
+
+        idx = index_of(self.space, config)
         if idx is None:
             self.invalid = repr(config)
             raise ValueError(f"measure() got {config!r}: a config is a dict with one value from the space per knob, "
                              f"knobs {list(self.space)}")
-        self.calls += 1
-        repeat = self.seen.get(idx, 0)
-        self.seen[idx] = repeat + 1
-        digest = hashlib.sha256(f"{self.seed}:{idx}:{repeat}".encode()).digest()
-        u = int.from_bytes(digest[:8], "big") / 2 ** 64  # in [0, 1)
-        return self.cost(*idx) * 1e-3 * (1 + self.noise * (2 * u - 1))
+        answer = oracle.ask({"case": self.case, "index": list(idx)})
+        if "refused" in answer:
+            raise BudgetExhausted(f"measure() was called more than budget={self.budget} times")
+        return answer["seconds"]
+
+    def receipt(self) -> dict:
+        """The helper's signed count of measurements made and refused; it measures nothing after."""
+        from hpdl.checker import oracle
+
+        return oracle.ask({"case": self.case, "receipt": True})
 
 
-def truth(surface: str) -> dict:
-    space, cost = _surface(surface)
-    costs = {idx: cost(*idx) for idx in itertools.product(*(range(len(v)) for v in space.values()))}
-    return {"space": space, "best": min(costs.values()), "costs": {",".join(map(str, k)): v for k, v in costs.items()}}
+def _key(params: dict, case_name: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(f"autotune:{params.get('nonce')}:{case_name}".encode()).hexdigest()
+
+
+def secrets(case, rank, size) -> dict:
+    """What the helper beside the learner's rank knows (jobs.Runner.secrets): the case's cost table,
+    noise seeded with the check's nonce, and a key to sign its count of measurements."""
+    p = case.params
+    return {"costs": _costs(p["surface"]), "shape": [len(v) for v in SPACES[p["surface"]].values()],
+            "budget": p["budget"], "noise": p["noise"], "seed": f"{p['seed']}:{p.get('nonce')}",
+            "key": _key(p, case.name), "case": case.name, "calls": 0, "refused": 0, "seen": {}, "closed": False}
+
+
+def serve(request: dict, known: dict) -> dict:
+    """In the helper: one noisy measurement of a config within the budget, or the signed receipt."""
+    import hashlib
+    import hmac
+    import json
+
+    s = known[str(request["case"])]
+    if request.get("receipt"):
+        s["closed"] = True
+        body = json.dumps({"case": s["case"], "calls": s["calls"], "refused": s["refused"]}, sort_keys=True)
+        return {"body": body, "mac": hmac.new(s["key"].encode(), body.encode(), "sha256").hexdigest()}
+    idx = request.get("index")
+    if not (isinstance(idx, list) and len(idx) == len(s["shape"])
+            and all(type(i) is int and 0 <= i < n for i, n in zip(idx, s["shape"]))):
+        raise ValueError("not a config of the space")
+    if s["closed"] or s["calls"] >= s["budget"]:
+        s["refused"] += 1
+        return {"refused": "budget"}
+    s["calls"] += 1
+    key = ",".join(map(str, idx))
+    repeat = s["seen"].get(key, 0)
+    s["seen"][key] = repeat + 1
+    digest = hashlib.sha256(f"{s['seed']}:{key}:{repeat}".encode()).digest()
+    u = int.from_bytes(digest[:8], "big") / 2 ** 64  # in [0, 1): a reading is reproducible, not predictable
+    return {"seconds": s["costs"][key] * 1e-3 * (1 + s["noise"] * (2 * u - 1))}
 
 
 def inputs(case, rank, size):
     p = case.params
-    return (Measure(p["surface"], p["budget"], p["noise"], p["seed"]),)
+    return (RemoteMeasure(case.name, p["surface"], p["budget"]),)
 
 
 def call(fn, comm, args):
@@ -115,45 +169,67 @@ def call(fn, comm, args):
         config = fn(measure, space, measure.budget)
     except BudgetExhausted:
         config = None
-    return {"config": config, "calls": measure.calls, "exhausted": measure.exhausted, "invalid": measure.invalid,
-            "index": measure.index(config) if config is not None else None}
+    return {"config": config, "invalid": measure.invalid, "receipt": measure.receipt()}
 
 
 def reference(comm, measure):
-    return {"best": truth(measure.surface)["best"]}
+    return {}  # verify() judges the returned config by its true cost, from the table
+
+
+def _receipt(case, got) -> dict | None:
+    """The helper's count of measurements, if its signature holds (checked when the check has a nonce)."""
+    import hmac
+    import json
+
+    r = got.get("receipt") if isinstance(got, dict) else None
+    if not isinstance(r, dict) or not isinstance(r.get("body"), str) or not isinstance(r.get("mac"), str):
+        return None
+    if "nonce" in case.params:
+        mac = hmac.new(_key(case.params, case.name).encode(), r["body"].encode(), "sha256").hexdigest()
+        if not hmac.compare_digest(mac, r["mac"]):
+            return None
+    body = json.loads(r["body"])
+    return body if isinstance(body, dict) and body.get("case") == case.name else None
 
 
 def verify(case, ctx):
     got, p = ctx.got, case.params
     budget = p["budget"]
-    if got["exhausted"]:
+    receipt = _receipt(case, got)
+    if receipt is None:
+        return Wrong("the checker's record of the measurements made is missing or altered: call measure() "
+                     "and return a config; leave the measure object and the checker's helper alone")
+    if receipt["refused"]:
         return Wrong(f"the tuner asked for more than budget={budget} measurements",
                      hint="the space has more configs than the budget allows: search, don't enumerate "
                           "(e.g. one knob at a time, keeping the best of each).")
-    if got["invalid"]:
+    if got.get("invalid"):
         return Wrong(f"measure() was called with {got['invalid']}, not a config of the space")
-    if got["config"] is None or got["index"] is None:
-        return Wrong(f"returned {got['config']!r}; expected a dict with one value from the space for each knob")
-    space, cost = _surface(p["surface"])
-    mine, best = cost(*got["index"]), ctx.expected["best"]
+    idx = index_of(SPACES[p["surface"]], got.get("config"))
+    if idx is None:
+        return Wrong(f"returned {got.get('config')!r}; expected a dict with one value from the space for each knob")
+    costs = _costs(p["surface"])
+    mine, best = costs[",".join(map(str, idx))], min(costs.values())
     if mine > TOLERANCE * best:
         return Wrong(f"returned {got['config']}, whose true cost is {mine / best:.2f}× the best in the space "
-                     f"(accepted: within {TOLERANCE:.2f}×); it used {got['calls']} of {budget} measurements",
+                     f"(accepted: within {TOLERANCE:.2f}×); it used {receipt['calls']} of {budget} measurements",
                      max_error=mine / best - 1)
     return None
 
 
 def diagnose(case, ctx):
     got = ctx.got
-    if got["exhausted"] or got["index"] is None:
+    receipt = _receipt(case, got)
+    space = SPACES[case.params["surface"]]
+    idx = index_of(space, got.get("config"))
+    if receipt is None or receipt["refused"] or idx is None:
         return None
-    if got["calls"] <= 2:
+    if receipt["calls"] <= 2:
         return "it measured almost nothing: spend the budget on the configs most likely to be fast."
-    space, _ = _surface(case.params["surface"])
-    if len(space) > 1 and got["index"][1:] == tuple(len(v) // 2 for v in list(space.values())[1:]):
+    if len(space) > 1 and idx[1:] == tuple(len(v) // 2 for v in list(space.values())[1:]):
         return "only the first knob seems tuned: the others matter too — sweep each knob in turn."
     first = list(space.values())[0]
-    if got["index"][0] <= 2 and len(first) > 5:
+    if idx[0] <= 2 and len(first) > 5:
         return ("the configs measured look like the start of an exhaustive grid, cut off by the budget: "
                 "cover every knob's range instead.")
     return ("noise is ±a few %: a config that looked best once may not be; measure the leaders again, "
