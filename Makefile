@@ -103,8 +103,12 @@ wheelhouse:
 	PYTHONPATH="$(CURDIR)" $(WHEELHOUSE_VENV)/bin/python -m hpdl.cli wheelhouse build $(ARGS)
 
 # The tests that show a kit works on another MPI (not part of `make test`: a second MPI's runs
-# would double CI time): cluster start, %%px, hangs and kills; one check; lessons 00, 03, 04, 06.
+# would double CI time): cluster start, %%px, hangs and kills; one check; lessons 00, 03, 04, 06; ranks
+# on emulated nodes (as root; skipped otherwise).
 TEST_MPI := tests/test_mpi_impls.py tests/test_cluster.py \
+  tests/test_emulated_nodes.py::test_ranks_on_two_nodes_agree_and_cross_the_link \
+  tests/test_emulated_nodes.py::test_a_hang_across_nodes_names_rank_and_line \
+  tests/test_emulated_nodes.py::test_a_killed_kernel_leaves_no_node_or_process \
   tests/test_check_ring.py::test_solution_scores_full_marks_on_1_to_4_ranks_hidden_cases_included \
   tests/test_check_ring.py::test_deadlocking_ring_is_a_hang_naming_every_stuck_rank_and_the_line "tests/test_notebooks.py::test_notebook_runs_headless[notebooks/00_welcome.ipynb]" \
   "tests/test_notebooks.py::test_notebook_runs_headless[notebooks/03_mpi_collectives.ipynb]" \

@@ -27,9 +27,11 @@ import time
 import numpy as np
 
 HERE = os.path.abspath(__file__)
-# flat = MPICH's ring over all ranks; without this, MPICH's device collectives may already
-# compose a node-aware all-reduce (reduce in shared memory, across the network, broadcast)
-FLAT_RING = {"MPIR_CVAR_DEVICE_COLLECTIVES": "none", "MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "ring"}
+# flat = the MPI's ring over all ranks; without this, MPICH's device collectives may already
+# compose a node-aware all-reduce (reduce in shared memory, across the network, broadcast). Open
+# MPI's names for the same (its tuned component's algorithm 4 is the ring); each MPI ignores the other's.
+FLAT_RING = {"MPIR_CVAR_DEVICE_COLLECTIVES": "none", "MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "ring",
+             "OMPI_MCA_coll_tuned_use_dynamic_rules": "1", "OMPI_MCA_coll_tuned_allreduce_algorithm": "4"}
 
 
 # -- what runs on the ranks -----------------------------------------------------------------------

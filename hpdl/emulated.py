@@ -10,9 +10,10 @@ traffic crosses TCP over the limited link. No added latency: `netem` is not in e
 
     hpdl.start(n=4, nodes=2, link="1gbit")    # 2 nodes x 2 ranks, 1 Gbit/s between them
 
-How the ranks get there: MPICH's Hydra starts one proxy per host through a remote launcher
-(normally ssh); we name a small script of ours instead (`-launcher ssh -launcher-exec`), which
-runs the proxy inside that node's namespaces (`ip netns exec` + `unshare --uts`). `ip netns exec`
+How the ranks get there: an MPI's launcher starts one daemon per host through a remote shell
+(normally ssh); we name a small script of ours instead, which runs the daemon inside that node's
+namespaces (`ip netns exec` + `unshare --uts`): MPICH's Hydra proxy (`-launcher ssh
+-launcher-exec`), Open MPI's prted (`--prtemca prte_ssh_agent`). `ip netns exec`
 also mounts /etc/netns/<namespace>/hosts over /etc/hosts, which is how the nodes know each
 other's names without touching the real /etc/hosts. The ipyparallel controller listens on the
 bridge's address, which every node reaches.
@@ -57,6 +58,8 @@ MTU = 9000                # jumbo frames: TCP headers cost ~1 % of the link inst
 # and use shared memory between them; TCP only between nodes. Within a node MPICH's own shared
 # memory still carries the traffic.
 RANK_ENV = {"UCX_TLS": "tcp,self"}
+#: the MPIs whose launchers the kit starts on emulated nodes (mpiexec_implementation's names)
+LAUNCHES = ("MPICH", "MVAPICH2", "Open MPI")
 
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(k|m|g)?(bit|bps)\s*$", re.IGNORECASE)
 _SCALE = {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}
@@ -136,18 +139,28 @@ class Network:
     def hostname(i: int) -> str:
         return f"node{i}"
 
-    def mpiexec_flags(self) -> list[str]:
-        """Hydra's flags: our script instead of ssh, the nodes' addresses with their rank counts,
-        and the address the proxies call back on (the host's name would resolve to nothing there)."""
+    def mpiexec_flags(self, implementation: str = "MPICH") -> list[str]:
+        """The launcher's flags: our script instead of ssh, the nodes' addresses with their rank counts.
+        Hydra also needs the address its proxies call back on (the host's name resolves to nothing
+        in a node). Open MPI is told which network its daemons and ranks use (the nodes' subnet,
+        not the host's other interfaces), and leaves out its hierarchical collectives (HAN): across
+        these links HAN's all-reduce of 32 MiB took 4.2 s at 1 Gbit/s where the flat one took 0.46 s
+        (MPICH's 0.37 s), so a lesson would measure HAN's segmenting rather than the link."""
         hosts = ",".join(f"{self.address(i)}:{k}" for i, k in enumerate(self.ranks_per_node))
+        if implementation == "Open MPI":
+            return ["--prtemca", "prte_ssh_agent", self.script, "--host", hosts,
+                    "--prtemca", "oob_tcp_if_include", self.subnet, "--mca", "oob_tcp_if_include", self.subnet,
+                    "--mca", "btl_tcp_if_include", self.subnet, "--mca", "coll", "^han"]
         return ["-launcher", "ssh", "-launcher-exec", self.script, "-localhost", self.bridge_address, "-hosts", hosts]
 
     def job_command(self) -> list[str]:
         """`mpiexec` for a job of one rank per slot on these nodes (append the program); run it
         with RANK_ENV in its environment. For benchmarks and lessons' `!` lines beside the ranks."""
-        from hpdl.launchers.mpiexec import find_mpiexec
+        from hpdl.launchers.mpiexec import find_mpiexec, launch_flags
 
-        return [require_hydra(find_mpiexec()), *self.mpiexec_flags(), "-n", str(sum(self.ranks_per_node))]
+        exe = find_mpiexec()
+        which = require_launcher(exe)
+        return [exe, *launch_flags(exe), *self.mpiexec_flags(which), "-n", str(sum(self.ranks_per_node))]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -158,17 +171,17 @@ class Network:
                    str(d.get("script", "")))
 
 
-def require_hydra(mpiexec: str) -> str:
-    """`mpiexec` if it is Hydra's (MPICH, MVAPICH2), which starts each node's proxy through our
-    script; else HpdlError naming the MPI found. Open MPI's prterun and Intel MPI's launcher
-    take other flags to do the same, which the kit does not give them yet."""
+def require_launcher(mpiexec: str) -> str:
+    """The MPI of `mpiexec` (mpiexec_implementation's name) if the kit starts its daemons on emulated
+    nodes (LAUNCHES); else HpdlError naming the MPI found and what to use instead."""
     from hpdl.launchers.mpiexec import mpiexec_implementation
 
     which = mpiexec_implementation(mpiexec)
-    if which not in ("MPICH", "MVAPICH2"):
-        raise HpdlError(f"Emulated nodes start ranks through MPICH's Hydra, but {mpiexec} is {which}, which "
-                        "the kit does not start on emulated nodes yet. Use the kit's MPICH (`make lab`) for nodes=.")
-    return mpiexec
+    if which not in LAUNCHES:
+        raise HpdlError(f"Emulated nodes start ranks through MPICH's or Open MPI's launcher, but {mpiexec} is "
+                        f"{which}, which the kit does not start on emulated nodes yet. Use the kit's MPICH "
+                        "(`make lab`) for nodes=.")
+    return which
 
 
 # -- creating and removing -------------------------------------------------------------------------
@@ -202,16 +215,22 @@ def _tbf(rate_bits: float) -> list[str]:
 
 
 _SCRIPT = """#!/bin/sh
-# Written by hpdl for one cluster's emulated nodes. Hydra (mpiexec) runs it instead of ssh:
+# Written by hpdl for one cluster's emulated nodes. The MPI's launcher runs it instead of ssh:
 #   SCRIPT [ssh options] HOST COMMAND...
-# and it runs COMMAND inside HOST's network namespace, with the node's hostname.
+# and it runs COMMAND inside HOST's network namespace, with the node's hostname. Hydra's COMMAND
+# is one program (exec'd: the launcher's child is the proxy itself); Open MPI's sets variables
+# first (`PRTE_PREFIX=...;export PRTE_PREFIX;...;prted ...`), which a shell runs as written.
 while [ "${{1#-}}" != "$1" ]; do shift; done
 host=$1; shift
 case "$host" in
 {cases}
   *) echo "hpdl: $host is not one of this cluster's emulated nodes" >&2; exit 1 ;;
 esac
-exec ip netns exec "$ns" unshare --uts sh -c "hostname $name && exec $*"
+case "$1" in
+  *=*) run="$*" ;;
+  *) run="exec $*" ;;
+esac
+exec ip netns exec "$ns" unshare --uts sh -c "hostname $name && $run"
 """
 
 

@@ -241,11 +241,11 @@ def _layout(cluster: Cluster) -> tuple | None:
 
 def _on_nodes(n: int, config, kwargs: dict, layout: tuple, run_dir: Path):
     """Create the emulated nodes; point the engines' mpiexec and the controller at them."""
-    emulated.require_hydra(config.MPIEngineSetLauncher.mpi_cmd[0])
+    which = emulated.require_launcher(config.MPIEngineSetLauncher.mpi_cmd[0])
     if left := cleanup.sweep_emulated_nodes():
         log.info("removed emulated nodes no running cluster owned: %s", left)
     network = emulated.create(n, layout[0], layout[1], run_dir)
-    config.MPIEngineSetLauncher.mpi_cmd = [*config.MPIEngineSetLauncher.mpi_cmd, *network.mpiexec_flags()]
+    config.MPIEngineSetLauncher.mpi_cmd = [*config.MPIEngineSetLauncher.mpi_cmd, *network.mpiexec_flags(which)]
     config.EngineLauncher.environment = {**emulated.RANK_ENV, **config.EngineLauncher.environment}
     kwargs["controller_ip"] = network.bridge_address
     return network
@@ -484,7 +484,7 @@ def nodes_missing() -> str | None:
     why = emulated.missing()
     if why is None:
         try:
-            emulated.require_hydra(find_mpiexec())
+            emulated.require_launcher(find_mpiexec())
         except HpdlError as exc:
             why = str(exc)
     return why
