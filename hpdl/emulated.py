@@ -13,9 +13,11 @@ traffic crosses TCP over the limited link. No added latency: `netem` is not in e
 How the ranks get there: an MPI's launcher starts one daemon per host through a remote shell
 (normally ssh); we name a small script of ours instead, which runs the daemon inside that node's
 namespaces (`ip netns exec` + `unshare --uts`): MPICH's Hydra proxy (`-launcher ssh
--launcher-exec`), Open MPI's prted (`--prtemca prte_ssh_agent`). `ip netns exec`
+-launcher-exec`), Open MPI's prted (`--prtemca prte_ssh_agent`), Intel MPI's bootstrap proxy
+(`-bootstrap ssh -bootstrap-exec`). `ip netns exec`
 also mounts /etc/netns/<namespace>/hosts over /etc/hosts, which is how the nodes know each
-other's names without touching the real /etc/hosts. The ipyparallel controller listens on the
+other's names (and the host's, which Intel MPI's proxies call back on) without touching the
+real /etc/hosts. The ipyparallel controller listens on the
 bridge's address, which every node reaches.
 
 Every kernel object is named with the kit's prefix and a tag of the cluster (namespaces
@@ -33,6 +35,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import tempfile
 import uuid
@@ -59,7 +62,7 @@ MTU = 9000                # jumbo frames: TCP headers cost ~1 % of the link inst
 # memory still carries the traffic.
 RANK_ENV = {"UCX_TLS": "tcp,self"}
 #: the MPIs whose launchers the kit starts on emulated nodes (mpiexec_implementation's names)
-LAUNCHES = ("MPICH", "MVAPICH2", "Open MPI")
+LAUNCHES = ("MPICH", "MVAPICH2", "Open MPI", "Intel MPI")
 
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(k|m|g)?(bit|bps)\s*$", re.IGNORECASE)
 _SCALE = {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}
@@ -147,6 +150,12 @@ class Network:
         these links HAN's all-reduce of 32 MiB took 4.2 s at 1 Gbit/s where the flat one took 0.46 s
         (MPICH's 0.37 s), so a lesson would measure HAN's segmenting rather than the link."""
         hosts = ",".join(f"{self.address(i)}:{k}" for i, k in enumerate(self.ranks_per_node))
+        if implementation == "Intel MPI":  # its -hosts list fills each host up to its cores: a machine file
+            # of HOST:RANKS lines places ranks as asked. Its proxies call back on the host's name (in
+            # the nodes' hosts files).
+            machines = Path(self.script).with_name("machines")
+            machines.write_text("".join(f"{self.address(i)}:{k}\n" for i, k in enumerate(self.ranks_per_node)))
+            return ["-bootstrap", "ssh", "-bootstrap-exec", self.script, "-machinefile", str(machines)]
         if implementation == "Open MPI":
             return ["--prtemca", "prte_ssh_agent", self.script, "--host", hosts,
                     "--prtemca", "oob_tcp_if_include", self.subnet, "--mca", "oob_tcp_if_include", self.subnet,
@@ -178,9 +187,9 @@ def require_launcher(mpiexec: str) -> str:
 
     which = mpiexec_implementation(mpiexec)
     if which not in LAUNCHES:
-        raise HpdlError(f"Emulated nodes start ranks through MPICH's or Open MPI's launcher, but {mpiexec} is "
-                        f"{which}, which the kit does not start on emulated nodes yet. Use the kit's MPICH "
-                        "(`make lab`) for nodes=.")
+        raise HpdlError(f"Emulated nodes start ranks through the launcher of MPICH, Open MPI or Intel MPI, but "
+                        f"{mpiexec} is {which if which != 'unknown' else 'an MPI the kit does not recognise'}, which "
+                        "the kit does not start on emulated nodes. Use the kit's MPICH (`make lab`) for nodes=.")
     return which
 
 
@@ -221,7 +230,7 @@ _SCRIPT = """#!/bin/sh
 # is one program (exec'd: the launcher's child is the proxy itself); Open MPI's sets variables
 # first (`PRTE_PREFIX=...;export PRTE_PREFIX;...;prted ...`), which a shell runs as written.
 while [ "${{1#-}}" != "$1" ]; do shift; done
-host=$1; shift
+host=${{1%%:*}}; shift   # Intel MPI may pass HOST:SLOTS as it was given
 case "$host" in
 {cases}
   *) echo "hpdl: $host is not one of this cluster's emulated nodes" >&2; exit 1 ;;
@@ -253,7 +262,7 @@ def _add_node(net: Network, i: int, rate_bits: float) -> None:
     _ip("-n", ns, "link", "set", "lo", "up")
     _ip("tc", "qdisc", "add", "dev", link, "root", *_tbf(rate_bits))              # into the node
     _ip("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *_tbf(rate_bits))  # out of it
-    hosts = ["127.0.0.1 localhost", f"{net.bridge_address} hpdl-host"]
+    hosts = ["127.0.0.1 localhost", f"{net.bridge_address} hpdl-host {socket.gethostname()}"]
     hosts += [f"{net.address(j)} {net.hostname(j)}" for j in range(net.nodes)]
     (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
     (NETNS_ETC / ns / "hosts").write_text("\n".join(hosts) + "\n")

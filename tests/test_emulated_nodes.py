@@ -147,19 +147,20 @@ def test_rates_read_as_tc_writes_them():
 
 
 def test_an_mpiexec_the_kit_does_not_start_on_nodes_is_refused_with_what_to_use(tmp_path):
-    """MPICH's and Open MPI's launchers start on emulated nodes; Intel MPI's is refused, from its
-    `--version` text (as it prints it), before any namespace is made."""
+    """MPICH's, Open MPI's and Intel MPI's launchers start on emulated nodes, known from their
+    `--version` text (as each prints it); any other MPI is refused before any namespace is made."""
     kit = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
-    assert emulated.require_launcher(kit) in ("MPICH", "Open MPI")
-    for name, text, ok in [("Open MPI", "mpiexec (Open MPI) 5.0.7", True),
-                           ("Intel MPI", "Intel(R) MPI Library for Linux", False)]:
-        other = tmp_path / name.replace(" ", "")
+    assert emulated.require_launcher(kit) in emulated.LAUNCHES
+    for name, text in [("Open MPI", "mpiexec (Open MPI) 5.0.7"), ("Intel MPI", "Intel(R) MPI Library for Linux"),
+                       ("Cray MPICH", "MPICH Version: 8.1.28 CRAY MPICH"), (None, "some mpirun 1.0")]:
+        other = tmp_path / (name or "other").replace(" ", "")
         other.write_text(f"#!/bin/sh\necho '{text}'\n")
         other.chmod(0o755)
-        if ok:
+        if name in emulated.LAUNCHES:
             assert emulated.require_launcher(str(other)) == name
             continue
-        with pytest.raises(HpdlError, match=f"is {name}, which the kit does not start on emulated nodes yet"):
+        with pytest.raises(HpdlError, match=f"is {name or 'an MPI the kit does not recognise'}, which the kit "
+                                            "does not start on emulated nodes"):
             emulated.require_launcher(str(other))
 
 

@@ -337,7 +337,7 @@ def test_a_controller_that_cannot_listen_is_said_plainly_and_leaves_nothing(monk
 
 
 def test_nodes_are_refused_before_anything_starts_where_the_mpi_cannot_place_them(monkeypatch, no_strays):
-    """An mpiexec the kit does not start on nodes (Intel MPI's, as `make lab MPI=impi` has it): nodes_missing()
+    """An mpiexec the kit does not start on nodes (Cray MPICH's, were it to have one): nodes_missing()
     says so, and start(nodes=...) refuses with those words before a controller or a rank exists; lesson
     04 asks first and runs on one node instead."""
     from hpdl import emulated
@@ -345,10 +345,10 @@ def test_nodes_are_refused_before_anything_starts_where_the_mpi_cannot_place_the
 
     if emulated.missing():
         pytest.skip(emulated.missing())
-    assert hpdl.nodes_missing() is None  # root and the kit's MPICH (or Open MPI): nothing missing
-    monkeypatch.setitem(mpiexec._IMPLEMENTATION, mpiexec.find_mpiexec(), "Intel MPI")
+    assert hpdl.nodes_missing() is None  # root and the kit's MPI: nothing missing
+    monkeypatch.setitem(mpiexec._IMPLEMENTATION, mpiexec.find_mpiexec(), "Cray MPICH")
     why = hpdl.nodes_missing()
-    assert why and "is Intel MPI" in why and "make lab" in why
+    assert why and "is Cray MPICH" in why and "make lab" in why
     from hpdl.cluster import home
 
     runs = set((home() / "runs").glob("*")) if (home() / "runs").exists() else set()
