@@ -20,10 +20,14 @@ other's names (and the host's, which Intel MPI's proxies call back on) without t
 real /etc/hosts. The ipyparallel controller listens on the
 bridge's address, which every node reaches.
 
+Without root, where the kernel allows user namespaces, the same nodes are made inside a user
+namespace of one's own instead (emulated_userns.py): nothing on the host's network, and nothing
+left to remove when the launcher ends.
+
 Every kernel object is named with the kit's prefix and a tag of the cluster (namespaces
 `hpdl-<tag>-n<i>`, links `hpv-<tag>-<i>`, bridge `hpb-<tag>`), recorded in the reaper's state,
 removed by `remove()` at stop, by the reaper when the kernel dies, and by `sweep()` (hpdl cleanup).
-Needs root (CAP_NET_ADMIN in the host's namespace) and `ip`, `tc`, `unshare`.
+Needs root (CAP_NET_ADMIN in the host's namespace), or user namespaces, and `ip`, `tc`, `unshare`.
 """
 from __future__ import annotations
 
@@ -39,11 +43,11 @@ import socket
 import subprocess
 import tempfile
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from hpdl import procs
+from hpdl import emulated_userns, procs
 from hpdl.errors import HpdlError
 
 log = logging.getLogger(__name__)
@@ -83,13 +87,15 @@ def link_bits_per_second(link: str | int | float) -> float:
 
 def missing() -> str | None:
     """What this machine lacks for emulated nodes, worded as what to do; None when nothing."""
-    need = [tool for tool in ("ip", "tc", "unshare", "hostname") if shutil.which(tool) is None]
+    need = [tool for tool in ("ip", "tc", "unshare", "hostname") if emulated_userns.which(tool) is None]
     if need:
         return (f"Emulated nodes need {', '.join(need)} (Debian: apt-get install iproute2 util-linux hostname), "
                 "which this machine does not have.")
-    if os.geteuid() != 0:
+    if os.geteuid() != 0 and not emulated_userns.works():
         return ("Emulated nodes create network namespaces, veth links and a bridge, which needs root "
-                "(CAP_NET_ADMIN on the host's network). Run JupyterLab as root in a container or VM of "
+                "(CAP_NET_ADMIN on the host's network) or user namespaces, which this machine's kernel refuses "
+                "to your account (see `sysctl user.max_user_namespaces`, and on Ubuntu "
+                "kernel.apparmor_restrict_unprivileged_userns). Run JupyterLab as root in a container or VM of "
                 "your own (e.g. `sudo make lab`), or use hpdl.start(n=...) without nodes=.")
     return None
 
@@ -113,7 +119,9 @@ class Network:
     subnet: str             # e.g. "10.231.7.0/24": node i is .i+1, the bridge .254
     ranks_per_node: list[int]
     link: str               # tc's rate, as given
-    script: str = ""        # the launcher-exec script Hydra runs instead of ssh
+    script: str = ""        # the script the MPI's launcher runs instead of ssh
+    userns: bool = False    # made inside a user namespace (no root): nothing on the host
+    prefix: list[str] = field(default_factory=list)  # what starts the launcher there (userns)
 
     @property
     def nodes(self) -> int:
@@ -169,7 +177,7 @@ class Network:
 
         exe = find_mpiexec()
         which = require_launcher(exe)
-        return [exe, *launch_flags(exe), *self.mpiexec_flags(which), "-n", str(sum(self.ranks_per_node))]
+        return [*self.prefix, exe, *launch_flags(exe), *self.mpiexec_flags(which), "-n", str(sum(self.ranks_per_node))]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -177,7 +185,7 @@ class Network:
     @classmethod
     def from_dict(cls, d: dict) -> "Network":
         return cls(str(d["tag"]), str(d["subnet"]), [int(k) for k in d["ranks_per_node"]], str(d["link"]),
-                   str(d.get("script", "")))
+                   str(d.get("script", "")), bool(d.get("userns", False)), [str(a) for a in d.get("prefix", [])])
 
 
 def require_launcher(mpiexec: str) -> str:
@@ -223,31 +231,15 @@ def _tbf(rate_bits: float) -> list[str]:
     return ["tbf", "rate", f"{int(rate_bits)}bit", "burst", str(burst), "latency", "50ms"]
 
 
-_SCRIPT = """#!/bin/sh
-# Written by hpdl for one cluster's emulated nodes. The MPI's launcher runs it instead of ssh:
-#   SCRIPT [ssh options] HOST COMMAND...
-# and it runs COMMAND inside HOST's network namespace, with the node's hostname. Hydra's COMMAND
-# is one program (exec'd: the launcher's child is the proxy itself); Open MPI's sets variables
-# first (`PRTE_PREFIX=...;export PRTE_PREFIX;...;prted ...`), which a shell runs as written.
-while [ "${{1#-}}" != "$1" ]; do shift; done
-host=${{1%%:*}}; shift   # Intel MPI may pass HOST:SLOTS as it was given
-case "$host" in
-{cases}
-  *) echo "hpdl: $host is not one of this cluster's emulated nodes" >&2; exit 1 ;;
-esac
-case "$1" in
-  *=*) run="$*" ;;
-  *) run="exec $*" ;;
-esac
-exec ip netns exec "$ns" unshare --uts sh -c "hostname $name && $run"
-"""
+# the launcher's remote shell on the host's network: enter the node's namespace, take its hostname
+_ENTER = 'exec ip netns exec "$ns" unshare --uts sh -c "hostname $name && $run"\n'
 
 
 def _write_script(net: Network, run_dir: Path) -> str:
     cases = "\n".join(f"  {net.address(i)}|{net.hostname(i)}) ns={ns}; name={net.hostname(i)} ;;"
                       for i, ns in enumerate(net.namespaces))
     path = run_dir / "node-exec.sh"
-    path.write_text(_SCRIPT.format(cases=cases))
+    path.write_text(emulated_userns.remote_shell(cases, _ENTER))
     path.chmod(0o700)
     return str(path)
 
@@ -276,6 +268,10 @@ def create(n: int, nodes: int, link: str | int | float, run_dir: Path) -> Networ
     problem = missing()
     if problem:
         raise HpdlError(problem)
+    if os.geteuid() != 0:  # a network of one's own: any subnet is free there
+        net = Network(uuid.uuid4().hex[:6], str(next(SUBNETS.subnets(new_prefix=24))), per_node, str(link), userns=True)
+        net.prefix, net.script = emulated_userns.write_scripts(net, run_dir, _tbf(rate_bits), MTU)
+        return net
     net = Network(uuid.uuid4().hex[:6], _free_subnet(), per_node, str(link))
     try:
         _ip("link", "add", net.bridge, "mtu", str(MTU), "type", "bridge")
@@ -315,6 +311,8 @@ def remove(state: dict, end_processes: Callable[[list[int]], None] | None = None
     in a namespace keep it and its link alive: `end_processes(pids)` ends them first (the
     reaper's, since only it and hpdl.procs end processes)."""
     net = Network.from_dict(state)
+    if net.userns:
+        return  # its namespaces end with the launcher's processes: nothing was made on the host
     _remove_names([*net.namespaces, *net.links, net.bridge], end_processes)
     (OWNERS / f"{net.tag}.json").unlink(missing_ok=True)
     left = leftovers({net.tag})

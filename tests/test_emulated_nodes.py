@@ -15,8 +15,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +29,8 @@ from hpdl.errors import HpdlError, RankHang
 from test_cluster import _kernel_with_cluster, run, wait_gone
 from test_cluster import ip  # noqa: F401  (a fixture)
 
-needs_root = pytest.mark.skipif(emulated.missing() is not None, reason=f"{emulated.missing()}")
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or emulated.missing() is not None,
+                                reason=f"the host's bridge needs root: {emulated.missing() or 'not root'}")
 FRAMEWORKS = ("torch", "horovod") if importlib.util.find_spec("horovod") else ("torch",)
 
 ALLREDUCES = textwrap.dedent("""
@@ -126,6 +129,64 @@ def test_a_killed_kernel_leaves_no_node_or_process(no_strays, no_leftovers):
         km.shutdown_kernel(now=True)
 
 
+# what each rank's node sent over its link: its end of the veth pair, counted inside the node
+SENT = "sent = lambda: int(open('/sys/class/net/eth0/statistics/tx_bytes').read())\nbefore = sent()\n"
+# (the node's own /sys: /proc/net/dev would say the same, whatever is mounted there)
+USERNS_RUN = textwrap.dedent("""
+    import json, os, signal, sys, time
+    import hpdl
+    c = hpdl.start(n=4, nodes=2, link="200mbit", frameworks=("torch",), quiet=True)
+    hpdl.view().execute(SENT + ALLREDUCES + "crossed = sent() - before", block=True)
+    outs, crossed = hpdl.view().pull("out", block=True), hpdl.view().pull("crossed", block=True)
+    status = hpdl.status()
+    run_dir = str(c.run_dir)
+    hpdl.stop(quiet=True)
+    killed = hpdl.start(n=2, nodes=2, frameworks=(), quiet=True)
+    pids = sorted(killed.engine_pids().values())
+    print(json.dumps({"outs": outs, "crossed": crossed, "userns": c.network.userns, "status": status,
+                      "run_dir": run_dir, "pids": pids}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # a killed kernel: no exit handlers; the reaper acts
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becomes another account (nobody) to be unprivileged")
+def test_without_root_the_nodes_live_in_a_user_namespace(no_strays, no_leftovers):
+    """An account without root (nobody) starts ranks on 2 emulated nodes in a user namespace of its
+    own: lesson 00's all-reduces agree across them (MPI and Gloo), each node's link carries its
+    bytes, and after a stop, and after a killed kernel, none of its processes is left, nor any
+    namespace, link or run folder on the host."""
+    from test_shared_kit import learners_venv
+
+    venv = learners_venv()
+    home = tempfile.mkdtemp(prefix="hpdl-userns-")
+    os.chmod(home, 0o777)
+    try:
+        script = Path(home) / "run.py"
+        script.write_text(f"SENT = {SENT!r}\nALLREDUCES = {ALLREDUCES!r}\n" + USERNS_RUN)
+        env = {"PATH": f"{venv}/bin:/usr/bin:/bin", "HOME": home, "HPDL_HOME": f"{home}/h", "IPP_NONINTERACTIVE": "1"}
+        p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                            str(venv / "bin" / "python"), str(script)], env=env, cwd=home, capture_output=True,
+                           text=True, timeout=180)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        assert lines, p.stdout[-2000:] + p.stderr[-3000:]
+        got = json.loads(lines[-1])
+        assert got["userns"] and got["status"]["nodes"]["ranks_per_node"] == [2, 2]
+        for a, b, h, big, host in got["outs"]:
+            assert a == b == h == [10.0, 60.0] and big == 4.0
+        assert [o[4] for o in got["outs"]] == ["node0", "node0", "node1", "node1"]
+        # a 4 MiB all-reduce sends at least half of it out of each node, over its link
+        assert all(c > 2 * 2**20 for c in got["crossed"]), got["crossed"]
+        assert wait_gone(got["pids"], timeout=20) == [], "the killed kernel's ranks outlived it"
+        deadline = time.monotonic() + 20  # the reaper ends the controller and the launcher after the ranks
+        while (left := subprocess.run(["pgrep", "-u", "nobody"], capture_output=True, text=True).stdout.split()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left == [], f"processes of the account left: {left}"
+        assert not Path(got["run_dir"]).exists()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"n": 2, "nodes": 3}, "every node needs a rank"),
     ({"n": 2, "nodes": 0}, "whole number"),
@@ -164,18 +225,23 @@ def test_an_mpiexec_the_kit_does_not_start_on_nodes_is_refused_with_what_to_use(
             emulated.require_launcher(str(other))
 
 
-def test_without_root_the_message_says_what_is_missing(tmp_path):
-    """As an unprivileged user no namespace can be made: a clear message, not a traceback."""
+def test_without_root_or_user_namespaces_the_message_says_what_is_missing(tmp_path):
+    """As an unprivileged user whose kernel refuses user namespaces no namespace can be made: a
+    clear message, not a traceback."""
     if os.geteuid() != 0:
+        emulated.emulated_userns.works.cache_clear()
+        emulated.emulated_userns.works = lambda: False  # noqa: E731 (what such a kernel answers)
         problem = emulated.missing()
     else:
-        code = "from hpdl import emulated; print(emulated.missing())"
+        code = ("from hpdl import emulated, emulated_userns\n"
+                "emulated_userns.works = lambda: False  # what such a kernel answers\n"
+                "print(emulated.missing())")
         p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
                            capture_output=True, text=True, env={**os.environ, "HPDL_HOME": str(tmp_path)},
                            cwd="/", timeout=60)
         assert p.returncode == 0, p.stderr
         problem = p.stdout
-    assert "needs root" in problem and "without nodes=" in problem
+    assert "needs root" in problem and "user namespaces" in problem and "without nodes=" in problem
 
 
 def test_a_sweep_recognises_only_the_kits_names():

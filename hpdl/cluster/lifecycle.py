@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpdl import emulated, hang, launchers, mpilib, procs, settings
+from hpdl import emulated, emulated_userns, hang, launchers, mpilib, procs, settings
 from hpdl.cluster import cleanup
 from hpdl.errors import ClusterNotRunning, HpdlError
 
@@ -245,10 +245,27 @@ def _on_nodes(n: int, config, kwargs: dict, layout: tuple, run_dir: Path):
     if left := cleanup.sweep_emulated_nodes():
         log.info("removed emulated nodes no running cluster owned: %s", left)
     network = emulated.create(n, layout[0], layout[1], run_dir)
-    config.MPIEngineSetLauncher.mpi_cmd = [*config.MPIEngineSetLauncher.mpi_cmd, *network.mpiexec_flags(which)]
+    config.MPIEngineSetLauncher.mpi_cmd = [*network.prefix, *config.MPIEngineSetLauncher.mpi_cmd,
+                                           *network.mpiexec_flags(which)]
     config.EngineLauncher.environment = {**emulated.RANK_ENV, **config.EngineLauncher.environment}
-    kwargs["controller_ip"] = network.bridge_address
+    if network.userns:  # no TCP from the nodes' network to the host's: the ranks reach the hub by Unix sockets
+        path = emulated_userns.engine_socket_path(run_dir)
+        kwargs["controller_args"] = [*kwargs.get("controller_args", []), "--IPController.engine_transport=ipc",
+                                     f"--IPController.engine_ip={path}"]
+    else:
+        kwargs["controller_ip"] = network.bridge_address
     return network
+
+
+def _link_engine_sockets(ipp_cluster, timeout: float) -> None:
+    """On nodes in a user namespace: once the controller has written its engines' connection file,
+    give its Unix sockets the names the engines will ask for (emulated_userns.link_engine_sockets)."""
+    path = Path(ipp_cluster.controller.connection_files["engine"])
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline and ipp_cluster.controller.running:
+        time.sleep(0.05)
+    if path.exists():
+        emulated_userns.link_engine_sockets(path)
 
 
 def _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet, layout=None) -> Cluster:
@@ -292,6 +309,8 @@ def _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet, layout=N
         launchers.secure_profile(profile_dir)  # the connection files are keys to run code as you
         cleanup.record(cluster)
         cluster.reaper = cleanup.start_reaper(state_file)
+        if network is not None and network.userns:
+            _link_engine_sockets(ipp_cluster, timeout)
         _start_engines(ipp_cluster, n, kwargs.get("controller_ip"))
         cleanup.record(cluster)
         cluster.client = ipp_cluster.connect_client_sync()
@@ -433,7 +452,8 @@ def _summary(c: Cluster) -> str:
     if c.network is not None:
         per_node = "/".join(map(str, sorted(set(c.network.ranks_per_node))))
         lines.append(f"  emulated nodes: {c.network.nodes} × {per_node} ranks, joined by {c.network.link} links "
-                     "(shared memory within a node, TCP between)")
+                     "(shared memory within a node, TCP between" + ("; in a user namespace of yours)"
+                                                                     if c.network.userns else ")"))
     lines += [f"  note: {n}" for n in sorted({r["device_note"] for r in c.ranks if r.get("device_note")})]
     return "\n".join(lines)
 
