@@ -185,10 +185,12 @@ LAUNCHER = _declare("HPDL_LAUNCHER", "text", "auto", "how hpdl.start() starts ra
 CELL_TIMEOUT = _declare("HPDL_CELL_TIMEOUT", "seconds", "300", "the time limit of a %%px cell when neither "
                         "hpdl.start(cell_timeout=...) nor %%px --timeout gives one", ("kernel",))
 NODES = _declare("HPDL_NODES", "int", "0", "emulated nodes hpdl.start() puts its ranks on when not told "
-                 "(nodes=...): network namespaces joined by rate-limited links, as root (docs/EMULATED_NODES.md); "
+                 "(nodes=...): network namespaces joined by rate-limited links, as root or in a user namespace "
+                 "(docs/EMULATED_NODES.md; a site profile's [emulated] nodes when unset); "
                  "0: none", ("kernel",), bounds=(0, 64))
 LINK = _declare("HPDL_LINK", "text", "1gbit", "each emulated node's link rate when hpdl.start(link=...) does not "
-                "say, in tc's spelling (200mbit, 1gbit)", ("kernel",))
+                "say, in tc's spelling (200mbit, 1gbit); unset: the site profile's [emulated] link, else 1gbit",
+                ("kernel",))
 DEVICE = _declare("HPDL_DEVICE", "choice", "auto", "each rank's device: auto uses one GPU per rank when every "
                   "rank can have its own, else the CPU (and says why); cuda refuses to start without; cpu on "
                   "purpose", ("rank",), choices=("auto", "cuda", "cpu"))

@@ -3,7 +3,8 @@
 A site profile is a TOML file (cluster/sites/NAME.toml, chosen by HPDL_SITE=NAME or a path) with
 the Slurm settings (partition, account, PMI flavour, resources per rank) and the environment every
 rank needs (module loads, shell set-up lines, variables, the site's MPI library), and optionally
-[expect]: the numbers `hpdl preflight` checks the nodes against. HPDL_SLURM_<KEY> variables
+[expect]: the numbers `hpdl preflight` checks the nodes against, and [emulated]: this machine
+as several nodes joined by links of a set rate (nodes, link). HPDL_SLURM_<KEY> variables
 override single [slurm] keys. Two things are built here from one profile so they can
 never disagree: the resources a job asks for and the resources its engines' step asks for, and the
 shell lines that give every rank the site's environment, whichever way the ranks are started.
@@ -58,8 +59,13 @@ EXPECT_KEYS: dict[str, tuple[type, str]] = {
     "within_node_busbw_GBps_min": (float, "GB/s, at least: allreduce bus bandwidth within a node, largest size"),
     "across_nodes_busbw_GBps_min": (float, "GB/s, at least: allreduce bus bandwidth across nodes, largest size"),
 }
+# [emulated]: this machine as several nodes (hpdl/emulated.py), for hpdl.start() on the local launcher
+EMULATED_KEYS: dict[str, tuple[type, str]] = {
+    "nodes": (int, "emulated nodes hpdl.start() puts its ranks on (1-64), in blocks: 4 ranks on 2 nodes = 2 × 2"),
+    "link": (str, "each node's link rate, in tc's spelling (200mbit, 1gbit)"),
+}
 TOP_KEYS = {"description": str, "modules": list, "build_modules": list, "setup": str, "mpi_library": str,
-            "slurm": dict, "env": dict, "expect": dict}
+            "slurm": dict, "env": dict, "expect": dict, "emulated": dict}
 
 # site field -> the sbatch/srun option that asks for it; the job and its steps use the same three
 RESOURCES = (("ranks_per_node", "ntasks-per-node"), ("cpus_per_rank", "cpus-per-task"),
@@ -97,6 +103,8 @@ class SlurmSite:
     mpi_library: str = ""
     env: dict[str, str] = field(default_factory=dict)
     expect: dict[str, int | float | bool | str] = field(default_factory=dict)
+    emulated_nodes: int = 0   # [emulated] nodes: 0 = the machine as it is
+    emulated_link: str = ""   # [emulated] link
 
 
 def _site_file(spec: str) -> Path:
@@ -171,6 +179,13 @@ def load_site(spec: str | None = None) -> SlurmSite:
                 raise HpdlError(f"{where}: unknown key expect.{key}; known: {', '.join(EXPECT_KEYS)}.")
             _check_type(where, f"expect.{key}", value, EXPECT_KEYS[key][0])
             site.expect[key] = value
+        for key, value in data.get("emulated", {}).items():
+            if key not in EMULATED_KEYS:
+                raise HpdlError(f"{where}: unknown key emulated.{key}; known: {', '.join(EMULATED_KEYS)}.")
+            _check_type(where, f"emulated.{key}", value, EMULATED_KEYS[key][0])
+            setattr(site, f"emulated_{key}", value)
+        if not 0 <= site.emulated_nodes <= 64:
+            raise HpdlError(f"{where}: emulated.nodes must be between 1 and 64; got {site.emulated_nodes}.")
         site.name, site.source = path.stem, where
         site.description = data.get("description", "")
         site.modules = list(data.get("modules", []))
@@ -370,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
               + " ".join(site.build_modules))
     if site.expect:
         print("expected (hpdl preflight): " + ", ".join(f"{k} = {v}" for k, v in site.expect.items()))
+    if site.emulated_nodes:
+        print(f"emulated nodes (hpdl.start on this machine): {site.emulated_nodes}, "
+              f"joined by {site.emulated_link or 'the default'} links")
     return 0
 
 

@@ -283,8 +283,13 @@ def test_one_job_on_emulated_nodes_from_the_shell(no_strays, no_leftovers):
     assert bad.returncode == 2 and "is not a rate" in bad.stderr
 
 
-def test_the_layout_can_come_from_the_environment(monkeypatch):
-    """HPDL_NODES and HPDL_LINK stand in for nodes= and link= (a site's or a lesson's default)."""
+def test_the_layout_can_come_from_the_environment_or_a_site_profile(monkeypatch, tmp_path, capsys):
+    """HPDL_NODES and HPDL_LINK stand in for nodes= and link= (a lesson's default), and a site
+    profile's [emulated] table for both (cluster/sites/emulated-2x2.toml: "2 nodes × 2 ranks,
+    1 Gbit/s"); an argument beats the environment, which beats the profile."""
+    from hpdl import sites
+    from hpdl.cluster import lifecycle
+
     monkeypatch.setenv("HPDL_NODES", "3")
     with pytest.raises(HpdlError, match="nodes=3 but only n=2"):
         hpdl.start(n=2, quiet=True)
@@ -293,6 +298,28 @@ def test_the_layout_can_come_from_the_environment(monkeypatch):
     with pytest.raises(HpdlError, match="link='fast' is not a rate"):
         hpdl.start(n=2, quiet=True)
     assert hpdl.status() == {"running": False}
+
+    monkeypatch.setattr(lifecycle, "nodes_missing", lambda: None)  # the layout alone, wherever this runs
+    monkeypatch.delenv("HPDL_NODES")
+    monkeypatch.delenv("HPDL_LINK")
+    monkeypatch.setenv("HPDL_SITE", "emulated-2x2")
+    assert lifecycle._check_nodes(4, "local", None, None) == (2, "1gbit")
+    assert sites.main([]) == 0 and "emulated nodes (hpdl.start on this machine): 2, joined by 1gbit links" \
+        in capsys.readouterr().out
+    assert lifecycle._check_nodes(4, "local", 4, "200mbit") == (4, "200mbit")
+    monkeypatch.setenv("HPDL_LINK", "200mbit")
+    assert lifecycle._check_nodes(4, "local", None, None) == (2, "200mbit")
+    monkeypatch.setenv("HPDL_NODES", "1")
+    assert lifecycle._check_nodes(4, "local", None, None) == (1, "200mbit")
+    for table, words in [("nodes = 2\nlink = 5", "emulated.link must be a string"),
+                         ("nodes = 99", "between 1 and 64"), ("racks = 2", "unknown key emulated.racks")]:
+        bad = tmp_path / "site.toml"
+        bad.write_text(f"[emulated]\n{table}\n")
+        monkeypatch.setenv("HPDL_SITE", str(bad))
+        monkeypatch.delenv("HPDL_NODES")
+        with pytest.raises(HpdlError, match=words):
+            lifecycle._check_nodes(4, "local", None, None)
+        monkeypatch.setenv("HPDL_NODES", "1")
 
 
 @needs_root

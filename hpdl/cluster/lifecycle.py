@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpdl import emulated, emulated_userns, hang, launchers, mpilib, procs, settings
+from hpdl import emulated, emulated_userns, hang, launchers, mpilib, procs, settings, sites
 from hpdl.cluster import cleanup
 from hpdl.errors import ClusterNotRunning, HpdlError
 
@@ -180,7 +180,8 @@ def start(
     start — the way to try knobs such as HOROVOD_FUSION_THRESHOLD, NCCL_ALGO or MV2_USE_CUDA.
     In a script, `with hpdl.start(n=2) as c:` stops the ranks when the block ends.
     `nodes` puts the ranks on that many emulated nodes joined by links of rate `link` ("1gbit"; as
-    root; hpdl/emulated.py); defaults $HPDL_NODES (0: none) and $HPDL_LINK, read at this call.
+    root or in a user namespace; hpdl/emulated.py); defaults $HPDL_NODES (0: none) and $HPDL_LINK,
+    else the site profile's [emulated] table ($HPDL_SITE), read at this call.
     """
     global _current
     launcher = launchers.resolve(launcher)
@@ -218,11 +219,15 @@ def start(
 
 
 def _check_nodes(n: int, launcher: str, nodes, link) -> tuple | None:
-    """(nodes, link) for emulated nodes, checked; None for ranks on this machine as they are."""
-    nodes = nodes if nodes is not None else (settings.NODES.get() or None)
+    """(nodes, link) for emulated nodes, checked; None for ranks on this machine as they are. Each
+    comes from the argument, else $HPDL_NODES / $HPDL_LINK, else the site profile's [emulated]."""
+    site = sites.load_site() if settings.SITE.get() and (nodes is None or link is None) else None
+    if nodes is None:
+        nodes = settings.NODES.get() or (site.emulated_nodes if site else 0) or None
     if nodes is None:
         return None
-    link = link if link is not None else settings.LINK.get()
+    if link is None:
+        link = site.emulated_link if site and site.emulated_link and not settings.LINK.is_set() else settings.LINK.get()
     emulated.placement(n, nodes)
     emulated.link_bits_per_second(link)
     if not _launcher_traits(launcher)[0]:
