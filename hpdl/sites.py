@@ -151,6 +151,17 @@ def _check_type(where: str, key: str, value, kind: type) -> None:
         raise HpdlError(f"{where}: {key} must be {want}; got {value!r}.")
 
 
+def _read_emulated(site: SlurmSite, where: str, table: dict) -> None:
+    """A profile's [emulated] table into `site`, checked."""
+    for key, value in table.items():
+        if key not in EMULATED_KEYS:
+            raise HpdlError(f"{where}: unknown key emulated.{key}; known: {', '.join(EMULATED_KEYS)}.")
+        _check_type(where, f"emulated.{key}", value, EMULATED_KEYS[key][0])
+        setattr(site, f"emulated_{key}", value)
+    if not 0 <= site.emulated_nodes <= 64:
+        raise HpdlError(f"{where}: emulated.nodes must be between 1 and 64; got {site.emulated_nodes}.")
+
+
 def load_site(spec: str | None = None) -> SlurmSite:
     """The site profile named by HPDL_SITE (or `spec`), then HPDL_SLURM_* overrides; validated."""
     spec = (settings.SITE.get() or "") if spec is None else spec
@@ -179,13 +190,7 @@ def load_site(spec: str | None = None) -> SlurmSite:
                 raise HpdlError(f"{where}: unknown key expect.{key}; known: {', '.join(EXPECT_KEYS)}.")
             _check_type(where, f"expect.{key}", value, EXPECT_KEYS[key][0])
             site.expect[key] = value
-        for key, value in data.get("emulated", {}).items():
-            if key not in EMULATED_KEYS:
-                raise HpdlError(f"{where}: unknown key emulated.{key}; known: {', '.join(EMULATED_KEYS)}.")
-            _check_type(where, f"emulated.{key}", value, EMULATED_KEYS[key][0])
-            setattr(site, f"emulated_{key}", value)
-        if not 0 <= site.emulated_nodes <= 64:
-            raise HpdlError(f"{where}: emulated.nodes must be between 1 and 64; got {site.emulated_nodes}.")
+        _read_emulated(site, where, data.get("emulated", {}))
         site.name, site.source = path.stem, where
         site.description = data.get("description", "")
         site.modules = list(data.get("modules", []))

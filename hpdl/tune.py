@@ -297,16 +297,24 @@ def algorithm_for(table: Sequence[tuple[int | None, str]], nbytes: int) -> str:
 
 # -- running fresh MPI jobs with a setting ----------------------------------------------------
 
-def run_job(ranks: int, args: list[str], env: dict[str, str] | None = None, timeout: float = 120.0) -> str:
+def run_job(ranks: int, args: list[str], env: dict[str, str] | None = None, timeout: float = 120.0,
+            nodes: tuple[int, str] | None = None) -> str:
     """Run `python -m hpdl.tune ARGS` as a fresh `ranks`-rank side job; rank 0's JSON line back.
 
     Started as every side job is (hpdl.launchers: mpiexec here, an overlapping srun step inside a
     Slurm allocation) and supervised by hpdl.sidejob: at the time limit or on an interrupt the
-    whole job is ended and its MPI shared memory removed."""
-    from hpdl import launchers, sidejob
+    whole job is ended and its MPI shared memory removed. `nodes` = (count, link): on that many
+    emulated nodes of this machine instead (hpdl.emulated), made for this job and removed after."""
+    from hpdl import emulated, launchers, reaper, sidejob
 
-    cmd = [*launchers.side_job_command(ranks, gpus=False), sys.executable, "-m", "hpdl.tune", *args]
-    done = sidejob.run(cmd, timeout, env=sidejob.job_env(env))
+    program = [sys.executable, "-m", "hpdl.tune", *args]
+    if nodes is None:
+        done = sidejob.run([*launchers.side_job_command(ranks, gpus=False), *program], timeout,
+                           env=sidejob.job_env(env))
+    else:
+        with emulated.nodes(ranks, nodes[0], nodes[1], reaper.end_pids) as net:
+            done = sidejob.run([*net.job_command(), *program], timeout, env=sidejob.job_env({**emulated.RANK_ENV,
+                                                                                             **(env or {})}))
     if done.timed_out:
         raise HpdlError(f"the MPI job `{' '.join(args)}` did not finish in {timeout:.0f} s; it was stopped")
     for line in done.output.splitlines():
@@ -393,10 +401,13 @@ def _probe_on_ranks(sizes: list[int]) -> dict:
 
 
 def sweep_algorithm(algorithm: str | None, *, ranks: int = 2, sizes: Sequence[int] = (), budget: float = 0.05,
-                    tuning_file: str | Path | None = None, timeout: float = 300.0) -> dict:
+                    tuning_file: str | Path | None = None, timeout: float = 300.0, nodes: int = 0,
+                    link: str = "1gbit", env: dict[str, str] | None = None) -> dict:
     """One fresh job: MPI_Allreduce (float32 sum) over `sizes` with a forced algorithm, a tuning
-    file, or MPICH's default (both None). Returns an `hpdl.bench` dict named after the setting."""
-    env = {}
+    file, or MPICH's default (both None). Returns an `hpdl.bench` dict named after the setting.
+    `nodes` > 0: the ranks on that many emulated nodes joined by `link` (a network, not shared memory);
+    `env`: more of MPICH's variables for the job."""
+    env = dict(env or {})
     if algorithm:
         env[ENV_ALGORITHM] = algorithm
     if tuning_file:
@@ -404,7 +415,8 @@ def sweep_algorithm(algorithm: str | None, *, ranks: int = 2, sizes: Sequence[in
     from hpdl.bench import message_sizes
 
     sizes = list(sizes) or message_sizes(8, 64 << 20, 4)
-    out = json.loads(run_job(ranks, ["_sweep", ",".join(map(str, sizes)), str(budget)], env, timeout))
+    out = json.loads(run_job(ranks, ["_sweep", ",".join(map(str, sizes)), str(budget)], env, timeout,
+                             (nodes, link) if nodes else None))
     out["name"] = algorithm or ("tuned" if tuning_file else "default")
     return out
 

@@ -268,6 +268,28 @@ def test_the_benchmark_prints_its_claims(no_strays, no_leftovers):
 
 
 @needs_root
+def test_a_tuning_sweep_runs_across_the_nodes(monkeypatch, no_strays, no_leftovers):
+    """hpdl.tune.sweep_algorithm(nodes=2) (lesson 07's section 4): the sweep's ranks sit on two
+    emulated nodes, and a ring all-reduce of 4 MiB over 4 ranks sends its 1.5 × 4 MiB into node1
+    through the link (the host's token bucket counts it), and the nodes are gone after."""
+    import hpdl.tune
+
+    seen = {}
+    remove = emulated.remove
+
+    def counted_remove(state, *args, **kwargs):  # the bytes the link let into node1, before it goes
+        net = emulated.Network.from_dict(state)
+        seen[net.tag] = _sent_bytes(net.links[1])
+        return remove(state, *args, **kwargs)
+
+    monkeypatch.setattr(emulated, "remove", counted_remove)
+    got = hpdl.tune.sweep_algorithm("ring", ranks=4, sizes=[4 << 20], budget=0.01, nodes=2, link="1gbit")
+    assert got["name"] == "ring" and got["ranks"] == 4 and len(got["seconds"]) == 1
+    assert len(seen) == 1 and min(seen.values()) >= 1.5 * (4 << 20), seen
+    assert emulated.leftovers(set(seen)) == []
+
+
+@needs_root
 def test_one_job_on_emulated_nodes_from_the_shell(no_strays, no_leftovers):
     """`python -m hpdl.emulated_job`: a script's own MPI job on the nodes, which go with it."""
     code = ("from mpi4py import MPI; import socket; c = MPI.COMM_WORLD; "

@@ -45,6 +45,8 @@ def test_lesson_has_two_predictions_each_compared_later(path):
     number = path.name[:2]
     predictions = []
     for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and re.search(rf"^prediction_{number}_\w+\s*=\s*None\b", cell.source, re.M):
+            assert "prediction" in cell.metadata.get("tags", []), f"{path.name} cell {i}: tag it `prediction`"
         if "prediction" in cell.metadata.get("tags", []):
             assert cell.cell_type == "code", f"{path.name} cell {i}: a prediction cell must be code"
             names = re.findall(rf"^(prediction_{number}_\w+)\s*=\s*None\b", cell.source, re.M)
