@@ -1,4 +1,4 @@
-"""One MPI job on emulated nodes, from a shell or a lesson's `!` line (as root):
+"""One MPI job on emulated nodes, from a shell or a lesson's `!` line (as root, or in a user namespace):
 
     python -m hpdl.emulated_job --nodes 2 --link 1gbit -n 4 python benchmarks/ddp_overlap.py
 
