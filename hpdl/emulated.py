@@ -150,6 +150,12 @@ class Network:
     def hostname(i: int) -> str:
         return f"node{i}"
 
+    def hosts_text(self) -> str:
+        """A node's /etc/hosts: the nodes by name, and the host (the bridge) by its own name too,
+        which Intel MPI's proxies call back on."""
+        lines = ["127.0.0.1 localhost", f"{self.bridge_address} hpdl-host {socket.gethostname()}"]
+        return "\n".join(lines + [f"{self.address(j)} {self.hostname(j)}" for j in range(self.nodes)]) + "\n"
+
     def mpiexec_flags(self, implementation: str = "MPICH") -> list[str]:
         """The launcher's flags: our script instead of ssh, the nodes' addresses with their rank counts.
         Hydra also needs the address its proxies call back on (the host's name resolves to nothing
@@ -254,10 +260,8 @@ def _add_node(net: Network, i: int, rate_bits: float) -> None:
     _ip("-n", ns, "link", "set", "lo", "up")
     _ip("tc", "qdisc", "add", "dev", link, "root", *_tbf(rate_bits))              # into the node
     _ip("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *_tbf(rate_bits))  # out of it
-    hosts = ["127.0.0.1 localhost", f"{net.bridge_address} hpdl-host {socket.gethostname()}"]
-    hosts += [f"{net.address(j)} {net.hostname(j)}" for j in range(net.nodes)]
     (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
-    (NETNS_ETC / ns / "hosts").write_text("\n".join(hosts) + "\n")
+    (NETNS_ETC / ns / "hosts").write_text(net.hosts_text())
 
 
 def create(n: int, nodes: int, link: str | int | float, run_dir: Path) -> Network:

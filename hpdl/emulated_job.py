@@ -12,15 +12,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 
 from hpdl import emulated, reaper, sidejob
 from hpdl.errors import HpdlError
 
 
-def run(command: list[str], n: int, nodes: int, link: str, timeout: float) -> sidejob.Finished:
-    """Run `command` as `n` ranks on `nodes` emulated nodes joined by `link`; removes them after."""
+def run(command: list[str], n: int, nodes: int, link: str, timeout: float,
+        env: Mapping[str, str] | None = None) -> sidejob.Finished:
+    """Run `command` as `n` ranks on `nodes` emulated nodes joined by `link`; removes them after.
+    `env`: the job's environment (default this process's), to which the ranks' RANK_ENV is added."""
     with emulated.nodes(n, nodes, link, reaper.end_pids) as net:
-        return sidejob.run([*net.job_command(), *command], timeout, env={**os.environ, **emulated.RANK_ENV})
+        return sidejob.run([*net.job_command(), *command], timeout,
+                           env={**(os.environ if env is None else env), **emulated.RANK_ENV})
 
 
 def main(argv: list[str] | None = None) -> int:

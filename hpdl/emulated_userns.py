@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -113,9 +112,7 @@ def write_scripts(net, run_dir: Path, tbf: list[str], mtu: int) -> tuple[list[st
     for i in range(net.nodes):
         held = folder / f"net{i}"
         hosts = folder / f"hosts{i}"
-        lines = ["127.0.0.1 localhost", f"{net.bridge_address} hpdl-host {os.uname().nodename}"]
-        lines += [f"{net.address(j)} {net.hostname(j)}" for j in range(net.nodes)]
-        hosts.write_text("\n".join(lines) + "\n")
+        hosts.write_text(net.hosts_text())
         blocks.append(NODE.format(held=shlex.quote(str(held)), i=i, mtu=mtu, address=net.address(i), tbf=rate))
         cases.append(f"  {net.address(i)}|{net.hostname(i)}) held={shlex.quote(str(held))}; "
                      f"name={net.hostname(i)}; hosts={shlex.quote(str(hosts))} ;;")
@@ -144,7 +141,7 @@ def engine_socket_path(run_dir: Path) -> str:
 def link_engine_sockets(engine_json: Path) -> None:
     """Make the engines' names of the controller's ipc sockets point at them. ipyparallel's
     controller binds `ipc://<path>-<port>`, and its engines connect to `ipc://<path>:<port>`
-    (ipyparallel 8.8: controller/app.py construct_url and engine/app.py disagree on the
+    (ipyparallel 9.2: controller/app.py construct_url and engine/app.py disagree on the
     separator); a symlink per port from the one name to the other settles it."""
     info = json.loads(engine_json.read_text())
     transport, _, path = str(info["interface"]).partition("://")

@@ -305,16 +305,14 @@ def run_job(ranks: int, args: list[str], env: dict[str, str] | None = None, time
     Slurm allocation) and supervised by hpdl.sidejob: at the time limit or on an interrupt the
     whole job is ended and its MPI shared memory removed. `nodes` = (count, link): on that many
     emulated nodes of this machine instead (hpdl.emulated), made for this job and removed after."""
-    from hpdl import emulated, launchers, reaper, sidejob
+    from hpdl import emulated_job, launchers, sidejob
 
     program = [sys.executable, "-m", "hpdl.tune", *args]
     if nodes is None:
         done = sidejob.run([*launchers.side_job_command(ranks, gpus=False), *program], timeout,
                            env=sidejob.job_env(env))
     else:
-        with emulated.nodes(ranks, nodes[0], nodes[1], reaper.end_pids) as net:
-            done = sidejob.run([*net.job_command(), *program], timeout, env=sidejob.job_env({**emulated.RANK_ENV,
-                                                                                             **(env or {})}))
+        done = emulated_job.run(program, ranks, nodes[0], nodes[1], timeout, env=sidejob.job_env(env))
     if done.timed_out:
         raise HpdlError(f"the MPI job `{' '.join(args)}` did not finish in {timeout:.0f} s; it was stopped")
     for line in done.output.splitlines():

@@ -57,3 +57,29 @@ def test_autotune_solution_passes_beyond_its_rank_counts(no_strays):
 ])
 def test_autotune_rejects(bad, words, no_strays):
     rejected(hpdl.check("autotune", bad, ranks=[1]), *words)
+
+
+def test_a_receipt_not_signed_by_the_helper_is_wrong_not_a_crash():
+    """verify() on what came back from the learner's process (no MPI needed): a receipt that is not
+    JSON (a stripped kit checks no signature), or one signed with another check's key, is WRONG with
+    a message, never an exception of the checker's."""
+    import hmac
+    import json
+    from types import SimpleNamespace
+
+    from hpdl.checker.cases import Wrong, autotune, with_nonce
+
+    case = autotune.cases(1)[0]
+    best = {k: v[7] for k, v in autotune.SPACES[case.params["surface"]].items()}
+    body = json.dumps({"case": case.name, "calls": 3, "refused": 0}, sort_keys=True)
+    forged = [{"body": "not json", "mac": ""}, {"body": "[1, 2]", "mac": ""},
+              {"body": json.dumps({"case": case.name, "calls": "3", "refused": None}), "mac": ""}]
+    for receipt in forged:
+        got = SimpleNamespace(got={"config": best, "invalid": None, "receipt": receipt})
+        assert isinstance(autotune.verify(case, got), Wrong)
+    keyed = with_nonce(case, 42)
+    other = hmac.new(autotune._key({"nonce": 41}, case.name).encode(), body.encode(), "sha256").hexdigest()
+    mine = hmac.new(autotune._key(keyed.params, case.name).encode(), body.encode(), "sha256").hexdigest()
+    got = lambda mac: SimpleNamespace(got={"config": best, "invalid": None, "receipt": {"body": body, "mac": mac}})  # noqa: E731
+    assert isinstance(autotune.verify(keyed, got(other)), Wrong)
+    assert autotune.verify(keyed, got(mine)) is None  # the helper's own signature: the config is judged

@@ -225,12 +225,11 @@ def test_an_mpiexec_the_kit_does_not_start_on_nodes_is_refused_with_what_to_use(
             emulated.require_launcher(str(other))
 
 
-def test_without_root_or_user_namespaces_the_message_says_what_is_missing(tmp_path):
+def test_without_root_or_user_namespaces_the_message_says_what_is_missing(tmp_path, monkeypatch):
     """As an unprivileged user whose kernel refuses user namespaces no namespace can be made: a
     clear message, not a traceback."""
     if os.geteuid() != 0:
-        emulated.emulated_userns.works.cache_clear()
-        emulated.emulated_userns.works = lambda: False  # noqa: E731 (what such a kernel answers)
+        monkeypatch.setattr(emulated.emulated_userns, "works", lambda: False)  # what such a kernel answers
         problem = emulated.missing()
     else:
         code = ("from hpdl import emulated, emulated_userns\n"

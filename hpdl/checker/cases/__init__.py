@@ -169,6 +169,12 @@ def with_nonce(case: Case, nonce: int | None) -> Case:
     return Case(**{**case.to_dict(), "params": {**case.params, "nonce": nonce}})
 
 
+def nonce_seed(params: dict) -> int:
+    """A torch seed from the case's seed mixed with the check's nonce (PRIVATE_INPUTS), where the
+    checker's side has one; the case's seed alone where it has none (a stripped kit's public cases)."""
+    return (params["seed"] * 1_000_003 + params.get("nonce", 0)) % 2**62
+
+
 def path_of(name: str) -> Path:
     """The file of the case module for exercise `name`; HpdlError names the known ones."""
     from hpdl.errors import HpdlError

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpdl.checker import hooks
-from hpdl.checker.cases import Case, Wrong
+from hpdl.checker.cases import Case, Wrong, nonce_seed
 
 SIGNATURE = "column_parallel_linear(comm, x, weight, bias, grad_y) -> (y, grad_x, grad_weight, grad_bias)"
 RANKS = (1, 2, 3, 4)
@@ -51,7 +51,7 @@ def rows_of(rank: int, size: int, out: int) -> tuple[int, int]:
 def _full(params):
     import torch
 
-    g = torch.Generator().manual_seed((params["seed"] * 1_000_003 + params.get("nonce", 0)) % 2**62)
+    g = torch.Generator().manual_seed(nonce_seed(params))
     layer = torch.nn.Linear(params["fan_in"], params["out"])
     with torch.no_grad():
         layer.weight.copy_(torch.randn(params["out"], params["fan_in"], generator=g))

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpdl.checker import hooks
-from hpdl.checker.cases import Case, Wrong
+from hpdl.checker.cases import Case, Wrong, nonce_seed
 
 SIGNATURE = "pipeline_step(comm, stage, batch, targets, m) -> float | None   # 1F1B; the loss on the last rank"
 RANKS = (1, 2, 3, 4)
@@ -82,11 +82,6 @@ def one_f_one_b(stages: int, micro: int, stage: int) -> list[tuple[str, int]]:
     return ops + [("B", i) for i in range(micro - warm, micro)]
 
 
-def _seed(p: dict) -> int:
-    """The case's seed, mixed with the check's nonce where the checker's side has one (PRIVATE_INPUTS)."""
-    return (p["seed"] * 1_000_003 + p.get("nonce", 0)) % 2**62
-
-
 def inputs(case, rank, size):
     """(layers, batch, targets, m) as plain data: this rank's layers as (weight, bias) arrays, which
     call() makes its stage of; the batch on rank 0 (zeros of its shape elsewhere); the labels.
@@ -97,8 +92,8 @@ def inputs(case, rank, size):
 
     p = case.params
     lo, hi = layers_of(rank, size, p["layers"])
-    linears = [mod for mod in model(p["layers"], _seed(p)).modules() if isinstance(mod, nn.Linear)][lo:hi]
-    g = torch.Generator().manual_seed(100 + _seed(p))
+    linears = [mod for mod in model(p["layers"], nonce_seed(p)).modules() if isinstance(mod, nn.Linear)][lo:hi]
+    g = torch.Generator().manual_seed(100 + nonce_seed(p))
     x = torch.randn(p["rows"], WIDTH, generator=g)
     y = torch.randint(0, CLASSES, (p["rows"],), generator=g)
     batch = x.numpy() if rank == 0 else np.zeros((p["rows"], WIDTH), np.float32)
