@@ -72,9 +72,9 @@ def main() -> None:
             print(f"{name:<48} {t:8.2f} ms  {default / t:5.2f}× default")
         top = min((n for n in best if "view" not in n), key=best.get)
         print(f"best bucket: {top}, {default / best[top]:.2f}× the default (25 MB)")
-    from hpdl.rank import teardown
+    from hpdl.rank import finish
 
-    teardown()  # collects the DDP models first: Gloo's threads end while Python lives
+    finish()  # DDP models collected, group let go, then exit without Python's shutdown
 
 
 if __name__ == "__main__":

@@ -143,9 +143,9 @@ def main() -> None:
         best = min((k for k in med if k.startswith("DDP")), key=med.get)
         print(f"\nbest: {best}, {flat / med[best]:.2f}x the step speed of one all-reduce after backward "
               f"(medians of {args.rounds * args.steps} steps; machine shared, numbers are noisy)")
-    from hpdl.rank import teardown
+    from hpdl.rank import finish
 
-    teardown()  # collects the DDP models first: Gloo's threads end while Python lives
+    finish()  # DDP models collected, group let go, then exit without Python's shutdown
 
 
 if __name__ == "__main__":

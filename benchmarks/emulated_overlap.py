@@ -112,7 +112,7 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     from hpdl import dp
-    from hpdl.rank import init_torch_distributed, teardown
+    from hpdl.rank import finish, init_torch_distributed
 
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
@@ -130,7 +130,7 @@ def worker(args) -> None:
     if comm.rank == 0:
         print("RESULT " + json.dumps({"rounds": rounds, "buckets": buckets, "forward": forward,
                                       "alpha": alpha, "slope": slope}), flush=True)
-    teardown()
+    finish()
 
 
 # -- the driver -------------------------------------------------------------------------------------

@@ -154,9 +154,9 @@ def main() -> None:
             print(f"1F1B peak activations at p={p}, m={m}: {ratio:.2f} of GPipe's, claim <= p/m = {p / m:.2f} "
                   f"(+{args.tolerance:.0%}): {'holds' if ok else 'FAILS'}")
     dist.barrier()
-    from hpdl.rank import teardown
+    from hpdl.rank import finish
 
-    teardown()  # collects the DDP models first: Gloo's threads end while Python lives
+    finish()  # DDP models collected, group let go, then exit without Python's shutdown
 
 
 if __name__ == "__main__":

@@ -162,9 +162,9 @@ def main() -> int:
         if sub != MPI.COMM_NULL:
             sub.Free()
     models.clear()  # the DDP models hold the groups
-    from hpdl.rank import teardown
+    from hpdl.rank import finish
 
-    teardown()
+    finish()
     return 0
 
 

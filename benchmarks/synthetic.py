@@ -245,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     device = setup(args.framework, args.threads)
     run(args.framework, args.model, args.batch_size, args.num_warmup_batches, args.num_batches_per_iter,
         args.num_iters, args.fp16_allreduce, args.scaling, device, image_size=args.image_size)
-    from hpdl.rank import teardown
+    from hpdl.rank import finish
 
-    teardown()  # Horovod, or the DDP model and its group, let go while Python is still alive
+    finish()  # Horovod or the DDP group let go while Python lives; then exit without its shutdown
     return 0
 
 

@@ -88,9 +88,9 @@ def main() -> None:
         print(f"{f'{size} ranks, no communication, each:':<40}{p:8.1f} images/s   (sharing the machine: x{p / a:.2f})")
         print(f"{f'{size} ranks, {with_what}, each:':<40}{t:8.1f} images/s   (communication: x{t / p:.2f})")
         print(f"weak-scaling efficiency {t / a:.2f}  (goal ≥ 0.85; machine shared, numbers are noisy)")
-    from hpdl.rank import teardown
+    from hpdl.rank import finish
 
-    teardown()  # Horovod, or the DDP model and its group, let go while Python is still alive
+    finish()  # Horovod or the DDP group let go while Python lives; then exit without its shutdown
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import torch, torch.nn as nn, torch.distributed as dist
 from mpi4py import MPI
 from torch.nn.parallel import DistributedDataParallel as DDP
 import hpdl.dp as dp
-from hpdl.rank import init_torch_distributed
+from hpdl.rank import finish, init_torch_distributed
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 torch.set_num_threads(1)
@@ -77,8 +77,7 @@ def test_spread_digest_and_ddp_over_mpi(tmp_path, no_strays):
     if rank == 0:
         print(json.dumps(result))
     del gloo, mpi                                            # the DDP models hold the group
-    from hpdl.rank import teardown
-    teardown()
+    finish()
     """)
     assert out["spread_apart"] > 0 and out["spread_alone"] > 0
     assert out["spread_same"] == 0.0 and out["spread_gloo"] == 0.0 and out["spread_mpi"] == 0.0
@@ -94,7 +93,7 @@ def test_step_times_agree_across_ranks(tmp_path, no_strays):
     everyone = comm.allgather(times)
     if rank == 0:
         print(json.dumps({"everyone": everyone}))
-    dist.destroy_process_group()
+    finish()
     """)
     first, second = out["everyone"]
     assert first == second                       # the slowest rank's time, the same on every rank

@@ -84,7 +84,7 @@ gpu(ok.unsqueeze(0)).sum().backward()
 report = {"rank": comm.rank, "device": str(device), "sum": ok.tolist(), "refused": refused,
           "count": torch.cuda.device_count()}
 os.write(1, (json.dumps(report) + "\n").encode())  # one write: the ranks' lines never interleave
-hr.teardown()
+hr.finish()
 """
 
 
