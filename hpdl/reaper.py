@@ -4,7 +4,7 @@ ipyparallel stops its clusters when the kernel exits normally. A killed kernel (
 an out-of-memory kill, a crashed browser tab's forced restart) runs no exit code, and would
 leave the controller and every engine running. This small process, started in its own
 session, watches the kernel and a state file; when the kernel is gone it ends the recorded
-process trees, cancels Slurm jobs and removes the ranks' MPI shared memory. Deleting the state
+process trees, cancels Slurm jobs, removes the ranks' MPI shared memory and the run folder. Deleting the state
 file (a clean stop) lets it exit quietly.
 
 The state file (JSON, written by hpdl.cluster) records processes as hpdl.procs records — pid,
@@ -125,6 +125,17 @@ def end_pids(pids: list[int], grace: float = 1.0) -> None:
     procs.end([p for p in map(procs.record, pids) if p is not None], grace=grace)
 
 
+def remove_run_folder(state_file: Path) -> None:
+    """A dead cluster's state file, then its run folder (hang requests, engines' sockets, emulated
+    nodes' scripts and namespace files), as a clean stop removes it: only a folder of the kit's
+    runs/ folder, whatever path the reaper was handed."""
+    import shutil
+
+    state_file.unlink(missing_ok=True)  # first: `hpdl cleanup` no longer lists the cluster
+    if state_file.parent.parent.name == "runs":
+        shutil.rmtree(state_file.parent, ignore_errors=True)
+
+
 def watch(state_file: str, poll: float = 0.5) -> int:
     while True:
         state = read_state(state_file)
@@ -132,7 +143,7 @@ def watch(state_file: str, poll: float = 0.5) -> int:
             return 0  # stopped cleanly by the kit
         if state is not None and orphaned(state):
             kill_all(state)
-            Path(state_file).unlink(missing_ok=True)
+            remove_run_folder(Path(state_file))
             return 0
         time.sleep(poll)
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -195,14 +196,23 @@ def _kernel_with_cluster(code: str = KERNEL_CODE):
 
 @pytest.mark.parametrize("how", ["restart", "kill"])
 def test_no_process_survives_a_kernel_restart_or_kill(how, no_strays):
+    """Nor its run folder: the reaper removes it with the processes when the kernel is killed."""
+    runs = Path(os.environ["HPDL_HOME"], "runs")
+    before = set(runs.glob("*"))
     km, kc, pids = _kernel_with_cluster()
     assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+    run_dirs = set(runs.glob("*")) - before
+    assert len(run_dirs) == 1
     try:
         if how == "restart":
             km.restart_kernel(now=False)  # a polite restart: the kernel shuts down, then starts again
         else:
             os.kill(km.provisioner.pid, signal.SIGKILL)  # no exit handlers run; the reaper acts
         assert wait_gone(pids, timeout=20) == [], f"left running after kernel {how}"
+        deadline = time.monotonic() + 10  # the reaper removes the folder after the processes
+        while any(d.exists() for d in run_dirs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(d.exists() for d in run_dirs), f"run folder left after kernel {how}: {run_dirs}"
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
@@ -269,8 +279,6 @@ def test_magic_start_and_hang_inside_a_learner_function(ip, no_strays):
 def _wait_until_ranks_at(lines: dict[int, int], timeout: float = 60.0) -> None:
     """Wait until each rank's main thread sits at the given line of the running cell (asked
     through hpdl.hang, as a hang report would), instead of sleeping for a guessed time."""
-    from pathlib import Path
-
     runs = sorted(Path(os.environ["HPDL_HOME"], "runs").glob("*/reaper.json"), key=lambda p: p.stat().st_mtime)
     run_dir = str(runs[-1].parent)
     deadline = time.time() + timeout

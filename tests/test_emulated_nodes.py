@@ -114,16 +114,21 @@ def test_a_killed_kernel_leaves_no_node_or_process(no_strays, no_leftovers):
     code = ("import hpdl, json\nc = hpdl.start(n=2, nodes=2, frameworks=(), quiet=True)\n"
             "print(json.dumps(sorted(c.engine_pids().values()) + [c.ipp.controller.pid]))\n"
             "print('TAG', c.network.tag)")
+    runs = Path(os.environ["HPDL_HOME"], "runs")
+    before = set(runs.glob("*"))
     km, kc, pids = _kernel_with_cluster(code)
     try:
         assert len(pids) == 3
+        run_dirs = set(runs.glob("*")) - before
+        assert len(run_dirs) == 1 and all((d / "node-exec.sh").exists() for d in run_dirs)
         tags = {n.split("-")[1] for n in emulated.leftovers() if n.startswith(emulated.PREFIX)}
         os.kill(km.provisioner.pid, signal.SIGKILL)  # no exit handlers run; the reaper acts
         assert wait_gone(pids, timeout=20) == []
-        deadline = time.monotonic() + 20  # the reaper removes the nodes after the processes
-        while emulated.leftovers(tags) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 20  # the reaper removes the nodes, then the folder, after the processes
+        while (emulated.leftovers(tags) or any(d.exists() for d in run_dirs)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert tags and emulated.leftovers(tags) == []
+        assert not any(d.exists() for d in run_dirs), "the killed kernel's run folder was left"
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
@@ -144,7 +149,7 @@ USERNS_RUN = textwrap.dedent("""
     killed = hpdl.start(n=2, nodes=2, frameworks=(), quiet=True)
     pids = sorted(killed.engine_pids().values())
     print(json.dumps({"outs": outs, "crossed": crossed, "userns": c.network.userns, "status": status,
-                      "run_dir": run_dir, "pids": pids}), flush=True)
+                      "run_dir": run_dir, "killed_run_dir": str(killed.run_dir), "pids": pids}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # a killed kernel: no exit handlers; the reaper acts
 """)
 
@@ -183,6 +188,7 @@ def test_without_root_the_nodes_live_in_a_user_namespace(no_strays, no_leftovers
             time.sleep(0.2)
         assert left == [], f"processes of the account left: {left}"
         assert not Path(got["run_dir"]).exists()
+        assert not Path(got["killed_run_dir"]).exists(), "the killed kernel's run folder (sockets, nodes) was left"
     finally:
         shutil.rmtree(home, ignore_errors=True)
 

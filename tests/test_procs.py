@@ -138,7 +138,9 @@ def test_end_popen_reaps_a_child_that_will_not_exit(sleeper):
 
 def test_hpdl_cleanup_ends_an_orphaned_cluster_but_never_a_stale_record(tmp_path, monkeypatch, sleeper):
     """`hpdl cleanup`: the kernel is gone, so its recorded process ends; a record whose pid now
-    runs another process (start time differs) survives; another host's cluster is not touched."""
+    runs another process (start time differs) survives; another host's cluster is not touched.
+    A run folder with no state file (its kernel and reaper both killed) goes once it is old; a
+    young one, perhaps a start under way, stays."""
     from hpdl import reaper
     from hpdl.cluster import cleanup
 
@@ -155,9 +157,14 @@ def test_hpdl_cleanup_ends_an_orphaned_cluster_but_never_a_stale_record(tmp_path
     reaper.write_state(here / "reaper.json", gone_kernel, [procs.record(ours.pid), reused], [reused], [], [])
     other_host = dataclasses.replace(gone_kernel, host="another-node")
     reaper.write_state(elsewhere / "reaper.json", other_host, [procs.record(sleeper.pid)], [], [], [])
+    stale, starting = tmp_path / "runs" / "hpdl-stale", tmp_path / "runs" / "hpdl-starting"
+    for folder in (stale, starting):
+        (folder / "nodes").mkdir(parents=True)
+    os.utime(stale, (time.time() - 3600,) * 2)
     try:
         assert cleanup.main([]) == 0
         assert not _running(ours.pid) and not here.exists()
+        assert not stale.exists() and starting.exists() and elsewhere.exists()
         assert cleanup.main(["--all"]) == 0  # not even --all reaches into another node's cluster
         assert sleeper.poll() is None and _running(sleeper.pid) and elsewhere.exists()
     finally:

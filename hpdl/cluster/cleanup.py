@@ -3,7 +3,8 @@
 While a cluster starts, `record()` keeps the reaper's state file up to date with every process
 it must end should the kernel die (as hpdl.procs records, so a reused pid is never signalled)
 and the MPI shared memory the ranks map. `force_stop()` ends everything a cluster started and
-removes its run folder; `main()` is `hpdl cleanup`, for clusters whose kernel is gone.
+removes its run folder; `main()` is `hpdl cleanup`, for clusters whose kernel is gone (and run
+folders that outlived theirs).
 It also removes MPI shared memory that processes killed outside the kit left in RAM
 (procs.remove_orphaned_shared_memory, also called at every start).
 """
@@ -106,6 +107,25 @@ def end_orphaned_clusters(everything: bool = False) -> int:
     return n
 
 
+def remove_stale_run_folders(age: float = 300.0) -> list[Path]:
+    """Run folders with no state file, older than `age` s: left by a cluster whose kernel and
+    reaper were both killed, or by a start that failed half-way. A live cluster's folder always
+    holds its state file from the first seconds of its start; a shared $HOME's other hosts' too."""
+    import time
+
+    removed = []
+    for folder in sorted((home() / "runs").glob("*")):
+        try:
+            stale = folder.is_dir() and not (folder / "reaper.json").exists() \
+                and time.time() - folder.stat().st_mtime > age
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
 def sweep_emulated_nodes() -> list[str]:
     """Remove emulated nodes (hpdl.emulated) that no live cluster on this host recorded: those of
     a kernel killed before its reaper knew of them, or left by a crash. Returns their tags."""
@@ -128,14 +148,17 @@ def main(argv: list[str]) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="hpdl cleanup", description="Stop clusters this kit started whose kernel is "
-                                 "gone, and remove MPI shared memory nothing uses any more.")
+                                 "gone; remove the run folders of clusters already gone, and MPI shared memory "
+                                 "nothing uses any more.")
     ap.add_argument("--all", action="store_true",
                     help="end every cluster of this kit recorded on this host, its kernel gone or not")
     args = ap.parse_args(argv)
     n = end_orphaned_clusters(args.all)
+    stale = remove_stale_run_folders()
     nodes = sweep_emulated_nodes()
     removed = procs.remove_orphaned_shared_memory()
     print(f"hpdl cleanup: ended {n} cluster{'s' if n != 1 else ''}"
+          + (f"; removed {len(stale)} run folder(s) of clusters already gone" if stale else "")
           + (f"; removed {len(nodes)} set(s) of emulated nodes" if nodes else "")
           + (f"; removed {len(removed)} MPI shared-memory file(s) nothing used any more." if removed else "."))
     return 0
