@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import profile, record_function
 
 from hpdl import traces
-from hpdl.rank import init_torch_distributed
+from hpdl.rank import finish, init_torch_distributed
 
 KEYS = ("compute_ms", "comm_ms", "overlap_ms", "fraction")
 
@@ -71,6 +71,7 @@ def main() -> None:
     accounts = comm.gather({"ddp": own[1:], "buckets": model._get_ddp_logging_data().get("num_buckets_reduced")})
     if comm.rank == 0:
         report(trace, accounts, args.steps, args.out)
+    finish()  # the group let go, then exit without Python's shutdown (a Gloo thread could abort it)
 
 
 def report(trace: dict, accounts: list[dict], n: int, out: Path | None) -> None:
