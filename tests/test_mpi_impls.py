@@ -39,6 +39,14 @@ def test_each_implementation_is_named_and_flagged_as_it_needs():
     assert "--allow-run-as-root" not in launchers.mpiexec_flags("Open MPI", [], as_root=False)
     assert launchers.mpiexec_flags("Intel MPI") == ["-genv", "I_MPI_PIN", "0"]
     assert launchers.mpiexec_flags("MPICH", ["PATH"], as_root=True) == []  # Hydra needs none of it
+    # lesson 08's placements: one binding, each MPI's spelling (Open MPI runs `-bind-to none` as a program)
+    bound = launchers.mpiexec_flags("Open MPI", [], bind="core")
+    assert bound.count("--bind-to") == 1 and bound[bound.index("--bind-to") + 1] == "core" and "-bind-to" not in bound
+    assert launchers.mpiexec_flags("MPICH", bind="core") == ["-bind-to", "core"]
+    assert launchers.mpiexec_flags("MPICH", bind="none") == ["-bind-to", "none"]
+    intel = launchers.mpiexec_flags("Intel MPI", bind="core")
+    assert intel == ["-genv", "I_MPI_PIN", "1", "-genv", "I_MPI_PIN_DOMAIN", "core"]
+    assert launchers.mpiexec_flags("Intel MPI", bind="none") == ["-genv", "I_MPI_PIN", "0"]
 
 
 def test_doctor_mismatch_says_what_happens_and_what_to_do():

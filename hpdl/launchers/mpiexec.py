@@ -61,39 +61,45 @@ def mpiexec_implementation(exe: str | None = None) -> str:
     return _IMPLEMENTATION[exe]
 
 
-def mpiexec_flags(implementation: str, env_names: list[str] | tuple[str, ...] = (), as_root: bool = False) -> list[str]:
+def mpiexec_flags(implementation: str, env_names: list[str] | tuple[str, ...] = (), as_root: bool = False,
+                  bind: str | None = None) -> list[str]:
     """The flags the kit gives `mpiexec` of each MPI, so every implementation starts ranks alike:
     more ranks than cores allowed, no pinning (a rank sets its own thread count; two ranks pinned
     to one core would halve both), the engines' environment on every host, and running as root
-    (containers, CI) allowed.
+    (containers, CI) allowed. `bind` ("core", "none"): pin each rank as asked instead, in this
+    MPI's spelling (lesson 08 measures what binding does).
 
     MPICH's Hydra already behaves so. Open MPI refuses more ranks than cores and running as root,
     binds each rank to a core, and passes environment variables to other hosts only when named
-    with -x. Intel MPI pins each rank to cores unless I_MPI_PIN=0. Pure, so tested without MPI.
+    with -x; it reads `-bind-to none` as the program `none`. Intel MPI pins each rank to cores
+    unless I_MPI_PIN=0. Pure, so tested without MPI.
     """
     if implementation == "Open MPI":
-        flags = ["--oversubscribe", "--bind-to", "none"]
+        flags = ["--oversubscribe", "--bind-to", bind or "none"]
         flags += ["--allow-run-as-root"] if as_root else []
         for name in env_names:
             flags += ["-x", name]
         return flags
     if implementation == "Intel MPI":
+        if bind and bind != "none":
+            return ["-genv", "I_MPI_PIN", "1", "-genv", "I_MPI_PIN_DOMAIN", bind]
         return ["-genv", "I_MPI_PIN", "0"]
-    return []
+    return ["-bind-to", bind] if bind else []
 
 
-def launch_flags(exe: str | None = None) -> list[str]:
+def launch_flags(exe: str | None = None, bind: str | None = None) -> list[str]:
     """`mpiexec_flags` for the mpiexec found here and this process's environment."""
     names = [k for k in (*engine_env(), *PASSED_ENV) if k in os.environ or k in engine_env()]
     names += sorted(k for k in os.environ if k.startswith((settings.PREFIX, "HOROVOD_", "OMP_", "MPIR_CVAR_")))
     as_root = hasattr(os, "geteuid") and os.geteuid() == 0
-    return mpiexec_flags(mpiexec_implementation(exe), list(dict.fromkeys(names)), as_root)
+    return mpiexec_flags(mpiexec_implementation(exe), list(dict.fromkeys(names)), as_root, bind)
 
 
-def mpiexec_command(n: int) -> list[str]:
-    """`mpiexec -n N` for this Python's MPI, with the flags its implementation needs (mpiexec_flags)."""
+def mpiexec_command(n: int, bind: str | None = None) -> list[str]:
+    """`mpiexec -n N` for this Python's MPI, with the flags its implementation needs (mpiexec_flags);
+    `bind`: "core" or "none" to pin the ranks so, whichever MPI this is."""
     exe = find_mpiexec()
-    return [exe, *launch_flags(exe), "-n", str(n)]
+    return [exe, *launch_flags(exe, bind), "-n", str(n)]
 
 
 def local_flags(implementation: str) -> list[str]:
