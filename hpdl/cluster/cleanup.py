@@ -102,7 +102,7 @@ def end_orphaned_clusters(everything: bool = False) -> int:
             continue
         if everything or reaper.orphaned(state):
             reaper.kill_all(state)
-            shutil.rmtree(state_file.parent, ignore_errors=True)
+            reaper.remove_run_folder(state_file)
             n += 1
     return n
 
