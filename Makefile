@@ -105,7 +105,7 @@ wheelhouse:
 # The tests that show a kit works on another MPI (not part of `make test`: a second MPI's runs
 # would double CI time): cluster start, %%px, hangs and kills; one check; lessons 00, 03, 04, 06; ranks
 # on emulated nodes (as root; skipped otherwise).
-TEST_MPI := tests/test_mpi_impls.py tests/test_cluster.py \
+TEST_MPI := tests/test_mpi_impls.py tests/test_cluster.py tests/test_forkserver.py \
   tests/test_emulated_nodes.py::test_ranks_on_two_nodes_agree_and_cross_the_link \
   tests/test_emulated_nodes.py::test_a_hang_across_nodes_names_rank_and_line \
   tests/test_emulated_nodes.py::test_a_killed_kernel_leaves_no_node_or_process \

@@ -17,7 +17,7 @@ under it, and which MPI shared-memory files did it leave in RAM — and each ans
   What was killed by someone else (a kernel restart) is found later by `orphaned_shared_memory`.
 
 Used on the client side (cluster stop, `hpdl cleanup`, the reaper, the doctor, check jobs and the
-grader); it imports only the standard library and psutil.
+grader), and by a check job's fork server (`pass_on`); it imports only the standard library and psutil.
 """
 from __future__ import annotations
 
@@ -284,6 +284,17 @@ def signal_process(proc: Proc, sig: int) -> bool:
         return True
     except OSError as exc:
         log.debug("signal %s to pid %s: %s", sig, proc.pid, exc)
+        return False
+
+
+def pass_on(pid: int, sig: int) -> bool:
+    """Send `sig` to a process known by pid alone, from the one that started it or stands in for
+    it (hpdl.forkserver: a rank forked for a launcher's process, which passes its signals on);
+    a process already gone is not an error. True when sent."""
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
         return False
 
 

@@ -7,8 +7,10 @@ and adds the hints. Client side: nothing here runs on a rank.
 """
 from __future__ import annotations
 
+import re
 import secrets
 import time
+from pathlib import Path
 
 from hpdl.checker import cases as case_api
 from hpdl.checker import source
@@ -39,7 +41,8 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
     forbidden = _forbidden(module)
     spec = {"exercise": name, "module_path": str(case_api.path_of(name)), "code": code, "forbidden": forbidden,
             "public": case_api.public_part(name), "hidden": list(hidden) + answer_keys(),
-            "nonce": _nonce(module), "verify_timeout": getattr(module, "VERIFY_TIMEOUT", None)}
+            "nonce": _nonce(module), "verify_timeout": getattr(module, "VERIFY_TIMEOUT", None),
+            "preload": _preload(module, code)}
     bar = _progress(sum(len(v) for v in plan.values()), name) if progress else None
     try:
         runner = Runner(name, module, spec, plan, progress=bar, every_case=grading)
@@ -78,6 +81,20 @@ def answer_keys() -> list[str]:
 
 
 # -- planning ----------------------------------------------------------------------------------
+
+_IMPORTS_TORCH = re.compile(r"^\s*(?:import|from)\s+torch\b", re.MULTILINE)
+
+
+def _preload(module, code: dict) -> list[str]:
+    """What every rank of this exercise's jobs imports, which a fork server can import once for
+    them (runner.py): torch, where the case module or the learner's code imports it."""
+    try:
+        texts = [Path(module.__file__).read_text()]
+    except (OSError, TypeError):
+        texts = []
+    texts += [str(entry.get("source", "")) for entry in code.get("sources", []) if isinstance(entry, dict)]
+    return ["torch"] if any(_IMPORTS_TORCH.search(text) for text in texts) else []
+
 
 def _nonce(module) -> int | None:
     """A fresh secret per check for a module with PRIVATE_INPUTS or ORACLE: only the checker's side and the

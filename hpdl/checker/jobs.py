@@ -91,7 +91,8 @@ class Job:
                     safefiles.create_exclusive(os.path.join(self.dir, f"{name}-{rank}.bin"), data)
         safefiles.create_exclusive(os.path.join(self.dir, "spec.pkl"), pickle.dumps(self.spec))
         module = "hpdl.checker.learner_job" if kind == "learner" else "hpdl.checker.reference_job"
-        launch = job_launch(size, module, self.dir, _job_env(self.dir))  # on this node, no batch system
+        launch = job_launch(size, module, self.dir, _job_env(self.dir),  # on this node, no batch system
+                            preload=spec.get("preload") or [])
         cmd, env, self.through_batch = launch.cmd, launch.env, launch.through_batch
         limits = None
         if kind == "learner":

@@ -24,19 +24,29 @@ class Launch:
     kept: tuple[str, ...] = ()
 
 
-def job_launch(size: int, module: str, job_dir: str, env: dict[str, str]) -> Launch:
+def job_launch(size: int, module: str, job_dir: str, env: dict[str, str], preload: list[str] = ()) -> Launch:
     """One check job: `size` ranks of `python -m <module> <job_dir>`, started from `env`.
 
     On this node only, through the local mpiexec, with the batch system's variables removed: a
     check's jobs are small and the learner's runs in a sandbox with no network, where srun could
     not reach slurmctld (and an srun step would queue or squeeze beside the engines' step). Where
     this Python's MPI has no local launcher (Cray MPICH: only srun starts ranks), the launcher's
-    side job (`srun --overlap`) instead, and the job keeps what it needs of the batch system."""
-    from hpdl import launchers
+    side job (`srun --overlap`) instead, and the job keeps what it needs of the batch system.
+
+    `preload` (modules every rank imports, e.g. torch): through the local mpiexec, the ranks are
+    forked from one process that imported them once (hpdl.forkserver) unless HPDL_CHECK_FORKSERVER=0."""
+    from hpdl import launchers, settings
 
     program = [sys.executable, "-m", module, job_dir]
     try:
-        return Launch([*launchers.local_job_command(size), *program], launchers.local_job_env(env))
+        local = launchers.local_job_command(size)
+        if preload and settings.CHECK_FORKSERVER.get():
+            from hpdl import forkserver
+
+            path = forkserver.socket_path(job_dir)
+            return Launch([*forkserver.server_command(path, preload), *local,
+                           *forkserver.rank_command(path, module, job_dir)], launchers.local_job_env(env))
+        return Launch([*local, *program], launchers.local_job_env(env))
     except HpdlError as exc:
         cmd = launchers.side_job_command(size, gpus=False)  # outside a batch job: the same HpdlError again
         kept = tuple(sorted(set(env) - set(launchers.local_job_env(env))))

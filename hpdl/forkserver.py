@@ -1,0 +1,322 @@
+"""Start a job's ranks by forking them from one process that has already imported torch.
+
+Why: `import torch` costs about a second of CPU, and a check runs a learner job and a reference
+job at each of its rank counts — at 1 to 4 ranks that is 20 processes each importing torch on
+the same cores, most of a check's time. Here torch is imported once per job and each rank is a
+fork of that process, which shares the imported pages instead of rebuilding them.
+
+    serve:  python -m hpdl.forkserver serve SOCKET --preload torch -- mpiexec -n P \\
+                python -m hpdl.forkserver run SOCKET MODULE ARGS...
+
+The server imports the modules named, then starts the job command. mpiexec starts P small `run`
+processes as usual; each connects to SOCKET and hands over what makes it rank i — its standard
+streams and the launcher's PMI descriptor (SCM_RIGHTS), its environment, folder and CPU set.
+The server forks; the fork takes those, runs MODULE as `python -m MODULE ARGS` would, and exits
+through the interpreter's usual shutdown (MPI_Finalize included). The `run` process stays as the
+launcher's view of the rank: it passes signals on and exits as the rank did. If it is killed,
+its connection closes and the server kills the rank. When the job command ends, the server ends what is left and exits
+with its code.
+
+Nothing changes for the ranks' MPI: the launcher still starts every process it knows and wires
+them (tested with MPICH's and Intel MPI's Hydra and Open MPI's PRRTE). The server runs inside
+the job's sandbox when the job has one (it is part of the job's command), so a fork is confined
+exactly as the rank it replaces. A `run` that cannot reach its server runs MODULE itself.
+"""
+from __future__ import annotations
+
+import argparse
+import array
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import struct
+import sys
+
+from hpdl import procs
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGCONT)
+MAX_REQUEST = 4 << 20  # bytes of one rank's request (its environment, mostly)
+REQUEST_TIMEOUT = 10.0  # s for a connected `run` to send its request
+
+
+def socket_path(job_dir: str) -> str:
+    """Where a job's server listens: in the job's own folder (0700) when the path fits a socket's
+    108 bytes, else in a private folder of its own."""
+    path = os.path.join(job_dir, "fork.sock")
+    if len(path.encode()) < 100:
+        return path
+    import tempfile
+
+    return os.path.join(tempfile.mkdtemp(prefix="hpdl-fork-", dir="/tmp"), "s")
+
+
+def server_command(path: str, preload: list[str] | tuple[str, ...]) -> list[str]:
+    return [sys.executable, "-m", "hpdl.forkserver", "serve", path, *(f"--preload={m}" for m in preload), "--"]
+
+
+def rank_command(path: str, module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "hpdl.forkserver", "run", path, module, *args]
+
+
+# -- the rank's stand-in --------------------------------------------------------------------------
+
+def run(path: str, module: str, args: list[str]) -> None:
+    """Have the server fork this rank; stand in for it until it exits, then exit the same way."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+    except OSError:  # no server (it was not started, or is gone): be the rank ourselves
+        conn.close()
+        os.execv(sys.executable, [sys.executable, "-m", module, *args])
+    fds = [0, 1, 2]
+    pmi = os.environ.get("PMI_FD", "")  # Hydra's (MPICH, MVAPICH, Intel MPI) connection to its proxy
+    if pmi.isdigit() and int(pmi) not in fds:
+        fds.append(int(pmi))
+    request = json.dumps({"argv": [module, *args], "env": dict(os.environ), "cwd": os.getcwd(),
+                          "fds": fds, "cpus": sorted(os.sched_getaffinity(0))}).encode()
+    conn.sendmsg([struct.pack("!I", len(request)) + request],
+                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    replies = conn.makefile("r")
+    rank = int(json.loads(replies.readline() or '{"pid": 0}')["pid"])
+    if not rank:
+        sys.exit(f"hpdl.forkserver: the server at {path} did not start {module}")
+    for sig in FORWARDED:
+        signal.signal(sig, lambda number, _frame: procs.pass_on(rank, number))
+    line = replies.readline()
+    status = json.loads(line)["status"] if line else 0x7F00  # no status: the server is gone
+    if os.WIFSIGNALED(status):
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        procs.pass_on(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 70)
+
+
+# -- the server ---------------------------------------------------------------------------------
+
+class Server:
+    """Imports, then serves fork requests until the job command ends."""
+
+    def __init__(self, path: str, command: list[str]):
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        os.chmod(path, 0o600)
+        self.listener.listen(128)
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
+        self.ranks: dict[int, socket.socket] = {}  # rank pid -> its stand-in's connection
+        self.job = os.posix_spawnp(command[0], command, os.environ)
+        self.returncode: int | None = None
+
+    def serve(self) -> dict | None:
+        """Until the job ends (returns None), or, in a fork, the request it is to run."""
+        while self.returncode is None:
+            for key, _ in self.selector.select(timeout=1.0):
+                if key.data == "accept":
+                    request = self.accept()
+                    if request is not None:
+                        return request
+                elif key.data == "wake":
+                    os.read(self.wake_r, 512)
+                else:  # a stand-in sends nothing after its request: this is its end, and its rank's
+                    procs.pass_on(key.data, signal.SIGKILL)
+                    self.selector.unregister(key.fileobj)
+            self.reap()
+        for pid in self.ranks:
+            procs.pass_on(pid, signal.SIGKILL)
+        while self.ranks:
+            self.reap(block=True)
+        return None
+
+    def accept(self) -> dict | None:
+        conn, _ = self.listener.accept()
+        try:
+            conn.settimeout(REQUEST_TIMEOUT)
+            uid = _peer_uid(conn)
+            if uid != os.getuid():
+                raise OSError(f"connection from uid {uid}")
+            request, fds = _receive(conn)
+        except (OSError, ValueError, KeyError):
+            conn.close()
+            return None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            self.close_in_fork(conn)
+            _place(fds, request["fds"])
+            return request
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        self.ranks[pid] = conn
+        self.selector.register(conn, selectors.EVENT_READ, pid)
+        return None
+
+    def reap(self, block: bool = False) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == self.job:
+                self.returncode = os.waitstatus_to_exitcode(status)
+            elif pid in self.ranks:
+                conn = self.ranks.pop(pid)
+                if conn in self.selector.get_map():
+                    self.selector.unregister(conn)
+                try:
+                    conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+                except OSError:
+                    pass
+                conn.close()
+            if block:
+                return
+
+    def close_in_fork(self, conn: socket.socket) -> None:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        self.selector.close()
+        for sock in (self.listener, conn, *self.ranks.values()):
+            sock.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+        self.ranks.clear()
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    fds = array.array("i")
+    data, ancillary, _, _ = conn.recvmsg(65536, socket.CMSG_SPACE(16 * fds.itemsize))
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    if len(data) < 4 or struct.unpack("!I", data[:4])[0] > MAX_REQUEST:
+        raise ValueError("not a request")
+    size = struct.unpack("!I", data[:4])[0]
+    while len(data) < 4 + size:
+        more = conn.recv(min(1 << 20, 4 + size - len(data)))
+        if not more:
+            raise ValueError("a request cut short")
+        data += more
+    request = json.loads(data[4:4 + size])
+    if len(request["fds"]) != len(fds):
+        raise ValueError("descriptors missing")
+    return request, list(fds)
+
+
+def _place(got: list[int], want: list[int]) -> None:
+    """Put the received descriptors at the numbers the stand-in had them (first all out of the
+    way, so that placing one never overwrites another not yet placed)."""
+    import fcntl
+
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, max(want) + 1) for fd in got]
+    for fd in got:
+        os.close(fd)
+    for fd, number in zip(high, want):
+        os.dup2(fd, number)  # inheritable, as the stand-in's were
+        os.close(fd)
+
+
+def become(request: dict) -> None:
+    """In the fork: take the stand-in's environment, folder and CPUs, then run its module."""
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    try:
+        os.sched_setaffinity(0, request["cpus"])
+    except OSError:
+        pass
+    if "numpy.random" in sys.modules:  # each rank its own entropy, as a fresh process would have
+        sys.modules["numpy.random"].seed()
+    module, *args = request["argv"]
+    sys.argv = [module, *args]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else _say(stop.code))
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    _exit(code)
+
+
+def _say(message) -> int:
+    print(message, file=sys.stderr)
+    return 1
+
+
+def _exit(code: int) -> None:
+    """Exit as the interpreter would — its threads joined, atexit run, MPI finalized, streams
+    flushed — but without tearing down every module: with torch loaded that alone costs a rank
+    ~0.45 s of CPU, and a Gloo thread still running then can abort the process (hpdl.rank.finish).
+    The C library's exit() ends it, not os._exit: MPICH tells its launcher the rank is done from
+    a C atexit handler, and a rank gone without saying so makes Hydra kill the whole job."""
+    import atexit
+    import ctypes
+    import threading
+
+    threading._shutdown()  # what Py_FinalizeEx does first: wait for the non-daemon threads
+    atexit._run_exitfuncs()
+    mpi = sys.modules.get("mpi4py.MPI")  # mpi4py finalizes in Py_AtExit, which comes after teardown
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    ctypes.CDLL(None).exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hpdl.forkserver", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="verb", required=True)
+    serve = sub.add_parser("serve", help="import, start the job command, fork its ranks on request")
+    serve.add_argument("socket")
+    serve.add_argument("--preload", action="append", default=[], help="a module to import once (repeatable)")
+    serve.epilog = "then -- and the job command"
+    rank = sub.add_parser("run", help="one rank: have the server fork it, and stand in for it")
+    rank.add_argument("socket")
+    rank.add_argument("module")
+    rank.add_argument("args", nargs=argparse.REMAINDER)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command: list[str] = []
+    if argv[:1] == ["serve"] and "--" in argv:
+        argv, command = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    ns = parser.parse_args(argv)
+    if ns.verb == "run":
+        run(ns.socket, ns.module, ns.args)
+    if not command:
+        parser.error("serve: no job command after --")
+    import importlib
+
+    for name in ns.preload:
+        importlib.import_module(name)
+    server = Server(ns.socket, command)
+    request = server.serve()
+    if request is None:
+        sys.stdout.flush()
+        os._exit(server.returncode if server.returncode >= 0 else 128 - server.returncode)
+    del server
+    become(request)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""A check job's ranks forked from one server that imported torch once (hpdl.forkserver).
+
+Real jobs: this Python's mpiexec starts the ranks' stand-ins, each rank is a fork of the server,
+and they must still be MPI ranks in every way that matters — wired by the launcher (an all-reduce
+agrees), each with its own arguments, folder and entropy, exit codes and signals passed both
+ways, nothing left when a stand-in dies. The checks that use it (every torch exercise) run
+through it in the other tests; test_check_api compares a check with and without it."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hpdl import forkserver, launchers, settings, sidejob
+from hpdl.checker import runner
+
+FIXTURES = Path(__file__).parent / "fixtures"
+pytestmark = pytest.mark.timeout(180)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return launchers.local_job_env({**os.environ, "PYTHONPATH": str(FIXTURES), "OMP_NUM_THREADS": "1", **extra})
+
+
+def _mpi_job(tmp_path: Path, n: int, server: bool = True, **extra: str):
+    sock = forkserver.socket_path(str(tmp_path))
+    rank = forkserver.rank_command(sock if server else str(tmp_path / "no-server.sock"), "forked_rank", "arg 1")
+    cmd = [*(forkserver.server_command(sock, ["preloaded_marker"]) if server else []),
+           *launchers.local_job_command(n), *rank]
+    done = sidejob.run(cmd, 120, env=_env(**extra), cwd=tmp_path)
+    lines = sorted((json.loads(line) for line in done.output.splitlines() if line.startswith("{")),
+                   key=lambda line: line["rank"])
+    return done, lines
+
+
+def test_forked_ranks_are_mpi_ranks_each_with_its_own_arguments_folder_and_entropy(tmp_path, no_strays):
+    done, ranks = _mpi_job(tmp_path, 3)
+    assert done.returncode == 0, done.output
+    assert [(r["rank"], r["size"], r["total"]) for r in ranks] == [(0, 3, 6), (1, 3, 6), (2, 3, 6)], done.output
+    servers = {r["ppid"] for r in ranks}
+    assert len(servers) == 1 and len({r["pid"] for r in ranks}) == 3  # three forks of one process...
+    assert all(r["imported_by"] == r["ppid"] != r["pid"] for r in ranks)  # ...which imported for them
+    assert len({r["draw"] for r in ranks}) == 3  # numpy reseeded in each, as three fresh processes
+    assert all(r["argv"] == ["arg 1"] and r["cwd"] == str(tmp_path) for r in ranks)
+
+
+def test_a_rank_exit_code_reaches_the_launcher(tmp_path, no_strays):
+    done, ranks = _mpi_job(tmp_path, 2, FORKED_RANK_EXIT="1:3")
+    assert [r["total"] for r in ranks] == [3, 3], done.output
+    assert done.returncode not in (0, None), done.output
+
+
+def test_without_its_server_a_rank_runs_by_itself(tmp_path, no_strays):
+    done, ranks = _mpi_job(tmp_path, 2, server=False)
+    assert done.returncode == 0 and [r["total"] for r in ranks] == [3, 3], done.output
+    assert all(r["imported_by"] == r["pid"] for r in ranks)
+
+
+def test_a_killed_stand_in_takes_its_rank_along_and_signals_pass_on(tmp_path, no_strays):
+    """Two stand-ins under a shell: SIGKILL one (it cannot pass that on: the server sees its
+    connection close and kills its rank), SIGTERM the other (passed on: the rank dies of it, and
+    its stand-in exits as the rank did, 128 + 15)."""
+    sock = forkserver.socket_path(str(tmp_path))
+    a, b = (shlex.join(forkserver.rank_command(sock, "forked_sleeper", name)) for name in "ab")
+    shell = f"{a} & A=$!; {b} & B=$!; wait $A; echo a=$?; wait $B; echo b=$?"
+    with sidejob.SideJob([*forkserver.server_command(sock, ["preloaded_marker"]), "sh", "-c", shell],
+                         env=_env(), timeout=60) as job:
+        ranks = _wait_for(lambda: _lines(job, "name"), 2, job)
+        stand_ins = {p.cmdline()[-1]: p for p in psutil.Process(job.pid).children(recursive=True)
+                     if p.cmdline()[-2:-1] == ["forked_sleeper"]}
+        stand_ins["a"].kill()
+        _wait_for(lambda: [] if psutil.pid_exists(ranks["a"]["pid"]) else [1], 1, job)
+        assert psutil.pid_exists(ranks["b"]["pid"]) and ranks["b"]["ppid"] == job.pid
+        stand_ins["b"].terminate()
+        assert job.wait(30) == 0, job.output_text()
+    assert "a=137" in job.output_text() and "b=143" in job.output_text()
+    assert not psutil.pid_exists(ranks["b"]["pid"])
+
+
+def _lines(job: sidejob.SideJob, key: str) -> dict:
+    found = (json.loads(line) for line in job.output_text().splitlines() if line.startswith("{"))
+    return {line[key]: line for line in found}
+
+
+def _wait_for(get, count: int, job: sidejob.SideJob):
+    deadline = time.monotonic() + 30
+    while len(got := get()) < count:
+        assert time.monotonic() < deadline and job.running(), job.output_text()
+        time.sleep(0.05)
+    return got
+
+
+def test_a_check_job_goes_through_the_server_only_where_it_pays(tmp_path, monkeypatch):
+    """torch to preload and a local mpiexec: the server; nothing to preload, or the setting off: not."""
+    env = dict(os.environ)
+    served = runner.job_launch(2, "hpdl.checker.reference_job", str(tmp_path), env, preload=["torch"]).cmd
+    assert served[1:5] == ["-m", "hpdl.forkserver", "serve", forkserver.socket_path(str(tmp_path))]
+    assert served[-4:] == ["run", forkserver.socket_path(str(tmp_path)), "hpdl.checker.reference_job", str(tmp_path)]
+    plain = runner.job_launch(2, "hpdl.checker.reference_job", str(tmp_path), env).cmd
+    assert "hpdl.forkserver" not in plain and plain[-3:] == ["-m", "hpdl.checker.reference_job", str(tmp_path)]
+    monkeypatch.setenv(settings.CHECK_FORKSERVER.name, "0")
+    off = runner.job_launch(2, "hpdl.checker.reference_job", str(tmp_path), env, preload=["torch"]).cmd
+    assert "hpdl.forkserver" not in off and off[-3:] == plain[-3:]
+
+
+def test_help_and_a_missing_command_are_said_plainly():
+    cli = [sys.executable, "-m", "hpdl.forkserver", "serve"]
+    shown = subprocess.run([*cli, "--help"], capture_output=True, text=True)
+    assert shown.returncode == 0 and "--preload" in shown.stdout
+    bad = subprocess.run([*cli, "/tmp/x.sock"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "no job command" in bad.stderr and "Traceback" not in bad.stderr
