@@ -87,7 +87,9 @@ def run(path: str, module: str, args: list[str]) -> None:
     for sig in FORWARDED:
         signal.signal(sig, lambda number, _frame: procs.pass_on(rank, number))
     line = replies.readline()
-    status = json.loads(line)["status"] if line else 0x7F00  # no status: the server is gone
+    if not line:  # the server is gone, and its ranks with it (PR_SET_PDEATHSIG)
+        os._exit(70)
+    status = json.loads(line)["status"]
     if os.WIFSIGNALED(status):
         signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
         procs.pass_on(os.getpid(), os.WTERMSIG(status))
@@ -148,8 +150,10 @@ class Server:
             return None
         sys.stdout.flush()
         sys.stderr.flush()
+        server = os.getpid()
         pid = os.fork()
         if pid == 0:
+            _die_with_parent(server)
             self.close_in_fork(conn)
             _place(fds, request["fds"])
             return request
@@ -191,6 +195,17 @@ class Server:
         os.close(self.wake_r)
         os.close(self.wake_w)
         self.ranks.clear()
+
+
+def _die_with_parent(server: int) -> None:
+    """A rank is killed when its server dies (Linux's PR_SET_PDEATHSIG), so a server killed
+    before it could end them leaves no rank behind."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != server:  # the server died before the call: nobody would tell us
+        os._exit(70)
 
 
 def _peer_uid(conn: socket.socket) -> int:

@@ -84,6 +84,25 @@ def test_a_killed_stand_in_takes_its_rank_along_and_signals_pass_on(tmp_path, no
     assert not psutil.pid_exists(ranks["b"]["pid"])
 
 
+def test_a_killed_server_leaves_no_rank_behind(tmp_path, no_strays):
+    """SIGKILL the server itself (nothing of it runs then): its ranks die with it, and the stand-in,
+    which hears no status, exits with 70 instead of waiting."""
+    sock = forkserver.socket_path(str(tmp_path))
+    stand_in = shlex.join(forkserver.rank_command(sock, "forked_sleeper", "a"))
+    with sidejob.SideJob([*forkserver.server_command(sock, ["preloaded_marker"]), "sh", "-c",
+                          f"{stand_in}; echo stand-in=$?"], env=_env(), timeout=60) as job:
+        rank = _wait_for(lambda: _lines(job, "name"), 1, job)["a"]
+        psutil.Process(job.pid).kill()
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(rank["pid"]) and psutil.Process(rank["pid"]).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the rank outlived its server"
+            time.sleep(0.05)
+        while "stand-in=" not in job.output_text():
+            assert time.monotonic() < deadline + 10, job.output_text()
+            time.sleep(0.05)
+    assert "stand-in=70" in job.output_text()
+
+
 def _lines(job: sidejob.SideJob, key: str) -> dict:
     found = (json.loads(line) for line in job.output_text().splitlines() if line.startswith("{"))
     return {line[key]: line for line in found}
