@@ -5,7 +5,7 @@ exercise imports torch (~1 s of CPU). With the fork server (hpdl/forkserver.py, 
 job imports it once and forks its ranks. Side by side in one run, interleaved so both meet the
 same load, each in a fresh Python process as a learner's first call is: column_parallel_linear's
 model solution, checked as the grader does (every case, hidden ones too, at 1-4 ranks: 20
-processes), with HPDL_CHECK_FORKSERVER=1 and =0.
+processes), with HPDL_FORKSERVER=1 and =0.
 
     .venv/bin/python benchmarks/check_forkserver.py --repeats 3
 """
@@ -50,8 +50,8 @@ def main() -> None:
     env = dict(os.environ, TQDM_DISABLE="1", PYTHONPATH=str(ROOT))
     times: dict[str, list[float]] = {"with the fork server": [], "each rank imports torch": []}
     for _ in range(args.repeats):
-        times["with the fork server"].append(timed(code, dict(env, HPDL_CHECK_FORKSERVER="1")))
-        times["each rank imports torch"].append(timed(code, dict(env, HPDL_CHECK_FORKSERVER="0")))
+        times["with the fork server"].append(timed(code, dict(env, HPDL_FORKSERVER="1")))
+        times["each rank imports torch"].append(timed(code, dict(env, HPDL_FORKSERVER="0")))
     print(f"column_parallel_linear, {what}, {args.repeats} run(s) each")
     print(f"{'how the ranks start':<28} {'median s':>9} {'min s':>7}")
     for name, ts in times.items():

@@ -2,17 +2,22 @@
 
     .venv/bin/python benchmarks/start_cluster.py -n 4 --repeat 5
 
-Each repeat is a cold `hpdl.start(n)` followed by `hpdl.stop()`. Printed: the median and the
-spread of the whole start, and how it splits into launching/registering engines and the
-per-rank set-up (imports, process groups, Horovod).
+Each repeat is a cold `hpdl.start(n)` followed by `hpdl.stop()`, once with the engines forked
+from one process that imported torch (hpdl/forkserver.py, the default) and once started afresh
+by mpiexec (HPDL_FORKSERVER=0), alternating so both meet the same load. Printed per way: the
+median and spread of the whole start, and how much of it is the per-rank set-up (imports,
+process groups, Horovod) after the engines registered; then the ratio of the medians.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import hpdl
+
+WAYS = {"forked from one import of torch": "1", "each engine imports torch": "0"}
 
 
 def main() -> None:
@@ -23,21 +28,24 @@ def main() -> None:
     args = ap.parse_args()
     frameworks = tuple(f for f in args.frameworks.split(",") if f)
 
-    totals, setups, stops = [], [], []
+    totals = {way: [] for way in WAYS}
+    setups = {way: [] for way in WAYS}
     for i in range(args.repeat):
-        t0 = time.perf_counter()
-        c = hpdl.start(n=args.n, frameworks=frameworks, quiet=True)
-        totals.append(time.perf_counter() - t0)
-        setups.append(max(r["setup_s"] for r in c.ranks))
-        t1 = time.perf_counter()
-        hpdl.stop(quiet=True)
-        stops.append(time.perf_counter() - t1)
-        print(f"run {i + 1}: start {totals[-1]:.2f} s (rank set-up {setups[-1]:.2f} s), stop {stops[-1]:.2f} s")
-    med = statistics.median(totals)
-    print(f"\nhpdl.start(n={args.n}, frameworks={frameworks}) over {args.repeat} runs")
-    print(f"  median start  {med:.2f} s   (min {min(totals):.2f}, max {max(totals):.2f})")
-    print(f"  of which rank set-up (imports, process group, Horovod) median {statistics.median(setups):.2f} s")
-    print(f"  median stop   {statistics.median(stops):.2f} s")
+        for way, flag in WAYS.items():
+            os.environ["HPDL_FORKSERVER"] = flag  # read by hpdl.start() when it is called
+            t0 = time.perf_counter()
+            c = hpdl.start(n=args.n, frameworks=frameworks, quiet=True)
+            totals[way].append(time.perf_counter() - t0)
+            setups[way].append(max(r["setup_s"] for r in c.ranks))
+            hpdl.stop(quiet=True)
+            print(f"run {i + 1}, {way}: start {totals[way][-1]:.2f} s (rank set-up {setups[way][-1]:.2f} s)")
+    print(f"\nhpdl.start(n={args.n}, frameworks={frameworks}) over {args.repeat} runs each")
+    for way in WAYS:
+        ts = totals[way]
+        print(f"  {way:<33} median {statistics.median(ts):.2f} s (min {min(ts):.2f}, max {max(ts):.2f}), "
+              f"rank set-up {statistics.median(setups[way]):.2f} s")
+    forked, fresh = (statistics.median(totals[way]) for way in WAYS)
+    print(f"forked engines start in {forked:.2f} s against {fresh:.2f} s, {fresh / forked:.2f}x faster")
 
 
 if __name__ == "__main__":

@@ -1,26 +1,30 @@
 """Start a job's ranks by forking them from one process that has already imported torch.
 
-Why: `import torch` costs about a second of CPU, and a check runs a learner job and a reference
-job at each of its rank counts — at 1 to 4 ranks that is 20 processes each importing torch on
-the same cores, most of a check's time. Here torch is imported once per job and each rank is a
-fork of that process, which shares the imported pages instead of rebuilding them.
+Why: `import torch` costs about a second of CPU. A check runs a learner job and a reference job
+at each of its rank counts — at 1 to 4 ranks that is 20 processes each importing torch on the
+same cores, most of a check's time — and hpdl.start(n) has every engine import it to set up
+torch.distributed. Here torch is imported once per job and each rank is a fork of that process,
+which shares the imported pages instead of rebuilding them.
 
-    serve:  python -m hpdl.forkserver serve SOCKET --preload torch -- mpiexec -n P \\
+    serve:  python -m hpdl.forkserver serve SOCKET --preload=torch -- mpiexec -n P \
                 python -m hpdl.forkserver run SOCKET MODULE ARGS...
 
-The server imports the modules named, then starts the job command. mpiexec starts P small `run`
-processes as usual; each connects to SOCKET and hands over what makes it rank i — its standard
-streams and the launcher's PMI descriptor (SCM_RIGHTS), its environment, folder and CPU set.
-The server forks; the fork takes those, runs MODULE as `python -m MODULE ARGS` would, and exits
-through the interpreter's usual shutdown (MPI_Finalize included). The `run` process stays as the
-launcher's view of the rank: it passes signals on and exits as the rank did. If it is killed,
-its connection closes and the server kills the rank. When the job command ends, the server ends what is left and exits
-with its code.
+The server listens, starts the job command and imports the modules named meanwhile. mpiexec
+starts P small `run` processes as usual; each connects to SOCKET and hands over what makes it
+rank i — its standard streams and the launcher's PMI descriptor (SCM_RIGHTS), its environment,
+folder and CPU set. The server forks; the fork takes those, runs MODULE as `python -m MODULE
+ARGS` would, and exits without tearing down every module (`_exit`). The `run` process stays as
+the launcher's view of the rank: it passes signals on and exits as the rank did. If it is killed,
+its connection closes and the server kills the rank; if the server is killed, its ranks die with
+it. Signals sent to the server go to the job command, as they would to a launcher. When the job
+command ends, the server ends what is left and exits with its code.
 
 Nothing changes for the ranks' MPI: the launcher still starts every process it knows and wires
 them (tested with MPICH's and Intel MPI's Hydra and Open MPI's PRRTE). The server runs inside
 the job's sandbox when the job has one (it is part of the job's command), so a fork is confined
-exactly as the rank it replaces. A `run` that cannot reach its server runs MODULE itself.
+exactly as the rank it replaces. A `run` that cannot reach its server runs MODULE itself. Used
+only where every rank is a process of this machine under its own mpiexec: a check's jobs, and
+the engines of hpdl.start() without emulated nodes (HPDL_FORKSERVER=0: never).
 """
 from __future__ import annotations
 
@@ -116,6 +120,8 @@ class Server:
         self.ranks: dict[int, socket.socket] = {}  # rank pid -> its stand-in's connection
         self.job = os.posix_spawnp(command[0], command, os.environ)
         self.returncode: int | None = None
+        for sig in FORWARDED:  # as a launcher does: what the server is sent, its job is sent
+            signal.signal(sig, lambda number, _frame: procs.pass_on(self.job, number))
 
     def serve(self) -> dict | None:
         """Until the job ends (returns None), or, in a fork, the request it is to run."""
@@ -188,7 +194,8 @@ class Server:
 
     def close_in_fork(self, conn: socket.socket) -> None:
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for sig in (signal.SIGCHLD, *FORWARDED):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         self.selector.close()
         for sock in (self.listener, conn, *self.ranks.values()):
             sock.close()
@@ -322,9 +329,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("serve: no job command after --")
     import importlib
 
+    server = Server(ns.socket, command)  # listening first: the launcher starts while we import
     for name in ns.preload:
         importlib.import_module(name)
-    server = Server(ns.socket, command)
     request = server.serve()
     if request is None:
         sys.stdout.flush()

@@ -211,10 +211,10 @@ NO_SANDBOX = _declare("HPDL_NO_SANDBOX", "flag", "0", "run learners' check jobs 
                       "(rlimits and a process group only); benchmarks compare both", ("kernel", "grader"))
 BWRAP = _declare("HPDL_BWRAP", "path", None, "the bubblewrap binary for the sandbox", ("kernel", "grader"),
                  default_text="bwrap on PATH")
-CHECK_FORKSERVER = _declare("HPDL_CHECK_FORKSERVER", "flag", "1", "start the ranks of a check's jobs whose "
-                            "exercise uses torch as forks of one process that imported torch once "
-                            "(hpdl/forkserver.py), not each importing it: 0 starts each rank afresh",
-                            ("kernel", "grader"))
+FORKSERVER = _declare("HPDL_FORKSERVER", "flag", "1", "start ranks that use torch as forks of one process that "
+                      "imported torch once (hpdl/forkserver.py): a check's jobs, and hpdl.start()'s engines on this "
+                      "machine (not on emulated nodes or through a batch system); 0 starts each rank afresh",
+                      ("kernel", "grader"))
 CHECK_KEEP = _declare("HPDL_CHECK_KEEP", "flag", "0", "keep each check's job folders (inputs, outputs, logs) "
                       "instead of removing them: for debugging a check", ("kernel", "grader"))
 GRADE = _declare("HPDL_GRADE", "flag", "0", "grade mode: hpdl.check() runs the hidden cases with the "

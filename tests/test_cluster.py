@@ -48,11 +48,19 @@ NICES = ("\nimport os\n"
          "assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the cell's own thread\n")
 
 
+def forked_by(ranks: list[dict]) -> list[str] | None:
+    """The command of the one process all ranks are forks of (hpdl.forkserver), or None."""
+    parents = {psutil.Process(r["pid"]).ppid() for r in ranks}
+    cmd = psutil.Process(parents.pop()).cmdline() if len(parents) == 1 else []
+    return cmd if cmd[1:4] == ["-m", "hpdl.forkserver", "serve"] else None
+
+
 def test_four_ranks_agree_on_three_allreduces(no_strays):
     c = hpdl.start(n=4, quiet=True)
     try:
         assert [r["rank"] for r in c.ranks] == [0, 1, 2, 3]
         assert len({r["pid"] for r in c.ranks}) == 4
+        assert "--preload=torch" in forked_by(c.ranks)  # forks of one process that imported torch
         view = hpdl.view()
         view.execute(
             textwrap.dedent(
@@ -80,8 +88,10 @@ def test_four_ranks_agree_on_three_allreduces(no_strays):
     assert hpdl.status() == {"running": False}
 
 
-def test_horovods_thread_is_reniced_on_cpu_ranks_when_asked(no_strays):
-    with hpdl.start(n=2, env={"HPDL_HOROVOD_NICE": "10"}, quiet=True):
+def test_horovods_thread_is_reniced_on_cpu_ranks_when_asked(no_strays, monkeypatch):
+    monkeypatch.setenv("HPDL_FORKSERVER", "0")  # and ranks started afresh by mpiexec work as the forked ones do
+    with hpdl.start(n=2, env={"HPDL_HOROVOD_NICE": "10"}, quiet=True) as c:
+        assert forked_by(c.ranks) is None
         view = hpdl.view()
         view.execute(NICES + "\nh = hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist()\n", block=True)
         # the threads hvd.init() started at nice 10, the rank's own (the learner's cell) at 0

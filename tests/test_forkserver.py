@@ -124,7 +124,7 @@ def test_a_check_job_goes_through_the_server_only_where_it_pays(tmp_path, monkey
     assert served[-4:] == ["run", forkserver.socket_path(str(tmp_path)), "hpdl.checker.reference_job", str(tmp_path)]
     plain = runner.job_launch(2, "hpdl.checker.reference_job", str(tmp_path), env).cmd
     assert "hpdl.forkserver" not in plain and plain[-3:] == ["-m", "hpdl.checker.reference_job", str(tmp_path)]
-    monkeypatch.setenv(settings.CHECK_FORKSERVER.name, "0")
+    monkeypatch.setenv(settings.FORKSERVER.name, "0")
     off = runner.job_launch(2, "hpdl.checker.reference_job", str(tmp_path), env, preload=["torch"]).cmd
     assert "hpdl.forkserver" not in off and off[-3:] == plain[-3:]
 

@@ -137,8 +137,8 @@ def test_only_the_supervisor_starts_or_polls_side_jobs():
     allowed = {"sidejob.py": "side jobs", "cluster/cleanup.py": "the reaper",
                "launchers/__main__.py": "a rank's prologue, which becomes its engine (exec)",
                "checker/confine.py": "untrusted code's first process, which becomes the command (exec)",
-               "forkserver.py": "a check job's first process, which forks the job's ranks on request "
-                                "(inside the job's tree and sandbox) and starts its launcher (no side job)",
+               "forkserver.py": "a job's first process (a check's, the engines'), which forks the job's "
+                                "ranks on request (inside the job's tree and sandbox) and starts its launcher",
                "checker/oracle.py": "a learner rank's helper holding the case's secrets, forked before the "
                                     "learner's code and ending with the rank (no command, no side job)"}
     found = {}

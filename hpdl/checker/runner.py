@@ -34,13 +34,13 @@ def job_launch(size: int, module: str, job_dir: str, env: dict[str, str], preloa
     side job (`srun --overlap`) instead, and the job keeps what it needs of the batch system.
 
     `preload` (modules every rank imports, e.g. torch): through the local mpiexec, the ranks are
-    forked from one process that imported them once (hpdl.forkserver) unless HPDL_CHECK_FORKSERVER=0."""
+    forked from one process that imported them once (hpdl.forkserver) unless HPDL_FORKSERVER=0."""
     from hpdl import launchers, settings
 
     program = [sys.executable, "-m", module, job_dir]
     try:
         local = launchers.local_job_command(size)
-        if preload and settings.CHECK_FORKSERVER.get():
+        if preload and settings.FORKSERVER.get():
             from hpdl import forkserver
 
             path = forkserver.socket_path(job_dir)
