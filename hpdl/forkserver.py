@@ -47,23 +47,19 @@ MAX_REQUEST = 4 << 20  # bytes of one rank's request (its environment, mostly)
 REQUEST_TIMEOUT = 10.0  # s for a connected `run` to send its request
 
 
-def socket_path(job_dir: str) -> str:
-    """Where a job's server listens: in the job's own folder (0700) when the path fits a socket's
-    108 bytes, else in a private folder of its own."""
-    path = os.path.join(job_dir, "fork.sock")
-    if len(path.encode()) < 100:
-        return path
-    import tempfile
+def commands(folder: str, preload: list[str] | tuple[str, ...], module: str,
+             *args: str) -> tuple[list[str], list[str]] | None:
+    """How to start ranks of `python -m MODULE ARGS` as forks of a server that imported `preload`,
+    listening in `folder` (0700, the job's own): (what goes before the launcher's command, what the
+    launcher starts for each rank). None where the ranks are to start afresh: nothing to preload,
+    HPDL_FORKSERVER=0, or a folder too deep for a Unix socket's path (108 bytes)."""
+    from hpdl import settings
 
-    return os.path.join(tempfile.mkdtemp(prefix="hpdl-fork-", dir="/tmp"), "s")
-
-
-def server_command(path: str, preload: list[str] | tuple[str, ...]) -> list[str]:
-    return [sys.executable, "-m", "hpdl.forkserver", "serve", path, *(f"--preload={m}" for m in preload), "--"]
-
-
-def rank_command(path: str, module: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "hpdl.forkserver", "run", path, module, *args]
+    path = os.path.join(folder, "fork.sock")
+    if not preload or not settings.FORKSERVER.get() or len(os.fsencode(path)) >= 100:
+        return None
+    me = [sys.executable, "-m", "hpdl.forkserver"]
+    return [*me, "serve", path, *(f"--preload={m}" for m in preload), "--"], [*me, "run", path, module, *args]
 
 
 # -- the rank's stand-in --------------------------------------------------------------------------
@@ -291,19 +287,14 @@ def _exit(code: int) -> None:
     The C library's exit() ends it, not os._exit: MPICH tells its launcher the rank is done from
     a C atexit handler, and a rank gone without saying so makes Hydra kill the whole job."""
     import atexit
+    import contextlib
     import ctypes
     import threading
 
     threading._shutdown()  # what Py_FinalizeEx does first: wait for the non-daemon threads
     atexit._run_exitfuncs()
-    mpi = sys.modules.get("mpi4py.MPI")  # mpi4py finalizes in Py_AtExit, which comes after teardown
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    with contextlib.suppress(Exception):  # mpi4py finalizes in Py_AtExit, which comes after teardown
+        procs.finalize_mpi()
     ctypes.CDLL(None).exit(code)
 
 

@@ -322,6 +322,21 @@ def singleton_shared_memory(pid: int) -> set[str]:
     return {path} if os.path.exists(path) else set()
 
 
+def finalize_mpi() -> bool:
+    """Flush this process's streams, then MPI_Finalize if it started MPI and has not finalized;
+    whether it finalized. For a process that ends without the interpreter's shutdown (rank.leave,
+    a forked rank's exit in hpdl.forkserver): mpi4py finalizes only at that shutdown's very end,
+    and MPI_Finalize is what removes the ranks' /dev/shm segments."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return False
+    mpi.Finalize()
+    return True
+
+
 def finalize_singleton_mpi() -> bool:
     """Finalize MPI now if this process started it alone (a notebook kernel that imported
     mpi4py; COMM_WORLD of one) and nothing else here still needs it. Returns whether it did.

@@ -303,15 +303,11 @@ def leave() -> None:
     rank still in MPI_Finalize then leaves its segment in the node's RAM (seen with a PBS job).
     Nothing is left in the interpreter to save once torch.distributed and Horovod have let go."""
     import contextlib
-    import sys
 
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        with contextlib.suppress(Exception):
-            mpi.Finalize()
+    from hpdl import procs
+
+    with contextlib.suppress(Exception):
+        procs.finalize_mpi()
     os._exit(0)
 
 

@@ -60,7 +60,8 @@ def test_four_ranks_agree_on_three_allreduces(no_strays):
     try:
         assert [r["rank"] for r in c.ranks] == [0, 1, 2, 3]
         assert len({r["pid"] for r in c.ranks}) == 4
-        assert "--preload=torch" in forked_by(c.ranks)  # forks of one process that imported torch
+        forker = forked_by(c.ranks)  # forks of one process that imported torch
+        assert forker is not None and "--preload=torch" in forker, [r["pid"] for r in c.ranks]
         view = hpdl.view()
         view.execute(
             textwrap.dedent(

@@ -30,10 +30,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _mpi_job(tmp_path: Path, n: int, server: bool = True, **extra: str):
-    sock = forkserver.socket_path(str(tmp_path))
-    rank = forkserver.rank_command(sock if server else str(tmp_path / "no-server.sock"), "forked_rank", "arg 1")
-    cmd = [*(forkserver.server_command(sock, ["preloaded_marker"]) if server else []),
-           *launchers.local_job_command(n), *rank]
+    serve, rank = forkserver.commands(str(tmp_path), ["preloaded_marker"], "forked_rank", "arg 1")
+    cmd = [*(serve if server else []), *launchers.local_job_command(n), *rank]  # no server: nothing listens
     done = sidejob.run(cmd, 120, env=_env(**extra), cwd=tmp_path)
     lines = sorted((json.loads(line) for line in done.output.splitlines() if line.startswith("{")),
                    key=lambda line: line["rank"])
@@ -67,10 +65,9 @@ def test_a_killed_stand_in_takes_its_rank_along_and_signals_pass_on(tmp_path, no
     """Two stand-ins under a shell: SIGKILL one (it cannot pass that on: the server sees its
     connection close and kills its rank), SIGTERM the other (passed on: the rank dies of it, and
     its stand-in exits as the rank did, 128 + 15)."""
-    sock = forkserver.socket_path(str(tmp_path))
-    a, b = (shlex.join(forkserver.rank_command(sock, "forked_sleeper", name)) for name in "ab")
+    serve, a, b = _sleepers(tmp_path, "a", "b")
     shell = f"{a} & A=$!; {b} & B=$!; wait $A; echo a=$?; wait $B; echo b=$?"
-    with sidejob.SideJob([*forkserver.server_command(sock, ["preloaded_marker"]), "sh", "-c", shell],
+    with sidejob.SideJob([*serve, "sh", "-c", shell],
                          env=_env(), timeout=60) as job:
         ranks = _wait_for(lambda: _lines(job, "name"), 2, job)
         stand_ins = {p.cmdline()[-1]: p for p in psutil.Process(job.pid).children(recursive=True)
@@ -87,10 +84,8 @@ def test_a_killed_stand_in_takes_its_rank_along_and_signals_pass_on(tmp_path, no
 def test_a_killed_server_leaves_no_rank_behind(tmp_path, no_strays):
     """SIGKILL the server itself (nothing of it runs then): its ranks die with it, and the stand-in,
     which hears no status, exits with 70 instead of waiting."""
-    sock = forkserver.socket_path(str(tmp_path))
-    stand_in = shlex.join(forkserver.rank_command(sock, "forked_sleeper", "a"))
-    with sidejob.SideJob([*forkserver.server_command(sock, ["preloaded_marker"]), "sh", "-c",
-                          f"{stand_in}; echo stand-in=$?"], env=_env(), timeout=60) as job:
+    serve, stand_in = _sleepers(tmp_path, "a")
+    with sidejob.SideJob([*serve, "sh", "-c", f"{stand_in}; echo stand-in=$?"], env=_env(), timeout=60) as job:
         rank = _wait_for(lambda: _lines(job, "name"), 1, job)["a"]
         psutil.Process(job.pid).kill()
         deadline = time.monotonic() + 10
@@ -101,6 +96,12 @@ def test_a_killed_server_leaves_no_rank_behind(tmp_path, no_strays):
             assert time.monotonic() < deadline + 10, job.output_text()
             time.sleep(0.05)
     assert "stand-in=70" in job.output_text()
+
+
+def _sleepers(folder: Path, *names: str) -> list:
+    """The server's command, then one stand-in's shell line per name (a rank that waits, no MPI)."""
+    found = [forkserver.commands(str(folder), ["preloaded_marker"], "forked_sleeper", name) for name in names]
+    return [found[0][0], *(shlex.join(rank) for _, rank in found)]
 
 
 def _lines(job: sidejob.SideJob, key: str) -> dict:
@@ -117,11 +118,15 @@ def _wait_for(get, count: int, job: sidejob.SideJob):
 
 
 def test_a_check_job_goes_through_the_server_only_where_it_pays(tmp_path, monkeypatch):
-    """torch to preload and a local mpiexec: the server; nothing to preload, or the setting off: not."""
+    """torch to preload and a local mpiexec: the server; nothing to preload, the setting off, or a
+    job folder too deep for a Unix socket's path: not."""
     env = dict(os.environ)
+    sock = str(tmp_path / "fork.sock")
     served = runner.job_launch(2, "hpdl.checker.reference_job", str(tmp_path), env, preload=["torch"]).cmd
-    assert served[1:5] == ["-m", "hpdl.forkserver", "serve", forkserver.socket_path(str(tmp_path))]
-    assert served[-4:] == ["run", forkserver.socket_path(str(tmp_path)), "hpdl.checker.reference_job", str(tmp_path)]
+    assert served[1:5] == ["-m", "hpdl.forkserver", "serve", sock]
+    assert served[-4:] == ["run", sock, "hpdl.checker.reference_job", str(tmp_path)]
+    deep = str(tmp_path / ("d" * 100))
+    assert "hpdl.forkserver" not in runner.job_launch(2, "hpdl.checker.reference_job", deep, env, preload=["torch"]).cmd
     plain = runner.job_launch(2, "hpdl.checker.reference_job", str(tmp_path), env).cmd
     assert "hpdl.forkserver" not in plain and plain[-3:] == ["-m", "hpdl.checker.reference_job", str(tmp_path)]
     monkeypatch.setenv(settings.FORKSERVER.name, "0")

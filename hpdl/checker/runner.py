@@ -35,18 +35,14 @@ def job_launch(size: int, module: str, job_dir: str, env: dict[str, str], preloa
 
     `preload` (modules every rank imports, e.g. torch): through the local mpiexec, the ranks are
     forked from one process that imported them once (hpdl.forkserver) unless HPDL_FORKSERVER=0."""
-    from hpdl import launchers, settings
+    from hpdl import forkserver, launchers
 
     program = [sys.executable, "-m", module, job_dir]
     try:
         local = launchers.local_job_command(size)
-        if preload and settings.FORKSERVER.get():
-            from hpdl import forkserver
-
-            path = forkserver.socket_path(job_dir)
-            return Launch([*forkserver.server_command(path, preload), *local,
-                           *forkserver.rank_command(path, module, job_dir)], launchers.local_job_env(env))
-        return Launch([*local, *program], launchers.local_job_env(env))
+        forked = forkserver.commands(job_dir, preload, module, job_dir)
+        cmd = [*forked[0], *local, *forked[1]] if forked else [*local, *program]
+        return Launch(cmd, launchers.local_job_env(env))
     except HpdlError as exc:
         cmd = launchers.side_job_command(size, gpus=False)  # outside a batch job: the same HpdlError again
         kept = tuple(sorted(set(env) - set(launchers.local_job_env(env))))

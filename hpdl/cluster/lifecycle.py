@@ -266,13 +266,14 @@ def _fork_engines(config, run_dir: Path) -> None:
     """The engines as forks of one process that imported torch once (hpdl.forkserver): every rank
     imports it to set up torch.distributed, ~1 s of CPU each, all at once on the same cores. Only
     where the ranks are this machine's own processes under its mpiexec (no emulated nodes, whose
-    ranks live in other network namespaces; no batch system, whose ranks may be on other nodes)."""
+    ranks live in other network namespaces; no batch system, whose ranks may be on other nodes);
+    not with HPDL_FORKSERVER=0 or a run folder too deep for a Unix socket (forkserver.commands)."""
     from hpdl import forkserver
 
-    path = forkserver.socket_path(str(run_dir))
-    config.MPIEngineSetLauncher.mpi_cmd = [*forkserver.server_command(path, ["torch"]),
-                                           *config.MPIEngineSetLauncher.mpi_cmd]
-    config.MPIEngineSetLauncher.engine_cmd = forkserver.rank_command(path, "ipyparallel.engine")
+    forked = forkserver.commands(str(run_dir), ["torch"], "ipyparallel.engine")
+    if forked:
+        config.MPIEngineSetLauncher.mpi_cmd = [*forked[0], *config.MPIEngineSetLauncher.mpi_cmd]
+        config.MPIEngineSetLauncher.engine_cmd = forked[1]
 
 
 def _link_engine_sockets(ipp_cluster, timeout: float) -> None:
@@ -310,7 +311,7 @@ def _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet, layout=N
     kwargs["controller_args"] = [*kwargs.get("controller_args", []), "--HeartMonitor.period=500",
                                  "--HeartMonitor.max_heartmonitor_misses=60"]
     network = _on_nodes(n, config, kwargs, layout, run_dir) if layout else None
-    if network is None and launcher == "local" and "torch" in frameworks and settings.FORKSERVER.get():
+    if network is None and launcher == "local" and "torch" in frameworks:
         _fork_engines(config, run_dir)
     try:
         ipp_cluster = ipp.Cluster(n=n, cluster_id=cluster_id, profile_dir=str(profile_dir), config=config,
