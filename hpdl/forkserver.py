@@ -284,18 +284,13 @@ def _exit(code: int) -> None:
     """Exit as the interpreter would — its threads joined, atexit run, MPI finalized, streams
     flushed — but without tearing down every module: with torch loaded that alone costs a rank
     ~0.45 s of CPU, and a Gloo thread still running then can abort the process (hpdl.rank.finish).
-    The C library's exit() ends it, not os._exit: MPICH tells its launcher the rank is done from
-    a C atexit handler, and a rank gone without saying so makes Hydra kill the whole job."""
+    The C library's exit() ends it, as it ends rank.leave (procs.exit_finalized says why)."""
     import atexit
-    import contextlib
-    import ctypes
     import threading
 
     threading._shutdown()  # what Py_FinalizeEx does first: wait for the non-daemon threads
     atexit._run_exitfuncs()
-    with contextlib.suppress(Exception):  # mpi4py finalizes in Py_AtExit, which comes after teardown
-        procs.finalize_mpi()
-    ctypes.CDLL(None).exit(code)
+    procs.exit_finalized(code)  # mpi4py finalizes in Py_AtExit, which comes after teardown
 
 
 def main(argv: list[str] | None = None) -> None:

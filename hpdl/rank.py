@@ -296,19 +296,17 @@ def teardown() -> None:
 
 
 def leave() -> None:
-    """End this rank now and cleanly: MPI_Finalize, then os._exit (hpdl.stop, after `teardown`,
-    on every rank at once). MPI_Finalize is what removes the shared-memory segments between the
-    ranks (also those of communicators freed before, which no map shows). A signal cannot promise
-    it: inside a batch job, mpiexec's proxy follows its SIGTERM with SIGKILL a moment later, and a
-    rank still in MPI_Finalize then leaves its segment in the node's RAM (seen with a PBS job).
+    """End this rank now and cleanly: MPI_Finalize, then exit without the interpreter's shutdown
+    (hpdl.stop, after `teardown`, on every rank at once). MPI_Finalize is what removes the
+    shared-memory segments between the ranks (also those of communicators freed before, which no
+    map shows). A signal cannot promise it: inside a batch job, mpiexec's proxy follows its
+    SIGTERM with SIGKILL a moment later, and a rank still in MPI_Finalize then leaves its segment
+    in the node's RAM (seen with a PBS job). The exit is the C library's (procs.exit_finalized):
+    MPICH's launcher kills the job when a rank ends without telling it, which its atexit does.
     Nothing is left in the interpreter to save once torch.distributed and Horovod have let go."""
-    import contextlib
-
     from hpdl import procs
 
-    with contextlib.suppress(Exception):
-        procs.finalize_mpi()
-    os._exit(0)
+    procs.exit_finalized(0)
 
 
 def finish() -> None:

@@ -269,3 +269,38 @@ def test_a_kernel_with_hpdl_frees_its_mpi_segment_even_when_it_dies_in_teardown(
         procs.remove_shared_memory([leaked])
     kept = _kernel_segment(DIES_IN_TEARDOWN.format(hpdl="import hpdl"))
     assert not os.path.exists(kept), "hpdl did not finalize the kernel's MPI before its teardown"
+
+
+# Ranks that made communicators after start-up (as Horovod and the lessons' Split do), then leave
+# as hpdl.stop has them leave: each job's status and every segment it made.
+LEAVING = """
+from mpi4py import MPI
+from hpdl import rank
+world = MPI.COMM_WORLD
+dup, half = world.Dup(), world.Split(world.rank % 2)
+dup.Barrier(); half.Barrier(); world.Barrier()
+rank.leave()
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_ranks_that_leave_end_their_job_cleanly_and_free_its_shared_memory(no_strays):
+    """rank.leave ended with os._exit: MPICH's launcher killed the job when the first rank was gone
+    (it says so from a C atexit handler), ranks still in MPI_Finalize with it (7 jobs in 12 here,
+    each leaving a segment; one did in CI after lesson 06's stop). Three jobs: each must end 0."""
+    from hpdl import launchers
+
+    before = set(map(str, _segments()))
+    for _ in range(3):
+        job = subprocess.run([*launchers.mpiexec_command(4), sys.executable, "-c", LEAVING],
+                             capture_output=True, text=True, timeout=120)
+        assert job.returncode == 0, f"a job whose ranks left ended {job.returncode}:\n{job.stderr[-2000:]}"
+    left = sorted(set(map(str, _segments())) - before)
+    procs.remove_shared_memory(left)
+    assert not left, f"segments left by ranks that left: {left}"
+
+
+def _segments():
+    from pathlib import Path
+
+    return [p for p in Path(procs.SHM_DIR).iterdir() if p.name.startswith(procs.SEGMENT_PREFIXES)]
