@@ -59,11 +59,13 @@ def one_setting(layers: int, width: int, steps: int, untimed: bool = False) -> N
 
 
 def _job(ranks: int, args, steps: int, *extra: str) -> list[str]:
-    """One fresh `mpiexec -n RANKS` job of this script (the kit's mpiexec, with its MPI's flags)."""
-    from hpdl.launchers import mpiexec_command
+    """One fresh job of RANKS ranks of this script: the kit's mpiexec with its MPI's flags, or inside
+    a Slurm job an `srun --overlap` step beside the engines (an mpiexec there would go through srun
+    and wait for the CPUs they hold). Its tensors stay on the CPU, so it asks for no GPU."""
+    from hpdl.launchers import side_job_command
 
-    return [*mpiexec_command(ranks), sys.executable, __file__, "--one", *extra, "--layers", str(args.layers),
-            "--width", str(args.width), "--steps", str(steps)]
+    return [*side_job_command(ranks, gpus=False), sys.executable, __file__, "--one", *extra,
+            "--layers", str(args.layers), "--width", str(args.width), "--steps", str(steps)]
 
 
 def run(ranks: int, fusion_mib: float, cycle_ms: float, args) -> float:

@@ -81,6 +81,33 @@ def test_welcome_lists_every_lesson_with_a_run_time():
     assert "in preparation" not in text
 
 
+ALL_LESSONS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+KIT_LAUNCH = re.compile(r"\b(job_command|side_job_command)\(")
+
+
+@pytest.mark.parametrize("path", ALL_LESSONS, ids=lambda p: p.name)
+def test_a_lessons_own_mpi_jobs_start_as_the_kit_says_wherever_it_runs(path):
+    """A cell that starts an MPI job of its own takes the command from hpdl (job_command or
+    side_job_command): inside a Slurm job (Open OnDemand, the workshop hub) a bare mpiexec goes
+    through srun and waits for the CPUs the engines hold, until its timeout. Only while no ranks
+    run (after hpdl.stop()) may a cell call this venv's mpiexec (mpiexec_command: lesson 08's
+    placements, whose binding is the point)."""
+    nb = nbformat.read(path, as_version=4)
+    running = False
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        if "hpdl.stop()" in cell.source:
+            running = False
+        code = "\n".join(line.split("#")[0] for line in cell.source.splitlines())  # comments may name them
+        mentions = re.search(r"\bmpiexec\b|\bsrun\b", code)
+        if mentions and not KIT_LAUNCH.search(cell.source):
+            assert "mpiexec_command(" in cell.source and not running, (
+                f"{path.name}, cell {i}: starts an MPI job with a command of its own; use hpdl.job_command(n)")
+        if "hpdl.start(" in cell.source:
+            running = True
+
+
 # -- lesson 04 gives no ring away -------------------------------------------------------------
 
 RANKS = 4
