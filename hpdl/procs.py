@@ -340,7 +340,6 @@ def exit_finalized(code: int) -> None:
         if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
             mpi.Finalize()
     ctypes.PyDLL(None).exit(code)  # holding the GIL: destructors that exit() runs may touch Python objects
-    os._exit(code)  # not reached
 
 
 def finalize_singleton_mpi() -> bool:

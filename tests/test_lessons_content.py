@@ -24,7 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = sorted((ROOT / "notebooks").glob("0[0-8]_*.ipynb"))
-PREDICTING = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))  # every lesson asks for predictions
+ALL_LESSONS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 BIN = Path(sys.executable).parent
 
 
@@ -39,7 +39,7 @@ def _code(nb) -> list[tuple[int, str]]:
     return cells
 
 
-@pytest.mark.parametrize("path", PREDICTING, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", ALL_LESSONS, ids=lambda p: p.name)  # every lesson asks for predictions
 def test_lesson_has_two_predictions_each_compared_later(path):
     nb = nbformat.read(path, as_version=4)
     number = path.name[:2]
@@ -81,7 +81,6 @@ def test_welcome_lists_every_lesson_with_a_run_time():
     assert "in preparation" not in text
 
 
-ALL_LESSONS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 KIT_LAUNCH = re.compile(r"\b(job_command|side_job_command)\(")
 
 

@@ -288,19 +288,15 @@ def test_ranks_that_leave_end_their_job_cleanly_and_free_its_shared_memory(no_st
     """rank.leave ended with os._exit: MPICH's launcher killed the job when the first rank was gone
     (it says so from a C atexit handler), ranks still in MPI_Finalize with it (7 jobs in 12 here,
     each leaving a segment; one did in CI after lesson 06's stop). Three jobs: each must end 0."""
+    from conftest import mpi_shared_memory
+
     from hpdl import launchers
 
-    before = set(map(str, _segments()))
+    before = mpi_shared_memory()
     for _ in range(3):
         job = subprocess.run([*launchers.mpiexec_command(4), sys.executable, "-c", LEAVING],
                              capture_output=True, text=True, timeout=120)
         assert job.returncode == 0, f"a job whose ranks left ended {job.returncode}:\n{job.stderr[-2000:]}"
-    left = sorted(set(map(str, _segments())) - before)
+    left = sorted(map(str, mpi_shared_memory() - before))
     procs.remove_shared_memory(left)
     assert not left, f"segments left by ranks that left: {left}"
-
-
-def _segments():
-    from pathlib import Path
-
-    return [p for p in Path(procs.SHM_DIR).iterdir() if p.name.startswith(procs.SEGMENT_PREFIXES)]
