@@ -17,8 +17,13 @@ Classes of attack, each on real ranks (fixtures/evidence_attacks.py):
   budget and signs its count; verify() reads the signed count.
 - judging code in the learner's process: the tuning-file check ran MPICH through hpdl.tune from the
   learner's rank, where the learner can replace hpdl.tune's functions. MPICH now runs in verify().
-- the recorder in the learner's process (its pause flag, its list of calls): still rewritable; the
-  tests are marked as known failures until the evidence comes from outside that process.
+- the recorder in the learner's process (its pause flag, its list of calls): rewritable, so for the
+  exercises built from messages (METERED) the ranks talk over TCP and the checker reads the kernel's
+  byte counters of their connections (checker/meter.py); a rank whose bytes on the wire to any rank
+  are not what its recorded calls account for scores nothing in that check, nor do calls that move
+  nothing (probes, receives never matched, communicators) buy room for hidden bytes past a cap.
+- values moved outside MPI (files every rank of the job can read): the kernel's count of what reached
+  each rank is below what its result needs; such a check scores nothing.
 Tests too weak: on one rank `return x` is right (those cases now run for no points); a shuffle
 seeded by the epoch alone passed (epoch 0 is now also asked with another seed); one tiny
 all-reduce from a hook counted as overlap (values all-reduced during backward are now counted);
@@ -35,8 +40,10 @@ from pathlib import Path
 import pytest
 
 import hpdl
+from hpdl.checker.jobs import FORGED
 
 FIXTURES = Path(__file__).parent / "fixtures"
+ALONE = "decided on the MPI calls recorded in them alone"  # the check's note when the wire was not read
 sys.path.insert(0, str(FIXTURES))
 import evidence_attacks as E  # noqa: E402
 from test_check_attacks import no_points  # noqa: E402
@@ -102,15 +109,42 @@ def test_the_layer_cannot_be_drawn_again_from_the_case_generator(no_strays):
 def test_the_pipeline_stage_arguments_carry_no_other_stage_nor_the_batch(no_strays):
     no_points(hpdl.check("pipeline_step", E.pipeline_from_the_arguments, ranks=[2]))
 
-
-@pytest.mark.xfail(strict=True, reason="the recorder lives in the learner's process: its pause flag can be set")
 def test_a_paused_recorder_does_not_hide_a_forbidden_collective(no_strays):
     no_points(hpdl.check("ring_allreduce", E.paused_recorder_allreduce, ranks=[2]))
 
-
-@pytest.mark.xfail(strict=True, reason="the recorder lives in the learner's process: its calls can be rewritten")
 def test_rewritten_calls_do_not_make_a_linear_exchange_a_ring(no_strays):
     no_points(hpdl.check("ring_allreduce", E.forged_ring_calls, ranks=[3]))
+
+
+@pytest.mark.parametrize("fn", [E.paused_allreduce_recorded_as_a_ring, E.paused_allreduce_with_room_bought])
+def test_a_hidden_collective_recorded_as_a_ring_is_seen_on_the_wire(fn, no_strays):
+    """The recorder says ring, sizes included (and, bought with calls that move nothing, room for more);
+    the kernel saw rank 0 send MPI's Allreduce to rank 2, its non-neighbour."""
+    result = hpdl.check("ring_allreduce", fn, ranks=[4])
+    no_points(result)
+    assert {c.rejected for c in result.cases} == {FORGED}
+    assert any("outside your process" in c.message for c in result.cases)
+
+
+@pytest.mark.parametrize("exercise, fn", [("ring_allreduce", E.sum_through_files),
+                                          ("recursive_doubling", E.sum_through_files),
+                                          ("bcast_binomial", E.bcast_through_files)])
+def test_values_passed_through_files_the_ranks_share_score_nothing(exercise, fn, no_strays):
+    """Right values, no MPI message: the kernel saw nothing reach the ranks over the network."""
+    result = hpdl.check(exercise, fn, ranks=[2, 3])
+    no_points(result)
+    assert {c.rejected for c in result.cases if c.ranks > 1} == {FORGED}
+
+
+def test_where_ranks_do_not_talk_over_tcp_the_check_says_so_and_decides_on_the_recorder(monkeypatch, no_strays):
+    """An MPI the kit cannot put on TCP (here: told nothing, so MPICH shares memory): the meter finds no
+    connection at start-up, and the check says it decided on the recorder alone, with right answers right."""
+    from hpdl.checker import meter
+
+    monkeypatch.setattr(meter, "transport_env", lambda *a, **k: {})
+    right = hpdl.check("ring_allreduce", E.ring_on_reversed_split, ranks=[2])
+    all_points(right)
+    assert any(ALONE in h for h in right.hints), right.hints
 
 
 @pytest.mark.parametrize("exercise, fn, ranks", [
@@ -119,4 +153,6 @@ def test_rewritten_calls_do_not_make_a_linear_exchange_a_ring(no_strays):
     ("ring_allreduce", E.ring_on_reversed_split, [4]),
 ])
 def test_right_answers_pass(exercise, fn, ranks, no_strays):
-    all_points(hpdl.check(exercise, fn, ranks=ranks))
+    result = hpdl.check(exercise, fn, ranks=ranks)
+    all_points(result)
+    assert not any(ALONE in h for h in result.hints), result.hints  # their bytes on the wire were counted

@@ -11,6 +11,7 @@ Which side each module runs on:
     learner_job.py    the learner's ranks (sandboxed where possible): inputs, the learner's function,
                       recording.py (every MPI/torch.distributed call noted, forbidden ones refused)
     reference_job.py  the checker's ranks: reference(), then verify()/diagnose() on the learner's outputs
+    meter.py          the caller: for METERED exercises, the bytes each learner rank sent, from the kernel
     rank_job.py       both jobs' ranks: events, stack reports, barriers, never outliving the caller
     wire.py           the learner's outputs as plain data, read back without running their code
     sandbox.py        bubblewrap + rlimits around untrusted processes

@@ -11,6 +11,9 @@ learner's kernel) or torch: both are only touched through the objects handed in.
 - compare(): a result against the expected one, with dtype-aware tolerances and plain words.
 - only_peers() / max_sends() / gather_calls() / broadcast_rounds(): the pattern of
   point-to-point messages (ring neighbours, a tree's fan-out and depth).
+- wire_agrees(): for a METERED module, the recorded calls against the bytes the kernel saw each
+  rank send (meter.py); run by the reference job after verify() on every such case.
+  received_at_least(): the bytes that reached a rank, at least what its result needs.
 - same_on_all_ranks() / same_as_root(): parameters identical across ranks (after a DDP or
   Horovod step), or equal to the root's (initial parameters broadcast).
 - check_shards(): a distributed sampler's shards are disjoint, cover the data, equal length.
@@ -53,6 +56,10 @@ KIT_ANSWERS = {
 REDUCTIONS = [n for n in COLLECTIVES if "educe" in n or n in ("Scan", "scan", "Exscan", "exscan", "Iscan", "Iexscan")]
 #: Every collective that moves data: what a point-to-point-only exercise must not call.
 DATA_COLLECTIVES = [n for n in COLLECTIVES if "arrier" not in n]
+#: calls that make a communicator: recorded (never refused), since the ranks exchange messages to agree on it
+COMMUNICATOR_MAKERS = ["Dup", "Idup", "Dup_with_info", "Idup_with_info", "Split", "Split_type", "Create",
+                       "Create_group", "Create_cart", "Create_graph", "Create_dist_graph",
+                       "Create_dist_graph_adjacent", "Create_intercomm", "Merge"]
 
 
 # -- results -----------------------------------------------------------------------------
@@ -139,6 +146,70 @@ def only_peers(ctx, allowed: Iterable[int], why: str) -> Wrong | None:
             if peer is not None and peer not in allowed and peer != ctx.rank:
                 return Wrong(f"rank {ctx.rank} {verb} rank {peer} ({c.name}); {why}")
     return None
+
+
+# What an MPI adds on a TCP connection besides the data (measured here: MPICH ~75 bytes a message and
+# ~60 back per large message received; Intel MPI ~6 KB to each peer for one Split at 4 ranks), with room.
+# Calls earn room up to a cap, so a learner cannot buy room for hidden traffic with empty calls.
+WIRE_SLACK = 16384  # bytes per peer: connection set-up, a barrier or two, MPI's own control messages
+WIRE_PER_MESSAGE = 128  # per send recorded to the peer (its header), per receive from it (a reply)
+WIRE_PER_COMMUNICATOR = 8192  # per communicator made (Dup, Split, ...): the ranks agree on its id
+WIRE_MESSAGES_CAP, WIRE_COMMUNICATORS_CAP = 64, 8
+
+
+def wire_agrees(ctx) -> Wrong | None:
+    """WRONG (forged: no case of the check counts) when the bytes this rank sent to a rank, as the
+    kernel counted them outside the learner's process (ctx.wire), are not what the MPI calls
+    recorded in the learner's process account for: more than those sends (calls hidden from the
+    recorder, or messages bigger than recorded), much less (sends recorded that never happened),
+    a connection to a process that is no rank, or a connection closed mid-check."""
+    wire = ctx.wire
+    if wire is None or ctx.size == 1:
+        return None
+    r = ctx.rank
+    made = min(sum(1 for c in ctx.calls if c.name in COMMUNICATOR_MAKERS), WIRE_COMMUNICATORS_CAP)
+    recorded: dict[int, list[int]] = {}  # peer -> [bytes sent to it, messages with it]
+    unsized = {c.dest for c in ctx.calls if c.dest is not None and c.nbytes is None}  # a send of unknown size
+    for c in ctx.calls:
+        for peer in {c.dest, c.source} - {None, r}:
+            row = recorded.setdefault(peer, [0, 0])
+            row[0] += (c.nbytes or 0) if peer == c.dest else 0
+            row[1] += 0 if peer != c.dest and "probe" in c.name.lower() else 1  # a probe moves nothing
+    why = ("what your rank sent, counted by the system outside your process, is not what the MPI calls "
+           "recorded in your process say: the recording was changed or bypassed")
+    if wire.get("closed"):
+        return Wrong(f"rank {r} closed a network connection to another rank during the check; {why}", forged=True)
+    for peer, sent in sorted(wire.items()):
+        if peer in ("closed", "received"):
+            continue
+        mine, messages = recorded.get(int(peer), [0, 0]) if peer.isdigit() else (0, 0)
+        allowed = (mine + WIRE_SLACK + WIRE_PER_MESSAGE * min(messages, WIRE_MESSAGES_CAP)
+                   + WIRE_PER_COMMUNICATOR * made)
+        if sent > allowed and not (peer.isdigit() and int(peer) in unsized):
+            if peer == "from ?":
+                return Wrong(f"rank {r} received {sent} bytes from a process that is no rank; {why}", forged=True)
+            whom = f"rank {peer}" if peer.isdigit() else "a process that is no rank"
+            return Wrong(f"rank {r} sent {sent} bytes to {whom}, but its recorded calls account for at most "
+                         f"{allowed} ({mine} bytes in {messages} messages with it); {why}", forged=True)
+    for peer, (mine, messages) in sorted(recorded.items()):
+        sent = wire.get(str(peer), 0)
+        if mine > WIRE_SLACK and sent < 0.9 * mine:
+            return Wrong(f"rank {r} recorded {mine} bytes sent to rank {peer}, but only {sent} went out; {why}",
+                         forged=True)
+    return None
+
+
+def received_at_least(ctx, nbytes: int, what: str) -> Wrong | None:
+    """WRONG (forged) when, by the kernel's count (ctx.wire), fewer than `nbytes` reached this rank from
+    the other ranks: the values it returned came some other way than MPI messages (files the ranks
+    share, say). Nothing to say where the wire was not read."""
+    if ctx.wire is None or ctx.size == 1 or nbytes <= 0:
+        return None
+    got = int(ctx.wire.get("received", 0))
+    if got >= nbytes:
+        return None
+    return Wrong(f"rank {ctx.rank} received {got} bytes from the other ranks over the network, but {what} needs at "
+                 f"least {nbytes}: the values reached it some other way than MPI messages", forged=True)
 
 
 def sends(calls) -> list[int]:

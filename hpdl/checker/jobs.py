@@ -31,6 +31,7 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpdl import hang, procs, safefiles, settings, sidejob
-from hpdl.checker import sandbox
+from hpdl.checker import meter, sandbox
 from hpdl.checker.cases import Case, with_nonce
 from hpdl.checker.report import CaseResult, Verdict
 from hpdl.checker.runner import job_launch
@@ -77,7 +78,10 @@ class Job:
         os.chmod(self.dir, 0o700)
         self.sandboxed = sandboxed
         slack = verify_timeout(spec) if kind == "reference" else 30
-        self.spec = dict(spec, size=size, client_pid=0 if sandboxed else os.getpid(),
+        metered = kind == "learner" and spec.get("metered") and size > 1
+        wire_env = _wire_env() if metered else None
+        self.meter: meter.Meter | None = None  # the learner's bytes on the wire, once its ranks are ready
+        self.spec = dict(spec, size=size, metered=wire_env is not None, client_pid=0 if sandboxed else os.getpid(),
                          lifetime=START_TIMEOUT + sum(p.timeout for p in todo) + slack * len(todo) + 30,
                          cases=[(p.index, p.case.to_dict()) for p in todo])
         if kind == "reference":
@@ -91,7 +95,7 @@ class Job:
                     safefiles.create_exclusive(os.path.join(self.dir, f"{name}-{rank}.bin"), data)
         safefiles.create_exclusive(os.path.join(self.dir, "spec.pkl"), pickle.dumps(self.spec))
         module = "hpdl.checker.learner_job" if kind == "learner" else "hpdl.checker.reference_job"
-        launch = job_launch(size, module, self.dir, _job_env(self.dir),  # on this node, no batch system
+        launch = job_launch(size, module, self.dir, {**_job_env(self.dir), **(wire_env or {})},  # this node only
                             preload=spec.get("preload") or [])
         cmd, env, self.through_batch = launch.cmd, launch.env, launch.through_batch
         limits = None
@@ -115,6 +119,11 @@ class Job:
         self.crash: dict | None = None
         self.must_stop = False
         self.hung = False
+        self.host_pids: dict[int, int] = {}  # rank -> its pid as this process sees it (METERED)
+        self.meter_started = False
+        self.meter_problem: str | None = None  # why the wire could not be read (METERED)
+        if metered and wire_env is None:
+            self.meter_problem = "that needs ss and nsenter, and MPICH built with libfabric, Open MPI or Intel MPI"
 
     # -- reading the ranks' reports (from the learner's side: untrusted, parsed defensively) -------
     def read(self) -> None:
@@ -151,6 +160,10 @@ class Job:
                 # remembered now: should the job die before it is ended (MPI aborting every rank
                 # when one fails), nothing would map them any more by then
                 self.side.segments |= procs.shared_memory_of([ev["pid"]])
+            if self.spec.get("metered"):  # written before any learner's code ran (learner_job)
+                pid = meter.host_pid(ev["pid"], self.side.pids())
+                if pid is not None:
+                    self.host_pids[rank] = pid
         elif kind == "start" and isinstance(case, int) and isinstance(ev.get("t"), (int, float)):
             self.starts.setdefault(case, time.monotonic())
         elif kind == "end" and isinstance(case, int):
@@ -187,6 +200,34 @@ class Job:
     def live(self) -> bool:
         return self.side in sidejob.live()
 
+    def start_meter(self) -> None:
+        """METERED: every rank is ready and waiting; read the wire's counters, then let them go on.
+        Where they cannot be read (a rank's process not found, no ss), the check decides on the
+        recorder alone, as for an MPI the kit does not meter."""
+        if not self.spec.get("metered") or self.meter_started or len(self.ready) < self.size:
+            return
+        self.meter_started = True
+        self.meter_problem = "a rank's process was not found" if len(self.host_pids) < self.size else None
+        if self.meter_problem is None:
+            try:
+                self.meter = meter.Meter(self.host_pids)
+            except (OSError, ValueError, subprocess.SubprocessError) as exc:
+                self.meter_problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        meter.release(self.dir, "start")
+
+    def read_wire(self, index: int) -> dict | None:
+        """METERED: the bytes each rank sent to each other in case `index`; then the ranks go on."""
+        if self.meter is None:
+            if self.spec.get("metered"):
+                meter.release(self.dir, str(index))
+            return None
+        try:
+            wire = self.meter.take()
+        except (OSError, ValueError, subprocess.SubprocessError):
+            wire = None
+        meter.release(self.dir, str(index))
+        return wire
+
 
 def _job_env(job_dir: str) -> dict[str, str]:
     """A check job's environment: this process's, its job folder named, one thread per rank, the
@@ -198,6 +239,16 @@ def _job_env(job_dir: str) -> dict[str, str]:
     env.update({settings.CHECK_JOB.name: job_dir}, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}")
     return env
+
+
+def _wire_env() -> dict[str, str] | None:
+    """The variables that put a METERED learner job's ranks on TCP, where this MPI can be metered."""
+    from hpdl.launchers.mpiexec import mpiexec_implementation, mpiexec_version
+
+    try:
+        return meter.transport_env(mpiexec_implementation(), mpiexec_version())
+    except Exception:  # no local mpiexec (Cray MPICH: the job goes through srun): not metered
+        return None
 
 
 def _clean_stack(data: dict) -> dict:
@@ -259,9 +310,9 @@ class SizeRun:
         return Job("learner", self.runner.spec, self.size, todo, self.tmp, sandboxed=self.runner.sandboxed,
                    private=self.runner.private_inputs(self.size, todo), oracle=self.runner.secrets(self.size, todo))
 
-    def _go(self, index: int, verify: bool, seconds: dict | None = None) -> None:
+    def _go(self, index: int, verify: bool, seconds: dict | None = None, wire: dict | None = None) -> None:
         path = os.path.join(self.reference.dir, f"go-{index}.json")
-        safefiles.replace_atomically(path, json.dumps({"verify": verify, "seconds": seconds or {}}))
+        safefiles.replace_atomically(path, json.dumps({"verify": verify, "seconds": seconds or {}, "wire": wire}))
 
     def finished(self) -> bool:
         return not self.todo
@@ -297,10 +348,16 @@ class SizeRun:
             exited = job.exited()
             if exited:
                 job.read()
+            job.start_meter()
+            if job.meter_problem:
+                runner.notes[f"Note: the bytes your ranks sent could not be counted outside their processes "
+                             f"here ({job.meter_problem}); this check decided on the MPI calls recorded in them "
+                             "alone."] = None
             ends = job.ends.get(cur.index, {})
             if len(ends) == self.size:
+                wire = job.read_wire(cur.index)
                 if all(e.get("status") == "ok" for e in ends.values()):
-                    self._hand_over(cur, job, ends)
+                    self._hand_over(cur, job, ends, wire)
                     continue
                 result = runner.from_learner(cur, self.size, ends)
                 self._go(cur.index, False)
@@ -338,7 +395,7 @@ class SizeRun:
             return runner.no_start(cur, self.size, job.ready, job.output_tail())
         return None
 
-    def _hand_over(self, cur: Planned, job: Job, ends: dict) -> None:
+    def _hand_over(self, cur: Planned, job: Job, ends: dict, wire: dict | None) -> None:
         """The learner's ranks all returned: their output bytes go to the reference job."""
         for r in range(self.size):
             src = os.path.join(job.dir, f"out-{cur.index}-{r}.bin")
@@ -350,7 +407,7 @@ class SizeRun:
             safefiles.create_exclusive(dst, data)
         seconds = {str(r): e.get("seconds") if isinstance(e.get("seconds"), (int, float)) else 0.0
                    for r, e in ends.items()}
-        self._go(cur.index, True, seconds)
+        self._go(cur.index, True, seconds, wire)
         self.verifying[cur.index] = time.monotonic()
 
     def _next_learner(self) -> None:
@@ -430,7 +487,7 @@ class Runner:
                 run.close()
             if not settings.CHECK_KEEP.get():
                 shutil.rmtree(tmp, ignore_errors=True)
-        return results
+        return void_if_forged(results)
 
     def private_inputs(self, size: int, todo: list[Planned]) -> dict[int, bytes] | None:
         """Each rank's inputs to its cases, as plain data, when the check has a nonce (PRIVATE_INPUTS):
@@ -506,8 +563,9 @@ class Runner:
             msg = f"Wrong on {rank_word(by['wrong'])}: {w.get('message')}.{largest}"
             if len(by["wrong"]) > 1 and w.get("message") != ends[by["wrong"][0]].get("message"):
                 msg = f"Wrong on {rank_word(by['wrong'])}; rank {worst}: {w.get('message')}.{largest}"
+            forged = FORGED if any(ends[r].get("forged") for r in by["wrong"]) else None
             return self._result(planned, size, Verdict.WRONG, msg, hint=hint, wrong_ranks=by["wrong"],
-                                max_error=err, seconds=seconds)
+                                max_error=err, seconds=seconds, rejected=forged)
         ref = max((_num(e.get("reference_seconds")) for e in ends.values()), default=0.0)
         if seconds > planned.case.slow_factor * ref + 0.25:
             msg = (f"Right result, but slow: {seconds:.2f} s where the reference took {ref:.3f} s "
@@ -554,6 +612,23 @@ class Runner:
 
     def _signature(self) -> str:
         return getattr(self.module, "SIGNATURE", f"{self.exercise}(comm, ...)")
+
+
+FORGED = "the recorded MPI calls (contradicted by the network)"
+
+
+def void_if_forged(results: dict[int, CaseResult]) -> dict[int, CaseResult]:
+    """A check in which the network contradicted the learner's recorded calls (hooks.wire_agrees)
+    earns nothing: the recording was changed, so no case's evidence can be trusted."""
+    forged = next((r for r in results.values() if r.rejected == FORGED), None)
+    if forged is None:
+        return results
+    for r in results.values():
+        if r.verdict.earns_points and r is not forged:
+            r.verdict, r.points, r.rejected = Verdict.WRONG, 0.0, FORGED
+            r.message = (f"Not counted: on {forged.ranks} ranks, case {forged.name}, what your ranks sent over the "
+                         "network contradicted the MPI calls recorded in your process (see that case).")
+    return results
 
 
 def _num(x) -> float:

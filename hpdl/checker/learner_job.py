@@ -172,6 +172,14 @@ class LearnerJob(RankJob):
         recording.install({**KIT_ANSWERS, **(spec.get("forbidden") or {})})
         refuse_kit_answers(KIT_ANSWERS)
         self.private = self.take_private_inputs() if spec.get("private") else None
+        # METERED (meter.py): a communicator per case made now, so their set-up traffic is not counted as
+        # the learner's; then every rank waits until the checker has read the wire, before any learner's code
+        self.comms = {index: self.world.Dup() for index, _ in spec["cases"]} if spec.get("metered") else {}
+        self.emit(ev="ready", pid=os.getpid(), rank=self.rank, size=self.size)
+        if spec.get("metered"):
+            state["phase"] = "metering"
+            self.barrier("ready")
+            self.wait_for(os.path.join(self.dir, "metered-start"))
         if spec.get("oracle"):  # before the learner's code: the helper holds the secrets, this process never
             from hpdl.checker import oracle
 
@@ -184,7 +192,6 @@ class LearnerJob(RankJob):
             fn = unpack(code)
         except BaseException as exc:  # e.g. the learner's globals could not be rebuilt here
             unpack_error = short(f"{type(exc).__name__}: {exc}")
-        self.emit(ev="ready", pid=os.getpid(), rank=self.rank, size=self.size)
         for index, case_dict in spec["cases"]:
             case = Case(**case_dict)
             state["case"], state["phase"] = index, "inputs"
@@ -197,6 +204,9 @@ class LearnerJob(RankJob):
             state["phase"] = "waiting"
             self.emit(ev="end", case=index, **result)
             self.barrier(str(index))
+            if spec.get("metered"):  # the checker reads this case's bytes on the wire before the next starts
+                state["phase"] = "metering"
+                self.wait_for(os.path.join(self.dir, f"metered-{index}"))
         state["phase"] = "exiting"
         self.emit(ev="exit")
         return 0
@@ -220,7 +230,7 @@ class LearnerJob(RankJob):
             args = tuple(self.private.pop(index))
         else:
             args = tuple(funcs["inputs"](case, self.rank, self.size))
-        comm = self.world.Dup()
+        comm = self.comms.pop(index, None) or self.world.Dup()
         if self.spec["code"].get("from_engines"):
             self.rebind(fn, comm)
         recorder = recording.recorder
@@ -246,7 +256,7 @@ class LearnerJob(RankJob):
             shown = name if "." in name else f"comm.{name}"
             return {"status": "forbidden", "name": name,
                     "message": f"{shown}() is not allowed here: {recorder.forbidden.get(name, 'forbidden')}"}
-        calls = [(c.name, c.dest, c.source, c.count) for c in recorder.calls]
+        calls = [(c.name, c.dest, c.source, c.count, c.nbytes) for c in recorder.calls]
         try:
             data = wire.pack({"got": got, "calls": calls})
         except Exception as exc:

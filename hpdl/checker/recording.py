@@ -27,7 +27,7 @@ import threading
 from typing import Any
 
 from hpdl.checker.cases import Call
-from hpdl.checker.hooks import COLLECTIVES
+from hpdl.checker.hooks import COLLECTIVES, COMMUNICATOR_MAKERS
 
 _KIT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,7 +63,7 @@ class _Recorder:
     def paused_now(self) -> bool:
         return getattr(self._paused, "depth", 0) > 0
 
-    def note(self, name: str, dest=None, source=None, count=None, kind: str = "mpi") -> None:
+    def note(self, name: str, dest=None, source=None, count=None, kind: str = "mpi", nbytes=None) -> None:
         """Record one call, or refuse it (ForbiddenCall) when the exercise forbids it."""
         if self.paused_now:
             return
@@ -72,9 +72,7 @@ class _Recorder:
         if reason:
             self.rejected.append(key)
             raise ForbiddenCall(key, reason)
-        self.calls.append(Call(key, dest, source))
-        if count is not None:
-            self.calls[-1].count = count
+        self.calls.append(Call(key, dest, source, count, nbytes))
 
 
 recorder = _Recorder()
@@ -161,6 +159,27 @@ def _count(buf) -> int | None:
         return None
 
 
+def _nbytes(name: str, buf) -> int | None:
+    """Bytes a send puts in its message: a buffer's, or the pickle mpi4py makes of an object."""
+    if name[0].islower():
+        import pickle
+
+        try:
+            return len(pickle.dumps(buf, pickle.HIGHEST_PROTOCOL))
+        except Exception:
+            return None
+    try:
+        if isinstance(buf, (list, tuple)) and len(buf) >= 3:  # [buf, count, type], [buf, (count, displ), type]
+            count = buf[1][0] if isinstance(buf[1], (list, tuple)) else buf[1]
+            return operator.index(count) * buf[-1].Get_size()
+        if isinstance(buf, (list, tuple)) and buf:
+            buf = buf[0]
+        return memoryview(buf).nbytes
+    except Exception:
+        nbytes = getattr(buf, "nbytes", None)
+        return nbytes if isinstance(nbytes, int) else None
+
+
 def _wrap(cls_name: str, name: str, base):
     dpos, spos = _P2P.get(name, (None, None))
 
@@ -168,9 +187,9 @@ def _wrap(cls_name: str, name: str, base):
         if recorder.paused_now:
             return base(self, *args, **kwargs)
         dest, source = _peer(args, kwargs, dpos, "dest"), _peer(args, kwargs, spos, "source")
-        sending = dest is not None
-        count = _count(args[0] if args else kwargs.get("buf", kwargs.get("obj"))) if sending else None
-        recorder.note(name, *_in_world(self, dest, source), count)
+        buf = args[0] if args else kwargs.get("buf", kwargs.get("obj", kwargs.get("sendbuf")))
+        count, nbytes = (_count(buf), _nbytes(name, buf)) if dest is not None else (None, None)
+        recorder.note(name, *_in_world(self, dest, source), count, nbytes=nbytes)
         peer = f" to rank {dest}" if dest is not None else ""
         peer += f" from rank {source}" if source is not None else ""
         recorder.current = f"comm.{name}(){peer}"
@@ -192,7 +211,7 @@ def _type_dict(cls) -> dict:
 def _patch_mpi(forbid_windows: bool) -> None:
     from mpi4py import MPI
 
-    names = set(_P2P) | set(COLLECTIVES)
+    names = set(_P2P) | set(COLLECTIVES) | set(COMMUNICATOR_MAKERS)
     for cls_name in ("Comm", "Intracomm", "Intercomm", "Topocomm", "Cartcomm", "Graphcomm", "Distgraphcomm"):
         cls = getattr(MPI, cls_name, None)
         if cls is None:

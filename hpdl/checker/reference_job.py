@@ -92,12 +92,14 @@ class ReferenceJob(RankJob):
         if any(unreadable):
             return {"status": "unverified", "reference_seconds": ref_s}
         learner_s = float(go.get("seconds", {}).get(str(self.rank), 0.0) or 0.0)
-        ctx = Context(case, self.rank, self.size, args, got, expected, calls, self.world, learner_s, ref_s)
+        wire = (go.get("wire") or {}).get(str(self.rank)) if isinstance(go.get("wire"), dict) else None
+        ctx = Context(case, self.rank, self.size, args, got, expected, calls, self.world, learner_s, ref_s, wire)
         try:
             verify = getattr(module, "verify", None)
             wrong = verify(case, ctx) if verify else hooks.compare(got, expected)
         except Exception as exc:
             wrong = Wrong(f"the result could not be checked: {short(f'{type(exc).__name__}: {exc}')}")
+        wrong = hooks.wire_agrees(ctx) or wrong  # after verify(): its collectives run on every rank first
         result = {"reference_seconds": ref_s}
         if wrong is None:
             result["status"] = "ok"
@@ -110,18 +112,19 @@ class ReferenceJob(RankJob):
                 hint = module.diagnose(case, ctx)
             except Exception:
                 hint = None
-        result.update(status="wrong", message=wrong.message, hint=hint, max_error=wrong.max_error)
+        result.update(status="wrong", message=wrong.message, hint=hint, max_error=wrong.max_error,
+                      forged=bool(getattr(wrong, "forged", False)))
         return result
 
 
 def _call(Call, raw):
-    """One recorded call from the learner's rank, validated: a name and integer peers."""
-    name, dest, source, count = raw
+    """One recorded call from the learner's rank, validated: a name, integer peers and sizes."""
+    name, dest, source, count, nbytes = (list(raw) + [None])[:5]
 
     def num(x):
         return x if isinstance(x, int) and not isinstance(x, bool) else None
 
-    return Call(str(name)[:80], num(dest), num(source), num(count))
+    return Call(str(name)[:80], num(dest), num(source), num(count), num(nbytes))
 
 
 if __name__ == "__main__":

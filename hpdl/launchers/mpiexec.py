@@ -15,6 +15,7 @@ from hpdl import settings
 from hpdl.errors import HpdlError
 
 _IMPLEMENTATION: dict[str, str] = {}
+_VERSION: dict[str, str] = {}  # mpiexec -> what its --version printed
 
 # Variables a rank needs from the kernel's environment. Hydra (MPICH, Intel MPI) hands every
 # rank the whole environment; Open MPI only on this machine, so on other hosts it needs `-x NAME`.
@@ -46,19 +47,27 @@ def find_mpiexec() -> str:
 
 def mpiexec_implementation(exe: str | None = None) -> str:
     """Which MPI an mpiexec belongs to ("MPICH", "Open MPI", "Intel MPI", ...), from its --version."""
-    import subprocess
-
     from hpdl.mpilib import implementation
 
     exe = exe or find_mpiexec()
     if exe not in _IMPLEMENTATION:
+        _IMPLEMENTATION[exe] = implementation(mpiexec_version(exe))
+    return _IMPLEMENTATION[exe]
+
+
+def mpiexec_version(exe: str | None = None) -> str:
+    """What `mpiexec --version` prints (read once per mpiexec): its MPI, and for Hydra its build's
+    configure options (`--with-device=ch4:ucx,ofi`)."""
+    import subprocess
+
+    exe = exe or find_mpiexec()
+    if exe not in _VERSION:
         try:
             p = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10)
-            out = p.stdout + p.stderr
+            _VERSION[exe] = p.stdout + p.stderr
         except (OSError, subprocess.TimeoutExpired):
-            out = ""
-        _IMPLEMENTATION[exe] = implementation(out)
-    return _IMPLEMENTATION[exe]
+            _VERSION[exe] = ""
+    return _VERSION[exe]
 
 
 def mpiexec_flags(implementation: str, env_names: list[str] | tuple[str, ...] = (), as_root: bool = False,

@@ -35,6 +35,11 @@ and may define
                                              # each check draws a fresh nonce, and a learner's rank
                                              # gets its own inputs as data, never the nonce, so no
                                              # rank can work out another's without a message
+    METERED = True                           # the learner's ranks talk over TCP (MPICH) and the checker
+                                             # counts each rank's bytes to each rank from the kernel,
+                                             # outside the learner's process (meter.py): ctx.wire; the
+                                             # recorded calls must account for them (hooks.wire_agrees,
+                                             # run after verify()), or no case of the check counts
 
 The learner's function runs in a job of its own (one process per rank, sandboxed where
 possible) that holds only inputs() and call() and what they use, cut from this module's source
@@ -42,7 +47,8 @@ possible) that holds only inputs() and call() and what they use, cut from this m
 what inputs() and call() use); `reference` and verify() run in the checker's
 reference job, on the same inputs, and verify() sees what the learner's ranks returned, as
 plain data. `ctx.calls` lists the MPI (and torch.distributed) calls the learner made
-(name, dest, source, count: elements sent), recorded on every communicator they could reach.
+(name, dest, source, count: elements sent, nbytes: bytes sent), recorded on every communicator
+they could reach.
 FORBIDDEN names are refused when called, wherever from (the source is read only for a hint).
 `ctx` holds rank, size, args (the pristine inputs), got, expected, calls, learner_seconds,
 reference_seconds, and comm: a communicator between the reference job's ranks, for checks
@@ -122,6 +128,7 @@ class Wrong:
     message: str
     hint: str | None = None
     max_error: float | None = None
+    forged: bool = False  # the network contradicted the learner's recorded calls: no case of the check counts
 
 
 @dataclass
@@ -132,6 +139,7 @@ class Call:
     dest: int | None = None
     source: int | None = None
     count: int | None = None  # elements sent (point-to-point sends), when known
+    nbytes: int | None = None  # bytes of the message sent, when known (a pickled object: its pickle)
 
 
 class Context:
@@ -143,14 +151,18 @@ class Context:
 
     case, rank, size; args (this rank's inputs, untouched by the learner); got (what the
     learner's function returned); expected (what reference() returned on this rank); calls
-    (the MPI calls the learner made); learner_seconds, reference_seconds; and comm, a fresh
-    communicator for checks across ranks (made on first use: collective, so when verify()
-    uses it on one rank it must use it on all).
+    (the MPI calls the learner made); learner_seconds, reference_seconds; wire (for a METERED
+    module: the bytes this rank sent to each other rank in this case, counted by the kernel
+    outside the learner's process (meter.py), else None); and comm, a fresh communicator for
+    checks across ranks (made on first use: collective, so when verify() uses it on one rank it
+    must use it on all).
     """
 
     def __init__(self, case: Case, rank: int, size: int, args: tuple, got: Any, expected: Any,
-                 calls: list[Call], world: Any = None, learner_seconds: float = 0.0, reference_seconds: float = 0.0):
+                 calls: list[Call], world: Any = None, learner_seconds: float = 0.0, reference_seconds: float = 0.0,
+                 wire: dict[str, int] | None = None):
         self.case, self.rank, self.size, self.args = case, rank, size, args
+        self.wire = wire
         self.got, self.expected, self.calls = got, expected, calls
         self.learner_seconds, self.reference_seconds = learner_seconds, reference_seconds
         self._world, self._comm = world, None

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpdl.checker.cases import Case
+from hpdl.checker import hooks
+from hpdl.checker.cases import Case, Wrong
 
 
 def sum_cases(size: int) -> list[Case]:
@@ -52,6 +53,14 @@ def vector(case: Case, rank: int) -> np.ndarray:
     # zero on rank 0, a ring that leaves the sum on rank 0 only passed a one-element case at p = 2)
     x = rng.integers(1, 100, params["n"]).astype(np.float64) + rank / 4
     return x.astype(params["dtype"])
+
+
+def received_enough(ctx) -> Wrong | None:
+    """An allreduce's result on a rank depends on every other rank's vector: at least (p-1)/p of the
+    vector must reach it as messages (with ctx.wire, counted by the kernel; hooks.received_at_least)."""
+    n, itemsize = ctx.expected.size, ctx.expected.itemsize
+    need = (ctx.size - 1) * n // ctx.size * itemsize
+    return hooks.received_at_least(ctx, need, f"a sum of {n} elements over {ctx.size} ranks")
 
 
 def chunk_bounds(n: int, p: int) -> list[int]:

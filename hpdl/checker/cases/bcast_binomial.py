@@ -17,6 +17,7 @@ SIGNATURE = "bcast_binomial(comm, x: np.ndarray | None, root: int) -> np.ndarray
 RANKS = (1, 2, 3, 4)
 TIMEOUT = 5.0
 PRIVATE_INPUTS = True  # each rank gets only its own inputs: the others' come by message or not at all
+METERED = True  # the bytes each rank sends are counted outside its process (meter.py), against the recorder
 FORBIDDEN = {
     name: "the broadcast is to be built from point-to-point messages along a binomial tree, not from "
           "MPI's collectives"
@@ -76,8 +77,8 @@ def verify(case, ctx):
     wrong = hooks.compare(ctx.got, ctx.expected) or hooks.max_sends(
         ctx, _lg(ctx.size), "in a binomial tree no rank sends more than ⌈lg p⌉ messages; sending from the root to "
                             "every rank is a linear broadcast")
-    if wrong is not None or ctx.rank != case.params["root"]:
-        return wrong
+    if wrong is not None or ctx.rank != case.params["root"]:  # every other rank: the root's array reached it
+        return wrong or hooks.received_at_least(ctx, getattr(ctx.expected, "nbytes", 0), "the root's array")
     rounds = hooks.broadcast_rounds(everyone, case.params["root"])
     if rounds is None:
         return Wrong("the messages do not form a tree from the root: every other rank must receive the array "

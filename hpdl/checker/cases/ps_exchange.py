@@ -19,6 +19,7 @@ from hpdl.checker.cases import Case
 SIGNATURE = "ps_exchange(comm, grads, params, lr) -> np.ndarray   # rank 0 serves; grads is None there"
 RANKS = (2, 3, 4)
 TIMEOUT = 5.0
+METERED = True  # the bytes each rank sends are counted outside its process (meter.py), against the recorder
 FORBIDDEN = {name: "this exercise builds the exchange from point-to-point messages (Send and Recv)"
              for name in hooks.DATA_COLLECTIVES}
 

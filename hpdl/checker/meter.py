@@ -1,0 +1,189 @@
+"""Caller's side: the bytes each learner rank put on the wire, counted by the kernel.
+
+The recorder (recording.py) lives in the learner's process, so a learner can rewrite what it
+noted. For the exercises whose verdict rests on which messages a rank sent (METERED in the case
+module: the allreduce and broadcast algorithms by hand), the learner's ranks talk over TCP on
+loopback instead of shared memory (OVER_TCP), and this module, in the checker's process, reads the kernel's
+counters of every connection they hold: `ss -tin` inside the sandbox's network namespace
+(entered with nsenter), each socket mapped to the rank process that holds it (/proc/PID/fd) and
+to the rank at its other end. No code in the learner's process can lower those counters; the
+deciding side compares them with what the recorder says (hooks.wire_agrees).
+
+The learner's ranks wait at the start (after every rank reported its pid, before the learner's
+code is unpacked) and after each case until this side has read the counters (`release`), so a
+case's window holds that case's messages. MPICH (built with libfabric), Open MPI and Intel MPI
+are metered; with another MPI, or without ss/nsenter, checks decide on the recorder alone.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+#: environment that makes each MPI's ranks on one node talk over TCP on loopback, not shared memory
+OVER_TCP = {
+    "MPICH": {"MPICH_NOLOCAL": "1", "MPICH_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"},  # libfabric's tcp
+    "Open MPI": {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "tcp,self", "OMPI_MCA_btl_tcp_if_include": "lo"},
+    "Intel MPI": {"I_MPI_FABRICS": "ofi", "FI_PROVIDER": "tcp"},
+}
+SS_TIMEOUT = 10.0  # s
+NS_GET_USERNS = 0xB701  # ioctl on a namespace's file: a new descriptor of the user namespace that owns it
+
+
+def transport_env(implementation: str, version: str = "") -> dict[str, str] | None:
+    """The variables that put this MPI's ranks on TCP, or None where the kit cannot meter them:
+    MPICH built with libfabric (its mpiexec's --version shows `--with-device=ch4:...ofi`), Open
+    MPI, Intel MPI; and ss and nsenter on PATH. (Should the ranks still not talk over TCP, Meter
+    says so at start-up and the check decides on the recorder alone.)"""
+    device = re.search(r"--with-device=(\S+)", version)
+    if implementation == "MPICH" and not (device and "ofi" in device.group(1)):
+        return None
+    if implementation not in OVER_TCP or not (shutil.which("ss") and shutil.which("nsenter")):
+        return None
+    return dict(OVER_TCP[implementation])
+
+
+def host_pid(sandbox_pid: int, candidates: list[int]) -> int | None:
+    """The pid, as this process sees it, of the process that calls itself `sandbox_pid` in its own
+    PID namespace (the kernel's NSpid line: the learner cannot change it)."""
+    for pid in candidates:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                line = next((x for x in f if x.startswith("NSpid:")), "")
+        except OSError:
+            continue
+        if line and int(line.split()[-1]) == sandbox_pid:
+            return pid
+    return None
+
+
+@dataclass
+class Connection:
+    inode: int
+    local: str
+    peer: str
+    sent: int = 0  # bytes this end sent, retransmissions included
+    received: int = 0  # bytes this end received, each once: what the other end sent
+
+
+_STATES = "ESTAB|FIN-WAIT-1|FIN-WAIT-2|CLOSE-WAIT|LAST-ACK|CLOSING"  # a connection, not a listener
+_HEADER = re.compile(rf"^(?:{_STATES})\s+\d+\s+\d+\s+(\S+)\s+(\S+).*\bino:(\d+)")
+_BYTES = re.compile(r"\bbytes_(sent|received):(\d+)")
+
+
+def connections(pid: int) -> dict[int, Connection]:
+    """Every TCP connection in `pid`'s network namespace, by socket inode, with its bytes sent."""
+    cmd = ["ss", "-tinHe"]
+    net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    fds = [net]
+    try:
+        if os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net"):
+            # the namespace's owner: the sandbox's outer user namespace, which we own (the rank itself may
+            # sit in a nested one that has no rights over the network)
+            owner = fcntl.ioctl(net, NS_GET_USERNS)
+            fds.append(owner)
+            enter = ["nsenter", f"--net=/proc/self/fd/{net}"]
+            if os.readlink(f"/proc/self/fd/{owner}") != os.readlink("/proc/self/ns/user"):
+                enter[1:1] = [f"--user=/proc/self/fd/{owner}", "--preserve-credentials"]
+            cmd = [*enter, *cmd]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=SS_TIMEOUT, check=True,
+                             pass_fds=fds).stdout
+    finally:
+        for fd in fds:
+            os.close(fd)
+    found: dict[int, Connection] = {}
+    current: Connection | None = None
+    for line in out.splitlines():
+        head = _HEADER.match(line)
+        if not line[:1].isspace():
+            current = None
+        if head:
+            current = Connection(int(head.group(3)), head.group(1), head.group(2))
+            found[current.inode] = current
+        elif current is not None:
+            for kind, value in _BYTES.findall(line):
+                setattr(current, kind, int(value))
+    return found
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """The sockets a process holds open."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    except OSError:
+        pass
+    return inodes
+
+
+class Meter:
+    """The bytes each rank sent to each other rank since the last reading, from the kernel.
+
+    Counted at the receiving end (bytes received, each byte once, as TCP delivered it; bytes sent
+    count retransmissions too): what rank q received on its connection with rank r is what r sent
+    q. Connections whose other end is no rank count under "?": bytes a rank sent there, and, as
+    "from ?", bytes it received from there (a helper process relaying data)."""
+
+    def __init__(self, pids: dict[int, int]):
+        self.pids = dict(pids)  # rank -> pid as this process sees it
+        self.last: dict[int, tuple[int, int, int]] = {}  # socket inode -> (rank, sent, received) last time
+        self.last = self._read()
+        ends = {c.local for c in self.held}
+        talking = {self.last[c.inode][0] for c in self.held if c.peer in ends}
+        if talking != set(self.pids):  # the communicators made at start-up connect every rank
+            raise ValueError(f"ranks {sorted(set(self.pids) - talking)} hold no TCP connection: this MPI's ranks "
+                             "do not talk over TCP here, so their bytes cannot be counted")
+
+    def _read(self) -> dict[int, tuple[int, int, int]]:
+        owner: dict[int, int] = {}  # socket inode -> rank
+        for rank, pid in self.pids.items():
+            for inode in socket_inodes(pid):
+                owner.setdefault(inode, rank)
+        found = connections(next(iter(self.pids.values())))
+        self.held = [c for c in found.values() if c.inode in owner]
+        return {c.inode: (owner[c.inode], c.sent, c.received) for c in self.held}
+
+    def take(self) -> dict[str, dict[str, int]]:
+        """{rank: {peer rank, "?", "from ?", "closed" or "received": bytes}} since the last reading;
+        "closed" counts connections of the rank that went away in between (their last bytes were not
+        seen), "received" the bytes the other ranks sent it."""
+        now = self._read()
+        by_endpoint = {c.local: now[c.inode][0] for c in self.held}
+        sent: dict[str, dict[str, int]] = {str(r): {} for r in self.pids}
+
+        def add(rank: int, key: str, n: int) -> None:
+            if n > 0:
+                sent[str(rank)][key] = sent[str(rank)].get(key, 0) + n
+
+        for c in self.held:
+            _, was_sent, was_received = self.last.get(c.inode, (0, 0, 0))
+            other = by_endpoint.get(c.peer)
+            if other is None:
+                add(now[c.inode][0], "?", c.sent - was_sent)
+                add(now[c.inode][0], "from ?", c.received - was_received)
+            else:
+                add(other, str(now[c.inode][0]), c.received - was_received)
+        for inode in set(self.last) - set(now):
+            add(self.last[inode][0], "closed", 1)
+        for r in self.pids:  # what reached each rank from the other ranks
+            sent[str(r)]["received"] = sum(row.get(str(r), 0) for q, row in sent.items() if q != str(r))
+        self.last = now
+        return sent
+
+
+def release(job_dir: str, tag: str) -> None:
+    """Let the learner's ranks go on past the point `tag` (learner_job waits for this file)."""
+    from hpdl import safefiles
+
+    path = os.path.join(job_dir, f"metered-{tag}")
+    if not os.path.lexists(path):
+        safefiles.create_exclusive(path, b"")
