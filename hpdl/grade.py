@@ -448,6 +448,12 @@ def sandbox_header(caps: Caps, no_sandbox: bool = False) -> tuple[str, dict]:
     finally:
         probe.stop()
     text = sandbox.describe(st)
+    from hpdl.checker import meter
+
+    unmetered = meter.unavailable()
+    st["messages_counted"] = unmetered is None
+    text += ("; bytes sent by the ranks of exercises built from messages: counted by the kernel" if unmetered is None
+             else f"; bytes sent by the ranks of exercises built from messages: NOT counted ({unmetered})")
     if no_sandbox:
         text += "; graded with --no-sandbox"
     return text, st

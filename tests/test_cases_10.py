@@ -4,7 +4,8 @@ much memory), a pipe never filled, gradients not accumulated over micro-batches,
 losses unscaled or weighted 1/m when their sizes differ, chunk(m) where m does not divide the
 batch, a send/recv order that deadlocks (HANG, with the stuck rank and line), a stage that skips
 the backward send, the kit's own 1F1B order (refused), a tensor-parallel layer missing its
-all-reduce, an uneven split dropping columns.
+all-reduce, an uneven split dropping columns, a layer that gathers the whole weight first (seen in
+the bytes the kernel counted reaching each rank).
 
 That the solutions of solutions/10_model_parallelism.ipynb, as learners are shown them, earn
 full marks at 1–4 ranks (hidden cases included) is tested by running it in grade mode
@@ -233,6 +234,14 @@ def tp_whole_layer_here(comm, x, weight, bias, grad_y):
     return x @ weight.T + bias, grad_y @ weight, grad_y.T @ x, grad_y.sum(0)
 
 
+def tp_gathers_the_weight_first(comm, x, weight, bias, grad_y):
+    """Every rank's rows gathered, then the whole layer here: right values, and no tensor parallelism."""
+    lo, hi = rows_of(comm.Get_rank(), comm.Get_size(), weight.shape[0])
+    w = torch.cat([torch.from_numpy(a) for a in comm.allgather(weight[lo:hi].numpy())])
+    b = torch.cat([torch.from_numpy(a) for a in comm.allgather(bias[lo:hi].numpy())])
+    return x @ w.T + b, grad_y @ w, (grad_y.T @ x)[lo:hi], grad_y.sum(0)[lo:hi]
+
+
 def test_column_parallel_missing_allreduce_rejected(no_strays):
     rejected(hpdl.check("column_parallel_linear", tp_no_allreduce, ranks=[2]), "grad_x", "all-reduce")
 
@@ -242,6 +251,15 @@ def test_column_parallel_uneven_split_dropping_columns_rejected(no_strays):
     rejected(result, "tensor_split")
     even = [c for c in result.cases if c.params["out"] % 3 == 0]
     assert not even, "a case where 3 ranks split the outputs evenly would not tell the two splits apart"
+
+
+def test_column_parallel_that_gathers_the_weight_is_rejected_by_the_bytes_it_receives(no_strays):
+    """Right values on every case; the kernel's count of the bytes reaching each rank gives it away
+    where the weight outweighs the activations (the layer with 512 outputs)."""
+    result = hpdl.check("column_parallel_linear", tp_gathers_the_weight_first, ranks=[2])
+    wrong = [c for c in result.cases if c.verdict == "WRONG"]
+    assert [c.params["out"] for c in wrong] == [512], result
+    assert "received" in wrong[0].message and "weight" in (wrong[0].hint or ""), wrong[0]
 
 
 def test_column_parallel_whole_layer_on_one_rank_rejected(no_strays):

@@ -11,9 +11,9 @@ learner's kernel) or torch: both are only touched through the objects handed in.
 - compare(): a result against the expected one, with dtype-aware tolerances and plain words.
 - only_peers() / max_sends() / gather_calls() / broadcast_rounds(): the pattern of
   point-to-point messages (ring neighbours, a tree's fan-out and depth).
-- wire_agrees(): for a METERED module, the recorded calls against the bytes the kernel saw each
-  rank send (meter.py); run by the reference job after verify() on every such case.
-  received_at_least(): the bytes that reached a rank, at least what its result needs.
+- wire_agrees() / received_at_least() / received_at_most(): for a METERED module (meter.py), the
+  bytes the kernel saw each rank send against its recorded calls (exercises built from messages),
+  and what reached a rank against what its result needs, at least or at most.
 - same_on_all_ranks() / same_as_root(): parameters identical across ranks (after a DDP or
   Horovod step), or equal to the root's (initial parameters broadcast).
 - check_shards(): a distributed sampler's shards are disjoint, cover the data, equal length.
@@ -210,6 +210,18 @@ def received_at_least(ctx, nbytes: int, what: str) -> Wrong | None:
         return None
     return Wrong(f"rank {ctx.rank} received {got} bytes from the other ranks over the network, but {what} needs at "
                  f"least {nbytes}: the values reached it some other way than MPI messages", forged=True)
+
+
+def received_at_most(ctx, nbytes: int, what: str, hint: str | None = None) -> Wrong | None:
+    """WRONG when, by the kernel's count (ctx.wire), more than `nbytes` reached this rank from the other
+    ranks: more than `what` needs, so the algorithm moves something it should not (the weights, say)."""
+    if ctx.wire is None or ctx.size == 1:
+        return None
+    got = int(ctx.wire.get("received", 0))
+    if got <= nbytes:
+        return None
+    return Wrong(f"rank {ctx.rank} received {got} bytes from the other ranks over the network; {what} needs at most "
+                 f"about {nbytes}", hint=hint)
 
 
 def sends(calls) -> list[int]:

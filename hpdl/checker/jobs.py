@@ -123,7 +123,7 @@ class Job:
         self.meter_started = False
         self.meter_problem: str | None = None  # why the wire could not be read (METERED)
         if metered and wire_env is None:
-            self.meter_problem = "that needs ss and nsenter, and MPICH built with libfabric, Open MPI or Intel MPI"
+            self.meter_problem = meter.unavailable() or "this MPI's ranks cannot be put on TCP"
 
     # -- reading the ranks' reports (from the learner's side: untrusted, parsed defensively) -------
     def read(self) -> None:
@@ -245,10 +245,9 @@ def _wire_env() -> dict[str, str] | None:
     """The variables that put a METERED learner job's ranks on TCP, where this MPI can be metered."""
     from hpdl.launchers.mpiexec import mpiexec_implementation, mpiexec_version
 
-    try:
-        return meter.transport_env(mpiexec_implementation(), mpiexec_version())
-    except Exception:  # no local mpiexec (Cray MPICH: the job goes through srun): not metered
+    if meter.unavailable() is not None:  # e.g. no local mpiexec (Cray MPICH: the job goes through srun)
         return None
+    return meter.transport_env(mpiexec_implementation(), mpiexec_version())
 
 
 def _clean_stack(data: dict) -> dict:

@@ -46,6 +46,19 @@ def transport_env(implementation: str, version: str = "") -> dict[str, str] | No
     return dict(OVER_TCP[implementation])
 
 
+def unavailable() -> str | None:
+    """Why this node's checks cannot count what learner ranks send (None: they can), for a report."""
+    from hpdl.launchers.mpiexec import mpiexec_implementation, mpiexec_version
+
+    try:
+        which, version = mpiexec_implementation(), mpiexec_version()
+    except Exception as exc:  # no local mpiexec: the check's jobs go through the batch system
+        return f"no local mpiexec: {str(exc).splitlines()[0]}"
+    if transport_env(which, version) is None:
+        return f"that needs ss and nsenter, and MPICH built with libfabric, Open MPI or Intel MPI; here {which}"
+    return None
+
+
 def host_pid(sandbox_pid: int, candidates: list[int]) -> int | None:
     """The pid, as this process sees it, of the process that calls itself `sandbox_pid` in its own
     PID namespace (the kernel's NSpid line: the learner cannot change it)."""

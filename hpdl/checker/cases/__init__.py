@@ -35,11 +35,12 @@ and may define
                                              # each check draws a fresh nonce, and a learner's rank
                                              # gets its own inputs as data, never the nonce, so no
                                              # rank can work out another's without a message
-    METERED = True                           # the learner's ranks talk over TCP (MPICH) and the checker
-                                             # counts each rank's bytes to each rank from the kernel,
-                                             # outside the learner's process (meter.py): ctx.wire; the
-                                             # recorded calls must account for them (hooks.wire_agrees,
-                                             # run after verify()), or no case of the check counts
+    METERED = True                           # the learner's ranks talk over TCP and the checker counts
+                                             # each rank's bytes to each rank from the kernel, outside
+                                             # the learner's process (meter.py): ctx.wire, for verify()
+                                             # to use: hooks.wire_agrees (the recorded calls account for
+                                             # them, or no case of the check counts), received_at_least,
+                                             # received_at_most
 
 The learner's function runs in a job of its own (one process per rank, sandboxed where
 possible) that holds only inputs() and call() and what they use, cut from this module's source

@@ -74,7 +74,7 @@ def _lg(p: int) -> int:
 
 def verify(case, ctx):
     everyone = hooks.gather_calls(ctx)  # collective: first, on every rank
-    wrong = hooks.compare(ctx.got, ctx.expected) or hooks.max_sends(
+    wrong = hooks.wire_agrees(ctx) or hooks.compare(ctx.got, ctx.expected) or hooks.max_sends(
         ctx, _lg(ctx.size), "in a binomial tree no rank sends more than ⌈lg p⌉ messages; sending from the root to "
                             "every rank is a linear broadcast")
     if wrong is not None or ctx.rank != case.params["root"]:  # every other rank: the root's array reached it

@@ -26,6 +26,7 @@ from hpdl.checker.cases import Case, Wrong, nonce_seed
 SIGNATURE = "column_parallel_linear(comm, x, weight, bias, grad_y) -> (y, grad_x, grad_weight, grad_bias)"
 RANKS = (1, 2, 3, 4)
 PRIVATE_INPUTS = True  # each rank gets its own rows as data: with the check's nonce no rank can draw the others'
+METERED = True  # the bytes that reach each rank are counted by the kernel (meter.py): gathered weights show
 TIMEOUT = 30.0  # the first case of a job pays for importing torch
 
 
@@ -38,6 +39,8 @@ def cases(size):
         Case("Linear(4, 10), batch 2", {"batch": 2, "fan_in": 4, "out": 10, "seed": 3}, slow_factor=slow),
         Case("Linear(3, 3), batch 5: fewer outputs than ranks", {"batch": 5, "fan_in": 3, "out": 3, "seed": 4},
              hidden=True, slow_factor=slow),
+        Case("Linear(64, 512), batch 2: far more weight than activations",
+             {"batch": 2, "fan_in": 64, "out": 512, "seed": 5}, slow_factor=slow),
     ]
 
 
@@ -125,7 +128,19 @@ def verify(case, ctx):
         w = hooks.compare(g, e, what=f"rank {ctx.rank}'s {name}", rtol=1e-4, atol=1e-5)
         if w is not None:
             return w
-    return None
+    return hooks.received_at_most(
+        ctx, wire_budget(case.params, ctx.size), "a column-parallel layer (the other ranks' columns of y, and grad_x "
+        "all-reduced)", hint="each rank keeps its own rows of the weight: gather the outputs (y) and all-reduce "
+                             "grad_x, never the weight itself, which is what tensor parallelism keeps apart.")
+
+
+def wire_budget(params: dict, size: int) -> int:
+    """Bytes a rank may receive in this case, with room: the other ranks' columns of y (float32, any
+    allgather, pickled or not), grad_x all-reduced by any algorithm (⌈lg p⌉ rounds of the whole), and
+    MPI's own messages. Gathering the weight instead moves (p-1)/p of out × fan_in floats."""
+    batch, fan_in, out = params["batch"], params["fan_in"], params["out"]
+    rounds = max(1, (size - 1).bit_length())
+    return 2 * batch * out * 4 + 4 * rounds * batch * fan_in * 4 + 4096 * (size - 1) + hooks.WIRE_SLACK
 
 
 def diagnose(case, ctx):

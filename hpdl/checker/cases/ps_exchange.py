@@ -69,7 +69,7 @@ def verify(case, ctx):
         pattern = hooks.only_peers(ctx, workers | {0}, "the server talks to its workers")
     else:
         pattern = hooks.only_peers(ctx, {0}, "in a parameter server, workers talk only to the server (rank 0)")
-    return hooks.compare(ctx.got, ctx.expected, what="the new parameters") or pattern
+    return hooks.wire_agrees(ctx) or hooks.compare(ctx.got, ctx.expected, what="the new parameters") or pattern
 
 
 def diagnose(case, ctx):

@@ -64,7 +64,7 @@ def verify(case, ctx):
     p = ctx.size
     p2 = 1 << (p.bit_length() - 1)
     limit = p2.bit_length() - 1 + (1 if p != p2 else 0)
-    return hooks.compare(ctx.got, ctx.expected) or hooks.max_sends(
+    return hooks.wire_agrees(ctx) or hooks.compare(ctx.got, ctx.expected) or hooks.max_sends(
         ctx, limit, "recursive doubling needs one exchange per round (lg p rounds, one more for ranks folded in)"
     ) or received_enough(ctx)
 
