@@ -22,8 +22,9 @@ Classes of attack, each on real ranks (fixtures/evidence_attacks.py):
   byte counters of their connections (checker/meter.py); a rank whose bytes on the wire to any rank
   are not what its recorded calls account for scores nothing in that check, nor do calls that move
   nothing (probes, receives never matched, communicators) buy room for hidden bytes past a cap.
-- values moved outside MPI (files every rank of the job can read): the kernel's count of what reached
-  each rank is below what its result needs; such a check scores nothing.
+- values moved outside MPI (files every rank of the job can read), or worked out without a message (the
+  parameter server's gradients drawn again from their seeds): the kernel's count of what reached each
+  rank is below what its result needs; such a check scores nothing.
 Tests too weak: on one rank `return x` is right (those cases now run for no points); a shuffle
 seeded by the epoch alone passed (epoch 0 is now also asked with another seed); one tiny
 all-reduce from a hook counted as overlap (values all-reduced during backward are now counted);
@@ -134,6 +135,12 @@ def test_values_passed_through_files_the_ranks_share_score_nothing(exercise, fn,
     result = hpdl.check(exercise, fn, ranks=[2, 3])
     no_points(result)
     assert {c.rejected for c in result.cases if c.ranks > 1} == {FORGED}
+
+
+def test_a_parameter_server_step_taken_from_the_seeds_without_a_message_scores_nothing(no_strays):
+    result = hpdl.check("ps_exchange", E.ps_from_the_seed, ranks=[2, 3])
+    no_points(result)
+    assert {c.rejected for c in result.cases} == {FORGED}
 
 
 def test_where_ranks_do_not_talk_over_tcp_the_check_says_so_and_decides_on_the_recorder(monkeypatch, no_strays):

@@ -69,7 +69,10 @@ def verify(case, ctx):
         pattern = hooks.only_peers(ctx, workers | {0}, "the server talks to its workers")
     else:
         pattern = hooks.only_peers(ctx, {0}, "in a parameter server, workers talk only to the server (rank 0)")
-    return hooks.wire_agrees(ctx) or hooks.compare(ctx.got, ctx.expected, what="the new parameters") or pattern
+    # the server's step needs every worker's gradient, a worker's result the server's parameters: as messages
+    need = (ctx.size - 1) * ctx.expected.nbytes if ctx.rank == 0 else ctx.expected.nbytes
+    return (hooks.wire_agrees(ctx) or hooks.compare(ctx.got, ctx.expected, what="the new parameters") or pattern
+            or hooks.received_at_least(ctx, need, "the workers' gradients" if ctx.rank == 0 else "the new parameters"))
 
 
 def diagnose(case, ctx):
