@@ -199,14 +199,17 @@ def wire_agrees(ctx) -> Wrong | None:
     return None
 
 
+def _received(ctx) -> int | None:
+    """Bytes the other ranks sent this rank in this case, by the kernel's count; None where not read."""
+    return None if ctx.wire is None or ctx.size == 1 else int(ctx.wire.get("received", 0))
+
+
 def received_at_least(ctx, nbytes: int, what: str) -> Wrong | None:
     """WRONG (forged) when, by the kernel's count (ctx.wire), fewer than `nbytes` reached this rank from
     the other ranks: the values it returned came some other way than MPI messages (files the ranks
     share, say). Nothing to say where the wire was not read."""
-    if ctx.wire is None or ctx.size == 1 or nbytes <= 0:
-        return None
-    got = int(ctx.wire.get("received", 0))
-    if got >= nbytes:
+    got = _received(ctx)
+    if got is None or got >= nbytes:
         return None
     return Wrong(f"rank {ctx.rank} received {got} bytes from the other ranks over the network, but {what} needs at "
                  f"least {nbytes}: the values reached it some other way than MPI messages", forged=True)
@@ -215,10 +218,8 @@ def received_at_least(ctx, nbytes: int, what: str) -> Wrong | None:
 def received_at_most(ctx, nbytes: int, what: str, hint: str | None = None) -> Wrong | None:
     """WRONG when, by the kernel's count (ctx.wire), more than `nbytes` reached this rank from the other
     ranks: more than `what` needs, so the algorithm moves something it should not (the weights, say)."""
-    if ctx.wire is None or ctx.size == 1:
-        return None
-    got = int(ctx.wire.get("received", 0))
-    if got <= nbytes:
+    got = _received(ctx)
+    if got is None or got <= nbytes:
         return None
     return Wrong(f"rank {ctx.rank} received {got} bytes from the other ranks over the network; {what} needs at most "
                  f"about {nbytes}", hint=hint)

@@ -79,7 +79,7 @@ class Job:
         self.sandboxed = sandboxed
         slack = verify_timeout(spec) if kind == "reference" else 30
         metered = kind == "learner" and spec.get("metered") and size > 1
-        wire_env = _wire_env() if metered else None
+        wire_env, unmetered = meter.node_transport() if metered else (None, None)
         self.meter: meter.Meter | None = None  # the learner's bytes on the wire, once its ranks are ready
         self.spec = dict(spec, size=size, metered=wire_env is not None, client_pid=0 if sandboxed else os.getpid(),
                          lifetime=START_TIMEOUT + sum(p.timeout for p in todo) + slack * len(todo) + 30,
@@ -120,10 +120,7 @@ class Job:
         self.must_stop = False
         self.hung = False
         self.host_pids: dict[int, int] = {}  # rank -> its pid as this process sees it (METERED)
-        self.meter_started = False
-        self.meter_problem: str | None = None  # why the wire could not be read (METERED)
-        if metered and wire_env is None:
-            self.meter_problem = meter.unavailable() or "this MPI's ranks cannot be put on TCP"
+        self.meter_problem = unmetered  # why the wire could not be read (METERED)
 
     # -- reading the ranks' reports (from the learner's side: untrusted, parsed defensively) -------
     def read(self) -> None:
@@ -204,9 +201,9 @@ class Job:
         """METERED: every rank is ready and waiting; read the wire's counters, then let them go on.
         Where they cannot be read (a rank's process not found, no ss), the check decides on the
         recorder alone, as for an MPI the kit does not meter."""
-        if not self.spec.get("metered") or self.meter_started or len(self.ready) < self.size:
+        started = self.meter is not None or self.meter_problem is not None
+        if not self.spec.get("metered") or started or len(self.ready) < self.size:
             return
-        self.meter_started = True
         self.meter_problem = "a rank's process was not found" if len(self.host_pids) < self.size else None
         if self.meter_problem is None:
             try:
@@ -239,15 +236,6 @@ def _job_env(job_dir: str) -> dict[str, str]:
     env.update({settings.CHECK_JOB.name: job_dir}, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}")
     return env
-
-
-def _wire_env() -> dict[str, str] | None:
-    """The variables that put a METERED learner job's ranks on TCP, where this MPI can be metered."""
-    from hpdl.launchers.mpiexec import mpiexec_implementation, mpiexec_version
-
-    if meter.unavailable() is not None:  # e.g. no local mpiexec (Cray MPICH: the job goes through srun)
-        return None
-    return meter.transport_env(mpiexec_implementation(), mpiexec_version())
 
 
 def _clean_stack(data: dict) -> dict:

@@ -169,7 +169,7 @@ class LearnerJob(RankJob):
         code = spec["code"]
         module = load_public(spec["public"])
         funcs = strip_module(module)
-        recording.install({**KIT_ANSWERS, **(spec.get("forbidden") or {})})
+        recording.install({**KIT_ANSWERS, **(spec.get("forbidden") or {})}, sized=bool(spec.get("metered")))
         refuse_kit_answers(KIT_ANSWERS)
         self.private = self.take_private_inputs() if spec.get("private") else None
         # METERED (meter.py): a communicator per case made now, so their set-up traffic is not counted as

@@ -46,17 +46,24 @@ def transport_env(implementation: str, version: str = "") -> dict[str, str] | No
     return dict(OVER_TCP[implementation])
 
 
-def unavailable() -> str | None:
-    """Why this node's checks cannot count what learner ranks send (None: they can), for a report."""
+def node_transport() -> tuple[dict[str, str] | None, str | None]:
+    """This node's check jobs: the variables that put a learner job's ranks on TCP, or None and why
+    not (for a check's note and the grading report)."""
     from hpdl.launchers.mpiexec import mpiexec_implementation, mpiexec_version
 
     try:
         which, version = mpiexec_implementation(), mpiexec_version()
-    except Exception as exc:  # no local mpiexec: the check's jobs go through the batch system
-        return f"no local mpiexec: {str(exc).splitlines()[0]}"
-    if transport_env(which, version) is None:
-        return f"that needs ss and nsenter, and MPICH built with libfabric, Open MPI or Intel MPI; here {which}"
-    return None
+    except Exception as exc:  # no local mpiexec (Cray MPICH): the check's jobs go through the batch system
+        return None, f"no local mpiexec: {str(exc).splitlines()[0]}"
+    env = transport_env(which, version)
+    if env is None:
+        return None, f"that needs ss and nsenter, and MPICH built with libfabric, Open MPI or Intel MPI; here {which}"
+    return env, None
+
+
+def unavailable() -> str | None:
+    """Why this node's checks cannot count what learner ranks send (None: they can), for a report."""
+    return node_transport()[1]
 
 
 def host_pid(sandbox_pid: int, candidates: list[int]) -> int | None:
@@ -148,8 +155,7 @@ class Meter:
 
     def __init__(self, pids: dict[int, int]):
         self.pids = dict(pids)  # rank -> pid as this process sees it
-        self.last: dict[int, tuple[int, int, int]] = {}  # socket inode -> (rank, sent, received) last time
-        self.last = self._read()
+        self.last = self._read()  # socket inode -> (rank, sent, received) at the last reading
         ends = {c.local for c in self.held}
         talking = {self.last[c.inode][0] for c in self.held if c.peer in ends}
         if talking != set(self.pids):  # the communicators made at start-up connect every rank

@@ -51,6 +51,7 @@ class _Recorder:
         self.rejected: list[str] = []
         self.current: str | None = None  # the call the learner is inside, for hang reports
         self.installed = False
+        self.sized = False  # note each send's bytes (METERED checks compare them with the wire)
         self.torch_hooked = False
         self._paused = threading.local()
 
@@ -188,7 +189,8 @@ def _wrap(cls_name: str, name: str, base):
             return base(self, *args, **kwargs)
         dest, source = _peer(args, kwargs, dpos, "dest"), _peer(args, kwargs, spos, "source")
         buf = args[0] if args else kwargs.get("buf", kwargs.get("obj", kwargs.get("sendbuf")))
-        count, nbytes = (_count(buf), _nbytes(name, buf)) if dest is not None else (None, None)
+        count = _count(buf) if dest is not None else None
+        nbytes = _nbytes(name, buf) if dest is not None and recorder.sized else None
         recorder.note(name, *_in_world(self, dest, source), count, nbytes=nbytes)
         peer = f" to rank {dest}" if dest is not None else ""
         peer += f" from rank {source}" if source is not None else ""
@@ -332,8 +334,10 @@ class _TorchHook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             sys.meta_path.remove(self)
 
 
-def install(forbidden: dict[str, str]) -> None:
-    """Once per learner process, before the learner's code is unpacked."""
+def install(forbidden: dict[str, str], sized: bool = False) -> None:
+    """Once per learner process, before the learner's code is unpacked. `sized`: note each send's
+    bytes too (a METERED check compares them with what the kernel saw)."""
+    recorder.sized = sized
     if recorder.installed:
         recorder.reset(forbidden)
         return

@@ -92,7 +92,7 @@ class ReferenceJob(RankJob):
         if any(unreadable):
             return {"status": "unverified", "reference_seconds": ref_s}
         learner_s = float(go.get("seconds", {}).get(str(self.rank), 0.0) or 0.0)
-        wire = (go.get("wire") or {}).get(str(self.rank)) if isinstance(go.get("wire"), dict) else None
+        wire = go["wire"].get(str(self.rank)) if isinstance(go.get("wire"), dict) else None
         ctx = Context(case, self.rank, self.size, args, got, expected, calls, self.world, learner_s, ref_s, wire)
         try:
             verify = getattr(module, "verify", None)
