@@ -24,7 +24,8 @@ Classes of attack, each on real ranks (fixtures/evidence_attacks.py):
   nothing (probes, receives never matched, communicators) buy room for hidden bytes past a cap.
 - values moved outside MPI (files every rank of the job can read), or worked out without a message (the
   parameter server's gradients drawn again from their seeds): the kernel's count of what reached each
-  rank is below what its result needs; such a check scores nothing.
+  rank is below what its result needs; such a check scores nothing. So too for the gradients of the
+  data-parallel exercises and the shards of the ZeRO ones, now drawn with the check's nonce.
 Tests too weak: on one rank `return x` is right (those cases now run for no points); a shuffle
 seeded by the epoch alone passed (epoch 0 is now also asked with another seed); one tiny
 all-reduce from a hook counted as overlap (values all-reduced during backward are now counted);
@@ -135,6 +136,20 @@ def test_values_passed_through_files_the_ranks_share_score_nothing(exercise, fn,
     result = hpdl.check(exercise, fn, ranks=[2, 3])
     no_points(result)
     assert {c.rejected for c in result.cases if c.ranks > 1} == {FORGED}
+
+
+@pytest.mark.parametrize("exercise, fn", [("average_gradients", E.average_through_files),
+                                          ("allreduce_gradients", E.allreduce_gradients_through_files),
+                                          ("zero1_step", E.zero1_through_files),
+                                          ("zero3_unit", E.zero3_through_files),
+                                          ("overlap_allreduce", E.overlap_through_files_recorded_as_overlap)])
+def test_gradients_and_shards_passed_through_files_score_nothing(exercise, fn, no_strays):
+    """Data parallelism and sharding without the data moving: right values (the all-reduce exercise's
+    count of one satisfied by one all-reduce of one number), and the kernel saw too little reach each rank."""
+    result = hpdl.check(exercise, fn, ranks=[3])
+    no_points(result)
+    assert {c.rejected for c in result.cases} == {FORGED}, result
+    assert any("some other way than messages between the ranks" in c.message for c in result.cases), result
 
 
 def test_a_parameter_server_step_taken_from_the_seeds_without_a_message_scores_nothing(no_strays):

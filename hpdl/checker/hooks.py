@@ -206,13 +206,13 @@ def _received(ctx) -> int | None:
 
 def received_at_least(ctx, nbytes: int, what: str) -> Wrong | None:
     """WRONG (forged) when, by the kernel's count (ctx.wire), fewer than `nbytes` reached this rank from
-    the other ranks: the values it returned came some other way than MPI messages (files the ranks
+    the other ranks: the values it returned came some other way than messages between the ranks (files the ranks
     share, say). Nothing to say where the wire was not read."""
     got = _received(ctx)
     if got is None or got >= nbytes:
         return None
     return Wrong(f"rank {ctx.rank} received {got} bytes from the other ranks over the network, but {what} needs at "
-                 f"least {nbytes}: the values reached it some other way than MPI messages", forged=True)
+                 f"least {nbytes}: the values reached it some other way than messages between the ranks", forged=True)
 
 
 def received_at_most(ctx, nbytes: int, what: str, hint: str | None = None) -> Wrong | None:

@@ -106,13 +106,13 @@ class ReferenceJob(RankJob):
         if not isinstance(wrong, Wrong):
             wrong = Wrong(str(wrong))
         hint = wrong.hint
-        if hint is None and hasattr(module, "diagnose"):
+        forged = bool(getattr(wrong, "forged", False))  # right values that came some other way: no hint about them
+        if hint is None and not forged and hasattr(module, "diagnose"):
             try:
                 hint = module.diagnose(case, ctx)
             except Exception:
                 hint = None
-        result.update(status="wrong", message=wrong.message, hint=hint, max_error=wrong.max_error,
-                      forged=bool(getattr(wrong, "forged", False)))
+        result.update(status="wrong", message=wrong.message, hint=hint, max_error=wrong.max_error, forged=forged)
         return result
 
 

@@ -7,16 +7,21 @@
 Each rank holds the same model and a different batch; `call()` runs forward and backward, then
 the learner's function, and reads back every p.grad. Checked: the gradients equal the average
 over the ranks (so the optimizer step is the same everywhere), and exactly one all-reduce was
-launched, however many tensors the model has.
+launched, however many tensors the model has. Each rank's batch is drawn with the check's nonce
+and the kernel counts what reaches each rank: an average of gradients read from files the ranks
+share, with one tiny all-reduce for the count, scores nothing.
 """
 from __future__ import annotations
 
-from hpdl.checker.cases import Case, Wrong
+from hpdl.checker import hooks
+from hpdl.checker.cases import Case, Wrong, nonce_seed
 from hpdl.checker.cases import _dp
 
 SIGNATURE = "allreduce_gradients(comm, model) -> None   # p.grad := average over ranks, one all-reduce"
 RANKS = (1, 2, 3)
 TIMEOUT = 30.0  # the first case of a job pays for importing torch and joining the process group
+PRIVATE_INPUTS = True  # each rank gets its own batch as data: no rank can draw the others'
+METERED = True  # the bytes that reach each rank are counted by the kernel (meter.py): an average needs them
 
 _MODELS = {
     "mlp": (64, 32, 10),
@@ -35,11 +40,15 @@ def cases(size):
 
 
 def inputs(case, rank, size):
-    """The same model on every rank (seed fixed), a different batch on each."""
+    """The model's name and seed (the same model on every rank), and this rank's own batch, as data."""
     widths = _MODELS[case.params["model"]]
-    model = _dp.mlp(widths, seed=case.params["seed"])
-    x, y = _dp.batch(case.params["batch"], widths[0], widths[-1], seed=1000 * case.params["seed"] + rank)
-    return model, x, y
+    mine = {**case.params, "seed": 1000 * case.params["seed"] + rank}
+    x, y = _dp.batch(case.params["batch"], widths[0], widths[-1], seed=nonce_seed(mine))
+    return case.params["model"], case.params["seed"], x, y
+
+
+def _model(name, seed):
+    return _dp.mlp(_MODELS[name], seed=seed)
 
 
 def _backward(model, x, y):
@@ -51,7 +60,8 @@ def _backward(model, x, y):
 
 def call(fn, comm, args):
     _dp.ensure_process_group()
-    model, x, y = args
+    name, seed, x, y = args
+    model = _model(name, seed)
     _backward(model, x, y)
     own = _dp.grads(model)
     before = _dp.launches()
@@ -60,10 +70,11 @@ def call(fn, comm, args):
             "returned": type(returned).__name__}
 
 
-def reference(comm, model, x, y):
+def reference(comm, name, seed, x, y):
     from mpi4py import MPI
 
     _dp.ensure_process_group()
+    model = _model(name, seed)
     _backward(model, x, y)
     own = _dp.grads(model)
     flat = __import__("numpy").concatenate([g.ravel() for g in own])
@@ -91,7 +102,8 @@ def verify(case, ctx):
     if size > 1 and n == 0:
         return Wrong("the gradients are right but no all-reduce was seen",
                      hint="use dist.all_reduce(flat) or comm.Allreduce(MPI.IN_PLACE, flat.numpy()) on one flat buffer.")
-    return None
+    nbytes = 4 * sum(g.size for g in expected["own"])
+    return hooks.received_at_least(ctx, nbytes * (size - 1) // size, "an average of every rank's gradients")
 
 
 def diagnose(case, ctx):

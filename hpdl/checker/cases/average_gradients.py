@@ -3,6 +3,8 @@
 What a data-parallel step does after backward(): every rank holds its own gradients; after
 an Allreduce (sum) and a division by the number of ranks, every rank holds the average.
 Using MPI's Allreduce is the point here; returning the same list updated in place is fine.
+Each rank's gradients are drawn with the check's nonce, and the kernel counts what reaches each
+rank: an average read from files the ranks share, or from gradients drawn again, scores nothing.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from hpdl.checker.cases import Case
 SIGNATURE = "average_gradients(comm, grads: list[np.ndarray]) -> list[np.ndarray]"
 RANKS = (1, 2, 3, 4)
 TIMEOUT = 5.0
+PRIVATE_INPUTS = True  # each rank gets its own gradients as data: no rank can draw the others'
+METERED = True  # the bytes that reach each rank are counted by the kernel (meter.py): an average needs them
 
 _SHAPES = {
     "small model": ([(4, 3), (3,), (2, 2, 2)], "float32"),
@@ -34,7 +38,7 @@ def cases(size: int) -> list[Case]:
 
 def inputs(case, rank: int, size: int) -> tuple:
     shapes, dtype = _SHAPES[case.params["shapes"]]
-    rng = np.random.default_rng(100 * case.params["seed"] + rank)
+    rng = np.random.default_rng([case.params.get("nonce", 0), 100 * case.params["seed"] + rank])
     return ([rng.standard_normal(s).astype(dtype) for s in shapes],)
 
 
@@ -49,7 +53,12 @@ def reference(comm, grads):
 
 
 def verify(case, ctx):
-    return hooks.compare(ctx.got, ctx.expected, what="gradients")
+    wrong = hooks.compare(ctx.got, ctx.expected, what="gradients")
+    if wrong is not None:
+        return wrong
+    nbytes = sum(np.asarray(g).nbytes for g in ctx.args[0])
+    return hooks.received_at_least(ctx, nbytes * (ctx.size - 1) // ctx.size,
+                                   "an average of every rank's gradients")
 
 
 def diagnose(case, ctx) -> str | None:

@@ -12,16 +12,21 @@ on different data per rank (zero_grad, backward, finish(), SGD step), counting a
 launched during backward and in total. Checked: parameters broadcast at the start; after
 every finish() the gradients are the average over ranks; parameters identical everywhere; all
 buckets but at most one all-reduced while backward ran (counted in values, not calls); no more
-all-reduces than buckets.
+all-reduces than buckets. Each rank's initial parameters and batches are drawn with the check's
+nonce, and the kernel counts what reaches each rank: gradients averaged through files the ranks
+share, behind a recording changed to show all-reduces during backward, score nothing.
 """
 from __future__ import annotations
 
-from hpdl.checker.cases import Case, Wrong
+from hpdl.checker import hooks
+from hpdl.checker.cases import Case, Wrong, nonce_seed
 from hpdl.checker.cases import _dp
 
 SIGNATURE = "overlap_allreduce(comm, model, bucket_mb) -> finish   # finish() after each backward"
 RANKS = (1, 2, 3)
 TIMEOUT = 30.0
+PRIVATE_INPUTS = True  # each rank gets its own initial parameters and batches as data: no rank can draw the others'
+METERED = True  # the bytes that reach each rank are counted by the kernel (meter.py): averages need them
 WIDTHS = (64, 48, 32, 24, 16, 10)  # 10 tensors, 24 KiB of gradients
 STEPS = 3
 LR = 0.1
@@ -38,11 +43,26 @@ def cases(size):
 
 
 def inputs(case, rank, size):
-    """A model initialised differently on every rank, and this rank's own batches."""
+    """This rank's own initial parameters (they differ on every rank) and batches, as data."""
+    def seeded(seed):
+        return nonce_seed({**case.params, "seed": seed})
+
     seed = case.params["seed"]
-    model = _dp.mlp(WIDTHS, seed=100 * seed + rank)
-    batches = [_dp.batch(6, WIDTHS[0], WIDTHS[-1], seed=10_000 * seed + 100 * step + rank) for step in range(STEPS)]
-    return model, case.params["bucket_mb"], batches
+    model = _dp.mlp(WIDTHS, seed=seeded(100 * seed + rank))
+    batches = [_dp.batch(6, WIDTHS[0], WIDTHS[-1], seed=seeded(10_000 * seed + 100 * step + rank))
+               for step in range(STEPS)]
+    return [p.detach().clone() for p in model.parameters()], case.params["bucket_mb"], batches
+
+
+def _model(state):
+    """The MLP with these parameters."""
+    import torch
+
+    model = _dp.mlp(WIDTHS, seed=0)
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), state):
+            p.copy_(torch.as_tensor(value))
+    return model
 
 
 def buckets_of(params, bucket_mb: float) -> list[list]:
@@ -125,11 +145,13 @@ def _train(build, comm, model, bucket_mb, batches) -> dict:
 
 def call(fn, comm, args):
     _dp.ensure_process_group()
-    return _train(fn, comm, *args)
+    state, bucket_mb, batches = args
+    return _train(fn, comm, _model(state), bucket_mb, batches)
 
 
-def reference(comm, model, bucket_mb, batches):
+def reference(comm, state, bucket_mb, batches):
     _dp.ensure_process_group()
+    model = _model(state)
     out = _train(model_solution, comm, model, bucket_mb, batches)
     buckets = buckets_of(model.parameters(), bucket_mb)
     out["buckets"] = len(buckets)
@@ -181,7 +203,8 @@ def verify(case, ctx):
         return Wrong(f"{most} all-reduces in a step where buckets of ≤ {case.params['bucket_mb']:g} MiB give {buckets}",
                      hint="pack the gradients of a bucket into one flat buffer (torch.cat) and all-reduce that once, "
                           "instead of one all-reduce per tensor.")
-    return None
+    averaged = STEPS * 4 * expected["gradient_values"]
+    return hooks.received_at_least(ctx, averaged * (size - 1) // size, f"the average gradient of {STEPS} steps")
 
 
 def _overlapped(got, expected) -> Wrong | None:

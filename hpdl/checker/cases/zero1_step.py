@@ -13,19 +13,23 @@
 Compared on every rank, 1–4 ranks, with SGD with momentum run on the whole model on one device,
 sizes divisible and not divisible by the rank count, and fewer elements than ranks. The momentum
 outside a rank's shard is NaN, so a rank that updates the whole model shows; so does a shard cut
-differently, or weights that were never gathered.
+differently, or weights that were never gathered. Every rank's gradient and shard are drawn with
+the check's nonce, and the kernel counts what reaches each rank (the others' updated shards at
+least): a step taken from gradients shared through files, or drawn again, scores nothing.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from hpdl.checker import hooks
-from hpdl.checker.cases import Case, Wrong
+from hpdl.checker.cases import Case, Wrong, nonce_seed
 from hpdl.checker.cases.column_parallel_linear import rows_of as shard_of  # tensor_split's cut
 
 SIGNATURE = "zero1_step(comm, params, grad, momentum, lr, beta) -> (params, momentum)"
 RANKS = (1, 2, 3, 4)
 TIMEOUT = 30.0  # the first case of a job pays for importing torch
+PRIVATE_INPUTS = True  # each rank gets its own gradient and shard as data: no rank can draw the others'
+METERED = True  # the bytes that reach each rank are counted by the kernel (meter.py): the others' shards need them
 
 
 def cases(size):
@@ -43,7 +47,7 @@ def _problem(params, size):
     """The whole problem, the same on every rank: weights, every rank's gradient, the momentum."""
     import torch
 
-    g = torch.Generator().manual_seed(params["seed"])
+    g = torch.Generator().manual_seed(nonce_seed(params))
     n = params["n"]
     weights = torch.randn(n, generator=g)
     grads = torch.randn(size, n, generator=g)
@@ -107,7 +111,9 @@ def verify(case, ctx):
         w = hooks.compare(g, e, what=f"rank {ctx.rank}'s {name}", rtol=1e-5, atol=1e-6)
         if w is not None:
             return w
-    return None
+    n = case.params["n"]
+    lo, hi = shard_of(ctx.rank, ctx.size, n)
+    return hooks.received_at_least(ctx, (n - (hi - lo)) * 4, "the other ranks' updated shards")
 
 
 def diagnose(case, ctx):

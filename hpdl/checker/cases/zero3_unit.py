@@ -14,18 +14,22 @@ Compared on every rank, 1–4 ranks, with the layers run on one device. While th
 function runs, what it holds is followed (the torch tensors it makes, through weak references,
 and what Python and numpy allocate, through tracemalloc; sampled at every torch operation and
 every MPI call): a rank that keeps the gathered layers alive holds the whole model and is
-rejected, whatever its output.
+rejected, whatever its output. The layers are drawn with the check's nonce, and the kernel counts
+what reaches each rank (the other ranks' shards of every layer at least): layers drawn again, or
+shards read from files the ranks share, score nothing.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from hpdl.checker import hooks
-from hpdl.checker.cases import Case, Wrong
+from hpdl.checker.cases import Case, Wrong, nonce_seed
 
 SIGNATURE = "zero3_unit(comm, shards, shapes, x) -> y"
 RANKS = (1, 2, 3, 4)
 TIMEOUT = 30.0  # the first case of a job pays for importing torch
+PRIVATE_INPUTS = True  # each rank gets its own shards as data: no rank can draw the whole layers
+METERED = True  # the bytes that reach each rank are counted by the kernel (meter.py): gathered layers need them
 MEASURED_FROM = 64 * 1024   # layers of at least this many bytes: their memory is checked
 # layers' worth of bytes a rank may hold at once: the layer in use, the next one (prefetched), and
 # room for index bookkeeping (torch.arange(n) for tensor_split's counts is int64: two layers' worth)
@@ -48,7 +52,7 @@ def cases(size):
 def _layers(params):
     import torch
 
-    g = torch.Generator().manual_seed(params["seed"])
+    g = torch.Generator().manual_seed(nonce_seed(params))
     widths = params["widths"]
     layers = [(torch.randn(o, i, generator=g) / i ** 0.5, torch.randn(o, generator=g) * 0.1)
               for i, o in zip(widths[:-1], widths[1:])]
@@ -193,7 +197,9 @@ def verify(case, ctx):
                      f"worth ({layer / 2**10:.0f} KiB each, {len(widths) - 1} layers): the gathered layers were never "
                      "freed", hint="drop the gathered layer (del it, and the views W and b taken from it) before "
                      "gathering the next one: ZeRO-3 holds one whole layer at a time, never the whole model.")
-    return None
+    shards, shapes, _ = ctx.args
+    others = sum(o * i + o - shard.numel() for shard, (o, i) in zip(shards, shapes))
+    return hooks.received_at_least(ctx, 4 * others, "every layer's shards held by the other ranks")
 
 
 def diagnose(case, ctx):
