@@ -26,7 +26,8 @@ Classes of attack, each on real ranks (fixtures/evidence_attacks.py):
   parameter server's gradients drawn again from their seeds): the kernel's count of what reached each
   rank is below what its result needs; such a check scores nothing. So too for the gradients of the
   data-parallel exercises and the shards of the ZeRO ones, now drawn with the check's nonce.
-Tests too weak: on one rank `return x` is right (those cases now run for no points); a shuffle
+Tests too weak: on one rank `return x` is right, as is leaving the gradients alone (those cases now run for
+no points); a shuffle
 seeded by the epoch alone passed (epoch 0 is now also asked with another seed); one tiny
 all-reduce from a hook counted as overlap (values all-reduced during backward are now counted);
 Reduce+Bcast was no all-reduce to the count (a Reduce now counts as one).
@@ -81,8 +82,12 @@ def test_the_tuning_file_is_judged_by_mpich_outside_the_learners_process(no_stra
     no_points(result)
 
 
-def test_returning_the_input_earns_nothing_on_one_rank_or_more(no_strays):
-    result = hpdl.check("ring_allreduce", E.returns_its_input, ranks=[1, 2])
+@pytest.mark.parametrize("exercise, fn", [("ring_allreduce", E.returns_its_input),
+                                          ("average_gradients", E.returns_its_input),
+                                          ("allreduce_gradients", E.leaves_the_gradients_alone),
+                                          ("overlap_allreduce", E.finish_does_nothing)])
+def test_returning_the_input_earns_nothing_on_one_rank_or_more(exercise, fn, no_strays):
+    result = hpdl.check(exercise, fn, ranks=[1, 2])
     assert result.score == 0 and result.max_score > 0, result
     assert {c.verdict for c in result.cases if c.ranks == 1} == {"PASS"}, result  # right there, for no points
 

@@ -182,6 +182,12 @@ def with_nonce(case: Case, nonce: int | None) -> Case:
     return Case(**{**case.to_dict(), "params": {**case.params, "nonce": nonce}})
 
 
+def one_rank_points(size: int) -> float:
+    """On one rank doing nothing is right (`return x`, gradients left as they are): the case still runs
+    (a function must work there), for no points."""
+    return 0.0 if size == 1 else 1.0
+
+
 def nonce_seed(params: dict) -> int:
     """A torch seed from the case's seed mixed with the check's nonce (PRIVATE_INPUTS), where the
     checker's side has one; the case's seed alone where it has none (a stripped kit's public cases)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpdl.checker import hooks
-from hpdl.checker.cases import Case, Wrong
+from hpdl.checker.cases import Case, Wrong, one_rank_points
 
 
 def sum_cases(size: int) -> list[Case]:
@@ -38,11 +38,6 @@ def sum_cases(size: int) -> list[Case]:
         cases.append(Case(f"n={n} {dtype} ({kind})", {"n": n, "dtype": dtype, "seed": seed, "uneven": n % p != 0,
                                                         "short": n < p}, hidden=hidden, points=one_rank_points(p)))
     return cases
-
-
-def one_rank_points(size: int) -> float:
-    """On one rank `return x` is right: the case still runs (a function must work there), for no points."""
-    return 0.0 if size == 1 else 1.0
 
 
 def vector(case: Case, rank: int) -> np.ndarray:

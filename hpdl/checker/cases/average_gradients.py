@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpdl.checker import hooks
-from hpdl.checker.cases import Case
+from hpdl.checker.cases import Case, one_rank_points
 
 SIGNATURE = "average_gradients(comm, grads: list[np.ndarray]) -> list[np.ndarray]"
 RANKS = (1, 2, 3, 4)
@@ -28,11 +28,12 @@ _SHAPES = {
 
 
 def cases(size: int) -> list[Case]:
+    points = one_rank_points(size)  # on one rank the gradients are their own average
     return [
-        Case("small model (3 float32 gradients)", {"shapes": "small model", "seed": 1}),
-        Case("one gradient of 100000 float32", {"shapes": "one large gradient", "seed": 2}),
-        Case("2 float64 gradients", {"shapes": "float64", "seed": 3}),
-        Case("12 float32 gradients", {"shapes": "many tensors", "seed": 4}, hidden=True),
+        Case("small model (3 float32 gradients)", {"shapes": "small model", "seed": 1}, points=points),
+        Case("one gradient of 100000 float32", {"shapes": "one large gradient", "seed": 2}, points=points),
+        Case("2 float64 gradients", {"shapes": "float64", "seed": 3}, points=points),
+        Case("12 float32 gradients", {"shapes": "many tensors", "seed": 4}, hidden=True, points=points),
     ]
 
 

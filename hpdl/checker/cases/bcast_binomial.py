@@ -10,8 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpdl.checker import hooks
-from hpdl.checker.cases import Case, Wrong
-from hpdl.checker.cases._sums import one_rank_points
+from hpdl.checker.cases import Case, Wrong, one_rank_points
 
 SIGNATURE = "bcast_binomial(comm, x: np.ndarray | None, root: int) -> np.ndarray"
 RANKS = (1, 2, 3, 4)

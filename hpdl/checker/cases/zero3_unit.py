@@ -199,7 +199,9 @@ def verify(case, ctx):
                      "gathering the next one: ZeRO-3 holds one whole layer at a time, never the whole model.")
     shards, shapes, _ = ctx.args
     others = sum(o * i + o - shard.numel() for shard, (o, i) in zip(shards, shapes))
-    return hooks.received_at_least(ctx, 4 * others, "every layer's shards held by the other ranks")
+    # 9/10 of it: an Allgatherv receives just that (plus headers), so the bound leaves room for counting slips;
+    # shards read from files leave a rank with MPI's own few hundred bytes
+    return hooks.received_at_least(ctx, 4 * others * 9 // 10, "every layer's shards held by the other ranks")
 
 
 def diagnose(case, ctx):
