@@ -189,9 +189,14 @@ def one_rank_points(size: int) -> float:
 
 
 def nonce_seed(params: dict) -> int:
-    """A torch seed from the case's seed mixed with the check's nonce (PRIVATE_INPUTS), where the
-    checker's side has one; the case's seed alone where it has none (a stripped kit's public cases)."""
-    return (params["seed"] * 1_000_003 + params.get("nonce", 0)) % 2**62
+    """A torch seed from the case's seed hashed with the check's nonce (PRIVATE_INPUTS), where the
+    checker's side has one; from the case's seed alone where it has none (a stripped kit's public cases).
+    Hashed, not added: torch's generator keeps only a seed's low 32 bits, so seeds a constant apart
+    would let a rank that found its own seed work out every other rank's."""
+    import hashlib
+
+    text = f"{params['seed']}:{params.get('nonce', 0)}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") % 2**62
 
 
 def path_of(name: str) -> Path:
