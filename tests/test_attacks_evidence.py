@@ -178,6 +178,7 @@ def test_where_ranks_do_not_talk_over_tcp_the_check_says_so_and_decides_on_the_r
     ("bcast_binomial", E.bcast_shape_first, [3, 4]),
     ("recursive_doubling", E.recursive_doubling_segmented, [3, 4]),
     ("ring_allreduce", E.ring_on_reversed_split, [4]),
+    ("average_gradients", E.average_with_allreduce, [2, 4]),
 ])
 def test_right_answers_pass(exercise, fn, ranks, no_strays):
     result = hpdl.check(exercise, fn, ranks=ranks)

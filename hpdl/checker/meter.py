@@ -27,7 +27,8 @@ from dataclasses import dataclass
 OVER_TCP = {
     "MPICH": {"MPICH_NOLOCAL": "1", "MPICH_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"},  # libfabric's tcp
     "Open MPI": {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "tcp,self", "OMPI_MCA_btl_tcp_if_include": "lo"},
-    "Intel MPI": {"I_MPI_FABRICS": "ofi", "FI_PROVIDER": "tcp"},
+    # and its collectives too: by default they share memory between a node's ranks whatever the fabric
+    "Intel MPI": {"I_MPI_FABRICS": "ofi", "FI_PROVIDER": "tcp", "I_MPI_COLL_INTRANODE": "pt2pt"},
 }
 SS_TIMEOUT = 10.0  # s
 NS_GET_USERNS = 0xB701  # ioctl on a namespace's file: a new descriptor of the user namespace that owns it
