@@ -215,6 +215,12 @@ def received_at_least(ctx, nbytes: int, what: str) -> Wrong | None:
                  f"least {nbytes}: the values reached it some other way than messages between the ranks", forged=True)
 
 
+def received_for_allreduce(ctx, nbytes: int, what: str) -> Wrong | None:
+    """received_at_least for an all-reduce of `nbytes` per rank: whatever the algorithm, a rank's result
+    needs the other ranks' share of it, (p-1)/p of the bytes, to reach it."""
+    return received_at_least(ctx, nbytes * (ctx.size - 1) // ctx.size, what)
+
+
 def received_at_most(ctx, nbytes: int, what: str, hint: str | None = None) -> Wrong | None:
     """WRONG when, by the kernel's count (ctx.wire), more than `nbytes` reached this rank from the other
     ranks: more than `what` needs, so the algorithm moves something it should not (the weights, say)."""

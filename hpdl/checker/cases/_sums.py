@@ -53,9 +53,8 @@ def vector(case: Case, rank: int) -> np.ndarray:
 def received_enough(ctx) -> Wrong | None:
     """An allreduce's result on a rank depends on every other rank's vector: at least (p-1)/p of the
     vector must reach it as messages (with ctx.wire, counted by the kernel; hooks.received_at_least)."""
-    n, itemsize = ctx.expected.size, ctx.expected.itemsize
-    need = (ctx.size - 1) * n // ctx.size * itemsize
-    return hooks.received_at_least(ctx, need, f"a sum of {n} elements over {ctx.size} ranks")
+    n = ctx.expected.size
+    return hooks.received_for_allreduce(ctx, ctx.expected.nbytes, f"a sum of {n} elements over {ctx.size} ranks")
 
 
 def chunk_bounds(n: int, p: int) -> list[int]:

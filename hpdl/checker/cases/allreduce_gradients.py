@@ -104,8 +104,8 @@ def verify(case, ctx):
     if size > 1 and n == 0:
         return Wrong("the gradients are right but no all-reduce was seen",
                      hint="use dist.all_reduce(flat) or comm.Allreduce(MPI.IN_PLACE, flat.numpy()) on one flat buffer.")
-    nbytes = 4 * sum(g.size for g in expected["own"])
-    return hooks.received_at_least(ctx, nbytes * (size - 1) // size, "an average of every rank's gradients")
+    nbytes = sum(g.nbytes for g in expected["own"])
+    return hooks.received_for_allreduce(ctx, nbytes, "an average of every rank's gradients")
 
 
 def diagnose(case, ctx):

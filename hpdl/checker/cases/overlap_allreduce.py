@@ -203,8 +203,8 @@ def verify(case, ctx):
         return Wrong(f"{most} all-reduces in a step where buckets of ≤ {case.params['bucket_mb']:g} MiB give {buckets}",
                      hint="pack the gradients of a bucket into one flat buffer (torch.cat) and all-reduce that once, "
                           "instead of one all-reduce per tensor.")
-    averaged = STEPS * 4 * expected["gradient_values"]
-    return hooks.received_at_least(ctx, averaged * (size - 1) // size, f"the average gradient of {STEPS} steps")
+    return hooks.received_for_allreduce(ctx, STEPS * 4 * expected["gradient_values"],
+                                        f"the average gradient of {STEPS} steps")
 
 
 def _overlapped(got, expected) -> Wrong | None:
