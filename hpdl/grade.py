@@ -454,9 +454,26 @@ def sandbox_header(caps: Caps, no_sandbox: bool = False) -> tuple[str, dict]:
     st["messages_counted"] = unmetered is None
     text += ("; bytes sent by the ranks of exercises built from messages: counted by the kernel" if unmetered is None
              else f"; bytes sent by the ranks of exercises built from messages: NOT counted ({unmetered})")
+    text += "; " + self_reported_text(st)
     if no_sandbox:
         text += "; graded with --no-sandbox"
     return text, st
+
+
+def self_reported_text(st: dict) -> str:
+    """What checks still take from the learner's own processes (cases.SELF_REPORTED, and the files a
+    check's ranks share), said in the header so an instructor knows which grades to read behind."""
+    from hpdl.checker import cases
+
+    try:
+        st["self_reported"] = cases.self_reported()
+    except Exception as exc:  # a course's case module that does not load: its check will say so
+        st["self_reported"] = {}
+        return f"not known what the checks take from the learners' own processes ({exc})"
+    named = "; ".join(f"{name}: {what}" for name, what in sorted(st["self_reported"].items()))
+    return ("taken from the learner's own processes, which a learner who knows the kit can rewrite: "
+            + (named + "; " if named else "") + "and a check's ranks can pass values through files they share "
+            "(cluster/README.md, section 4)")
 
 
 def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress: bool = True,

@@ -328,6 +328,7 @@ def test_a_hostile_batch_reads_nothing_of_the_grader_or_a_neighbour_and_stays_in
     assert limits["seccomp"] and "refused" in limits["nested_user_namespaces"]
     assert "1.5 GiB" in data["sandbox"] and "1.5 GiB" in (out / "index.html").read_text()
     assert limits["messages_counted"] and "counted by the kernel" in data["sandbox"]  # checker/meter.py
+    assert "zero3_unit" in limits["self_reported"] and "zero3_unit: the memory held" in data["sandbox"]
 
     snoop = _outputs(out, "snoop.ipynb")
     assert "neighbours read: []" in snoop, snoop

@@ -41,6 +41,9 @@ and may define
                                              # to use: hooks.wire_agrees (the recorded calls account for
                                              # them, or no case of the check counts), received_at_least,
                                              # received_at_most
+    SELF_REPORTED = "how many ..."           # what verify() still takes from the learner's own process
+                                             # (the recorder, a memory count), which a learner who knows
+                                             # the kit can rewrite: named in `hpdl grade`'s report header
 
 The learner's function runs in a job of its own (one process per rank, sandboxed where
 possible) that holds only inputs() and call() and what they use, cut from this module's source
@@ -273,6 +276,13 @@ def known() -> list[str]:
     return sorted(names)
 
 
+def self_reported() -> dict[str, str]:
+    """{exercise: what its check still takes from the learner's own process} (SELF_REPORTED), for the
+    grading report: where a grade rests on it, a learner who knows the kit can make it up."""
+    found = {name: getattr(load(name), "SELF_REPORTED", None) for name in known()}
+    return {name: what for name, what in found.items() if what}
+
+
 def load_file(path: str | Path) -> ModuleType:
     """Import a case module from its file and check its interface (HpdlError saying what is wrong)."""
     _refuse_if_locked()
@@ -348,9 +358,9 @@ def validate(module: ModuleType, path: Path | str | None = None) -> None:
                 names = None
         if names is None or not all(isinstance(n, str) for n in names):
             problems.append("FORBIDDEN must map MPI method names to a reason (or list the names)")
-    hint = getattr(module, "HINT_ONLY_ROOT", None)
-    if hint is not None and not isinstance(hint, str):
-        problems.append("HINT_ONLY_ROOT must be a string")
+    for name in ("HINT_ONLY_ROOT", "SELF_REPORTED"):
+        if getattr(module, name, None) is not None and not isinstance(getattr(module, name), str):
+            problems.append(f"{name} must be a string")
     if problems:
         raise HpdlError(f"The checks in {where} do not follow the case-module API (hpdl/checker/cases/__init__.py): "
                         + "; ".join(problems) + ".")

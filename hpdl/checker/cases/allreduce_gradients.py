@@ -22,6 +22,7 @@ RANKS = (1, 2, 3)
 TIMEOUT = 30.0  # the first case of a job pays for importing torch and joining the process group
 PRIVATE_INPUTS = True  # each rank gets its own batch as data: no rank can draw the others'
 METERED = True  # the bytes that reach each rank are counted by the kernel (meter.py): an average needs them
+SELF_REPORTED = "how many all-reduces ran, as the recorder noted them"
 
 _MODELS = {
     "mlp": (64, 32, 10),

@@ -30,6 +30,7 @@ RANKS = (1, 2, 3, 4)
 TIMEOUT = 30.0  # the first case of a job pays for importing torch
 PRIVATE_INPUTS = True  # each rank gets its own shards as data: no rank can draw the whole layers
 METERED = True  # the bytes that reach each rank are counted by the kernel (meter.py): gathered layers need them
+SELF_REPORTED = "the memory held at once, as tracemalloc and the tensors torch made show it"
 MEASURED_FROM = 64 * 1024   # layers of at least this many bytes: their memory is checked
 # layers' worth of bytes a rank may hold at once: the layer in use, the next one (prefetched), and
 # room for index bookkeeping (torch.arange(n) for tensor_split's counts is int64: two layers' worth)
