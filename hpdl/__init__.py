@@ -7,6 +7,7 @@ A notebook needs only these names:
     hpdl.check("ring_allreduce", ring_allreduce)   # autograded check on fresh ranks
     hpdl.panel()           # a live table of the ranks: state, line, last step, memory
     !{hpdl.job_command(2)} python train.py   # a separate 2-rank job (mpiexec here, srun on Slurm)
+    hpdl.run_job([...], timeout=120)          # such a job from code: at its limit, all of it ends
     hpdl.stop()
 
 and the helper modules hpdl.data, hpdl.models, hpdl.plots, hpdl.bench, hpdl.predict, hpdl.tune (imported on first use).
@@ -29,6 +30,7 @@ _FUNCTIONS = {
     "view": "hpdl.cluster",
     "nodes_missing": "hpdl.cluster",
     "job_command": "hpdl.launchers",
+    "run_job": "hpdl.sidejob",
 }
 _MODULES = {"data", "models", "plots", "bench", "dp", "timeline", "predict", "published", "tune", "panel"}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Mapping
 
@@ -37,12 +38,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.command:
         ap.error("name the program to run, e.g. python benchmarks/ddp_overlap.py")
+    signal.signal(signal.SIGTERM, _leave)  # told to stop (hpdl.run_job's limit): the nodes go too
     try:
         done = run(args.command, args.n, args.nodes, args.link, args.timeout)
     except HpdlError as exc:
         print(f"hpdl: {exc}", file=sys.stderr)
         return 2
     return finish(done, args.timeout)
+
+
+def _leave(signum, frame) -> None:
+    """SIGTERM ends this process through its `with` blocks: the job's ranks, then the nodes."""
+    raise SystemExit(128 + signum)
 
 
 def finish(done: sidejob.Finished, timeout: float) -> int:

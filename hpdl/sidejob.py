@@ -52,6 +52,14 @@ class Finished:
     timed_out: bool
     seconds: float
 
+    @property
+    def stdout(self) -> str:  # the names subprocess.run's result has, for a lesson's cell
+        return self.output
+
+    @property
+    def stderr(self) -> str:
+        return self.errors
+
 
 class SideJob:
     """One short job: started in its own session, output to a file, ended with all it started.
@@ -245,18 +253,48 @@ def job_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def run(cmd: Sequence[str], timeout: float, *, env: Mapping[str, str] | None = None,
-        cwd: str | os.PathLike | None = None, shared_memory: bool = True, errors_apart: bool = False) -> Finished:
+        cwd: str | os.PathLike | None = None, shared_memory: bool = True, errors_apart: bool = False,
+        tidy_at_limit: bool = False) -> Finished:
     """Run a short command to its end or its time limit; never leaves a process behind.
 
     The doctor's probes, a tuning sweep's MPI job, preflight's local job: like subprocess.run
     with a timeout, except that at the limit it ends the whole tree and process group (not only
-    the first process), and an MPI job's /dev/shm files go with it."""
+    the first process), and an MPI job's /dev/shm files go with it. tidy_at_limit: at the limit,
+    SIGTERM first and GRACE s, for a command that tidies up when told (an srun, whose step would
+    outlive a SIGKILL; the emulated nodes' wrapper, whose network namespaces would), and so on an
+    interrupt (KeyboardInterrupt: the notebook's stop button)."""
     with SideJob(cmd, env=env, cwd=cwd, timeout=timeout, shared_memory=shared_memory,
                  errors_apart=errors_apart) as job:
-        timed_out = job.wait() is None
-        job.end(now=timed_out)
+        try:
+            timed_out = job.wait() is None
+        except BaseException:
+            job.end(now=not tidy_at_limit)
+            raise
+        job.end(now=timed_out and not tidy_at_limit)
         return Finished(None if timed_out else job.returncode, job.output_text(), job.error_text(), timed_out,
                         job.elapsed())
+
+
+def run_job(cmd: Sequence[str], *, timeout: float) -> Finished:
+    """A lesson's job of its own (a benchmark script, an MPI job from hpdl.job_command), run to its end.
+
+    What subprocess.run(cmd, capture_output=True, text=True, timeout=...) does, except at the time
+    limit: subprocess.run kills the first process only (mpiexec, srun, the emulated nodes' wrapper)
+    and raises TimeoutExpired, which can leave the ranks running, still holding the cores. Here the
+    whole job goes, ranks and /dev/shm files included, on an interrupt too, and the learner reads
+    what happened and what to do (HpdlError), not a traceback. stdout and stderr come apart."""
+    import shlex
+
+    from hpdl.errors import HpdlError
+
+    done = run(cmd, timeout, errors_apart=True, tidy_at_limit=True)
+    if done.timed_out:
+        last = (done.output + done.errors).strip()[-800:]
+        raise HpdlError(f"The job did not finish within {timeout:g} s, so it was ended with every process it "
+                        f"started: {shlex.join(map(str, cmd))[:300]}\nOn a busy machine jobs run slower: run "
+                        "the cell again when it is quieter, or give the job a longer timeout."
+                        + (f"\nIts last output:\n{last}" if last else ""))
+    return done
 
 
 def live() -> set["SideJob"]:
@@ -274,4 +312,4 @@ def end_all() -> None:
             log.debug("ending side job %s: %s", job.pid, exc)
 
 
-__all__ = ["SideJob", "Finished", "run", "job_env", "live", "end_all", "GRACE", "MARKER"]
+__all__ = ["SideJob", "Finished", "run", "run_job", "job_env", "live", "end_all", "GRACE", "MARKER"]

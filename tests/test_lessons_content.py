@@ -107,6 +107,20 @@ def test_a_lessons_own_mpi_jobs_start_as_the_kit_says_wherever_it_runs(path):
             running = True
 
 
+PROCESS_CALLS = re.compile(r"\bsubprocess\.(run|Popen|call|check_call|check_output)\(")
+
+
+@pytest.mark.parametrize("path", ALL_LESSONS, ids=lambda p: p.name)
+def test_a_lessons_jobs_run_through_the_kit_so_a_time_limit_ends_all_of_them(path):
+    """A cell that runs a job of its own calls hpdl.run_job, not subprocess: at its time limit
+    subprocess.run kills the first process only and raises TimeoutExpired (a traceback); lesson 06's
+    emulated-node job then left its ranks running and two network namespaces behind."""
+    nb = nbformat.read(path, as_version=4)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            assert not PROCESS_CALLS.search(cell.source), f"{path.name}, cell {i}: use hpdl.run_job(cmd, timeout=...)"
+
+
 # -- lesson 04 gives no ring away -------------------------------------------------------------
 
 RANKS = 4

@@ -4,6 +4,7 @@ One grace policy, deadlines on the monotonic clock, nothing left behind (tree, g
 that left both, MPI shared memory), and one place in the package that starts side jobs."""
 from __future__ import annotations
 
+import os
 import re
 import sys
 import textwrap
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 import hpdl
 from hpdl import launchers, procs, sidejob
@@ -119,6 +121,40 @@ def test_an_mpi_job_killed_mid_run_leaves_no_rank_and_no_shared_memory(no_strays
         assert len(ranks) >= 3  # mpiexec, (its proxy,) two ranks
         job.end(now=True)
         assert job.returncode == -9 and not [p for p in ranks if procs.pid_alive(p)]
+
+
+@pytest.mark.parametrize("ended_by", ["its limit", "an interrupt"])
+def test_a_lessons_job_ends_with_its_emulated_nodes_and_says_so(ended_by, no_strays):
+    """hpdl.run_job, as lesson 06 runs a job on emulated nodes: at the limit the learner reads what
+    happened (HpdlError, not subprocess's TimeoutExpired), and nothing is left, nor after the stop
+    button (KeyboardInterrupt). subprocess.run's timeout killed the nodes' wrapper only: its ranks ran
+    on in two network namespaces nobody removed."""
+    import signal
+    import threading
+
+    from hpdl import emulated
+    from hpdl.errors import HpdlError
+
+    if os.geteuid() != 0 or emulated.missing():
+        pytest.skip("the nodes' namespaces are listed as root only: " + (emulated.missing() or "not root"))
+    before = set(emulated.leftovers())
+    job = [sys.executable, "-m", "hpdl.emulated_job", "--nodes", "2", "-n", "2",
+           *_py("print('started', flush=True); import time; time.sleep(600)")]
+    if ended_by == "its limit":
+        with pytest.raises(HpdlError, match=r"(?s)not finish within 8 s, so it was ended with every process.*started"):
+            hpdl.run_job(job, timeout=8)
+    else:
+        stop = threading.Timer(6, os.kill, (os.getpid(), signal.SIGINT))
+        stop.start()
+        with pytest.raises(KeyboardInterrupt):
+            hpdl.run_job(job, timeout=120)
+        stop.join()
+    assert set(emulated.leftovers()) == before  # no_strays: no rank, launcher or shared memory either
+
+
+def test_a_lessons_job_gives_what_subprocess_run_would(no_strays):
+    done = hpdl.run_job(_py("import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"), timeout=30)
+    assert (done.returncode, done.stdout, done.stderr, done.timed_out) == (3, "out\n", "err\n", False)
 
 
 def test_a_wall_clock_step_during_a_check_changes_no_verdict(no_strays, monkeypatch):
