@@ -205,7 +205,7 @@ ON_GPUS = 'assert {str(d) for d in hpdl.view().pull("device", block=True)} == {"
 # (08's Horovod grid and autotuner, whose GPU paths the script tests here cover); an exercise's check, whose
 # jobs run the learner's function on CPU ranks (gloo) whatever the engines hold; the tuning sweeps and
 # probes, MPI side jobs that ask for no GPU. The plain headless run (test_notebooks.py) runs them all.
-OWN_JOBS = re.compile(r"subprocess\.run\(|hpdl\.check\(|hpdl\.tune\.(sweep_algorithm|probe)\(")
+OWN_JOBS = re.compile(r"hpdl\.run_job\(|hpdl\.check\(|hpdl\.tune\.(sweep_algorithm|probe)\(")
 
 
 def kept_cells(cells: list) -> list:
