@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
 import hpdl
+from hpdl.checker.cases import Wrong
 from hpdl.checker.cases import column_parallel_linear as cpl_case
 from hpdl.checker.cases import pipeline_step as pipe_case
 from conftest import hints, learner_copy, passed, rejected
@@ -240,6 +242,25 @@ def tp_gathers_the_weight_first(comm, x, weight, bias, grad_y):
     w = torch.cat([torch.from_numpy(a) for a in comm.allgather(weight[lo:hi].numpy())])
     b = torch.cat([torch.from_numpy(a) for a in comm.allgather(bias[lo:hi].numpy())])
     return x @ w.T + b, grad_y @ w, (grad_y.T @ x)[lo:hi], grad_y.sum(0)[lo:hi]
+
+
+def test_column_parallel_rounding_is_judged_against_the_arrays_scale():
+    """A value near zero in a sum of large terms differs by their rounding, not its own: the numbers of
+    a right solution once marked WRONG (0.0491247 for 0.0491078, grad_x reaching a few units) pass, and
+    an error a thousand times that is still wrong."""
+    from hpdl.checker.cases import Context
+
+    case = cpl_case.cases(2)[0]
+    expected = [np.array([[4.0, 0.0491078]], np.float32) for _ in range(4)]
+
+    def verdict(value):
+        got = [e.copy() for e in expected]
+        got[1][0, 1] = value  # grad_x
+        return cpl_case.verify(case, Context(case, 0, 2, (), got, expected, []))
+
+    assert verdict(0.0491247) is None
+    wrong = verdict(0.0491078 + 0.02)
+    assert isinstance(wrong, Wrong) and "grad_x" in wrong.message
 
 
 def test_column_parallel_missing_allreduce_rejected(no_strays):

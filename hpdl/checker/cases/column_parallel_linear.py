@@ -125,13 +125,23 @@ def verify(case, ctx):
     if not isinstance(got, (list, tuple)) or len(got) != 4:
         return Wrong(f"returned {hooks._describe(got)}; expected a tuple (y, grad_x, grad_weight, grad_bias)")
     for name, g, e in zip(_NAMES, got, expected):
-        w = hooks.compare(g, e, what=f"rank {ctx.rank}'s {name}", rtol=1e-4, atol=1e-5)
+        w = hooks.compare(g, e, what=f"rank {ctx.rank}'s {name}", rtol=1e-4, atol=_atol(e))
         if w is not None:
             return w
     return hooks.received_at_most(
         ctx, wire_budget(case.params, ctx.size), "a column-parallel layer (the other ranks' columns of y, and grad_x "
         "all-reduced)", hint="each rank keeps its own rows of the weight: gather the outputs (y) and all-reduce "
                              "grad_x, never the weight itself, which is what tensor parallelism keeps apart.")
+
+
+def _atol(expected) -> float:
+    """Sums of hundreds of float32 products, taken in another order (each rank's part, then the
+    all-reduce), differ by a small fraction of the array's largest values, not of each value: a value
+    near zero carries the rounding of the large terms that cancel in it. (A fixed 1e-5 once failed a
+    right solution: 0.0491247 for 0.0491078 in a grad_x whose values reach a few units.)"""
+    e = hooks._as_array(expected)
+    scale = float(np.max(np.abs(e))) if e is not None and e.size else 0.0
+    return max(1e-5, 1e-4 * scale)
 
 
 def wire_budget(params: dict, size: int) -> int:
