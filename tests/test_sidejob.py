@@ -146,9 +146,11 @@ def test_a_lessons_job_ends_with_its_emulated_nodes_and_says_so(ended_by, no_str
     else:
         stop = threading.Timer(6, os.kill, (os.getpid(), signal.SIGINT))
         stop.start()
-        with pytest.raises(KeyboardInterrupt):
-            hpdl.run_job(job, timeout=120)
-        stop.join()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                hpdl.run_job(job, timeout=120)
+        finally:
+            stop.cancel()  # a job that ended early must not leave a SIGINT for the next test
     assert set(emulated.leftovers()) == before  # no_strays: no rank, launcher or shared memory either
 
 
