@@ -18,7 +18,8 @@ Classes of attack, each on real ranks (fixtures/evidence_attacks.py):
 - judging code in the learner's process: the tuning-file check ran MPICH through hpdl.tune from the
   learner's rank, where the learner can replace hpdl.tune's functions. MPICH now runs in verify().
 - the recorder in the learner's process (its pause flag, its list of calls): rewritable, so for the
-  exercises built from messages (METERED) the ranks talk over TCP and the checker reads the kernel's
+  exercises built from messages (METERED; the pipeline stage too, whose other stages' layers could come
+  by a collective hidden from the recorder) the ranks talk over TCP and the checker reads the kernel's
   byte counters of their connections (checker/meter.py); a rank whose bytes on the wire to any rank
   are not what its recorded calls account for scores nothing in that check, nor do calls that move
   nothing (probes, receives never matched, communicators) buy room for hidden bytes past a cap.
@@ -36,7 +37,8 @@ segments (ranks a rank sends to are counted, not messages), and a ring on a comm
 learner's own, numbered otherwise (peers are recorded as ranks of the world).
 Not caught yet (strict xfails, so a fix shows): values moved through files while junk of the right size
 crosses the wire; a count of torch.distributed all-reduces, or when they ran, rewritten in the recorder;
-ZeRO-3's memory held in arrays the count in the learner's process never sees.
+a pipeline stage's order (GPipe's) rewritten to 1F1B's in the list its hooks keep; ZeRO-3's memory held in
+arrays the count in the learner's process never sees.
 """
 from __future__ import annotations
 
@@ -119,6 +121,15 @@ def test_the_layer_cannot_be_drawn_again_from_the_case_generator(no_strays):
 def test_the_pipeline_stage_arguments_carry_no_other_stage_nor_the_batch(no_strays):
     no_points(hpdl.check("pipeline_step", E.pipeline_from_the_arguments, ranks=[2]))
 
+def test_a_stage_that_took_the_model_by_messages_hidden_from_the_recorder_scores_nothing(no_strays):
+    """Right gradients, 1F1B's order and one recorded message per micro-batch each way; the other stages'
+    layers and the batch came by collectives the recorder was told to skip, which the kernel counted."""
+    result = hpdl.check("pipeline_step", E.pipeline_model_by_hidden_messages, ranks=[2])
+    no_points(result)
+    assert {c.rejected for c in result.cases if c.ranks > 1} == {FORGED}, result
+    assert any("outside your process" in c.message for c in result.cases), result
+
+
 def test_a_paused_recorder_does_not_hide_a_forbidden_collective(no_strays):
     no_points(hpdl.check("ring_allreduce", E.paused_recorder_allreduce, ranks=[2]))
 
@@ -194,15 +205,18 @@ _SHARED_FILES = ("the ranks of a learner job share a writable job folder and /tm
                  "view of its own")
 _IN_PROCESS = ("how many torch.distributed all-reduces ran, and when, is known to the learner's process only; "
                "the wire's segments tell one Gloo all-reduce from one per tensor, but not MPI's")
+_ORDER = ("the order a pipeline stage ran its micro-batches in is noted by hooks in the learner's process; "
+          "the wire's byte counts, read once a case ends, say nothing of it")
 _MEMORY = ("the memory zero3_unit's function holds at once is followed in the learner's process "
            "(tracemalloc, the tensors torch made): arrays it never sees hold every layer")
 
 
-# each gap: (exercise, attack, why it is not caught); the last three are what the grading report's header
+# each gap: (exercise, attack, why it is not caught); all but the first are what the grading report's header
 # names (the case modules' SELF_REPORTED)
 GAPS = [("average_gradients", E.average_through_files_with_junk, _SHARED_FILES),
         ("allreduce_gradients", E.allreduce_per_tensor_recorded_as_one, _IN_PROCESS),
         ("overlap_allreduce", E.overlap_after_backward_recorded_as_overlap, _IN_PROCESS),
+        ("pipeline_step", E.pipeline_gpipe_recorded_as_1f1b, _ORDER),
         ("zero3_unit", E.zero3_every_layer_at_once_unseen, _MEMORY)]
 
 

@@ -22,7 +22,12 @@ The check runs the learner's stage on 1-4 ranks and decides on behaviour, observ
   (all forwards, then all backwards) gives the right gradients but holds m micro-batches'
   activations where 1F1B holds at most p - s: rejected, with the peak it held;
 - exactly one message per micro-batch each way, of that micro-batch's size (tensor_split's,
-  also when B is not divisible by m), between neighbouring stages only.
+  also when B is not divisible by m), between neighbouring stages only;
+- the bytes each stage sent to each rank, counted by the kernel outside the learner's process
+  (METERED), against what its recorded sends account for, and what reached it against what the
+  activations and gradients need: a stage that took the others' layers by a message hidden from
+  the recorder, or its values through files, scores nothing. The order and the number of
+  messages are still the learner's process's word (SELF_REPORTED).
 A send/recv order that deadlocks ends as HANG, naming the stuck ranks and their lines. The kit's
 own schedule (hpdl.pipeline.one_f_one_b) is refused inside the check (hooks.KIT_ANSWERS).
 """
@@ -36,6 +41,9 @@ from hpdl.checker.cases import Case, Wrong, nonce_seed
 SIGNATURE = "pipeline_step(comm, stage, batch, targets, m) -> float | None   # 1F1B; the loss on the last rank"
 RANKS = (1, 2, 3, 4)
 PRIVATE_INPUTS = True  # each rank gets its own layers (and rank 0 the batch) as data: the rest come by message
+METERED = True  # the bytes each stage sends to each rank, counted by the kernel (meter.py), against its recording
+SELF_REPORTED = ("the order the stage ran its micro-batches in (1F1B or GPipe), and how many messages carried them, "
+                 "as hooks and the recorder in its own process saw them")
 TIMEOUT = 30.0  # the first case of a job pays for importing torch
 WIDTH, CLASSES = 16, 10
 FORBIDDEN = {name: "a pipeline stage exchanges activations and gradients with its neighbours in point-to-point "
@@ -52,19 +60,23 @@ def cases(size):
         Case("6 layers, 6 rows in 4 micro-batches (2, 2, 1, 1)", {"layers": 6, "rows": 6, "micro": 4, "seed": 3},
              slow_factor=slow),
         Case("4 layers, 5 rows in 1 micro-batch", {"layers": 4, "rows": 5, "micro": 1, "seed": 4}, slow_factor=slow),
+        # wide enough that the model outweighs the activations: a stage that took the other stages' layers
+        # by a message hidden from the recorder sends more than its recorded sends account for (metered)
+        Case("8 layers of width 128, 16 rows in 4 micro-batches", {"layers": 8, "rows": 16, "micro": 4, "seed": 6,
+                                                                  "width": 128}, slow_factor=slow),
         Case("8 layers, 19 rows in 8 micro-batches", {"layers": 8, "rows": 19, "micro": 8, "seed": 5}, hidden=True,
              slow_factor=slow),
     ]
 
 
-def model(layers: int, seed: int):
+def model(layers: int, seed: int, width: int = WIDTH):
     """The whole model: layers-1 blocks Linear(W, W)+Tanh, then Linear(W, 10). Same seed on every rank."""
     import torch
     from torch import nn
 
     torch.manual_seed(seed)
-    blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(layers - 1)]
-    return nn.Sequential(*blocks, nn.Linear(WIDTH, CLASSES))
+    blocks = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers - 1)]
+    return nn.Sequential(*blocks, nn.Linear(width, CLASSES))
 
 
 def layers_of(stage: int, stages: int, layers: int) -> tuple[int, int]:
@@ -91,12 +103,13 @@ def inputs(case, rank, size):
     from torch import nn
 
     p = case.params
+    width = p.get("width", WIDTH)
     lo, hi = layers_of(rank, size, p["layers"])
-    linears = [mod for mod in model(p["layers"], nonce_seed(p)).modules() if isinstance(mod, nn.Linear)][lo:hi]
+    linears = [mod for mod in model(p["layers"], nonce_seed(p), width).modules() if isinstance(mod, nn.Linear)][lo:hi]
     g = torch.Generator().manual_seed(100 + nonce_seed(p))
-    x = torch.randn(p["rows"], WIDTH, generator=g)
+    x = torch.randn(p["rows"], width, generator=g)
     y = torch.randint(0, CLASSES, (p["rows"],), generator=g)
-    batch = x.numpy() if rank == 0 else np.zeros((p["rows"], WIDTH), np.float32)
+    batch = x.numpy() if rank == 0 else np.zeros((p["rows"], width), np.float32)
     return ([(mod.weight.detach().numpy().copy(), mod.bias.detach().numpy().copy()) for mod in linears],
             batch, y.numpy(), p["micro"])
 
@@ -233,7 +246,7 @@ def _messages(ctx) -> Wrong | None:
     w = hooks.only_peers(ctx, {r - 1, r + 1}, "a pipeline stage talks only to its neighbouring stages")
     if w is not None:
         return w
-    sizes = [len(part) * WIDTH for part in np.array_split(np.arange(rows), m)]
+    sizes = [len(part) * params.get("width", WIDTH) for part in np.array_split(np.arange(rows), m)]
     for peer, what in ((r + 1, "activations to the next"), (r - 1, "gradients to the previous")):
         if not 0 <= peer < p:
             continue
@@ -303,11 +316,24 @@ def verify(case, ctx):
     if any(g is None for g in got["grads"]):
         return Wrong(f"rank {ctx.rank}: some parameters of the stage have no gradient after the step "
                      f"(p.grad is None)")
+    forged = hooks.wire_agrees(ctx)  # the recorded calls against the bytes the kernel saw this rank send
+    if forged is not None:
+        return forged
     w = hooks.compare(got["grads"], ctx.expected["grads"], what=f"rank {ctx.rank}'s gradients", rtol=1e-4,
                       atol=1e-6)
     if w is None and ctx.rank == ctx.size - 1:
         w = _loss(ctx)
-    return w or _messages(ctx) or _schedule(ctx)
+    return w or _messages(ctx) or _schedule(ctx) or _received(ctx)
+
+
+def _received(ctx) -> Wrong | None:
+    """Every micro-batch's activations reach each stage but the first, and their gradients each stage but
+    the last: 9/10 of those bytes, by the kernel's count (a stage's values taken through files score nothing)."""
+    r, p, params = ctx.rank, ctx.size, ctx.case.params
+    one_way = 4 * params["rows"] * params.get("width", WIDTH)
+    ways = (r > 0) + (r < p - 1)
+    return hooks.received_at_least(ctx, one_way * ways * 9 // 10,
+                                   "the activations from the previous stage and the gradients from the next")
 
 
 def _like(x: np.ndarray, grads) -> bool:
