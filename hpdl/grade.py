@@ -470,10 +470,13 @@ def self_reported_text(st: dict) -> str:
     except Exception as exc:  # a course's case module that does not load: its check will say so
         st["self_reported"] = {}
         return f"not known what the checks take from the learners' own processes ({exc})"
+    from hpdl.checker import sandbox
+
     named = "; ".join(f"{name}: {what}" for name, what in sorted(st["self_reported"].items()))
+    shared = ("and a check's ranks share one network, where the kernel counts the TCP bytes between them"
+              if sandbox.ranks_apart() else "and a check's ranks can pass values through files they share")
     return ("taken from the learner's own processes, which a learner who knows the kit can rewrite: "
-            + (named + "; " if named else "") + "and a check's ranks can pass values through files they share "
-            "(cluster/README.md, section 4)")
+            + (named + "; " if named else "") + shared + " (cluster/README.md, section 4)")
 
 
 def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress: bool = True,

@@ -154,10 +154,11 @@ def install_faulthandler(folder: str, rank: int):
 
 # -- client side --------------------------------------------------------------------------------
 
-def ask(folder: str, ranks: Iterable[int], wait: float = 2.5, poll: float = 0.05,
+def ask(folder: str | Callable[[int], str], ranks: Iterable[int], wait: float = 2.5, poll: float = 0.05,
         procs: Mapping[int, object] | None = None, files: Iterable[str] | None = None,
         sources: Mapping[str, list[str]] | None = None, line_offset: int = 0) -> dict[int, dict]:
     """Ask ranks where they are: {rank: answer} for those that answered within `wait` seconds.
+    `folder`: the ranks' folder, or each rank's own (a function of the rank: a check's isolated ranks).
 
     Ranks that did not answer and have a recorded process in `procs` (hpdl.procs.Proc) get
     SIGUSR1, and their faulthandler dump is read instead (`files`, `sources`: see `parse_fault`).
@@ -166,7 +167,9 @@ def ask(folder: str, ranks: Iterable[int], wait: float = 2.5, poll: float = 0.05
     if not ranks:
         return {}
     token = uuid.uuid4().hex
-    _write_text(os.path.join(folder, REQUEST), token)
+    folder_of = folder if callable(folder) else (lambda r, _f=folder: _f)
+    for place in {folder_of(r) for r in ranks}:
+        _write_text(os.path.join(place, REQUEST), token)
     found: dict[int, dict] = {}
     deadline = time.monotonic() + wait
     while len(found) < len(ranks):
@@ -174,7 +177,7 @@ def ask(folder: str, ranks: Iterable[int], wait: float = 2.5, poll: float = 0.05
             if r in found:
                 continue
             try:  # the ranks' folder (a learner's can write it): no link, no FIFO, bounded
-                data = json.loads(safefiles.read_bounded(answer_path(folder, r), MAX_ANSWER_BYTES))
+                data = json.loads(safefiles.read_bounded(answer_path(folder_of(r), r), MAX_ANSWER_BYTES))
             except (OSError, ValueError):
                 continue
             if isinstance(data, dict) and data.get("token") == token:
@@ -190,7 +193,7 @@ def ask(folder: str, ranks: Iterable[int], wait: float = 2.5, poll: float = 0.05
         time.sleep(0.3)
         for r in sent:
             try:
-                text = safefiles.read_bounded(fault_path(folder, r), MAX_ANSWER_BYTES, too_large="cut")
+                text = safefiles.read_bounded(fault_path(folder_of(r), r), MAX_ANSWER_BYTES, too_large="cut")
             except OSError:
                 continue
             where = parse_fault(text.decode("utf-8", "replace"), files, sources, line_offset)

@@ -139,15 +139,21 @@ def test_a_hostile_batch_harms_nothing_outside_and_grades_the_honest_one_fully(h
 # -- in a check job's folder (the learner's ranks write it): the checker's own files ---------------
 CHECK_FILES = '''def ring_allreduce(comm, x):
     import builtins, json, os, time
-    d, r = os.environ["HPDL_CHECK_JOB"], comm.Get_rank()
+    job, r = os.environ["HPDL_CHECK_JOB"], comm.Get_rank()
+    d = os.path.join(job, "r%d" % r)  # this rank's own folder of the job's
     calls = builtins.__dict__.setdefault("_calls", [])
     calls.append(1)
     if len(calls) == 1:  # first case: our outputs become a link to /dev/zero (through the temporary name)
         os.symlink("/dev/zero", os.path.join(d, "out-%d-%d.bin.tmp" % (CASE0, r)))
+        # and every rank "reaches" a barrier whose name climbs out of its folder, to where the checker's
+        # release of it would make a file
+        os.mkdir(os.path.join(d, "go-x"))
+        with open(os.path.join(d, "rank%d.jsonl" % r), "a") as f:
+            f.write(json.dumps({"ev": "at", "tag": "x/" + "../" * 16 + PLANT.lstrip("/")}) + "\\n")
         return x.copy()
     if r == 0:  # next case: our event log becomes a FIFO, and a link waits where "where are you?" is written
         import glob  # (once the checker has read the first case's events: it has handed our outputs over)
-        while not glob.glob(os.path.join(os.path.dirname(d), "r2-*", "got-%d-0.bin" % CASE0)):
+        while not glob.glob(os.path.join(os.path.dirname(job), "r2-*", "got-%d-0.bin" % CASE0)):
             time.sleep(0.05)
         os.symlink(VICTIM, os.path.join(d, "dump-request.tmp"))
         os.rename(os.path.join(d, "rank0.jsonl"), os.path.join(d, "moved.jsonl"))
@@ -176,7 +182,8 @@ def test_the_checker_never_follows_blocks_on_or_signals_what_the_learners_ranks_
                                                                                      no_strays):
     """Outside a sandbox (where the rank's word is all there is about its pid): outputs that are
     a link to /dev/zero, an event log swapped for a FIFO, a link planted where the asking side
-    writes its request, and a rank that names another process as itself. The check ends, on
+    writes its request, a barrier named to climb out of the rank's folder, and a rank that names
+    another process as itself. The check ends, on
     its own time limit, with no point earned; nothing outside changed; the checker stayed small."""
     import hpdl
 
@@ -185,7 +192,8 @@ def test_the_checker_never_follows_blocks_on_or_signals_what_the_learners_ranks_
     victim.write_text("# the instructor's own\n")
     bystander = subprocess.Popen(["sleep", "600"])  # stands for the grader: SIGUSR1 would end it
     try:
-        fn = _learner_function(CHECK_FILES, VICTIM=str(victim), VICTIM_PID=bystander.pid, CASE0=0)
+        plant = tmp_path / "planted"
+        fn = _learner_function(CHECK_FILES, VICTIM=str(victim), VICTIM_PID=bystander.pid, CASE0=0, PLANT=str(plant))
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         result = hpdl.check("ring_allreduce", fn, ranks=[2], timeout=3)
         grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
@@ -193,6 +201,7 @@ def test_the_checker_never_follows_blocks_on_or_signals_what_the_learners_ranks_
         assert not any(c.verdict in ("PASS", "SLOW") for c in result.cases), result
         assert result.cases[0].verdict == "WRONG", result.cases[0]  # /dev/zero was not read as outputs
         assert victim.read_text() == "# the instructor's own\n"
+        assert not plant.exists(), "the checker made a file where a barrier's name pointed"
         assert bystander.poll() is None, "the checker signalled a process the learner named"
         assert grew < 256 * 2**20, f"the checker grew by {grew / 2**20:.0f} MiB"
     finally:

@@ -1,6 +1,6 @@
 """The first process of untrusted code: a whitelisted environment and a seccomp filter, then exec.
 
-    python -m hpdl.checker.confine [--keep-env=NAME,...] CMD ARGS...
+    python -m hpdl.checker.confine [--keep-env=NAME,...] [--isolating] CMD ARGS...
 
 The sandbox (sandbox.py) starts a graded submission, or a learner's check ranks, through this
 shim inside bubblewrap. Two things happen before CMD runs:
@@ -76,6 +76,10 @@ ENV_PREFIXES = (PREFIX, "LC_", "IPP_", "JUPYTER_", "MPI4PY_", "OMPI_", "PMIX_", 
 
 
 KEEP = "--keep-env="  # first argument: more names to keep (a check job that must run srun: SLURM_*)
+# a check job whose ranks isolate themselves (isolate.py): its launcher and ranks may unshare and mount
+# until each rank installs the whole filter, before the learner's code
+ISOLATING = "--isolating"
+ISOLATING_ALLOWS = frozenset({"unshare", "mount"})
 
 
 def environment(env, keep: frozenset[str] = frozenset()) -> dict[str, str]:
@@ -88,15 +92,16 @@ def supported() -> bool:
     return platform.machine() in ARCHES
 
 
-def program(machine: str | None = None) -> bytes:
-    """The filter as a BPF program (struct sock_filter[]), for `machine` (default: this one)."""
+def program(machine: str | None = None, allow: frozenset[str] = frozenset()) -> bytes:
+    """The filter as a BPF program (struct sock_filter[]), for `machine` (default: this one); `allow`:
+    names of DENIED left out (ISOLATING's, for the processes that start a check's isolated ranks)."""
     arch, nr, x32 = ARCHES[machine or platform.machine()]
     code: list[tuple] = [(LD_W_ABS, "", "", 4), (JEQ_K, "", "eperm", arch), (LD_W_ABS, "", "", 0)]
     if x32 is not None:
         code.append((JGE_K, "eperm", "", x32))
     code += [(JEQ_K, "enosys", "", nr["clone3"]), (JEQ_K, "", "denylist", nr["clone"]),
              (LD_W_ABS, "", "", 16), (JSET_K, "eperm", "allow", CLONE_NEW), ("denylist",)]
-    code += [(JEQ_K, "eperm", "", nr[name]) for name in DENIED]
+    code += [(JEQ_K, "eperm", "", nr[name]) for name in DENIED if name not in allow]
     code += [("allow",), (RET_K, "", "", RET_ALLOW), ("eperm",), (RET_K, "", "", RET_ERRNO | EPERM),
              ("enosys",), (RET_K, "", "", RET_ERRNO | ENOSYS)]
     return _assemble(code)
@@ -122,9 +127,10 @@ def _assemble(code: list[tuple]) -> bytes:
     return b"".join(out)
 
 
-def install() -> None:
-    """Apply the filter to this process and all it will start (raises OSError where refused)."""
-    prog = program()
+def install(allow: frozenset[str] = frozenset()) -> None:
+    """Apply the filter to this process and all it will start (raises OSError where refused). Filters
+    stack: a process under one that allows some calls can install the whole one (isolate.py's ranks)."""
+    prog = program(allow=allow)
     libc = ctypes.CDLL(None, use_errno=True)
     buf = ctypes.create_string_buffer(prog, len(prog))
 
@@ -141,13 +147,19 @@ def install() -> None:
 
 def main(argv: list[str]) -> int:
     keep: frozenset[str] = frozenset()
-    if argv and argv[0].startswith(KEEP):
-        keep = frozenset(filter(None, argv.pop(0)[len(KEEP):].split(",")))
+    allow: frozenset[str] = frozenset()
+    while argv and argv[0].startswith((KEEP, ISOLATING)):
+        arg = argv.pop(0)
+        if arg == ISOLATING:
+            allow = ISOLATING_ALLOWS
+        else:
+            keep = frozenset(filter(None, arg[len(KEEP):].split(",")))
     if not argv:
-        print("usage: python -m hpdl.checker.confine [--keep-env=NAME,...] CMD [ARGS...]", file=sys.stderr)
+        print("usage: python -m hpdl.checker.confine [--keep-env=NAME,...] [--isolating] CMD [ARGS...]",
+              file=sys.stderr)
         return 2
     try:
-        install()
+        install(allow)
     except (OSError, KeyError) as exc:  # the sandbox checked this works before using the shim
         print(f"hpdl: the seccomp filter could not be installed: {exc}", file=sys.stderr)
         return 126

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpdl import hang, procs, safefiles, settings, sidejob
-from hpdl.checker import meter, sandbox
+from hpdl.checker import isolate, meter, sandbox
 from hpdl.checker.cases import Case, with_nonce
 from hpdl.checker.report import CaseResult, Verdict
 from hpdl.checker.runner import job_launch
@@ -52,6 +53,7 @@ VERIFY_TIMEOUT = 60.0  # s: for the reference job's verify() once the learner's 
 MAX_EVENT_BYTES = 1 << 20  # one event line from a learner's rank; longer ones are cut
 MAX_OUTPUT_BYTES = 512 * 2**20  # one rank's packed outputs for one case
 POLL = 0.02
+_TAG = re.compile(r"[A-Za-z0-9_]{1,32}")  # a barrier's name (learner_job.barrier): the learner's word, so checked
 
 
 def verify_timeout(spec: dict) -> float:
@@ -90,18 +92,25 @@ class Job:
             self.spec.pop("module_path", None)  # the learner's job holds the public part only
             self.spec.pop("nonce", None)  # each rank gets its own inputs instead (PRIVATE_INPUTS)
             self.spec["private"], self.spec["oracle"] = private is not None, oracle is not None
+            for rank in range(size):  # each rank's own folder: in a sandbox, the only one it sees (isolate.py)
+                os.mkdir(self.rank_dir(rank), 0o700)
             for name, files in (("in", private), ("oracle", oracle)):  # read and removed before the learner's code
                 for rank, data in (files or {}).items():
-                    safefiles.create_exclusive(os.path.join(self.dir, f"{name}-{rank}.bin"), data)
-        safefiles.create_exclusive(os.path.join(self.dir, "spec.pkl"), pickle.dumps(self.spec))
+                    safefiles.create_exclusive(os.path.join(self.rank_dir(rank), f"{name}-{rank}.bin"), data)
         module = "hpdl.checker.learner_job" if kind == "learner" else "hpdl.checker.reference_job"
-        launch = job_launch(size, module, self.dir, {**_job_env(self.dir), **(wire_env or {})},  # this node only
-                            preload=spec.get("preload") or [])
+        # in a sandbox on this node, each learner rank makes a view of its own before any learner's code;
+        # sharing no memory, the ranks then talk over TCP
+        tcp = meter.tcp_transport() if kind == "learner" and sandboxed and sandbox.isolation_works() else None
+        launch = job_launch(size, module, self.dir, {**_job_env(self.dir), **(tcp or {}), **(wire_env or {})},
+                            preload=spec.get("preload") or [])  # this node only
         cmd, env, self.through_batch = launch.cmd, launch.env, launch.through_batch
+        self.isolated = tcp is not None and not launch.through_batch
+        self.spec["isolate"] = self.isolated
+        safefiles.create_exclusive(os.path.join(self.dir, "spec.pkl"), pickle.dumps(self.spec))
         limits = None
         if kind == "learner":
             cmd = sandbox.wrap(cmd, writable=[self.dir], hidden=spec.get("hidden", []),
-                               network=bool(launch.through_batch), keep_env=launch.kept)
+                               network=bool(launch.through_batch), keep_env=launch.kept, isolating=self.isolated)
             limits = sandbox.Limits(cpu_seconds=int(START_TIMEOUT + sum(p.timeout for p in todo) + 60),
                                     processes=256 + 64 * size)  # tasks: threads count too
         # a sandbox has its own /dev/shm and PID namespace, gone with it; outside one, the learner's
@@ -121,11 +130,26 @@ class Job:
         self.hung = False
         self.host_pids: dict[int, int] = {}  # rank -> its pid as this process sees it (METERED)
         self.meter_problem = unmetered  # why the wire could not be read (METERED)
+        self.arrived: dict[str, set[int]] = {}  # barrier tag -> ranks that reached it (learner_job.barrier)
+
+    def rank_dir(self, rank: int) -> str:
+        """Where rank `rank` of this job keeps its files: its own folder in a learner job, else the job's."""
+        return isolate.rank_dir(self.dir, rank) if self.kind == "learner" else self.dir
+
+    def release(self, name: str) -> None:
+        """Let every rank go on past the point it waits for `name` at (a file in its own folder)."""
+        for r in range(self.size):
+            path = os.path.join(self.rank_dir(r), name)
+            if not os.path.lexists(path):  # the rank's folder: the learner may have put one there
+                try:
+                    safefiles.create_exclusive(path, b"")
+                except OSError:
+                    pass
 
     # -- reading the ranks' reports (from the learner's side: untrusted, parsed defensively) -------
     def read(self) -> None:
         for r in range(self.size):
-            path = os.path.join(self.dir, f"rank{r}.jsonl")
+            path = os.path.join(self.rank_dir(r), f"rank{r}.jsonl")
             try:  # the learner's folder: a FIFO or a link to /dev/zero there is not read
                 data = safefiles.read_bounded(path, 16 * MAX_EVENT_BYTES, offset=self.offsets[r], too_large="cut")
             except OSError:
@@ -161,6 +185,11 @@ class Job:
                 pid = meter.host_pid(ev["pid"], self.side.pids())
                 if pid is not None:
                     self.host_pids[rank] = pid
+        elif kind == "at" and isinstance(ev.get("tag"), str) and _TAG.fullmatch(ev["tag"]):  # a file's name
+            arrived = self.arrived.setdefault(ev["tag"], set())
+            arrived.add(rank)
+            if len(arrived) == self.size:
+                self.release(f"go-{ev['tag']}")
         elif kind == "start" and isinstance(case, int) and isinstance(ev.get("t"), (int, float)):
             self.starts.setdefault(case, time.monotonic())
         elif kind == "end" and isinstance(case, int):
@@ -175,7 +204,7 @@ class Job:
 
     def stacks(self, ranks: list[int], code: dict, wait: float = 1.0) -> dict[int, dict]:
         """Ask ranks where they are (hpdl.hang's protocol, the same as for `%%px` cells)."""
-        answers = hang.ask(self.dir, ranks, wait=wait, procs=None if self.sandboxed else self.rank_procs,
+        answers = hang.ask(self.rank_dir, ranks, wait=wait, procs=None if self.sandboxed else self.rank_procs,
                            files=set(code.get("lines", {})) | {code.get("filename", "")},
                            sources=code.get("lines", {}), line_offset=int(code.get("line_offset", 0)))
         return {r: _clean_stack(a) for r, a in answers.items() if isinstance(a, dict)}
@@ -210,19 +239,19 @@ class Job:
                 self.meter = meter.Meter(self.host_pids)
             except (OSError, ValueError, subprocess.SubprocessError) as exc:
                 self.meter_problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        meter.release(self.dir, "start")
+        self.release(meter.released("start"))
 
     def read_wire(self, index: int) -> dict | None:
         """METERED: the bytes each rank sent to each other in case `index`; then the ranks go on."""
         if self.meter is None:
             if self.spec.get("metered"):
-                meter.release(self.dir, str(index))
+                self.release(meter.released(str(index)))
             return None
         try:
             wire = self.meter.take()
         except (OSError, ValueError, subprocess.SubprocessError):
             wire = None
-        meter.release(self.dir, str(index))
+        self.release(meter.released(str(index)))
         return wire
 
 
@@ -311,6 +340,8 @@ class SizeRun:
         ref.read()
         if ref.exited():
             ref.read()
+        if self.learner is not None:  # its ranks meet at barriers through this process (learner_job.barrier)
+            self.learner.read()
         while self.todo:
             cur = self.todo[0]
             if cur.index in self.verifying:  # waiting for the reference job's verdict
@@ -385,7 +416,7 @@ class SizeRun:
     def _hand_over(self, cur: Planned, job: Job, ends: dict, wire: dict | None) -> None:
         """The learner's ranks all returned: their output bytes go to the reference job."""
         for r in range(self.size):
-            src = os.path.join(job.dir, f"out-{cur.index}-{r}.bin")
+            src = os.path.join(job.rank_dir(r), f"out-{cur.index}-{r}.bin")
             dst = os.path.join(self.reference.dir, f"got-{cur.index}-{r}.bin")
             try:  # the learner's folder: regular files only, bounded (a link to /dev/zero is not read)
                 data = safefiles.read_bounded(src, MAX_OUTPUT_BYTES)

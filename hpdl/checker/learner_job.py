@@ -5,8 +5,10 @@
 This process holds no expected value and no verdict logic: per case it builds this rank's
 inputs, calls the learner's function (through the case module's call() when it has one) with
 every MPI and torch.distributed call recorded (recording.py), and writes what came back as
-plain data (wire.py) to JOB_DIR/out-<case>-<rank>.bin, with start/end events in
-JOB_DIR/rank<R>.jsonl. The checker's reference job compares them; see jobs.py.
+plain data (wire.py) to JOB_DIR/r<R>/out-<case>-<rank>.bin, with start/end events in
+JOB_DIR/r<R>/rank<R>.jsonl. The checker's reference job compares them; see jobs.py. In a
+sandbox, each rank first makes a view of its own (isolate.py) where JOB_DIR holds spec.pkl and
+its own r<R> only, and meets the other ranks only through the checker (barrier()).
 
 This process never reads the case module's file (its sandbox hides the kit's case modules and
 the instructor's keys): the checker hands it the part of the module that inputs() and call()
@@ -155,6 +157,36 @@ def strip_module(module: types.ModuleType) -> dict:
 
 
 class LearnerJob(RankJob):
+    outer_pid: int | None = None  # this rank's PID as the sandbox sees it, once isolated
+
+    def before_mpi(self, job_dir: str) -> None:
+        """In a sandbox (spec["isolate"]): a view of its own (isolate.py), then the whole seccomp filter
+        (the sandbox's own let the launcher and this step make namespaces). Before MPI, whose threads
+        would forbid the first, and before any learner's code."""
+        if not self.spec.get("isolate"):
+            return
+        from hpdl.checker import confine, isolate
+
+        rank = isolate.rank_from_env()
+        if rank is None:
+            raise RuntimeError("this rank's launcher gave it no rank variable (PMI_RANK, OMPI_COMM_WORLD_RANK, "
+                               "PMIX_RANK): it cannot be given a folder of its own")
+        self.outer_pid = isolate.isolate(job_dir, rank)
+        self.env_rank = rank
+        confine.install()
+
+    def own_dir(self, job_dir: str) -> str:
+        from hpdl.checker import isolate
+
+        if self.outer_pid is not None and self.env_rank != self.rank:
+            raise RuntimeError(f"MPI made this process rank {self.rank}, its launcher said {self.env_rank}")
+        return isolate.rank_dir(job_dir, self.rank)
+
+    def barrier(self, tag: str) -> None:
+        """Wait until the checker has seen every rank reach `tag` (the ranks share no folder to meet in)."""
+        self.emit(ev="at", tag=tag)
+        self.wait_for(os.path.join(self.dir, f"go-{tag}"))
+
     def current_call(self) -> str | None:
         from hpdl.checker.recording import recorder
 
@@ -175,7 +207,8 @@ class LearnerJob(RankJob):
         # METERED (meter.py): a communicator per case made now, so their set-up traffic is not counted as
         # the learner's; then every rank waits until the checker has read the wire, before any learner's code
         self.comms = {index: self.world.Dup() for index, _ in spec["cases"]} if spec.get("metered") else {}
-        self.emit(ev="ready", pid=os.getpid(), rank=self.rank, size=self.size)
+        self.emit(ev="ready", pid=self.outer_pid or os.getpid(), rank=self.rank, size=self.size,
+                  isolated=self.outer_pid is not None)
         if spec.get("metered"):
             state["phase"] = "metering"
             self.barrier("ready")

@@ -30,6 +30,10 @@ OVER_TCP = {
     # and its collectives too: by default they share memory between a node's ranks whatever the fabric
     "Intel MPI": {"I_MPI_FABRICS": "ofi", "FI_PROVIDER": "tcp", "I_MPI_COLL_INTRANODE": "pt2pt"},
 }
+# and, for ranks that share no memory (isolate.py): Open MPI's PMIx client then takes the job's data by
+# message, not from its server's shared-memory segment. Not Intel MPI: its start-up maps one segment
+# for a node's ranks whatever the fabric (MPIDU_Init_shm_init), so its ranks stay in one view
+APART = {"MPICH": {}, "Open MPI": {"PMIX_MCA_gds": "hash"}}
 SS_TIMEOUT = 10.0  # s
 NS_GET_USERNS = 0xB701  # ioctl on a namespace's file: a new descriptor of the user namespace that owns it
 
@@ -39,12 +43,29 @@ def transport_env(implementation: str, version: str = "") -> dict[str, str] | No
     MPICH built with libfabric (its mpiexec's --version shows `--with-device=ch4:...ofi`), Open
     MPI, Intel MPI; and ss and nsenter on PATH. (Should the ranks still not talk over TCP, Meter
     says so at start-up and the check decides on the recorder alone.)"""
+    if not (shutil.which("ss") and shutil.which("nsenter")):
+        return None
+    return _over_tcp(implementation, version)
+
+
+def _over_tcp(implementation: str, version: str) -> dict[str, str] | None:
     device = re.search(r"--with-device=(\S+)", version)
     if implementation == "MPICH" and not (device and "ofi" in device.group(1)):
         return None
-    if implementation not in OVER_TCP or not (shutil.which("ss") and shutil.which("nsenter")):
+    return dict(OVER_TCP[implementation]) if implementation in OVER_TCP else None
+
+
+def tcp_transport() -> dict[str, str] | None:
+    """The variables that put this node's ranks on TCP whether or not the wire can be read, for ranks
+    that share no memory (an isolated learner job's, isolate.py); None where this MPI cannot run so."""
+    from hpdl.launchers.mpiexec import mpiexec_implementation, mpiexec_version
+
+    try:
+        which = mpiexec_implementation()
+        env = _over_tcp(which, mpiexec_version())
+    except Exception:  # no local mpiexec: the check's jobs go through the batch system
         return None
-    return dict(OVER_TCP[implementation])
+    return None if env is None or which not in APART else {**env, **APART[which]}
 
 
 def node_transport() -> tuple[dict[str, str] | None, str | None]:
@@ -68,15 +89,17 @@ def unavailable() -> str | None:
 
 
 def host_pid(sandbox_pid: int, candidates: list[int]) -> int | None:
-    """The pid, as this process sees it, of the process that calls itself `sandbox_pid` in its own
-    PID namespace (the kernel's NSpid line: the learner cannot change it)."""
+    """The pid, as this process sees it, of the process that is `sandbox_pid` in the sandbox's PID
+    namespace (the kernel's NSpid line, which the learner cannot change: this process's pid first, then
+    the sandbox's, then, for an isolated rank (isolate.py), 1 in its own; outside a sandbox, the first)."""
     for pid in candidates:
         try:
             with open(f"/proc/{pid}/status") as f:
                 line = next((x for x in f if x.startswith("NSpid:")), "")
         except OSError:
             continue
-        if line and int(line.split()[-1]) == sandbox_pid:
+        ids = [int(x) for x in line.split()[1:]]
+        if ids and ids[min(1, len(ids) - 1)] == sandbox_pid:
             return pid
     return None
 
@@ -200,10 +223,7 @@ class Meter:
         return sent
 
 
-def release(job_dir: str, tag: str) -> None:
-    """Let the learner's ranks go on past the point `tag` (learner_job waits for this file)."""
-    from hpdl import safefiles
-
-    path = os.path.join(job_dir, f"metered-{tag}")
-    if not os.path.lexists(path):
-        safefiles.create_exclusive(path, b"")
+def released(tag: str) -> str:
+    """The file that lets the learner's ranks go on past the point `tag` (learner_job waits for it in
+    each rank's folder; jobs.Job.release writes it there)."""
+    return f"metered-{tag}"

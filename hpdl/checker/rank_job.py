@@ -41,25 +41,34 @@ class RankJob:
     def __init__(self, job_dir: str):
         from hpdl import hang
 
-        self.dir = job_dir
+        self.dir = job_dir  # where this rank's own files go (own_dir(), once its rank is known)
         with open(os.path.join(job_dir, "spec.pkl"), "rb") as f:
             self.spec = pickle.load(f)
+        self.before_mpi(job_dir)
         from mpi4py import MPI
 
         self.MPI = MPI
         self.world = MPI.COMM_WORLD
         self.rank, self.size = self.world.Get_rank(), self.world.Get_size()
+        self.dir = self.own_dir(job_dir)
         code = self.spec.get("code") or {}
         self.files: set[str] = set(code.get("lines", {})) | ({code["filename"]} if code.get("filename") else set())
         state["offset"] = int(code.get("line_offset", 0))
-        self.log = open(os.path.join(job_dir, f"rank{self.rank}.jsonl"), "a", buffering=1)
-        self._fault = hang.install_faulthandler(job_dir, self.rank)
+        self.log = open(os.path.join(self.dir, f"rank{self.rank}.jsonl"), "a", buffering=1)
+        self._fault = hang.install_faulthandler(self.dir, self.rank)
         self.client = int(self.spec.get("client_pid") or 0)  # 0 in a sandbox: bwrap ends us with the client
         # the job's whole allowance, counted on this rank's monotonic clock from its start
         self.deadline = time.monotonic() + float(self.spec["lifetime"])
-        hang.Answerer(job_dir, self.rank, poll=0.05, files=self.files, line_offset=state["offset"],
+        hang.Answerer(self.dir, self.rank, poll=0.05, files=self.files, line_offset=state["offset"],
                       extra=lambda: {"case": state["case"], "phase": state["phase"], "call": self.current_call()},
                       on_tick=self._tick).start()
+
+    def before_mpi(self, job_dir: str) -> None:
+        """What a rank does before MPI starts (and any thread with it): nothing here; see LearnerJob."""
+
+    def own_dir(self, job_dir: str) -> str:
+        """The folder of this rank's own files (events, stacks, results): the job's folder here."""
+        return job_dir
 
     def emit(self, **event) -> None:
         event["t"] = time.time()

@@ -354,14 +354,17 @@ def _sized(exe: str, size: int, path: str) -> list[str]:
     return [*(["--size", str(size)] if "--size" in features(exe) else []), "--tmpfs", path]
 
 
-def _base_args(exe: str) -> list[str]:
+def _base_args(exe: str, isolating: bool = False) -> list[str]:
     args = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     places = private_places()
     for path in places:
         args += _sized(exe, TMP_BYTES if path == os.path.realpath("/tmp") else HIDDEN_BYTES, path)
     args += [*_sized(exe, SHM_BYTES, "/dev/shm"), *_kit_back(places)]
-    args += ["--unshare-all", "--unshare-user", *(["--disable-userns"] if "--disable-userns" in features(exe) else []),
-             "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    userns = ["--disable-userns"] if "--disable-userns" in features(exe) and not isolating else []
+    # as root, a user namespace may map root only if its maker held CAP_SETFCAP (a rank's, isolate.py)
+    caps = ["--cap-add", "CAP_SETFCAP"] if isolating and os.geteuid() == 0 else []
+    args += ["--unshare-all", "--unshare-user", *userns, "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+             *caps]
     return args
 
 
@@ -416,13 +419,47 @@ def confinement_works() -> bool:
         return False
 
 
-def _confine_prefix(keep_env: tuple[str, ...] = ()) -> list[str]:
+def _confine_prefix(keep_env: tuple[str, ...] = (), isolating: bool = False) -> list[str]:
     from hpdl.checker import confine
 
     # -c with sys.path[0] (the working folder, which untrusted code may write) removed first
     keep = [f"{confine.KEEP}{','.join(keep_env)}"] if keep_env else []  # names only: `ps` shows them
+    keep += [confine.ISOLATING] if isolating else []
     return [sys.executable, "-c", "import sys, runpy; del sys.path[0]; "
             "sys.argv = sys.argv[1:]; runpy.run_module('hpdl.checker.confine', run_name='__main__')", "-", *keep]
+
+
+@functools.lru_cache(maxsize=1)
+def isolation_works() -> bool:
+    """Whether a check's learner ranks can each make a view of their own here (isolate.py): tried once,
+    in a sandbox made as a check job's is. Where not (a bubblewrap that is setuid, user namespaces refused
+    inside one), the ranks of a check share the job's folder and /tmp, and the report says so."""
+    import tempfile
+
+    from hpdl import sidejob
+
+    if bwrap() is None or not confinement_works():  # the filter a rank installs once isolated is what refuses
+        return False                                 # it namespaces (bwrap's --disable-userns cannot be used)
+    job = tempfile.mkdtemp(prefix="hpdl-isolate-")
+    try:
+        os.mkdir(os.path.join(job, "r0"))
+        open(os.path.join(job, "spec.pkl"), "wb").close()
+        code = ("import os, sys; from hpdl.checker import isolate; isolate.isolate(sys.argv[1], 0); "
+                "sys.exit(0 if sorted(os.listdir(sys.argv[1])) == ['r0', 'spec.pkl'] and os.getpid() == 1 else 1)")
+        cmd = wrap([sys.executable, "-c", code, job], writable=[job], isolating=True)
+        return sidejob.run(cmd, 30, shared_memory=False).returncode == 0
+    except OSError:
+        return False
+    finally:
+        shutil.rmtree(job, ignore_errors=True)
+
+
+def ranks_apart() -> bool:
+    """Whether a check's learner ranks here each get a view of their own: isolation works, and this node's
+    MPI can run ranks that share no memory (meter.tcp_transport: MPICH with libfabric, Open MPI)."""
+    from hpdl.checker import meter
+
+    return isolation_works() and meter.tcp_transport() is not None
 
 
 @functools.lru_cache(maxsize=1)
@@ -474,6 +511,7 @@ def status(limits: "Limits | None" = None) -> dict:
         "tmp_bytes": (TMP_BYTES if "--size" in feats else None) if exe else None,
         "shm_bytes": (SHM_BYTES if "--size" in feats else None) if exe else None,
         "hidden": private_places() if exe else [], "network": "none (loopback only)" if exe else "host",
+        "check_ranks": "each in a view of its own" if ranks_apart() else "sharing the job's files",
         "memory_total_bytes": caps["memory"], "tasks_total": caps["tasks"],
         "memory_per_process_bytes": per.memory_bytes, "cpu_seconds_per_process": per.cpu_seconds,
         "file_bytes": per.file_bytes, "missing": missing(),
@@ -506,6 +544,7 @@ def describe(st: dict | None = None) -> str:
                 f"{', '.join(st['hidden'])} hidden, no network, own PID namespace, nested user namespaces "
                 f"{st['nested_user_namespaces']}, /tmp {_size(st['tmp_bytes'])}, /dev/shm {_size(st['shm_bytes'])}")
     parts = [head, f"seccomp: {st['seccomp'] or 'none'}", f"environment: {st['environment']}",
+             f"a check's ranks: {st.get('check_ranks', 'sharing the job files')} (files, /tmp, /dev/shm, processes)",
              f"total memory {_size(st['memory_total_bytes'])}, total tasks {st['tasks_total'] or 'uncapped'} "
              "(cgroup, read back)",
              f"per process: address space {_size(st['memory_per_process_bytes'])}, "
@@ -522,18 +561,23 @@ def _size(n: int | None) -> str:
 
 
 def wrap(cmd: list[str], *, writable: list[str] = (), hidden: list[str] = (), cwd: str | None = None,
-         readonly: list[str] = (), network: bool = False, keep_env: tuple[str, ...] = ()) -> list[str]:
+         readonly: list[str] = (), network: bool = False, keep_env: tuple[str, ...] = (),
+         isolating: bool = False) -> list[str]:
     """`cmd` inside a sandbox: bubblewrap where it works, and in any case through the confining
     shim (whitelisted environment, seccomp filter) where that works; unchanged when neither does.
     `readonly`: folders inside a writable one that the sandbox may read but not write (the
     grader's answers to its checks). `network` and `keep_env` (variable names the whitelist would
     drop) only for a check job that must go through the batch system (srun talks to slurmctld):
-    where this Python's MPI has no local launcher, see checker/runner.py."""
-    inner = [*_confine_prefix(keep_env), *cmd] if confinement_works() else list(cmd)
+    where this Python's MPI has no local launcher, see checker/runner.py. `isolating`: a learner's
+    check job whose ranks each make a view of their own (isolate.py): user namespaces stay allowed
+    (and, as root, the capability a user namespace's map of root needs) until each rank installs
+    the whole seccomp filter, before the learner's code."""
     exe = bwrap()
+    isolating = isolating and exe is not None
+    inner = [*_confine_prefix(keep_env, isolating), *cmd] if confinement_works() else list(cmd)
     if exe is None:
         return inner
-    args = [exe, *_base_args(exe), *(["--share-net"] if network else [])]  # after --unshare-all
+    args = [exe, *_base_args(exe, isolating), *(["--share-net"] if network else [])]  # after --unshare-all
     for path in _devices():
         args += ["--dev-bind", path, path]
     for path in hidden:  # a folder: an empty tmpfs over it; a file (an answer key): /dev/null over it
