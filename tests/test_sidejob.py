@@ -178,7 +178,9 @@ def test_only_the_supervisor_starts_or_polls_side_jobs():
                "forkserver.py": "a job's first process (a check's, the engines'), which forks the job's "
                                 "ranks on request (inside the job's tree and sandbox) and starts its launcher",
                "checker/oracle.py": "a learner rank's helper holding the case's secrets, forked before the "
-                                    "learner's code and ending with the rank (no command, no side job)"}
+                                    "learner's code and ending with the rank (no command, no side job)",
+               "checker/isolate.py": "a learner rank's first step: it forks the rank into a PID namespace of its "
+                                     "own and stands in for it (no command, no side job)"}
     found = {}
     for path in PKG.rglob("*.py"):
         rel = path.relative_to(PKG).as_posix()

@@ -56,13 +56,27 @@ def isolate(job_dir: str, rank: int) -> int:
     Returns its PID as the sandbox sees it: the checker finds the rank's sockets by it (meter.host_pid).
     Raises OSError naming the step that failed; only this process is changed by then."""
     libc = ctypes.CDLL(None, use_errno=True)
+    _own_namespaces(libc)
+    _own_files(libc, os.path.realpath(job_dir), rank)
+    _become_pid_one(libc)
+    pid = _own_pid()
+    _own_proc(libc, pid)
+    return pid
+
+
+def _own_namespaces(libc) -> None:
+    """User, mount, PID (for the next child) and IPC namespaces; this user mapped to itself."""
     uid, gid = os.getuid(), os.getgid()
     _call(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC), "unshare")
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", f"{uid} {uid} 1")
     _write("/proc/self/gid_map", f"{gid} {gid} 1")
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
-    job = os.path.realpath(job_dir)
+
+
+def _own_files(libc, job: str, rank: int) -> None:
+    """Every writable mount read-only; fresh /tmp, /dev/shm (and TMPDIR); the job folder reduced to spec.pkl
+    (read-only) and this rank's own folder."""
     fresh = _fresh_places()
     mounts = _mounts()
     # what the sandbox bound inside a place that gets a fresh tmpfs (the kit, its Python, when they live
@@ -81,41 +95,40 @@ def isolate(job_dir: str, rank: int) -> int:
         for path in carried:
             os.makedirs(path, exist_ok=True)
             _mount(libc, f"/proc/self/fd/{fds[path]}", path, None, MS_BIND | MS_REC)
-        own = rank_dir(job, rank)
+        own, spec = rank_dir(job, rank), os.path.join(job, "spec.pkl")
         _mount(libc, "tmpfs", job, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
         os.mkdir(own)
-        open(os.path.join(job, "spec.pkl"), "wb").close()
+        open(spec, "wb").close()
         _mount(libc, f"/proc/self/fd/{fds[job]}/r{rank}", own, None, MS_BIND)
-        _mount(libc, f"/proc/self/fd/{fds[job]}/spec.pkl", os.path.join(job, "spec.pkl"), None, MS_BIND)
-        spec = os.path.join(job, "spec.pkl")
+        _mount(libc, f"/proc/self/fd/{fds[job]}/spec.pkl", spec, None, MS_BIND)
         _mount(libc, None, spec, None, MS_REMOUNT | MS_BIND | MS_RDONLY | _locked(spec))
         _mount(libc, None, job, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
     finally:
         for fd in fds.values():
             os.close(fd)
-    held, watch = os.pipe()  # the stand-in holds the write end until it exits
+
+
+def _become_pid_one(libc) -> None:
+    """Fork: the child goes on as PID 1 of the new PID namespace; this process stands in for it."""
+    read_end, write_end = os.pipe()  # the stand-in holds the write end until it exits
     child = os.fork()
     if child:
-        os.close(held)
+        os.close(read_end)
         _stand_in(child)  # never returns
-    os.close(watch)
+    os.close(write_end)
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: the stand-in gone, so is the rank
-    if select.select([held], [], [], 0)[0]:  # gone already, before that took hold (getppid() reads 0 here)
+    if select.select([read_end], [], [], 0)[0]:  # gone already, before that took hold (getppid() reads 0 here)
         os._exit(70)
-    os.close(held)
-    pid = _own_pid()
-    _own_proc(libc, pid)
-    return pid
+    os.close(read_end)
 
 
 def _stand_in(child: int) -> None:
     """The launcher's view of the rank: signals that end a process end the rank (PID 1 of its namespace
     ignores those it has no handler for, not SIGKILL); exit as it exited."""
+    from hpdl import procs
+
     def end(signum, frame):
-        try:
-            os.kill(child, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        procs.pass_on(child, signal.SIGKILL)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, end)

@@ -337,11 +337,7 @@ class SizeRun:
         decided: list[tuple[Planned, CaseResult]] = []
         runner = self.runner
         ref = self.reference
-        ref.read()
-        if ref.exited():
-            ref.read()
-        if self.learner is not None:  # its ranks meet at barriers through this process (learner_job.barrier)
-            self.learner.read()
+        self._read_jobs()
         while self.todo:
             cur = self.todo[0]
             if cur.index in self.verifying:  # waiting for the reference job's verdict
@@ -393,6 +389,15 @@ class SizeRun:
             self._after_stop(job, decided)
             break
         return decided
+
+    def _read_jobs(self) -> None:
+        """The jobs' new events: the learner's at every step too, as its ranks meet at barriers through this
+        process (learner_job.barrier), also while a verdict is awaited."""
+        self.reference.read()
+        if self.reference.exited():
+            self.reference.read()
+        if self.learner is not None:
+            self.learner.read()
 
     def _stopped(self, cur: Planned, job: Job, ends: dict, exited: bool) -> CaseResult | None:
         """The case's result when the learner job must stop before every rank returned (a crash

@@ -440,18 +440,16 @@ def isolation_works() -> bool:
 
     if bwrap() is None or not confinement_works():  # the filter a rank installs once isolated is what refuses
         return False                                 # it namespaces (bwrap's --disable-userns cannot be used)
-    job = tempfile.mkdtemp(prefix="hpdl-isolate-")
-    try:
+    code = ("import os, sys; from hpdl.checker import isolate; isolate.isolate(sys.argv[1], 0); "
+            "sys.exit(0 if sorted(os.listdir(sys.argv[1])) == ['r0', 'spec.pkl'] and os.getpid() == 1 else 1)")
+    with tempfile.TemporaryDirectory(prefix="hpdl-isolate-") as job:
         os.mkdir(os.path.join(job, "r0"))
         open(os.path.join(job, "spec.pkl"), "wb").close()
-        code = ("import os, sys; from hpdl.checker import isolate; isolate.isolate(sys.argv[1], 0); "
-                "sys.exit(0 if sorted(os.listdir(sys.argv[1])) == ['r0', 'spec.pkl'] and os.getpid() == 1 else 1)")
         cmd = wrap([sys.executable, "-c", code, job], writable=[job], isolating=True)
-        return sidejob.run(cmd, 30, shared_memory=False).returncode == 0
-    except OSError:
-        return False
-    finally:
-        shutil.rmtree(job, ignore_errors=True)
+        try:
+            return sidejob.run(cmd, 30, shared_memory=False).returncode == 0
+        except OSError:
+            return False
 
 
 def ranks_apart() -> bool:
