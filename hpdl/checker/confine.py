@@ -148,7 +148,7 @@ def install(allow: frozenset[str] = frozenset()) -> None:
 def main(argv: list[str]) -> int:
     keep: frozenset[str] = frozenset()
     allow: frozenset[str] = frozenset()
-    while argv and argv[0].startswith((KEEP, ISOLATING)):
+    while argv and (argv[0] == ISOLATING or argv[0].startswith(KEEP)):
         arg = argv.pop(0)
         if arg == ISOLATING:
             allow = ISOLATING_ALLOWS
