@@ -13,6 +13,7 @@ full marks at 1–4 ranks (hidden cases included) is tested by running it in gra
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,44 +37,14 @@ NOTEBOOK = "10_model_parallelism.ipynb"
 
 # -- exercise 1: pipeline_step (1F1B over mpi4py) ---------------------------------------------------
 
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+from learner_pipeline import run_order  # noqa: E402  (a learner's step in any order)
+
 one_f_one_b = learner_copy(pipe_case.one_f_one_b)  # the learner's own copy of the order (the kit's is refused)
 
 
 def test_pipeline_step_reference_passes(no_strays):
     assert passed(hpdl.check("pipeline_step", learner_copy(pipe_case.model_solution), ranks=[3]))
-
-
-def run_order(comm, stage, parts, targets, order, weight, zero_each=False, send_back=True):
-    """A learner's step over micro-batches `parts` in `order` of ("F", i) / ("B", i), micro-batch
-    i's mean loss times weight(rows): each known-bad variant below turns one knob of it."""
-    rank, p = comm.Get_rank(), comm.Get_size()
-    first, last = rank == 0, rank == p - 1
-    ts = targets.split([len(x) for x in parts])
-    inputs, outputs, loss = {}, {}, 0.0
-    for kind, i in order:
-        if kind == "F":
-            x = parts[i]
-            if not first:
-                comm.Recv(x.numpy(), source=rank - 1)
-                x.requires_grad_()
-            y = stage(x)
-            if last:
-                y = F.cross_entropy(y, ts[i]) * weight(len(x))
-                loss += y.item()
-            else:
-                comm.Send(y.detach().numpy(), dest=rank + 1)
-            inputs[i], outputs[i] = x, y
-            continue
-        x, y, grad = inputs.pop(i), outputs.pop(i), None
-        if zero_each:
-            stage.zero_grad()                       # forgets the micro-batches before this one
-        if not last:
-            grad = torch.empty_like(y)
-            comm.Recv(grad.numpy(), source=rank + 1)
-        y.backward(grad)
-        if not first and send_back:
-            comm.Send(x.grad.numpy(), dest=rank - 1)
-    return loss if last else None
 
 
 def stage_gpipe(comm, stage, batch, targets, m):
