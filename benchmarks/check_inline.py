@@ -1,4 +1,5 @@
-"""How long a learner waits for an inline check: `hpdl.check("ring_allreduce", fn)`.
+"""How long a learner waits for an inline check: `hpdl.check("ring_allreduce", fn)` (or, with
+--exercise allreduce_gradients, lesson 05's one flat all-reduce of the gradients).
 
 Side by side in one run: a bare `mpiexec -n 4 python` that imports numpy and mpi4py (the floor
 any fresh-ranks check pays), a check on 4 ranks only, and the default check (1, 2, 3 and 4
@@ -8,6 +9,7 @@ machine's load. Each check runs in a fresh Python process, as a learner's first 
 Goal: the 4-rank check within 5 s on a 2-core laptop.
 
     .venv/bin/python benchmarks/check_inline.py --repeats 5 --against HEAD~1
+    .venv/bin/python benchmarks/check_inline.py --repeats 3 --against HEAD~1 --exercise allreduce_gradients
 """
 from __future__ import annotations
 
@@ -30,6 +32,26 @@ from learner_ring import ring_ok
 r = hpdl.check("ring_allreduce", ring_ok, ranks={ranks!r})
 assert r.passed, r
 """
+FLAT = """
+import hpdl
+import torch
+import torch.distributed as dist
+
+
+def allreduce_gradients(comm, model):
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= comm.Get_size()
+    for g, v in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+        g.copy_(v.view_as(g))
+
+
+r = hpdl.check("allreduce_gradients", allreduce_gradients, ranks={ranks!r})
+assert r.passed, r
+"""
+CHECKS = {"ring_allreduce": (CHECK, "4 ranks (6 cases)", "1-4 ranks (24 cases)"),
+          "allreduce_gradients": (FLAT, "4 ranks (2 cases)", "1-3 ranks (6 cases)")}
 
 
 def timed(cmd: list[str], env: dict, cwd: str) -> float:
@@ -48,6 +70,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--goal", type=float, default=5.0, help="seconds a 4-rank check may take")
     ap.add_argument("--against", default=None, help="a git commit to time beside the working tree")
+    ap.add_argument("--exercise", choices=sorted(CHECKS), default="ring_allreduce", help="the exercise checked")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from hpdl.launchers import mpiexec_command
@@ -65,9 +88,10 @@ def main() -> None:
         variants["now"] = (env_now, tmp)
         rows = {"bare mpiexec -n 4 (numpy + mpi4py)":
                 ([*mpiexec_command(4), sys.executable, "-c", "import numpy; from mpi4py import MPI"], env, tmp)}
+        template, four, default = CHECKS[args.exercise]
         for label, (venv, cwd) in variants.items():
-            for ranks, what in (([4], "4 ranks (6 cases)"), (None, "1-4 ranks (24 cases)")):
-                code = CHECK.format(fixtures=str(FIXTURES), ranks=ranks)
+            for ranks, what in (([4], four), (None, default)):
+                code = template.format(fixtures=str(FIXTURES), ranks=ranks)
                 rows[f"check {what}, {label}"] = ([sys.executable, "-c", code], venv, cwd)
         times = {name: [] for name in rows}
         for _ in range(args.repeats):  # interleaved, so load from others on the machine hits all alike
@@ -78,12 +102,12 @@ def main() -> None:
     for name, ts in times.items():
         med = statistics.median(ts)
         print(f"{name:<46} {med:>9.2f} {min(ts):>7.2f} {med / floor:>7.1f}")
-    four = statistics.median(times["check 4 ranks (6 cases), now"])
+    four = statistics.median(times[f"check {CHECKS[args.exercise][1]}, now"])
     print(f"goal {args.goal:g} s: 4-rank check now {four:.2f} s ({four / args.goal:.0%} of goal); "
           f"{args.repeats} repeats"
           " (each check in a fresh Python process: imports included)")
     if args.against:
-        old = statistics.median(times[f"check 4 ranks (6 cases), at {args.against}"])
+        old = statistics.median(times[f"check {CHECKS[args.exercise][1]}, at {args.against}"])
         print(f"4-rank check: {old:.2f} s at {args.against} -> {four:.2f} s now ({four / old:.2f} x)")
 
 

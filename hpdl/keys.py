@@ -35,7 +35,7 @@ from hpdl.errors import HpdlError
 CASES = Path(__file__).resolve().parent / "checker" / "cases"
 #: What the public part of an exercise keeps (besides what these use): no reference, no cases()
 PUBLIC_ROOTS = ("SIGNATURE", "RANKS", "TIMEOUT", "VERIFY_TIMEOUT", "FORBIDDEN", "FORBIDDEN_REASON", "HINT_ONLY_ROOT",
-                "inputs", "call", "ORACLE", "secrets", "serve")
+                "inputs", "call", "ORACLE", "secrets", "serve", "set_up", "calibrate")
 JUDGING = ("verify", "diagnose", "explain")
 MARKER = "PUBLIC_ONLY = True"
 
@@ -158,7 +158,7 @@ def public_module(name: str, module, find) -> tuple[str, dict[str, set[str]], st
 
     judging = [n for n in JUDGING if callable(getattr(module, n, None))]
     answer = _names(split.shake(name, {"reference"}, find, deny=frozenset()), defs_only=True)
-    learner = _names(split.shake(name, {"inputs", "call"}, find), defs_only=True)
+    learner = _names(split.shake(name, {"inputs", "call", "set_up", "calibrate"}, find), defs_only=True)
     judged = _names(split.shake(name, set(judging), find), defs_only=True) if judging else set()
     leaks = (judged & answer) - learner  # functions of the reference that verify() would bring along
     note = None

@@ -38,9 +38,13 @@ learner's own, numbered otherwise (peers are recorded as ranks of the world).
 Values moved through files while junk of the right size crosses the wire: each rank now has a view of its own
 (checker/isolate.py: its own folder, /tmp, /dev/shm, /proc and PID namespace), so no file of another rank
 appears; where that cannot be had, the count of bytes is what tells (the tests marked shared_files).
-Not caught yet (strict xfails, so a fix shows): a count of torch.distributed all-reduces, or when they
-ran, rewritten in the recorder; a pipeline stage's order (GPipe's) rewritten to 1F1B's in the list its
-hooks keep; ZeRO-3's memory held in arrays the count in the learner's process never sees.
+One all-reduce per gradient tensor, struck from the recording down to one (through torch.distributed or
+MPI): the kernel's count of the messages between the ranks (data segments, on torch.distributed's
+connections and on MPI's) is held against what one all-reduce of the same size took there before the
+learner's code ran.
+Not caught yet (strict xfails, so a fix shows): when torch.distributed's all-reduces ran, rewritten in the
+recorder; a pipeline stage's order (GPipe's) rewritten to 1F1B's in the list its hooks keep; ZeRO-3's
+memory held in arrays the count in the learner's process never sees.
 """
 from __future__ import annotations
 
@@ -56,6 +60,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 ALONE = "decided on the MPI calls recorded in them alone"  # the check's note when the wire was not read
 sys.path.insert(0, str(FIXTURES))
 import evidence_attacks as E  # noqa: E402
+from test_cases_05_06 import grads_over_mpi  # noqa: E402
 from test_check_attacks import no_points  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -232,7 +237,18 @@ def test_where_ranks_do_not_talk_over_tcp_the_check_says_so_and_decides_on_the_r
     assert any(ALONE in h for h in right.hints), right.hints
 
 
+@pytest.mark.parametrize("fn, ranks", [(E.allreduce_per_tensor_recorded_as_one, [2]),
+                                       (E.allreduce_per_tensor_over_mpi_recorded_as_one, [3])])
+def test_all_reduces_struck_from_the_recording_are_counted_on_the_wire(fn, ranks, no_strays):
+    """One all-reduce per tensor, recorded as one: the messages between the ranks, counted by the kernel
+    against one all-reduce of the same size before the learner's code, say how many ran."""
+    result = hpdl.check("allreduce_gradients", fn, ranks=ranks)
+    no_points(result)
+    assert all("outside your process" in c.message for c in result.cases), result
+
+
 @pytest.mark.parametrize("exercise, fn, ranks", [
+    ("allreduce_gradients", grads_over_mpi, [3, 4]),
     ("bcast_binomial", E.bcast_shape_first, [3, 4]),
     ("recursive_doubling", E.recursive_doubling_segmented, [3, 4]),
     ("ring_allreduce", E.ring_on_reversed_split, [4]),
@@ -244,8 +260,8 @@ def test_right_answers_pass(exercise, fn, ranks, no_strays):
     assert not any(ALONE in h for h in result.hints), result.hints  # their bytes on the wire were counted
 
 
-_IN_PROCESS = ("how many torch.distributed all-reduces ran, and when, is known to the learner's process only; "
-               "the wire's segments tell one Gloo all-reduce from one per tensor, but not MPI's")
+_IN_PROCESS = ("when torch.distributed's all-reduces ran, during backward or after, is known to the learner's "
+               "process only; the wire's counts, read once a case ends, say nothing of it")
 _ORDER = ("the order a pipeline stage ran its micro-batches in is noted by hooks in the learner's process; "
           "the wire's byte counts, read once a case ends, say nothing of it")
 _MEMORY = ("the memory zero3_unit's function holds at once is followed in the learner's process "
@@ -254,8 +270,7 @@ _MEMORY = ("the memory zero3_unit's function holds at once is followed in the le
 
 # each gap: (exercise, attack, why it is not caught); what the grading report's header names (the case
 # modules' SELF_REPORTED)
-GAPS = [("allreduce_gradients", E.allreduce_per_tensor_recorded_as_one, _IN_PROCESS),
-        ("overlap_allreduce", E.overlap_after_backward_recorded_as_overlap, _IN_PROCESS),
+GAPS = [("overlap_allreduce", E.overlap_after_backward_recorded_as_overlap, _IN_PROCESS),
         ("pipeline_step", E.pipeline_gpipe_recorded_as_1f1b, _ORDER),
         ("zero3_unit", E.zero3_every_layer_at_once_unseen, _MEMORY)]
 

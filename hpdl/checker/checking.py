@@ -42,7 +42,8 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
     spec = {"exercise": name, "module_path": str(case_api.path_of(name)), "code": code, "forbidden": forbidden,
             "public": case_api.public_part(name), "hidden": list(hidden) + answer_keys(),
             "nonce": _nonce(module), "verify_timeout": getattr(module, "VERIFY_TIMEOUT", None),
-            "preload": _preload(module, code), "metered": bool(getattr(module, "METERED", False))}
+            "preload": _preload(module, code), "metered": bool(getattr(module, "METERED", False)),
+            "calibrate": callable(getattr(module, "calibrate", None))}
     bar = _progress(sum(len(v) for v in plan.values()), name) if progress else None
     try:
         runner = Runner(name, module, spec, plan, progress=bar, every_case=grading)

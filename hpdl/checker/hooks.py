@@ -11,9 +11,10 @@ learner's kernel) or torch: both are only touched through the objects handed in.
 - compare(): a result against the expected one, with dtype-aware tolerances and plain words.
 - only_peers() / max_sends() / gather_calls() / broadcast_rounds(): the pattern of
   point-to-point messages (ring neighbours, a tree's fan-out and depth).
-- wire_agrees() / received_at_least() / received_at_most(): for a METERED module (meter.py), the
-  bytes the kernel saw each rank send against its recorded calls (exercises built from messages),
-  and what reached a rank against what its result needs, at least or at most.
+- wire_agrees() / received_at_least() / received_at_most() / allreduces_on_wire(): for a METERED module
+  (meter.py), the bytes the kernel saw each rank send against its recorded calls (exercises built from
+  messages), what reached a rank against what its result needs, at least or at most, and how many
+  all-reduces its messages amount to.
 - same_on_all_ranks() / same_as_root(): parameters identical across ranks (after a DDP or
   Horovod step), or equal to the root's (initial parameters broadcast).
 - check_shards(): a distributed sampler's shards are disjoint, cover the data, equal length.
@@ -180,7 +181,7 @@ def wire_agrees(ctx) -> Wrong | None:
     if wire.get("closed"):
         return Wrong(f"rank {r} closed a network connection to another rank during the check; {why}", forged=True)
     for peer, sent in sorted(wire.items()):
-        if peer in ("closed", "received"):
+        if not isinstance(sent, int) or peer in ("closed", "received"):  # not a peer's bytes
             continue
         mine, messages = recorded.get(int(peer), [0, 0]) if peer.isdigit() else (0, 0)
         allowed = (mine + WIRE_SLACK + WIRE_PER_MESSAGE * min(messages, WIRE_MESSAGES_CAP)
@@ -202,6 +203,20 @@ def wire_agrees(ctx) -> Wrong | None:
 def _received(ctx) -> int | None:
     """Bytes the other ranks sent this rank in this case, by the kernel's count; None where not read."""
     return None if ctx.wire is None or ctx.size == 1 else int(ctx.wire.get("received", 0))
+
+
+def allreduces_on_wire(ctx) -> float | None:
+    """How many all-reduces the messages between the ranks in this case amount to, by the kernel's count
+    (ctx.wire): for torch.distributed's connections (made in the case module's set_up()) and for the others
+    (MPI's), the data segments every rank received, over what one all-reduce took at the job's start
+    (its calibrate(), before any learner's code). None where the wire or that start was not read."""
+    wire = ctx.wire
+    if wire is None or ctx.size == 1:
+        return None
+    seen, one = wire.get("all segments"), wire.get("calibration")
+    if not isinstance(seen, dict) or not isinstance(one, dict) or not any(one.values()):
+        return None
+    return sum(seen.get(kind, 0) / n for kind, n in one.items() if n > 0)
 
 
 def received_at_least(ctx, nbytes: int, what: str) -> Wrong | None:

@@ -53,7 +53,9 @@ VERIFY_TIMEOUT = 60.0  # s: for the reference job's verify() once the learner's 
 MAX_EVENT_BYTES = 1 << 20  # one event line from a learner's rank; longer ones are cut
 MAX_OUTPUT_BYTES = 512 * 2**20  # one rank's packed outputs for one case
 POLL = 0.02
+MAX_SOCKETS = 1024  # sockets a rank's set_up() may name (METERED)
 _TAG = re.compile(r"[A-Za-z0-9_]{1,32}")  # a barrier's name (learner_job.barrier): the learner's word, so checked
+_CALIBRATED = re.compile(r"calibrated_(\d{1,6})")  # the barrier after a case's calibrate() (learner_job)
 
 
 def verify_timeout(spec: dict) -> float:
@@ -82,7 +84,6 @@ class Job:
         slack = verify_timeout(spec) if kind == "reference" else 30
         metered = kind == "learner" and spec.get("metered") and size > 1
         wire_env, unmetered = meter.node_transport() if metered else (None, None)
-        self.meter: meter.Meter | None = None  # the learner's bytes on the wire, once its ranks are ready
         self.spec = dict(spec, size=size, metered=wire_env is not None, client_pid=0 if sandboxed else os.getpid(),
                          lifetime=START_TIMEOUT + sum(p.timeout for p in todo) + slack * len(todo) + 30,
                          cases=[(p.index, p.case.to_dict()) for p in todo])
@@ -128,9 +129,16 @@ class Job:
         self.crash: dict | None = None
         self.must_stop = False
         self.hung = False
-        self.host_pids: dict[int, int] = {}  # rank -> its pid as this process sees it (METERED)
-        self.meter_problem = unmetered  # why the wire could not be read (METERED)
         self.arrived: dict[str, set[int]] = {}  # barrier tag -> ranks that reached it (learner_job.barrier)
+        self._metering(unmetered)
+
+    def _metering(self, unmetered: str | None) -> None:
+        """METERED: what the checker learns of the learner's ranks from the kernel, before and while they run."""
+        self.meter: meter.Meter | None = None  # the learner's bytes on the wire, once its ranks are ready
+        self.meter_problem = unmetered  # why the wire could not be read
+        self.host_pids: dict[int, int] = {}  # rank -> its pid as this process sees it
+        self.grouped: dict[int, set[int]] = {}  # rank -> the sockets its case module's set_up() opened
+        self.calibration: dict[int, dict] = {}  # case -> segments one all-reduce took, before any learner's code
 
     def rank_dir(self, rank: int) -> str:
         """Where rank `rank` of this job keeps its files: its own folder in a learner job, else the job's."""
@@ -185,10 +193,16 @@ class Job:
                 pid = meter.host_pid(ev["pid"], self.side.pids())
                 if pid is not None:
                     self.host_pids[rank] = pid
+                sockets = ev.get("set_up_sockets")
+                if isinstance(sockets, list) and all(isinstance(i, int) for i in sockets[:MAX_SOCKETS]):
+                    self.grouped[rank] = set(sockets[:MAX_SOCKETS])
         elif kind == "at" and isinstance(ev.get("tag"), str) and _TAG.fullmatch(ev["tag"]):  # a file's name
             arrived = self.arrived.setdefault(ev["tag"], set())
             arrived.add(rank)
             if len(arrived) == self.size:
+                calibrated = _CALIBRATED.fullmatch(ev["tag"])
+                if calibrated:
+                    self.calibrate(int(calibrated.group(1)))
                 self.release(f"go-{ev['tag']}")
         elif kind == "start" and isinstance(case, int) and isinstance(ev.get("t"), (int, float)):
             self.starts.setdefault(case, time.monotonic())
@@ -236,10 +250,21 @@ class Job:
         self.meter_problem = "a rank's process was not found" if len(self.host_pids) < self.size else None
         if self.meter_problem is None:
             try:
-                self.meter = meter.Meter(self.host_pids)
+                self.meter = meter.Meter(self.host_pids, self.grouped)
             except (OSError, ValueError, subprocess.SubprocessError) as exc:
                 self.meter_problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         self.release(meter.released("start"))
+
+    def calibrate(self, index: int) -> None:
+        """METERED with a calibrate(): every rank ran it for case `index` (one all-reduce of that case's size
+        each way, before any learner's code) and waits; the segments it took are what one all-reduce takes
+        here (hooks.allreduces_on_wire). Once a case: that barrier, reached again later, is the learner's."""
+        if self.meter is None or index in self.calibration or not self.spec.get("calibrate") or self.starts:
+            return
+        try:
+            self.calibration[index] = self.meter.take()["0"]["all segments"]
+        except (OSError, ValueError, subprocess.SubprocessError):
+            self.calibration[index] = {}
 
     def read_wire(self, index: int) -> dict | None:
         """METERED: the bytes each rank sent to each other in case `index`; then the ranks go on."""
@@ -251,6 +276,8 @@ class Job:
             wire = self.meter.take()
         except (OSError, ValueError, subprocess.SubprocessError):
             wire = None
+        for row in (wire or {}).values():
+            row["calibration"] = self.calibration.get(index)
         self.release(meter.released(str(index)))
         return wire
 

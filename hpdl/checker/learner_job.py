@@ -31,7 +31,7 @@ import types
 
 from hpdl.checker.rank_job import RankJob, learner_traceback, learner_where, main, short, state
 
-KEEP = ("inputs", "call", "serve")
+KEEP = ("inputs", "call", "serve", "set_up", "calibrate")
 # hpdl.checker modules of the deciding side (reference ranks, verdicts, the grader): never loaded here
 DECIDING_SIDE = {"reference_job", "jobs", "checking", "client", "grade_service"}
 _KIT_MODULES: set[str] = set()  # modules whose own answers were replaced (refuse_kit_answers): never loaded afresh
@@ -204,15 +204,21 @@ class LearnerJob(RankJob):
         recording.install({**KIT_ANSWERS, **(spec.get("forbidden") or {})}, sized=bool(spec.get("metered")))
         refuse_kit_answers(KIT_ANSWERS)
         self.private = self.take_private_inputs() if spec.get("private") else None
+        set_up_sockets = self.set_up(funcs.get("set_up"), recording)
+        calibrate = funcs.get("calibrate") if spec.get("metered") and spec.get("calibrate") else None
         # METERED (meter.py): a communicator per case made now, so their set-up traffic is not counted as
         # the learner's; then every rank waits until the checker has read the wire, before any learner's code
         self.comms = {index: self.world.Dup() for index, _ in spec["cases"]} if spec.get("metered") else {}
         self.emit(ev="ready", pid=self.outer_pid or os.getpid(), rank=self.rank, size=self.size,
-                  isolated=self.outer_pid is not None)
+                  isolated=self.outer_pid is not None, set_up_sockets=set_up_sockets)
         if spec.get("metered"):
             state["phase"] = "metering"
             self.barrier("ready")
             self.wait_for(os.path.join(self.dir, "metered-start"))
+            for index, case_dict in spec["cases"] if calibrate is not None else ():
+                with recording.paused():  # what one all-reduce of the case's size takes: read by the checker
+                    calibrate(self.world, Case(**case_dict))
+                self.barrier(f"calibrated_{index}")
         if spec.get("oracle"):  # before the learner's code: the helper holds the secrets, this process never
             from hpdl.checker import oracle
 
@@ -243,6 +249,21 @@ class LearnerJob(RankJob):
         state["phase"] = "exiting"
         self.emit(ev="exit")
         return 0
+
+    def set_up(self, set_up, recording) -> list[int]:
+        """The case module's set_up(), if any (torch.distributed's process group, say), before any learner's
+        code and before the meter's first reading; the sockets it opened, which the meter counts apart."""
+        if set_up is None:
+            return []
+        from hpdl.checker.meter import socket_inodes
+
+        with recording.paused():  # a message to and from every rank first: an MPI that connects lazily
+            for k in range(1, self.size):  # (Open MPI) would connect within set_up(), counted as its
+                self.world.sendrecv(None, (self.rank + k) % self.size, source=(self.rank - k) % self.size)
+        before = socket_inodes("self")
+        with recording.paused():
+            set_up()
+        return sorted(socket_inodes("self") - before)
 
     def take_private_inputs(self) -> dict:
         """This rank's inputs to every case (PRIVATE_INPUTS), read and removed before the learner's

@@ -111,11 +111,12 @@ class Connection:
     peer: str
     sent: int = 0  # bytes this end sent, retransmissions included
     received: int = 0  # bytes this end received, each once: what the other end sent
+    data_segs_in: int = 0  # TCP segments that brought data to this end: about one per message sent to it
 
 
 _STATES = "ESTAB|FIN-WAIT-1|FIN-WAIT-2|CLOSE-WAIT|LAST-ACK|CLOSING"  # a connection, not a listener
 _HEADER = re.compile(rf"^(?:{_STATES})\s+\d+\s+\d+\s+(\S+)\s+(\S+).*\bino:(\d+)")
-_BYTES = re.compile(r"\bbytes_(sent|received):(\d+)")
+_COUNTS = re.compile(r"\b(bytes_sent|bytes_received|data_segs_in):(\d+)")
 
 
 def connections(pid: int) -> dict[int, Connection]:
@@ -148,13 +149,13 @@ def connections(pid: int) -> dict[int, Connection]:
             current = Connection(int(head.group(3)), head.group(1), head.group(2))
             found[current.inode] = current
         elif current is not None:
-            for kind, value in _BYTES.findall(line):
-                setattr(current, kind, int(value))
+            for kind, value in _COUNTS.findall(line):
+                setattr(current, kind.removeprefix("bytes_"), int(value))
     return found
 
 
-def socket_inodes(pid: int) -> set[int]:
-    """The sockets a process holds open."""
+def socket_inodes(pid: int | str) -> set[int]:
+    """The sockets a process holds open ("self": this one)."""
     inodes = set()
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -175,50 +176,62 @@ class Meter:
     Counted at the receiving end (bytes received, each byte once, as TCP delivered it; bytes sent
     count retransmissions too): what rank q received on its connection with rank r is what r sent
     q. Connections whose other end is no rank count under "?": bytes a rank sent there, and, as
-    "from ?", bytes it received from there (a helper process relaying data)."""
+    "from ?", bytes it received from there (a helper process relaying data).
 
-    def __init__(self, pids: dict[int, int]):
+    Messages are counted too, as the data segments that reached each rank from the others (on
+    loopback, one per message sent, whatever its size up to 64 KiB), apart for the connections
+    each rank opened in its case module's set_up() (`grouped`: torch.distributed's, say) and for
+    all the others (MPI's): how many all-reduces a case ran shows there (hooks.allreduces_on_wire)."""
+
+    def __init__(self, pids: dict[int, int], grouped: dict[int, set[int]] | None = None):
         self.pids = dict(pids)  # rank -> pid as this process sees it
-        self.last = self._read()  # socket inode -> (rank, sent, received) at the last reading
+        self.grouped = {r: set(inodes) for r, inodes in (grouped or {}).items()}  # rank -> its set_up's sockets
+        self.last = self._read()  # socket inode -> (rank, sent, received, segments in) at the last reading
         ends = {c.local for c in self.held}
         talking = {self.last[c.inode][0] for c in self.held if c.peer in ends}
         if talking != set(self.pids):  # the communicators made at start-up connect every rank
             raise ValueError(f"ranks {sorted(set(self.pids) - talking)} hold no TCP connection: this MPI's ranks "
                              "do not talk over TCP here, so their bytes cannot be counted")
 
-    def _read(self) -> dict[int, tuple[int, int, int]]:
+    def _read(self) -> dict[int, tuple[int, int, int, int]]:
         owner: dict[int, int] = {}  # socket inode -> rank
         for rank, pid in self.pids.items():
             for inode in socket_inodes(pid):
                 owner.setdefault(inode, rank)
         found = connections(next(iter(self.pids.values())))
         self.held = [c for c in found.values() if c.inode in owner]
-        return {c.inode: (owner[c.inode], c.sent, c.received) for c in self.held}
+        return {c.inode: (owner[c.inode], c.sent, c.received, c.data_segs_in) for c in self.held}
 
-    def take(self) -> dict[str, dict[str, int]]:
-        """{rank: {peer rank, "?", "from ?", "closed" or "received": bytes}} since the last reading;
-        "closed" counts connections of the rank that went away in between (their last bytes were not
-        seen), "received" the bytes the other ranks sent it."""
+    def take(self) -> dict[str, dict]:
+        """{rank: {peer rank, "?", "from ?", "closed" or "received": bytes, "segments": {"set_up" or "other":
+        data segments received from the other ranks}, "all segments": the same summed over every rank}} since
+        the last reading; "closed" counts connections of the rank that went away in between (their last bytes
+        were not seen), "received" the bytes the other ranks sent it."""
         now = self._read()
         by_endpoint = {c.local: now[c.inode][0] for c in self.held}
-        sent: dict[str, dict[str, int]] = {str(r): {} for r in self.pids}
+        sent: dict[str, dict] = {str(r): {} for r in self.pids}
+        segments = {str(r): {"set_up": 0, "other": 0} for r in self.pids}
 
         def add(rank: int, key: str, n: int) -> None:
             if n > 0:
                 sent[str(rank)][key] = sent[str(rank)].get(key, 0) + n
 
         for c in self.held:
-            _, was_sent, was_received = self.last.get(c.inode, (0, 0, 0))
+            holder, was_sent, was_received, was_segments = (now[c.inode][0], *self.last.get(c.inode, (0, 0, 0, 0))[1:])
             other = by_endpoint.get(c.peer)
             if other is None:
-                add(now[c.inode][0], "?", c.sent - was_sent)
-                add(now[c.inode][0], "from ?", c.received - was_received)
+                add(holder, "?", c.sent - was_sent)
+                add(holder, "from ?", c.received - was_received)
             else:
-                add(other, str(now[c.inode][0]), c.received - was_received)
+                add(other, str(holder), c.received - was_received)
+                kind = "set_up" if c.inode in self.grouped.get(holder, ()) else "other"
+                segments[str(holder)][kind] += max(0, c.data_segs_in - was_segments)
         for inode in set(self.last) - set(now):
             add(self.last[inode][0], "closed", 1)
+        total = {kind: sum(row[kind] for row in segments.values()) for kind in ("set_up", "other")}
         for r in self.pids:  # what reached each rank from the other ranks
             sent[str(r)]["received"] = sum(row.get(str(r), 0) for q, row in sent.items() if q != str(r))
+            sent[str(r)]["segments"], sent[str(r)]["all segments"] = segments[str(r)], total
         self.last = now
         return sent
 

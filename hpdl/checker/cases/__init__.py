@@ -41,6 +41,12 @@ and may define
                                              # to use: hooks.wire_agrees (the recorded calls account for
                                              # them, or no case of the check counts), received_at_least,
                                              # received_at_most
+    def set_up() -> None                     # run on each learner rank before any learner's code and
+                                             # before the meter's first reading (torch.distributed's
+                                             # process group): its sockets are counted apart
+    def calibrate(world, case) -> None       # METERED: one all-reduce of the case's size through each
+                                             # library, before any learner's code; the meter reads what
+                                             # it took (hooks.allreduces_on_wire)
     SELF_REPORTED = "how many ..."           # what verify() still takes from the learner's own process
                                              # (the recorder, a memory count), which a learner who knows
                                              # the kit can rewrite: named in `hpdl grade`'s report header
@@ -241,7 +247,7 @@ def sibling_path(name: str) -> Path | None:
     return None
 
 
-def public_part(name: str, roots: tuple[str, ...] = ("inputs", "call", "serve")) -> dict:
+def public_part(name: str, roots: tuple[str, ...] = ("inputs", "call", "serve", "set_up", "calibrate")) -> dict:
     """What a learner's check job may hold of exercise `name`: the module cut down to `roots` and
     what they use (split.shake), as {"module": import name, "sources": {import name: source}, "files":
     {import name: the file it was cut from}}: its code keeps that file's name, so kit code in it is

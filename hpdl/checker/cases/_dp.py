@@ -42,6 +42,18 @@ def ensure_process_group() -> None:
     _install_counter()
 
 
+def calibrate(world, values: int) -> None:
+    """One all-reduce of `values` float32 through torch.distributed, then one through MPI, before any
+    learner's code: the meter reads how many messages each took here (hooks.allreduces_on_wire),
+    whatever this torch's Gloo or this MPI does for one of that size (an MPI picks its algorithm by it)."""
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    all_reduce(torch.ones(values))
+    world.Allreduce(MPI.IN_PLACE, np.ones(values, np.float32), op=MPI.SUM)
+
+
 def ensure_horovod() -> None:
     """Horovod on this job's ranks (MPI controller); once per process."""
     import horovod.torch as hvd

@@ -7,9 +7,12 @@
 Each rank holds the same model and a different batch; `call()` runs forward and backward, then
 the learner's function, and reads back every p.grad. Checked: the gradients equal the average
 over the ranks (so the optimizer step is the same everywhere), and exactly one all-reduce was
-launched, however many tensors the model has. Each rank's batch is drawn with the check's nonce
-and the kernel counts what reaches each rank: an average of gradients read from files the ranks
-share, with one tiny all-reduce for the count, scores nothing.
+launched, however many tensors the model has: as the learner's process recorded it, and as the
+kernel counted the messages between the ranks (their data segments, on torch.distributed's
+connections and on MPI's, over what one all-reduce of the same size took on the same ranks before
+the learner's code ran: an MPI picks its algorithm by size). Each rank's batch is drawn with the
+check's nonce and the kernel counts what reaches each rank: an average of gradients read from files
+the ranks share, with one tiny all-reduce for the count, scores nothing.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ RANKS = (1, 2, 3)
 TIMEOUT = 30.0  # the first case of a job pays for importing torch and joining the process group
 PRIVATE_INPUTS = True  # each rank gets its own batch as data: no rank can draw the others'
 METERED = True  # the bytes that reach each rank are counted by the kernel (meter.py): an average needs them
-SELF_REPORTED = "how many all-reduces ran, as the recorder noted them"
+MAX_ON_WIRE = 1.5  # all-reduces the messages of a case may amount to (hooks.allreduces_on_wire): one, and room
 
 _MODELS = {
     "mlp": (64, 32, 10),
@@ -61,6 +64,17 @@ def _backward(model, x, y):
     F.cross_entropy(model(x), y).backward()
 
 
+def set_up():
+    """The process group, before the meter's first reading: its connections are counted apart."""
+    _dp.ensure_process_group()
+
+
+def calibrate(world, case):
+    """One all-reduce each way of as many values as the case's model has, for the meter to count."""
+    widths = _MODELS[case.params["model"]]
+    _dp.calibrate(world, sum(a * b + b for a, b in zip(widths[:-1], widths[1:])))
+
+
 def call(fn, comm, args):
     _dp.ensure_process_group()
     name, seed, x, y = args
@@ -90,6 +104,11 @@ def reference(comm, name, seed, x, y):
     return {"grads": grads, "own": own, "launches": 1}
 
 
+_ONE = ("each all-reduce pays the full latency (α) once; for many small tensors that dominates. Concatenate all "
+        "gradients into one flat buffer (torch.cat of p.grad.view(-1)), all-reduce it once, divide by the number of "
+        "ranks, and copy the slices back.")
+
+
 def verify(case, ctx):
     got, expected, size = ctx.got, ctx.expected, ctx.size
     err = _dp.close(got["grads"], expected["grads"], rtol=1e-5, atol=1e-7)
@@ -99,12 +118,15 @@ def verify(case, ctx):
     n, tensors = got["launches"], len(expected["grads"])
     if size > 1 and n > 1:
         return Wrong(f"{n} all-reduces for {tensors} gradient tensors; this exercise wants exactly one",
-                     hint="each all-reduce pays the full latency (α) once; for many small tensors that dominates. "
-                          "Concatenate all gradients into one flat buffer (torch.cat of p.grad.view(-1)), "
-                          "all-reduce it once, divide by the number of ranks, and copy the slices back.")
+                     hint=_ONE)
     if size > 1 and n == 0:
         return Wrong("the gradients are right but no all-reduce was seen",
                      hint="use dist.all_reduce(flat) or comm.Allreduce(MPI.IN_PLACE, flat.numpy()) on one flat buffer.")
+    on_wire = hooks.allreduces_on_wire(ctx)
+    if on_wire is not None and on_wire > MAX_ON_WIRE:
+        return Wrong(f"the messages between the ranks, counted by the system outside your process, amount to about "
+                     f"{on_wire:.0f} all-reduces for {tensors} gradient tensors; this exercise wants exactly one "
+                     "(and no other communication)", hint=_ONE)
     nbytes = sum(g.nbytes for g in expected["own"])
     return hooks.received_for_allreduce(ctx, nbytes, "an average of every rank's gradients")
 
