@@ -216,7 +216,8 @@ def allreduces_on_wire(ctx) -> float | None:
     seen, one = wire.get("all segments"), wire.get("calibration")
     if not isinstance(seen, dict) or not isinstance(one, dict) or not any(one.values()):
         return None
-    return sum(seen.get(kind, 0) / n for kind, n in one.items() if n > 0)
+    # a kind one all-reduce took no segment on (no set_up(), say) but the case did: each segment one
+    return sum(n / max(1, one.get(kind, 0)) for kind, n in seen.items())
 
 
 def received_at_least(ctx, nbytes: int, what: str) -> Wrong | None:
