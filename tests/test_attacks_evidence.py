@@ -41,7 +41,8 @@ appears; where that cannot be had, the count of bytes is what tells (the tests m
 One all-reduce per gradient tensor, struck from the recording down to one (through torch.distributed or
 MPI): the kernel's count of the messages between the ranks (data segments, on torch.distributed's
 connections and on MPI's) is held against what one all-reduce of the same size took there before the
-learner's code ran.
+learner's code ran (MPI's: mpi4py's pickled allreduce on a fresh communicator, which takes the most
+messages of the honest ways, so it passes, and so does MPI's Allreduce).
 Not caught yet (strict xfails, so a fix shows): when torch.distributed's all-reduces ran, rewritten in the
 recorder; a pipeline stage's order (GPipe's) rewritten to 1F1B's in the list its hooks keep; ZeRO-3's
 memory held in arrays the count in the learner's process never sees.
@@ -248,7 +249,8 @@ def test_all_reduces_struck_from_the_recording_are_counted_on_the_wire(fn, ranks
 
 
 @pytest.mark.parametrize("exercise, fn, ranks", [
-    ("allreduce_gradients", grads_over_mpi, [3, 4]),
+    ("allreduce_gradients", grads_over_mpi, [3]),
+    ("allreduce_gradients", E.gradients_by_pickled_allreduce, [2, 4]),
     ("bcast_binomial", E.bcast_shape_first, [3, 4]),
     ("recursive_doubling", E.recursive_doubling_segmented, [3, 4]),
     ("ring_allreduce", E.ring_on_reversed_split, [4]),

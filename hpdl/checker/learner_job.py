@@ -209,6 +209,8 @@ class LearnerJob(RankJob):
         # METERED (meter.py): a communicator per case made now, so their set-up traffic is not counted as
         # the learner's; then every rank waits until the checker has read the wire, before any learner's code
         self.comms = {index: self.world.Dup() for index, _ in spec["cases"]} if spec.get("metered") else {}
+        # and one for each case's calibration: a first collective on a fresh communicator, as the learner's is
+        fresh = {index: self.world.Dup() for index, _ in spec["cases"]} if calibrate is not None else {}
         self.emit(ev="ready", pid=self.outer_pid or os.getpid(), rank=self.rank, size=self.size,
                   isolated=self.outer_pid is not None, set_up_sockets=set_up_sockets)
         if spec.get("metered"):
@@ -217,7 +219,7 @@ class LearnerJob(RankJob):
             self.wait_for(os.path.join(self.dir, "metered-start"))
             for index, case_dict in spec["cases"] if calibrate is not None else ():
                 with recording.paused():  # what one all-reduce of the case's size takes: read by the checker
-                    calibrate(self.world, Case(**case_dict))
+                    calibrate(fresh.pop(index), Case(**case_dict))
                 self.barrier(f"calibrated_{index}")
         if spec.get("oracle"):  # before the learner's code: the helper holds the secrets, this process never
             from hpdl.checker import oracle

@@ -44,7 +44,7 @@ and may define
     def set_up() -> None                     # run on each learner rank before any learner's code and
                                              # before the meter's first reading (torch.distributed's
                                              # process group): its sockets are counted apart
-    def calibrate(world, case) -> None       # METERED: one all-reduce of the case's size through each
+    def calibrate(comm, case) -> None        # METERED: one all-reduce of the case's size through each
                                              # library, before any learner's code; the meter reads what
                                              # it took (hooks.allreduces_on_wire)
     SELF_REPORTED = "how many ..."           # what verify() still takes from the learner's own process

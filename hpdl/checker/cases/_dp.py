@@ -42,16 +42,18 @@ def ensure_process_group() -> None:
     _install_counter()
 
 
-def calibrate(world, values: int) -> None:
+def calibrate(comm, values: int) -> None:
     """One all-reduce of `values` float32 through torch.distributed, then one through MPI, before any
     learner's code: the meter reads how many messages each took here (hooks.allreduces_on_wire),
-    whatever this torch's Gloo or this MPI does for one of that size (an MPI picks its algorithm by it)."""
+    whatever this torch's Gloo or this MPI does for one of that size (an MPI picks its algorithm by it).
+    MPI's is mpi4py's pickled allreduce, a learner's costliest honest one (its own reduce and broadcast,
+    on a communicator mpi4py duplicates at its first use: `comm` is as fresh as the learner's)."""
     import numpy as np
     import torch
     from mpi4py import MPI
 
     all_reduce(torch.ones(values))
-    world.Allreduce(MPI.IN_PLACE, np.ones(values, np.float32), op=MPI.SUM)
+    comm.allreduce(np.ones(values, np.float32), op=MPI.SUM)
 
 
 def ensure_horovod() -> None:
