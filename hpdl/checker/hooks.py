@@ -207,9 +207,11 @@ def _received(ctx) -> int | None:
 
 def allreduces_on_wire(ctx) -> float | None:
     """How many all-reduces the messages between the ranks in this case amount to, by the kernel's count
-    (ctx.wire): for torch.distributed's connections (made in the case module's set_up()) and for the others
-    (MPI's), the data segments every rank received, over what one all-reduce took at the job's start
-    (its calibrate(), before any learner's code). None where the wire or that start was not read."""
+    (ctx.wire): on torch.distributed's connections (made in the case module's set_up()) and on the others
+    (MPI's), the data segments every rank received over what one all-reduce took there at the job's start
+    (its calibrate(), before any learner's code); the larger of the two. The larger, not the sum: a few
+    small collectives on the other connections (a barrier or two beside torch's all-reduce) are worth a
+    fraction of one all-reduce each, as is one all-reduce of a few values. None where not read."""
     wire = ctx.wire
     if wire is None or ctx.size == 1:
         return None
@@ -217,7 +219,7 @@ def allreduces_on_wire(ctx) -> float | None:
     if not isinstance(seen, dict) or not isinstance(one, dict) or not any(one.values()):
         return None
     # a kind one all-reduce took no segment on (no set_up(), say) but the case did: each segment one
-    return sum(n / max(1, one.get(kind, 0)) for kind, n in seen.items())
+    return max((n / max(1, one.get(kind, 0)) for kind, n in seen.items()), default=0.0)
 
 
 def received_at_least(ctx, nbytes: int, what: str) -> Wrong | None:

@@ -25,7 +25,10 @@ RANKS = (1, 2, 3)
 TIMEOUT = 30.0  # the first case of a job pays for importing torch and joining the process group
 PRIVATE_INPUTS = True  # each rank gets its own batch as data: no rank can draw the others'
 METERED = True  # the bytes that reach each rank are counted by the kernel (meter.py): an average needs them
-MAX_ON_WIRE = 1.25  # all-reduces a case's messages may amount to (hooks.allreduces_on_wire): honest ones read 0.2-1.03
+# all-reduces a case's messages may amount to (hooks.allreduces_on_wire): one, and room
+MAX_ON_WIRE = 1.5
+SELF_REPORTED = ("how many all-reduces ran through MPI, where the tensors are few: an MPI all-reduce of a small "
+                 "tensor takes a barrier's messages, and the kernel's count allows one all-reduce and two barriers")
 
 _MODELS = {
     "mlp": (64, 32, 10),
@@ -126,7 +129,7 @@ def verify(case, ctx):
     if on_wire is not None and on_wire > MAX_ON_WIRE:
         return Wrong(f"the messages between the ranks, counted by the system outside your process, amount to about "
                      f"{on_wire:.1f} all-reduces for {tensors} gradient tensors; this exercise wants exactly one "
-                     "(and no other communication)", hint=_ONE)
+                     "(a barrier or a broadcast beside it counts for a part of one)", hint=_ONE)
     nbytes = sum(g.nbytes for g in expected["own"])
     return hooks.received_for_allreduce(ctx, nbytes, "an average of every rank's gradients")
 
