@@ -203,21 +203,22 @@ class Meter:
         return {c.inode: (owner[c.inode], c.sent, c.received, c.data_segs_in) for c in self.held}
 
     def take(self) -> dict[str, dict]:
-        """{rank: {peer rank, "?", "from ?", "closed" or "received": bytes, "segments": {"set_up" or "other":
-        data segments received from the other ranks}, "all segments": the same summed over every rank}} since
-        the last reading; "closed" counts connections of the rank that went away in between (their last bytes
-        were not seen), "received" the bytes the other ranks sent it."""
+        """{rank: {peer rank, "?", "from ?", "closed" or "received": bytes, "all segments": {"set_up" or
+        "other": data segments every rank received from the other ranks}}} since the last reading; "closed"
+        counts connections of the rank that went away in between (their last bytes were not seen), "received"
+        the bytes the other ranks sent it."""
         now = self._read()
         by_endpoint = {c.local: now[c.inode][0] for c in self.held}
         sent: dict[str, dict] = {str(r): {} for r in self.pids}
-        segments = {str(r): {"set_up": 0, "other": 0} for r in self.pids}
+        segments = {"set_up": 0, "other": 0}  # over every rank: how many all-reduces ran is the job's
 
         def add(rank: int, key: str, n: int) -> None:
             if n > 0:
                 sent[str(rank)][key] = sent[str(rank)].get(key, 0) + n
 
         for c in self.held:
-            holder, was_sent, was_received, was_segments = (now[c.inode][0], *self.last.get(c.inode, (0, 0, 0, 0))[1:])
+            holder = now[c.inode][0]
+            _, was_sent, was_received, was_segments = self.last.get(c.inode, (0, 0, 0, 0))
             other = by_endpoint.get(c.peer)
             if other is None:
                 add(holder, "?", c.sent - was_sent)
@@ -225,13 +226,12 @@ class Meter:
             else:
                 add(other, str(holder), c.received - was_received)
                 kind = "set_up" if c.inode in self.grouped.get(holder, ()) else "other"
-                segments[str(holder)][kind] += max(0, c.data_segs_in - was_segments)
+                segments[kind] += max(0, c.data_segs_in - was_segments)
         for inode in set(self.last) - set(now):
             add(self.last[inode][0], "closed", 1)
-        total = {kind: sum(row[kind] for row in segments.values()) for kind in ("set_up", "other")}
         for r in self.pids:  # what reached each rank from the other ranks
             sent[str(r)]["received"] = sum(row.get(str(r), 0) for q, row in sent.items() if q != str(r))
-            sent[str(r)]["segments"], sent[str(r)]["all segments"] = segments[str(r)], total
+            sent[str(r)]["all segments"] = segments
         self.last = now
         return sent
 
