@@ -1,5 +1,6 @@
 """How long a learner waits for an inline check: `hpdl.check("ring_allreduce", fn)` (or, with
---exercise allreduce_gradients, lesson 05's one flat all-reduce of the gradients).
+--exercise allreduce_gradients, lesson 05's one flat all-reduce of the gradients; with --exercise
+pipeline_step, lesson 10's 1F1B stage, one case of which holds the last stage still).
 
 Side by side in one run: a bare `mpiexec -n 4 python` that imports numpy and mpi4py (the floor
 any fresh-ranks check pays), a check on 4 ranks only, and the default check (1, 2, 3 and 4
@@ -50,8 +51,29 @@ def allreduce_gradients(comm, model):
 r = hpdl.check("allreduce_gradients", allreduce_gradients, ranks={ranks!r})
 assert r.passed, r
 """
+PIPE = """
+import sys
+sys.path.insert(0, {fixtures!r})
+import hpdl
+from learner_pipeline import run_order
+
+
+def pipeline_step(comm, stage, batch, targets, m):
+    p, s = comm.Get_size(), comm.Get_rank()
+    warm = min(p - s - 1, m)
+    order = [("F", i) for i in range(warm)]
+    for i in range(m - warm):
+        order += [("F", warm + i), ("B", i)]
+    order += [("B", i) for i in range(m - warm, m)]
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch))
+
+
+r = hpdl.check("pipeline_step", pipeline_step, ranks={ranks!r})
+assert r.passed, r
+"""
 CHECKS = {"ring_allreduce": (CHECK, "4 ranks (6 cases)", "1-4 ranks (24 cases)"),
-          "allreduce_gradients": (FLAT, "4 ranks (2 cases)", "1-3 ranks (6 cases)")}
+          "allreduce_gradients": (FLAT, "4 ranks (2 cases)", "1-3 ranks (6 cases)"),
+          "pipeline_step": (PIPE, "4 ranks (5 cases)", "1-4 ranks (20 cases)")}
 
 
 def timed(cmd: list[str], env: dict, cwd: str) -> float:

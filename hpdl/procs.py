@@ -287,6 +287,30 @@ def signal_process(proc: Proc, sig: int) -> bool:
         return False
 
 
+def hold_still(proc: Proc, timeout: float = 1.0) -> bool:
+    """Stop a recorded process (SIGSTOP: every thread of it, whatever it does) and wait until the kernel
+    shows it stopped; True when it is. A check's trusted side holds a learner's rank still this way
+    (hpdl.checker.hold) and lets it go with `let_go`."""
+    if not signal_process(proc, signal.SIGSTOP):
+        return False
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    return True
+        except (OSError, IndexError):
+            return False
+        time.sleep(0.002)
+    let_go(proc)
+    return False
+
+
+def let_go(proc: Proc) -> bool:
+    """Let a process `hold_still` stopped go on (SIGCONT); True when sent."""
+    return signal_process(proc, signal.SIGCONT)
+
+
 def pass_on(pid: int, sig: int) -> bool:
     """Send `sig` to a process known by pid alone, from the one that started it or stands in for
     it (hpdl.forkserver: a rank forked for a launcher's process, which passes its signals on);

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpdl import hang, procs, safefiles, settings, sidejob
-from hpdl.checker import isolate, meter, sandbox
+from hpdl.checker import hold, isolate, meter, sandbox
 from hpdl.checker.cases import Case, with_nonce
 from hpdl.checker.report import CaseResult, Verdict
 from hpdl.checker.runner import job_launch
@@ -139,6 +139,9 @@ class Job:
         self.host_pids: dict[int, int] = {}  # rank -> its pid as this process sees it
         self.grouped: dict[int, set[int]] = {}  # rank -> the sockets its case module's set_up() opened
         self.calibration: dict[int, dict] = {}  # case -> segments one all-reduce took, before any learner's code
+        self.window: int | None = None  # the case whose bytes the meter counts now (since its last reading)
+        self.holding: hold.Hold | None = None  # a rank held still (hold.py), for the case in the window
+        self.held: dict[int, dict | None] = {}  # case -> what each rank sent while its last rank was held
 
     def rank_dir(self, rank: int) -> str:
         """Where rank `rank` of this job keeps its files: its own folder in a learner job, else the job's."""
@@ -204,6 +207,8 @@ class Job:
                 if calibrated:
                     self.calibrate(int(calibrated.group(1)))
                 self.release(f"go-{ev['tag']}")
+        elif kind == "hold" and isinstance(case, int):
+            self.hold(rank, case)
         elif kind == "start" and isinstance(case, int) and isinstance(ev.get("t"), (int, float)):
             self.starts.setdefault(case, time.monotonic())
         elif kind == "end" and isinstance(case, int):
@@ -218,6 +223,7 @@ class Job:
 
     def stacks(self, ranks: list[int], code: dict, wait: float = 1.0) -> dict[int, dict]:
         """Ask ranks where they are (hpdl.hang's protocol, the same as for `%%px` cells)."""
+        self.let_go()  # a rank held still answers nothing
         answers = hang.ask(self.rank_dir, ranks, wait=wait, procs=None if self.sandboxed else self.rank_procs,
                            files=set(code.get("lines", {})) | {code.get("filename", "")},
                            sources=code.get("lines", {}), line_offset=int(code.get("line_offset", 0)))
@@ -228,10 +234,12 @@ class Job:
 
     def end(self) -> None:
         """End the job now: its result is decided (or it hung), nothing it does next counts."""
+        self.let_go()
         self.side.end(now=True)
 
     def wind_down(self, wait: float = 1.0) -> None:
         """All cases decided: let the ranks exit on their own briefly (MPI_Finalize), then end it."""
+        self.let_go()
         if not self.must_stop:
             self.side.wait(timeout=wait)
         self.side.end(now=self.must_stop)
@@ -253,6 +261,7 @@ class Job:
                 self.meter = meter.Meter(self.host_pids, self.grouped)
             except (OSError, ValueError, subprocess.SubprocessError) as exc:
                 self.meter_problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        self.window = self.todo[0].index if self.todo else None
         self.release(meter.released("start"))
 
     def calibrate(self, index: int) -> None:
@@ -276,10 +285,41 @@ class Job:
             wire = self.meter.take()
         except (OSError, ValueError, subprocess.SubprocessError):
             wire = None
-        for row in (wire or {}).values():
+        self.let_go()
+        planned = next((p for p in self.todo if p.index == index), None)
+        for rank, row in (wire or {}).items():
             row["calibration"] = self.calibration.get(index)
+            if planned is not None and planned.case.params.get("hold"):  # "never": the rank never asked
+                row["held"] = (self.held[index] or {}).get(rank) if index in self.held else "never"
+        later = [p.index for p in self.todo if p.index > index]
+        self.window = later[0] if later else None
         self.release(meter.released(str(index)))
         return wire
+
+    def hold(self, rank: int, index: int) -> None:
+        """The last rank asks to be held still before its code for case `index` runs (learner_job.hold): stop
+        it, then let it past its wait; settle_hold() reads the others' bytes and lets it go. Only for the
+        case the meter's window is open for, once: a rank that asks early or again is simply let past."""
+        planned = next((p for p in self.todo if p.index == index), None)
+        wanted = (planned is not None and planned.case.params.get("hold") and rank == self.size - 1
+                  and index == self.window and index not in self.held and self.holding is None)
+        if wanted and self.meter is not None and rank in self.host_pids:
+            self.holding = hold.Hold.start(self.meter, self.host_pids[rank], index, list(range(self.size - 1)))
+            if self.holding is None:
+                self.held[index] = None  # could not be stopped here: nothing to say
+        elif wanted:
+            self.held[index] = None
+        self.release(f"go-hold_{index}")
+
+    def settle_hold(self) -> None:
+        """A rank held still: once the others have stopped sending (or it has been long enough), read and let go."""
+        if self.holding is not None and self.holding.settled():
+            self.let_go()
+
+    def let_go(self) -> None:
+        if self.holding is not None:
+            h, self.holding = self.holding, None
+            self.held[h.index] = h.let_go()
 
 
 def _job_env(job_dir: str) -> dict[str, str]:
@@ -425,6 +465,7 @@ class SizeRun:
             self.reference.read()
         if self.learner is not None:
             self.learner.read()
+            self.learner.settle_hold()  # also while a verdict is awaited: the next case may be running
 
     def _stopped(self, cur: Planned, job: Job, ends: dict, exited: bool) -> CaseResult | None:
         """The case's result when the learner job must stop before every rank returned (a crash
@@ -668,7 +709,8 @@ FORGED = "the recorded MPI calls (contradicted by the network)"
 
 
 def void_if_forged(results: dict[int, CaseResult]) -> dict[int, CaseResult]:
-    """A check in which the network contradicted the learner's recorded calls (hooks.wire_agrees)
+    """A check in which the network contradicted the learner's recorded calls (hooks.wire_agrees), or what
+    else the checker saw outside the learner's processes contradicted them (a Wrong with forged=True),
     earns nothing: the recording was changed, so no case's evidence can be trusted."""
     forged = next((r for r in results.values() if r.rejected == FORGED), None)
     if forged is None:
@@ -676,8 +718,9 @@ def void_if_forged(results: dict[int, CaseResult]) -> dict[int, CaseResult]:
     for r in results.values():
         if r.verdict.earns_points and r is not forged:
             r.verdict, r.points, r.rejected = Verdict.WRONG, 0.0, FORGED
-            r.message = (f"Not counted: on {forged.ranks} ranks, case {forged.name}, what your ranks sent over the "
-                         "network contradicted the MPI calls recorded in your process (see that case).")
+            r.message = (f"Not counted: on {forged.ranks} ranks, case {forged.name}, what the checker saw outside "
+                         "your processes (what your ranks sent over the network) contradicted what was recorded in "
+                         "them (see that case).")
     return results
 
 

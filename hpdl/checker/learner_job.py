@@ -267,6 +267,13 @@ class LearnerJob(RankJob):
             set_up()
         return sorted(socket_inodes("self") - before)
 
+    def hold(self, index: int) -> None:
+        """A case whose params carry "hold": before its learner's code runs here, this rank asks the checker
+        to hold it still (stopped from outside) while the others run, and waits (hold.py, jobs.Job.hold)."""
+        state["phase"] = "held"
+        self.emit(ev="hold", case=index)
+        self.wait_for(os.path.join(self.dir, f"go-hold_{index}"))
+
     def take_private_inputs(self) -> dict:
         """This rank's inputs to every case (PRIVATE_INPUTS), read and removed before the learner's
         code is unpacked on any rank. (Not hidden from the other ranks' memory: MPICH's shared-memory
@@ -291,6 +298,8 @@ class LearnerJob(RankJob):
             self.rebind(fn, comm)
         recorder = recording.recorder
         recorder.reset()
+        if case.params.get("hold") and self.spec.get("metered") and self.rank == self.size - 1:
+            self.hold(index)
         state["phase"] = "learner"
         call = funcs.get("call")
         t0 = time.perf_counter()

@@ -235,6 +235,14 @@ class Meter:
         self.last = now
         return sent
 
+    def peek(self) -> dict[str, dict]:
+        """What take() would return now, the window left open (the next take() counts from the same reading)."""
+        last, held = self.last, self.held
+        try:
+            return self.take()
+        finally:
+            self.last, self.held = last, held
+
 
 def released(tag: str) -> str:
     """The file that lets the learner's ranks go on past the point `tag` (learner_job waits for it in

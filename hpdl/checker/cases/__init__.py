@@ -138,7 +138,7 @@ class Wrong:
     message: str
     hint: str | None = None
     max_error: float | None = None
-    forged: bool = False  # the network contradicted the learner's recorded calls: no case of the check counts
+    forged: bool = False  # seen outside the learner's processes, against what was recorded in them: no case counts
 
 
 @dataclass

@@ -21,13 +21,20 @@ The check runs the learner's stage on 1-4 ranks and decides on behaviour, observ
   learner's own job, so the order is what autograd did, not what the source says. GPipe's order
   (all forwards, then all backwards) gives the right gradients but holds m micro-batches'
   activations where 1F1B holds at most p - s: rejected, with the peak it held;
+- the same order, seen from outside the learner's processes in one case ("hold", checker/hold.py):
+  the checker holds the last stage still (SIGSTOP) before its code runs and reads from the kernel
+  the bytes each stage sends the next meanwhile. No gradient can come back then: 1F1B's stage s
+  sends min(p-s, m) micro-batches' activations and waits, GPipe's sends all m. More than 1F1B's
+  while the hooks said 1F1B is a forged order, and so is a last stage that skipped being held: the
+  check scores nothing. (A stage that first waits for the last one sends nothing meanwhile and
+  passes; so does, on 2 ranks under MPICH, a blocking Send, which waits for a held receiver.)
 - exactly one message per micro-batch each way, of that micro-batch's size (tensor_split's,
   also when B is not divisible by m), between neighbouring stages only;
 - the bytes each stage sent to each rank, counted by the kernel outside the learner's process
   (METERED), against what its recorded sends account for, and what reached it against what the
   activations and gradients need: a stage that took the others' layers by a message hidden from
   the recorder, or its values through files, scores nothing. The order and the number of
-  messages are still the learner's process's word (SELF_REPORTED).
+  messages are still the learner's process's word, and the order but for the held case (SELF_REPORTED).
 A send/recv order that deadlocks ends as HANG, naming the stuck ranks and their lines. The kit's
 own schedule (hpdl.pipeline.one_f_one_b) is refused inside the check (hooks.KIT_ANSWERS).
 """
@@ -42,8 +49,9 @@ SIGNATURE = "pipeline_step(comm, stage, batch, targets, m) -> float | None   # 1
 RANKS = (1, 2, 3, 4)
 PRIVATE_INPUTS = True  # each rank gets its own layers (and rank 0 the batch) as data: the rest come by message
 METERED = True  # the bytes each stage sends to each rank, counted by the kernel (meter.py), against its recording
-SELF_REPORTED = ("the order the stage ran its micro-batches in (1F1B or GPipe), and how many messages carried them, "
-                 "as hooks and the recorder in its own process saw them")
+SELF_REPORTED = ("the order the stage ran its micro-batches in (1F1B or GPipe), as hooks in its own process saw it, "
+                 "but for how many activations a stage sends while the last stage is held still (a stage that first "
+                 "waits for it runs GPipe's order unseen); how many messages carried them, as its recorder saw them")
 TIMEOUT = 30.0  # the first case of a job pays for importing torch
 WIDTH, CLASSES = 16, 10
 FORBIDDEN = {name: "a pipeline stage exchanges activations and gradients with its neighbours in point-to-point "
@@ -62,8 +70,10 @@ def cases(size):
         Case("4 layers, 5 rows in 1 micro-batch", {"layers": 4, "rows": 5, "micro": 1, "seed": 4}, slow_factor=slow),
         # wide enough that the model outweighs the activations: a stage that took the other stages' layers
         # by a message hidden from the recorder sends more than its recorded sends account for (metered)
+        # and held: the checker stops the last stage before its code runs and reads, outside the learner's
+        # processes, how many micro-batches' activations each stage sends before a gradient could come back
         Case("8 layers of width 128, 16 rows in 4 micro-batches", {"layers": 8, "rows": 16, "micro": 4, "seed": 6,
-                                                                  "width": 128}, slow_factor=slow),
+                                                                  "width": 128, "hold": True}, slow_factor=slow),
         Case("8 layers, 19 rows in 8 micro-batches", {"layers": 8, "rows": 19, "micro": 8, "seed": 5}, hidden=True,
              slow_factor=slow),
     ]
@@ -323,7 +333,34 @@ def verify(case, ctx):
                       atol=1e-6)
     if w is None and ctx.rank == ctx.size - 1:
         w = _loss(ctx)
-    return w or _messages(ctx) or _schedule(ctx) or _received(ctx)
+    return w or _messages(ctx) or _schedule(ctx) or _sent_while_held(ctx) or _received(ctx)
+
+
+def _sent_while_held(ctx) -> Wrong | None:
+    """A case with "hold" (checker/hold.py): the checker held the last stage still before its code ran, and
+    read from the kernel the bytes each stage sent the next meanwhile. No gradient can come back then: a
+    1F1B stage s sends min(p-s, m) micro-batches' activations and waits for the first; GPipe's sends all m."""
+    params, r, p = ctx.case.params, ctx.rank, ctx.size
+    held = (ctx.wire or {}).get("held")
+    if not params.get("hold") or held is None:
+        return None
+    if held == "never":
+        return Wrong(f"rank {r}, the last stage, ran its code without first letting the checker hold it still, as "
+                     "every check of this case does: the order of the stages' messages could not be observed",
+                     forged=True) if r == p - 1 else None
+    m, width = params["micro"], params.get("width", WIDTH)
+    rows = [len(part) for part in np.array_split(np.arange(params["rows"]), m)]
+    allowed = min(p - r, m)
+    sent = held.get(str(r + 1), 0) if isinstance(held, dict) and r < p - 1 else 0
+    if allowed >= m or not isinstance(sent, int) or sent < 4 * width * sum(rows[:allowed + 1]):
+        return None
+    k = max(i for i in range(m + 1) if 4 * width * sum(rows[:i]) <= sent)
+    return Wrong(f"stage {r} of {p} sent stage {r + 1} {sent} bytes, {k} micro-batches' activations, before any "
+                 f"gradient could come back (the checker held the last stage still, and counted the bytes outside "
+                 f"your processes); a 1F1B stage sends {allowed}, then waits for the first micro-batch's gradient",
+                 forged=True,
+                 hint="that is GPipe's order: every forward first, every activation kept until the end. Fill the pipe "
+                      "with min(p-s-1, m) forwards, then one forward and one backward at a time.")
 
 
 def _received(ctx) -> Wrong | None:

@@ -1,0 +1,70 @@
+"""Checker's side: hold one learner rank still while the others run a case, and read what they send.
+
+Some behaviour shows only in what a rank does *before* an answer from another rank could reach it:
+a 1F1B pipeline stage sends min(p - s, m) micro-batches' activations and then waits for the first
+gradient to come back; GPipe's stage sends all m first. The learner's own process can note its
+order and rewrite the note. So, for a case whose params carry "hold" (learner_job.hold), the
+learner's last rank stops itself before its code for that case runs, and asks the checker to hold it
+still: the checker stops the whole process (SIGSTOP, which no code in it can catch or undo), lets the
+other ranks run, and reads from the kernel (meter.py) the bytes each rank sends to each other while
+nothing can come back from the held one. Once those bytes have stopped changing (or MAX_HOLD has
+passed) it reads them and lets the rank go on (SIGCONT). The reading goes to the deciding side with the
+case's wire row (`held`); the case module's verify() reads it.
+
+What it cannot tell: a stage that waits on purpose before it sends (for a message the held rank
+never sends, or for longer than MAX_HOLD) sends nothing while the other is held, as 1F1B would.
+"""
+from __future__ import annotations
+
+import subprocess
+import time
+
+from hpdl import procs
+
+STILL = 0.25  # s: the bytes between the ranks unchanged this long, every rank having sent: they wait
+MAX_HOLD = 2.0  # s: the longest one rank is held still
+EVERY = 0.05  # s between two readings of the wire
+
+
+class Hold:
+    """One rank of a learner job held still for case `index`, from the moment it asked."""
+
+    def __init__(self, meter, proc: procs.Proc, index: int, senders: list[int]):
+        self.meter, self.proc, self.index = meter, proc, index
+        self.senders = senders  # ranks that should have sent something before the bytes count as settled
+        self.since = self.changed = self.read_at = time.monotonic()
+        self.seen: dict | None = None
+        self.key: tuple = ()
+
+    @classmethod
+    def start(cls, meter, pid: int, index: int, senders: list[int]) -> "Hold | None":
+        """Stop the process `pid` (a rank of this job, as this process sees it); None where it could not be."""
+        proc = procs.record(pid)
+        if proc is None or not procs.hold_still(proc):
+            return None
+        return cls(meter, proc, index, senders)
+
+    def settled(self) -> bool:
+        """Read the wire (at most every EVERY seconds); True once the others have stopped sending."""
+        now = time.monotonic()
+        if now - self.read_at < EVERY:
+            return now - self.since >= MAX_HOLD
+        self.read_at = now
+        try:
+            self.seen = self.meter.peek()
+        except (OSError, ValueError, subprocess.SubprocessError):
+            self.seen = None
+            return True
+        key = tuple(sorted((r, k, v) for r, row in self.seen.items() for k, v in row.items() if isinstance(v, int)))
+        if key != self.key:
+            self.key, self.changed = key, now
+        everyone = all(any(isinstance(v, int) and v > 0 and k.isdigit() for k, v in self.seen.get(str(r), {}).items())
+                       for r in self.senders)
+        return (everyone and now - self.changed >= STILL) or now - self.since >= MAX_HOLD
+
+    def let_go(self) -> dict | None:
+        """Let the rank go on; what each rank had sent to each other while it was held (None: not read)."""
+        procs.let_go(self.proc)
+        if self.seen is None:
+            return None
+        return {r: {k: v for k, v in row.items() if k.isdigit() and isinstance(v, int)} for r, row in self.seen.items()}
