@@ -50,7 +50,8 @@ scores nothing too.
 Not caught yet (strict xfails, so a fix shows): a few all-reduces through MPI hidden from the recorder (a
 small one takes a barrier's messages); when torch.distributed's all-reduces ran, rewritten in the
 recorder; GPipe's order after a first wait for the last stage (nothing crosses while it is held);
-ZeRO-3's memory held in arrays the count in the learner's process never sees.
+ZeRO-3's memory held in arrays the count in the learner's process never sees, in an inline check: in
+grading, a hidden case of 4 MiB layers reads what the job held at once from its memory cgroup.
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ from pathlib import Path
 import pytest
 
 import hpdl
+from hpdl.checker import sandbox
 from hpdl.checker.jobs import FORGED
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -154,6 +156,16 @@ def test_a_stage_order_rewritten_in_its_hooks_shows_while_the_last_stage_is_held
     result = hpdl.check("pipeline_step", fn, ranks=[3])
     no_points(result)
     assert {c.rejected for c in result.cases} == {FORGED} and any(words in c.message for c in result.cases), result
+
+
+@pytest.mark.skipif(not sandbox.cgroup_works(), reason="no cgroup can be made here to count a check job's memory")
+def test_the_whole_model_held_at_once_is_counted_outside_the_learners_process_in_grading(no_strays):
+    """Every layer gathered into arrays the count in the learner's process never sees: in grading, a hidden
+    case of 4 MiB layers reads what the job's ranks held at once from its memory cgroup (16 layers each,
+    where an honest rank holds 2-6), and the check scores nothing."""
+    result = hpdl.check("zero3_unit", E.zero3_every_layer_at_once_unseen, ranks=[2], grade=True)
+    no_points(result)
+    assert {c.rejected for c in result.cases} == {FORGED} and any("memory cgroup" in c.message for c in result.cases)
 
 
 def test_a_paused_recorder_does_not_hide_a_forbidden_collective(no_strays):
@@ -288,8 +300,8 @@ _FEW = ("an MPI all-reduce of a small tensor takes a barrier's messages: four of
         "pass on the wire for one all-reduce with a barrier on either side")
 _ORDER = ("a pipeline stage's order shows on the wire only while the last stage is held still; a stage that "
           "first waits for it sends nothing meanwhile, as 1F1B's, and runs GPipe's order after")
-_MEMORY = ("the memory zero3_unit's function holds at once is followed in the learner's process "
-           "(tracemalloc, the tensors torch made): arrays it never sees hold every layer")
+_MEMORY = ("in an inline check, the memory zero3_unit's function holds at once is followed in the learner's process "
+           "(tracemalloc, the tensors torch made): arrays it never sees hold every layer. Grading counts it outside")
 
 
 # each gap: (exercise, attack, why it is not caught); what the grading report's header names (the case

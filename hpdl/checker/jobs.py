@@ -116,6 +116,7 @@ class Job:
                                     processes=256 + 64 * size)  # tasks: threads count too
         # a sandbox has its own /dev/shm and PID namespace, gone with it; outside one, the learner's
         # processes are swept by the job's marker too (a daemon that left the process group)
+        self.limits = limits
         self.side = sidejob.SideJob(cmd, output=os.path.join(self.dir, "output.txt"), env=env, limits=limits,
                                     shared_memory=not sandboxed, sweep=kind == "learner" and not sandboxed)
         self.launched = time.monotonic()
@@ -142,6 +143,8 @@ class Job:
         self.window: int | None = None  # the case whose bytes the meter counts now (since its last reading)
         self.holding: hold.Hold | None = None  # a rank held still (hold.py), for the case in the window
         self.held: dict[int, dict | None] = {}  # case -> what each rank sent while its last rank was held
+        self.peak = None  # the job's cgroup's memory peak, reset when the window opened (Cgroup.open_peak)
+        self.peak_base: int | None = None  # and what the job held then
 
     def rank_dir(self, rank: int) -> str:
         """Where rank `rank` of this job keeps its files: its own folder in a learner job, else the job's."""
@@ -235,11 +238,13 @@ class Job:
     def end(self) -> None:
         """End the job now: its result is decided (or it hung), nothing it does next counts."""
         self.let_go()
+        self.close_memory_window()
         self.side.end(now=True)
 
     def wind_down(self, wait: float = 1.0) -> None:
         """All cases decided: let the ranks exit on their own briefly (MPI_Finalize), then end it."""
         self.let_go()
+        self.close_memory_window()
         if not self.must_stop:
             self.side.wait(timeout=wait)
         self.side.end(now=self.must_stop)
@@ -262,6 +267,7 @@ class Job:
             except (OSError, ValueError, subprocess.SubprocessError) as exc:
                 self.meter_problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         self.window = self.todo[0].index if self.todo else None
+        self.open_memory_window()
         self.release(meter.released("start"))
 
     def calibrate(self, index: int) -> None:
@@ -287,14 +293,37 @@ class Job:
             wire = None
         self.let_go()
         planned = next((p for p in self.todo if p.index == index), None)
+        held = self.memory_held()
         for rank, row in (wire or {}).items():
             row["calibration"] = self.calibration.get(index)
+            row["memory"] = {"held": held}  # not an int: a row's int values are bytes sent to peers (wire_agrees)
             if planned is not None and planned.case.params.get("hold"):  # "never": the rank never asked
                 row["held"] = (self.held[index] or {}).get(rank) if index in self.held else "never"
         later = [p.index for p in self.todo if p.index > index]
         self.window = later[0] if later else None
+        self.open_memory_window()
         self.release(meter.released(str(index)))
         return wire
+
+    def open_memory_window(self) -> None:
+        """Every rank waits between two cases: reset the job's memory peak (its cgroup, outside the learner's
+        processes) to what it holds now, for memory_held() at the case's end."""
+        group = self.limits.cgroup if self.limits is not None else None
+        self.close_memory_window()
+        self.peak = group.open_peak() if group is not None else None
+        self.peak_base = group.memory() if self.peak is not None else None
+
+    def close_memory_window(self) -> None:
+        if self.peak is not None:
+            self.peak.close()
+            self.peak = None
+
+    def memory_held(self) -> int | None:
+        """The most the job's processes held at once since the window opened, over what they held then."""
+        if self.peak is None or self.peak_base is None:
+            return None
+        top = sandbox.Cgroup.read_peak(self.peak)
+        return None if top is None else max(0, top - self.peak_base)
 
     def hold(self, rank: int, index: int) -> None:
         """The last rank asks to be held still before its code for case `index` runs (learner_job.hold): stop
@@ -719,8 +748,8 @@ def void_if_forged(results: dict[int, CaseResult]) -> dict[int, CaseResult]:
         if r.verdict.earns_points and r is not forged:
             r.verdict, r.points, r.rejected = Verdict.WRONG, 0.0, FORGED
             r.message = (f"Not counted: on {forged.ranks} ranks, case {forged.name}, what the checker saw outside "
-                         "your processes (what your ranks sent over the network) contradicted what was recorded in "
-                         "them (see that case).")
+                         "your processes (on the network, or in memory) contradicted what was recorded in them (see "
+                         "that case).")
     return results
 
 

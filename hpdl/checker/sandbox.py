@@ -77,6 +77,11 @@ class Limits:
         if group is not None:
             group.remove()
 
+    @property
+    def cgroup(self) -> "Cgroup | None":
+        """The cgroup capping everything it starts (where one could be made)."""
+        return getattr(self, "_cgroup", None)
+
     def applied(self) -> dict[str, int | None]:
         """The total caps as the kernel holds them (read back from the cgroup; None: no cap)."""
         group = getattr(self, "_cgroup", None)
@@ -136,6 +141,41 @@ class Cgroup:
                 got[key] = int(text) if text.isdigit() and int(text) < 2**62 else None
                 break
         return got
+
+    def memory(self) -> int | None:
+        """The bytes its processes hold now, as the kernel counts them (None: no memory controller)."""
+        for name in ("memory.current", "memory.usage_in_bytes"):  # v2, v1
+            try:
+                text = open(os.path.join(self.dirs["memory"], name)).read().strip()
+            except (KeyError, OSError):
+                continue
+            return int(text) if text.isdigit() else None
+        return None
+
+    def open_peak(self):
+        """The most its processes hold at once from now on: a file, reset now, that `read_peak` reads (v1:
+        memory.max_usage_in_bytes; v2: memory.peak, reset for this open file, Linux 6.12 on). None: cannot."""
+        for name, reset in (("memory.peak", "reset\n"), ("memory.max_usage_in_bytes", "0")):
+            try:
+                f = open(os.path.join(self.dirs["memory"], name), "r+")
+            except (KeyError, OSError):
+                continue
+            try:
+                f.write(reset)
+                f.flush()
+                return f
+            except OSError:
+                f.close()
+        return None
+
+    @staticmethod
+    def read_peak(f) -> int | None:
+        try:
+            f.seek(0)
+            text = f.read().strip()
+        except (OSError, ValueError):
+            return None
+        return int(text) if text.isdigit() else None
 
     def remove(self) -> bool:
         """Remove it; one still holding exiting processes is kept for `sweep_cgroups` to retry."""
