@@ -39,11 +39,12 @@ SELF_REPORTED = ("the memory held at once, as tracemalloc and the tensors torch 
                  "layers of 4 MiB, where the check job's memory cgroup counts it (where it has one)")
 MEASURED_FROM = 64 * 1024   # layers of at least this many bytes: their memory is checked
 # layers' worth of bytes a rank may hold at once: the layer in use, the next one (prefetched), and
-# room for index bookkeeping (torch.arange(n) for tensor_split's counts is int64: two layers' worth)
-LAYERS_AT_ONCE = 3.5
+# room for index bookkeeping (torch.arange(n) for tensor_split's counts is int64: two layers' worth),
+# or for a pickled comm.allgather of the shards as tensors and their torch.cat (3.5-3.7 here)
+LAYERS_AT_ONCE = 4.0
 OUTSIDE_FROM = 2**20  # layers of at least this many bytes: what all ranks held at once is read outside them too
 # layers' worth each rank may hold at once by that count, beyond the shards (the model has 16): an honest rank
-# held 2-6 (a pickled allgather and torch.cat: 6), one holding the whole model 16
+# held 2-6 (a pickled allgather of tensors and torch.cat: 6), one holding the whole model 16
 OUTSIDE_LAYERS = 10
 
 
