@@ -162,8 +162,9 @@ def test_a_stage_order_rewritten_in_its_hooks_shows_while_the_last_stage_is_held
 def test_the_whole_model_held_at_once_is_counted_outside_the_learners_process_in_grading(no_strays):
     """Every layer gathered into arrays the count in the learner's process never sees: in grading, a hidden
     case of 4 MiB layers reads what the job's ranks held at once from its memory cgroup (16 layers each,
-    where an honest rank holds 2-6), and the check scores nothing."""
-    result = hpdl.check("zero3_unit", E.zero3_every_layer_at_once_unseen, ranks=[2], grade=True)
+    where an honest rank holds 2-6), and the check scores nothing. Its attempt to reset the cgroup's peak
+    afterwards, as the checker does between cases, finds it read-only."""
+    result = hpdl.check("zero3_unit", E.zero3_every_layer_at_once_peak_reset, ranks=[2], grade=True)
     no_points(result)
     assert {c.rejected for c in result.cases} == {FORGED} and any("memory cgroup" in c.message for c in result.cases)
 

@@ -167,7 +167,7 @@ def test_pipeline_step_kit_schedule_refused(no_strays):
 
 @pytest.mark.parametrize("bad, stuck", [(stage_deadlock, {0, 1}), (stage_no_backward_send, {0})])
 def test_pipeline_step_hang_names_rank_and_line(bad, stuck, no_strays):
-    result = hpdl.check("pipeline_step", bad, ranks=[3], timeout=12)
+    result = hpdl.check("pipeline_step", bad, ranks=[3], timeout=6)
     hung = [c for c in result.cases if c.verdict == "HANG"]
     assert hung, [c.verdict for c in result.cases]
     first = hung[0]

@@ -47,6 +47,13 @@ and may define
     def calibrate(comm, case) -> None        # METERED: one all-reduce of the case's size through each
                                              # library, before any learner's code; the meter reads what
                                              # it took (hooks.allreduces_on_wire)
+    Case(..., {"hold": True, ...})           # METERED: the last rank is held still (stopped) before its
+                                             # code runs, until the others stop sending: ctx.wire["held"]
+                                             # is what each rank sent each other meanwhile (hold.py), or
+                                             # "never" (it skipped being held); and in every METERED case,
+                                             # ctx.wire["memory"]["held"]: the most the job's processes
+                                             # held at once over what they held before the case (its
+                                             # memory cgroup, where there is one)
     SELF_REPORTED = "how many ..."           # what verify() still takes from the learner's own process
                                              # (the recorder, a memory count), which a learner who knows
                                              # the kit can rewrite: named in `hpdl grade`'s report header
