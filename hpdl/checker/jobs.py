@@ -150,9 +150,9 @@ class Job:
         """Where rank `rank` of this job keeps its files: its own folder in a learner job, else the job's."""
         return isolate.rank_dir(self.dir, rank) if self.kind == "learner" else self.dir
 
-    def release(self, name: str) -> None:
-        """Let every rank go on past the point it waits for `name` at (a file in its own folder)."""
-        for r in range(self.size):
+    def release(self, name: str, ranks: list[int] | None = None) -> None:
+        """Let every rank (or these) go on past the point it waits for `name` at (a file in its own folder)."""
+        for r in range(self.size) if ranks is None else ranks:
             path = os.path.join(self.rank_dir(r), name)
             if not os.path.lexists(path):  # the rank's folder: the learner may have put one there
                 try:
@@ -338,7 +338,7 @@ class Job:
                 self.held[index] = None  # could not be stopped here: nothing to say
         elif wanted:
             self.held[index] = None
-        self.release(f"go-hold_{index}")
+        self.release(f"go-hold_{index}", [rank])
 
     def settle_hold(self) -> None:
         """A rank held still: once the others have stopped sending (or it has been long enough), read and let go."""
