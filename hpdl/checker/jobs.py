@@ -292,12 +292,11 @@ class Job:
         except (OSError, ValueError, subprocess.SubprocessError):
             wire = None
         self.let_go()
-        planned = next((p for p in self.todo if p.index == index), None)
         held = self.memory_held()
         for rank, row in (wire or {}).items():
             row["calibration"] = self.calibration.get(index)
             row["memory"] = {"held": held}  # not an int: a row's int values are bytes sent to peers (wire_agrees)
-            if planned is not None and planned.case.params.get("hold"):  # "never": the rank never asked
+            if self.held_case(index):  # "never": the rank never asked
                 row["held"] = (self.held[index] or {}).get(rank) if index in self.held else "never"
         later = [p.index for p in self.todo if p.index > index]
         self.window = later[0] if later else None
@@ -329,9 +328,8 @@ class Job:
         """The last rank asks to be held still before its code for case `index` runs (learner_job.hold): stop
         it, then let it past its wait; settle_hold() reads the others' bytes and lets it go. Only for the
         case the meter's window is open for, once: a rank that asks early or again is simply let past."""
-        planned = next((p for p in self.todo if p.index == index), None)
-        wanted = (planned is not None and planned.case.params.get("hold") and rank == self.size - 1
-                  and index == self.window and index not in self.held and self.holding is None)
+        wanted = (self.held_case(index) and rank == self.size - 1 and index == self.window
+                  and index not in self.held and self.holding is None)
         if wanted and self.meter is not None and rank in self.host_pids:
             self.holding = hold.Hold.start(self.meter, self.host_pids[rank], index, list(range(self.size - 1)))
             if self.holding is None:
@@ -339,6 +337,10 @@ class Job:
         elif wanted:
             self.held[index] = None
         self.release(f"go-hold_{index}", [rank])
+
+    def held_case(self, index: int) -> bool:
+        """Case `index` is one of this job's with "hold" in its params (the checker's plan, not the learner's word)."""
+        return any(p.index == index and bool(p.case.params.get("hold")) for p in self.todo)
 
     def settle_hold(self) -> None:
         """A rank held still: once the others have stopped sending (or it has been long enough), read and let go."""

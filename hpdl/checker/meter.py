@@ -237,11 +237,11 @@ class Meter:
 
     def peek(self) -> dict[str, dict]:
         """What take() would return now, the window left open (the next take() counts from the same reading)."""
-        last, held = self.last, self.held
+        last = self.last
         try:
             return self.take()
         finally:
-            self.last, self.held = last, held
+            self.last = last
 
 
 def released(tag: str) -> str:

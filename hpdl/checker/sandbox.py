@@ -73,9 +73,8 @@ class Limits:
         return self
 
     def stop(self) -> None:
-        group = getattr(self, "_cgroup", None)
-        if group is not None:
-            group.remove()
+        if self.cgroup is not None:
+            self.cgroup.remove()
 
     @property
     def cgroup(self) -> "Cgroup | None":
@@ -84,8 +83,7 @@ class Limits:
 
     def applied(self) -> dict[str, int | None]:
         """The total caps as the kernel holds them (read back from the cgroup; None: no cap)."""
-        group = getattr(self, "_cgroup", None)
-        return group.read_back() if group is not None else {"memory": None, "tasks": None}
+        return self.cgroup.read_back() if self.cgroup is not None else {"memory": None, "tasks": None}
 
     def apply(self) -> None:
         """In the child, before exec: set the limits (lowering only; never raising a hard limit)."""
@@ -130,23 +128,19 @@ class Cgroup:
 
     def read_back(self) -> dict[str, int | None]:
         """What the kernel holds: {"memory": bytes, "tasks": n}, None where not capped."""
-        got: dict[str, int | None] = {"memory": None, "tasks": None}
-        for key, ctl, files in (("tasks", "pids", ("pids.max",)),
-                                ("memory", "memory", ("memory.max", "memory.limit_in_bytes"))):
-            for f in files:
-                try:
-                    text = open(os.path.join(self.dirs[ctl], f)).read().strip()
-                except (KeyError, OSError):
-                    continue
-                got[key] = int(text) if text.isdigit() and int(text) < 2**62 else None
-                break
-        return got
+        tasks = self._number("pids", ("pids.max",))
+        memory = self._number("memory", ("memory.max", "memory.limit_in_bytes"))  # v2, v1
+        return {key: n if n is not None and n < 2**62 else None for key, n in (("memory", memory), ("tasks", tasks))}
 
     def memory(self) -> int | None:
         """The bytes its processes hold now, as the kernel counts them (None: no memory controller)."""
-        for name in ("memory.current", "memory.usage_in_bytes"):  # v2, v1
+        return self._number("memory", ("memory.current", "memory.usage_in_bytes"))  # v2, v1
+
+    def _number(self, ctl: str, names: tuple[str, ...]) -> int | None:
+        """The first of these files of controller `ctl` that exists, as a number (None: none, or "max")."""
+        for name in names:
             try:
-                text = open(os.path.join(self.dirs["memory"], name)).read().strip()
+                text = open(os.path.join(self.dirs[ctl], name)).read().strip()
             except (KeyError, OSError):
                 continue
             return int(text) if text.isdigit() else None
