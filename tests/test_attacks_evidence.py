@@ -276,9 +276,10 @@ def test_all_reduces_struck_from_the_recording_are_counted_on_the_wire(no_strays
     result = hpdl.check("allreduce_gradients", E.allreduce_per_tensor_recorded_as_one, ranks=[2])
     no_points(result)
     assert all("outside your process" in c.message for c in result.cases), result
-    over_mpi = hpdl.check("allreduce_gradients", E.allreduce_per_tensor_over_mpi_recorded_as_one, ranks=[3])
+    over_mpi = hpdl.check("allreduce_gradients", E.allreduce_per_tensor_over_mpi_recorded_as_one, ranks=[2])
+    no_points(over_mpi)  # the 10-tensor case shows the recording false: no case counts, the 4-tensor one neither
     many = [c for c in over_mpi.cases if "10 tensors" in c.name]
-    assert many and all(c.verdict == "WRONG" and "outside your process" in c.message for c in many), over_mpi
+    assert many and all("while your process recorded one" in c.message for c in many), over_mpi
 
 
 @pytest.mark.parametrize("exercise, fn, ranks", [
@@ -298,7 +299,7 @@ def test_right_answers_pass(exercise, fn, ranks, no_strays):
 _IN_PROCESS = ("when torch.distributed's all-reduces ran, during backward or after, is known to the learner's "
                "process only; the wire's counts, read once a case ends, say nothing of it")
 _FEW = ("an MPI all-reduce of a small tensor takes a barrier's messages: four of them, hidden from the recorder, "
-        "pass on the wire for one all-reduce with a barrier on either side")
+        "pass on the wire for one all-reduce with a barrier on either side (on the 4-tensor models, at 2-3 ranks)")
 _ORDER = ("a pipeline stage's order shows on the wire only while the last stage is held still; a stage that "
           "first waits for it sends nothing meanwhile, as 1F1B's, and runs GPipe's order after")
 _MEMORY = ("in an inline check, the memory zero3_unit's function holds at once is followed in the learner's process "
@@ -307,7 +308,7 @@ _MEMORY = ("in an inline check, the memory zero3_unit's function holds at once i
 
 # each gap: (exercise, attack, why it is not caught); what the grading report's header names (the case
 # modules' SELF_REPORTED)
-GAPS = [("allreduce_gradients", E.allreduce_per_tensor_over_mpi_recorded_as_one, _FEW, 2),
+GAPS = [("allreduce_gradients", E.allreduce_per_tensor_over_mpi_where_few, _FEW, 3),
         ("overlap_allreduce", E.overlap_after_backward_recorded_as_overlap, _IN_PROCESS, 2),
         ("pipeline_step", E.pipeline_gpipe_after_a_barrier, _ORDER, 3),
         ("zero3_unit", E.zero3_every_layer_at_once_unseen, _MEMORY, 2)]
