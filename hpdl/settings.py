@@ -182,8 +182,9 @@ SLURM = _declare("HPDL_SLURM_", "text", None, "overrides one [slurm] key of the 
 LAUNCHER = _declare("HPDL_LAUNCHER", "text", "auto", "how hpdl.start() starts ranks when not told: a launcher's "
                     "name (local, slurm, ...); auto: Slurm inside an allocation, else the local mpiexec",
                     ("kernel",))
-CELL_TIMEOUT = _declare("HPDL_CELL_TIMEOUT", "seconds", "300", "the time limit of a %%px cell when neither "
-                        "hpdl.start(cell_timeout=...) nor %%px --timeout gives one", ("kernel",))
+CELL_TIMEOUT = _declare("HPDL_CELL_TIMEOUT", "seconds", "300", "the time limit of a %%px cell, and of a blocking "
+                        "call on hpdl.view() (pull, push, apply_sync), when neither hpdl.start(cell_timeout=...) nor "
+                        "%%px --timeout gives one", ("kernel",))
 NODES = _declare("HPDL_NODES", "int", "0", "emulated nodes hpdl.start() puts its ranks on when not told "
                  "(nodes=...): network namespaces joined by rate-limited links, as root or in a user namespace "
                  "(docs/EMULATED_NODES.md; a site profile's [emulated] nodes when unset); "

@@ -73,7 +73,9 @@ class Cluster:
 
     @property
     def view(self):
-        return self.client[:]
+        from hpdl.cluster.rankview import rank_view
+
+        return rank_view(self.client, current)
 
     @property
     def local(self) -> bool:
@@ -175,7 +177,7 @@ def start(
     variables on the engines survive); if a rank died or is stuck, or settings differ, it
     stops the old ranks and starts fresh ones.
 
-    `cell_timeout`: seconds a %%px cell may run; default $HPDL_CELL_TIMEOUT, read at this call.
+    `cell_timeout`: seconds a %%px cell or a blocking hpdl.view() call may run; default $HPDL_CELL_TIMEOUT.
     `env` sets environment variables on every rank before MPI, torch.distributed and Horovod
     start — the way to try knobs such as HOROVOD_FUSION_THRESHOLD, NCCL_ALGO or MV2_USE_CUDA.
     In a script, `with hpdl.start(n=2) as c:` stops the ranks when the block ends.
@@ -574,5 +576,6 @@ def status() -> dict:
 
 
 def view():
-    """The ipyparallel DirectView on every rank (view.apply, view.execute, view.pull ...)."""
+    """The ipyparallel DirectView on every rank (view.apply, view.execute, view.pull ...), whose blocking
+    calls wait at most the cell time limit, then name the ranks that did not answer (cluster/rankview.py)."""
     return current().view

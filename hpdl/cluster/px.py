@@ -42,11 +42,11 @@ def _seconds(text: str) -> float:
     return value
 
 
-def engine_ids(view) -> list[int]:
-    """The engines a view's cell goes to, in the order of its AsyncResult's msg_ids (DirectView.targets:
-    None or 'all', one id, a list, or a slice of the client's ids)."""
+def engine_ids(view, targets=None) -> list[int]:
+    """The engines a view's cell goes to, in the order of its AsyncResult's msg_ids (DirectView.targets,
+    or the call's own `targets`: None or 'all', one id, a list, or a slice of the client's ids)."""
     ids = list(view.client.ids)
-    targets = view.targets
+    targets = view.targets if targets is None else targets
     if targets is None or targets == "all":
         return ids
     if isinstance(targets, int):

@@ -24,10 +24,12 @@ RESTART_ADVICE = (
 )
 
 
-def wait(ar, timeout: float, cluster: "Cluster", code: str | None = None, engines: list[int] | None = None) -> None:
+def wait(ar, timeout: float, cluster: "Cluster", code: str | None = None, engines: list[int] | None = None,
+         what: str = "the cell") -> None:
     """Wait for an AsyncResult on the ranks, raising RankHang or RankDied with details.
 
-    engines: the engine of each of `ar.msg_ids`, in order (default: every engine of the cluster)."""
+    engines: the engine of each of `ar.msg_ids`, in order (default: every engine of the cluster);
+    what: what was waited for, as the hang report's headline names it."""
     deadline = time.monotonic() + timeout
     while not ar.ready():
         ar.wait(0.1)
@@ -37,7 +39,8 @@ def wait(ar, timeout: float, cluster: "Cluster", code: str | None = None, engine
         if dead:
             raise RankDied(death_report(cluster, dead))
         if time.monotonic() > deadline:
-            raise RankHang(hang_report(cluster, ar, timeout, code, engines=engines))
+            raise RankHang(hang_report(cluster, ar, timeout, code, engines=engines,
+                                       headline=f"{what} did not finish on every rank within {timeout:g} s."))
     dead = cluster.dead_ranks()
     if dead:
         raise RankDied(death_report(cluster, dead))
