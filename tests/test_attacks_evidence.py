@@ -285,6 +285,7 @@ def test_all_reduces_struck_from_the_recording_are_counted_on_the_wire(no_strays
 @pytest.mark.parametrize("exercise, fn, ranks", [
     ("allreduce_gradients", grads_over_mpi, [3]),
     ("allreduce_gradients", E.gradients_by_pickled_allreduce, [2, 4]),
+    ("allreduce_gradients", E.gradients_between_torch_barriers, [3]),
     ("bcast_binomial", E.bcast_shape_first, [3, 4]),
     ("recursive_doubling", E.recursive_doubling_segmented, [3, 4]),
     ("ring_allreduce", E.ring_on_reversed_split, [4]),

@@ -247,6 +247,7 @@ TORCH_COLLECTIVES = {
     "scatter_object_list": "scatter", "reduce_scatter": "Reduce_scatter",
     "reduce_scatter_tensor": "Reduce_scatter", "_reduce_scatter_base": "Reduce_scatter",
     "all_to_all": "Alltoall", "all_to_all_single": "Alltoall",
+    "barrier": "Barrier", "monitored_barrier": "Barrier",  # no data, but messages on the wire (wire counts)
 }
 
 

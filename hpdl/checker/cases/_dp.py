@@ -46,15 +46,18 @@ def calibrate(comm, values: int) -> None:
     """One all-reduce of `values` float32 through torch.distributed, then one through MPI, before any
     learner's code: the meter reads how many messages each took here (hooks.allreduces_on_wire),
     whatever this torch's Gloo or this MPI does for one of that size (an MPI picks its algorithm by it).
-    MPI's is the costliest honest one: mpi4py's pickled allreduce (its own reduce and broadcast, on a
-    communicator mpi4py duplicates at its first use: `comm` is as fresh as the learner's), with a
-    barrier on either side, which a learner may well write and which costs as much as an MPI
-    all-reduce of a small tensor."""
+    Each is the costliest honest one, with a barrier on either side, which a learner may well write and
+    which costs as much as an all-reduce of a small tensor; MPI's is mpi4py's pickled allreduce (its own
+    reduce and broadcast, on a communicator mpi4py duplicates at its first use: `comm` is as fresh as
+    the learner's)."""
     import numpy as np
     import torch
+    import torch.distributed as dist
     from mpi4py import MPI
 
+    dist.barrier()
     all_reduce(torch.ones(values))
+    dist.barrier()
     comm.Barrier()
     comm.allreduce(np.ones(values, np.float32), op=MPI.SUM)
     comm.Barrier()
