@@ -158,6 +158,17 @@ def test_a_stage_order_rewritten_in_its_hooks_shows_while_the_last_stage_is_held
     assert {c.rejected for c in result.cases} == {FORGED} and any(words in c.message for c in result.cases), result
 
 
+def test_a_stage_that_first_waits_for_the_held_last_stage_is_told_so(no_strays):
+    """GPipe behind a barrier: nothing crosses while the last stage is held, so its order is not seen there;
+    but no 1F1B stage sends nothing then, as its first forward needs nothing from the stages after it.
+    The held case is WRONG, a wrong order and not a forged one (an honest 1F1B behind a barrier waits too),
+    with a hint that names the wait."""
+    result = hpdl.check("pipeline_step", E.pipeline_gpipe_after_a_barrier, ranks=[3])
+    held = [c for c in result.cases if "width 128" in c.name]
+    assert held and all(c.verdict == "WRONG" and "not one micro-batch's activations" in c.message for c in held), result
+    assert "a barrier" in (held[0].hint or "") and result.score < result.max_score, result
+
+
 @pytest.mark.skipif(not sandbox.cgroup_works(), reason="no cgroup can be made here to count a check job's memory")
 def test_the_whole_model_held_at_once_is_counted_outside_the_learners_process_in_grading(no_strays):
     """Every layer gathered into arrays the count in the learner's process never sees: in grading, a hidden
@@ -302,7 +313,7 @@ _IN_PROCESS = ("when torch.distributed's all-reduces ran, during backward or aft
 _FEW = ("an MPI all-reduce of a small tensor takes a barrier's messages: four of them, hidden from the recorder, "
         "pass on the wire for one all-reduce with a barrier on either side (on the 4-tensor models, at 2-3 ranks)")
 _ORDER = ("a pipeline stage's order shows on the wire only while the last stage is held still; a stage that "
-          "first waits for it sends nothing meanwhile, as 1F1B's, and runs GPipe's order after")
+          "sends 1F1B's first forwards, then waits for it, reads as 1F1B there and runs GPipe's order after")
 _MEMORY = ("in an inline check, the memory zero3_unit's function holds at once is followed in the learner's process "
            "(tracemalloc, the tensors torch made): arrays it never sees hold every layer. Grading counts it outside")
 
@@ -311,7 +322,7 @@ _MEMORY = ("in an inline check, the memory zero3_unit's function holds at once i
 # modules' SELF_REPORTED)
 GAPS = [("allreduce_gradients", E.allreduce_per_tensor_over_mpi_where_few, _FEW, 3),
         ("overlap_allreduce", E.overlap_after_backward_recorded_as_overlap, _IN_PROCESS, 2),
-        ("pipeline_step", E.pipeline_gpipe_after_a_barrier, _ORDER, 3),
+        ("pipeline_step", E.pipeline_gpipe_after_1f1b_warm_up, _ORDER, 3),
         ("zero3_unit", E.zero3_every_layer_at_once_unseen, _MEMORY, 2)]
 
 

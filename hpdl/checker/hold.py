@@ -11,8 +11,10 @@ nothing can come back from the held one. Once those bytes have stopped changing 
 passed) it reads them and lets the rank go on (SIGCONT). The reading goes to the deciding side with the
 case's wire row (`held`); the case module's verify() reads it.
 
-What it cannot tell: a stage that waits on purpose before it sends (for a message the held rank
-never sends, or for longer than MAX_HOLD) sends nothing while the other is held, as 1F1B would.
+What it cannot tell: a stage that sends just what 1F1B sends before a gradient could come back,
+then waits on purpose (for a message the held rank sends once let go) and runs GPipe's order after,
+reads as 1F1B. A stage that sends nothing meanwhile waited on a later stage first: the case module
+says so (a wrong order, not a forged one: an honest 1F1B behind a barrier waits too).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import time
 from hpdl import procs
 
 STILL = 0.25  # s: the bytes between the ranks unchanged this long, every rank having sent: they wait
-MAX_HOLD = 2.0  # s: the longest one rank is held still
+MAX_HOLD = 4.0  # s: the longest one rank is held still (honest stages all send within 0.4 s; one that waits, never)
 EVERY = 0.05  # s between two readings of the wire
 
 

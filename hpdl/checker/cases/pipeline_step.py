@@ -352,6 +352,8 @@ def _sent_while_held(ctx) -> Wrong | None:
     rows = [len(part) for part in np.array_split(np.arange(params["rows"]), m)]
     allowed = min(p - r, m)
     sent = held.get(str(r + 1), 0) if isinstance(held, dict) and r < p - 1 else 0
+    if r < p - 1 and isinstance(sent, int) and sent < 4 * width * rows[0]:
+        return _waited_first(r, p, sent)
     if allowed >= m or not isinstance(sent, int) or sent < 4 * width * sum(rows[:allowed + 1]):
         return None
     k = max(i for i in range(m + 1) if 4 * width * sum(rows[:i]) <= sent)
@@ -361,6 +363,18 @@ def _sent_while_held(ctx) -> Wrong | None:
                  forged=True,
                  hint="that is GPipe's order: every forward first, every activation kept until the end. Fill the pipe "
                       "with min(p-s-1, m) forwards, then one forward and one backward at a time.")
+
+
+def _waited_first(r: int, p: int, sent: int) -> Wrong:
+    """Not one micro-batch's activations sent while the last stage was held: a 1F1B stage's first forward
+    needs nothing from the stages after it, so this one waited on one of them first. A wrong order, not a
+    forged one: an honest 1F1B behind a barrier waits so too (and so does GPipe behind one)."""
+    return Wrong(f"stage {r} of {p} sent stage {r + 1} {sent} bytes while the last stage was held still (the checker "
+                 "stopped it before its code ran, until the other stages stopped sending, and counted the bytes "
+                 "outside your processes): not one micro-batch's activations. A 1F1B stage's first forward needs "
+                 "nothing from the stages after it",
+                 hint="your stage waits for a later stage before its first forward: a barrier, or a receive from the "
+                      "next stage first? Run the forward of micro-batch 0 and send its activations at once.")
 
 
 def _received(ctx) -> Wrong | None:
