@@ -26,8 +26,10 @@ The check runs the learner's stage on 1-4 ranks and decides on behaviour, observ
   the bytes each stage sends the next meanwhile. No gradient can come back then: 1F1B's stage s
   sends min(p-s, m) micro-batches' activations and waits, GPipe's sends all m. More than 1F1B's
   while the hooks said 1F1B is a forged order, and so is a last stage that skipped being held: the
-  check scores nothing. (A stage that first waits for the last one sends nothing meanwhile and
-  passes; so does, on 2 ranks under MPICH, a blocking Send, which waits for a held receiver.)
+  check scores nothing. A stage that sends nothing meanwhile waited on a later stage before its
+  first forward: the case is WRONG (a barrier first, say). (A stage that sends 1F1B's first forwards,
+  then waits for the last one, passes; so does, on 2 ranks under MPICH, GPipe with blocking Sends,
+  which wait for a held receiver after the first.)
 - exactly one message per micro-batch each way, of that micro-batch's size (tensor_split's,
   also when B is not divisible by m), between neighbouring stages only;
 - the bytes each stage sent to each rank, counted by the kernel outside the learner's process
@@ -50,8 +52,9 @@ RANKS = (1, 2, 3, 4)
 PRIVATE_INPUTS = True  # each rank gets its own layers (and rank 0 the batch) as data: the rest come by message
 METERED = True  # the bytes each stage sends to each rank, counted by the kernel (meter.py), against its recording
 SELF_REPORTED = ("the order the stage ran its micro-batches in (1F1B or GPipe), as hooks in its own process saw it, "
-                 "but for how many activations a stage sends while the last stage is held still (a stage that first "
-                 "waits for it runs GPipe's order unseen); how many messages carried them, as its recorder saw them")
+                 "but for how many activations a stage sends while the last stage is held still (a stage that sends "
+                 "1F1B's first forwards, then waits for it, runs GPipe's order unseen); how many messages carried "
+                 "them, as its recorder saw them")
 TIMEOUT = 30.0  # the first case of a job pays for importing torch
 WIDTH, CLASSES = 16, 10
 FORBIDDEN = {name: "a pipeline stage exchanges activations and gradients with its neighbours in point-to-point "
