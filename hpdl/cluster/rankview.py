@@ -9,9 +9,9 @@ ipyparallel's own.
 """
 from __future__ import annotations
 
-from ipyparallel.client.view import DirectView
-
 from typing import Callable
+
+from ipyparallel.client.view import DirectView
 
 from hpdl.cluster import reports
 from hpdl.cluster.px import engine_ids

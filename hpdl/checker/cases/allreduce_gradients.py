@@ -29,8 +29,8 @@ METERED = True  # the bytes that reach each rank are counted by the kernel (mete
 # all-reduces a case's messages may amount to (hooks.allreduces_on_wire): one, and room
 MAX_ON_WIRE = 1.5
 SELF_REPORTED = ("how many all-reduces ran through MPI, up to about four: an MPI all-reduce of a small tensor takes "
-                 "a barrier's messages, and the kernel's count allows one all-reduce and two barriers (more, recorded "
-                 "as one, voids the check)")
+                 "a barrier's messages, and the kernel's count allows one all-reduce and two barriers (more, where the "
+                 "recording holds one all-reduce and nothing else, voids the check)")
 
 _MODELS = {
     "mlp": (64, 32, 10),
