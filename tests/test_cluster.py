@@ -141,6 +141,16 @@ def test_hang_names_stuck_rank_and_line_then_restart_recovers(ip, no_strays):
         assert res.error_in_exec is None
         assert hpdl.view().pull("y", block=True) == [3, 3, 3]
         assert wait_gone(old) == []
+        # a plain cell's blocking pull waits as long as a cell may (cell_timeout), not for ever, and names the
+        # rank that cannot answer (stuck in code sent without waiting) and those that did
+        hpdl.view().execute("import numpy as np\nif rank == 2:\n    comm.Recv(np.zeros(1), source=0)", block=False)
+        hpdl.cluster.current().cell_timeout = 3
+        with pytest.raises(RankHang) as pulled:
+            hpdl.view().pull("y", block=True)
+        said = str(pulled.value)
+        assert said.startswith("view.pull(...) did not finish on every rank within 3 s."), said
+        assert "stuck:    rank 2 at line 3 of the cell: comm.Recv(np.zeros(1), source=0)" in said, said
+        assert "finished: ranks 0, 1" in said, said
     finally:
         hpdl.stop(quiet=True)
 
@@ -351,7 +361,7 @@ def test_px_hang_is_worded_by_hpdl_hang_and_a_with_block_stops_the_ranks(ip, no_
 def test_px_options_keep_their_meaning_and_a_hang_on_some_targets_names_those_ranks(ip, no_strays):
     """%%px runs through ipyparallel's public path: --out keeps its %px-named AsyncResult,
     %pxresult shows the last one, and a hang under --targets names the targeted rank only."""
-    with hpdl.start(n=2, frameworks=(), quiet=True, cell_timeout=3):
+    with hpdl.start(n=2, frameworks=(), quiet=True):
         res = run(ip, "%%px --out saved\nx = rank * 10\nx")
         assert res.error_in_exec is None
         saved = ip.user_ns["saved"]
@@ -363,12 +373,8 @@ def test_px_options_keep_their_meaning_and_a_hang_on_some_targets_names_those_ra
         assert isinstance(err, RankHang), err
         assert "stuck:    rank 1 at line 2 of the cell: comm.Recv(np.zeros(1), source=0)" in str(err), str(err)
         assert "finished:" not in str(err) and "rank 0" not in str(err), str(err)
-        # a plain cell's blocking pull waits as long as a cell may (cell_timeout), not for ever, and names
-        # the rank that cannot answer (stuck in the cell above) and the one that did
-        with pytest.raises(RankHang) as pulled:
+        # a plain cell's blocking pull is refused at once, as the next %%px is, not queued behind the stuck rank
+        with pytest.raises(HpdlError, match=r"still stuck in a cell that timed out\. Run hpdl\.restart\(\)"):
             hpdl.view().pull("x", block=True)
-        said = str(pulled.value)
-        assert said.startswith("view.pull(...) did not finish on every rank within 3 s."), said
-        assert "stuck:    rank 1" in said and "comm.Recv(np.zeros(1), source=0)" in said and "finished: rank 0" in said
         res = run(ip, "%%px --timeout two\nx = 1")
         assert isinstance(res.error_in_exec, HpdlError) and "--timeout 30" in str(res.error_in_exec)

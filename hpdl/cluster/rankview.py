@@ -4,8 +4,9 @@ A notebook reads results back from the ranks with `hpdl.view().pull("name", bloc
 plain cell, outside `%%px`. ipyparallel waits for such a call without end: a rank that never
 answers (stuck in a collective, or a reply lost on the way) freezes the notebook. Here a blocking
 call waits as long as a `%%px` cell may (the cluster's cell_timeout), then names the ranks that have
-not answered and where they are (reports.py), as `%%px` does. Calls with block=False are
-ipyparallel's own.
+not answered and where they are (reports.py), as `%%px` does; and, as `%%px` does, it is refused at
+once while a rank is dead or still stuck in a cell that timed out (it would only queue behind it).
+Calls with block=False are ipyparallel's own.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ipyparallel.client.view import DirectView
 
 from hpdl.cluster import reports
 from hpdl.cluster.px import engine_ids
+from hpdl.errors import HpdlError
 
 
 class RankView(DirectView):
@@ -24,6 +26,8 @@ class RankView(DirectView):
 
     def _really_apply(self, f, args=None, kwargs=None, targets=None, block=None, track=None, label=None):
         block = self.block if block is None else block
+        if block:
+            self._refuse_if_stuck()
         ar = super()._really_apply(f, args, kwargs, targets=targets, block=False, track=track, label=label)
         if not block:
             return ar
@@ -33,11 +37,18 @@ class RankView(DirectView):
 
     def execute(self, code, silent=True, targets=None, block=None, label=None):
         block = self.block if block is None else block
+        if block:
+            self._refuse_if_stuck()
         ar = super().execute(code, silent=silent, targets=targets, block=False, label=label)
         if block:
             self._waited(ar, targets, code, "view.execute(...)").get()
             ar.wait_for_output(1)
         return ar
+
+    def _refuse_if_stuck(self) -> None:
+        why = self.current_cluster().problem()
+        if why:
+            raise HpdlError(f"The ranks can't take this call: {why}. Run hpdl.restart() for fresh ranks.")
 
     def _waited(self, ar, targets, code: str | None, what: str):
         """`ar` once every rank has answered; RankHang naming the others past the time limit, RankDied
