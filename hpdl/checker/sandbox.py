@@ -140,7 +140,8 @@ class Cgroup:
         """The first of these files of controller `ctl` that exists, as a number (None: none, or "max")."""
         for name in names:
             try:
-                text = open(os.path.join(self.dirs[ctl], name)).read().strip()
+                with open(os.path.join(self.dirs[ctl], name)) as f:
+                    text = f.read().strip()
             except (KeyError, OSError):
                 continue
             return int(text) if text.isdigit() else None

@@ -144,7 +144,7 @@ class RankMagics(ParallelMagics):
             result.wait(0.1)
         if not result.ready():
             headline = "interrupted, but some ranks did not stop (a rank inside an MPI call cannot be interrupted)."
-            raise RankHang(reports.hang_report(c, result, 0, cell, headline, engines=engines)) from None
+            raise RankHang(reports.hang_report(c, result, cell, headline, engines=engines)) from None
 
 
 def register_px(ip, cluster, current: Callable) -> None:

@@ -39,8 +39,8 @@ def wait(ar, timeout: float, cluster: "Cluster", code: str | None = None, engine
         if dead:
             raise RankDied(death_report(cluster, dead))
         if time.monotonic() > deadline:
-            raise RankHang(hang_report(cluster, ar, timeout, code, engines=engines,
-                                       headline=f"{what} did not finish on every rank within {timeout:g} s."))
+            raise RankHang(hang_report(cluster, ar, code, f"{what} did not finish on every rank within {timeout:g} s.",
+                                       engines=engines))
     dead = cluster.dead_ranks()
     if dead:
         raise RankDied(death_report(cluster, dead))
@@ -65,20 +65,17 @@ def pending_ranks(cluster: "Cluster", ar, engines: list[int] | None = None) -> t
     return sorted(done), sorted(stuck)
 
 
-def hang_report(cluster: "Cluster", ar, timeout: float, code: str | None, headline: str | None = None,
-                engines: list[int] | None = None) -> str:
-    """Name the finished and the stuck ranks (with their lines) and remember the stuck cell, so
-    that the cluster refuses more work until restarted."""
+def hang_report(cluster: "Cluster", ar, code: str | None, headline: str, engines: list[int] | None = None) -> str:
+    """Under `headline`, name the finished and the stuck ranks (with their lines) and remember the stuck
+    cell, so that the cluster refuses more work until restarted."""
     done, stuck = pending_ranks(cluster, ar, engines)
     dumps = {r["rank"] for r in cluster.ranks if r.get("stack_dumps")}  # SIGUSR1 is safe only there
     where = hang.ask(str(cluster.run_dir), stuck, procs={r: p for r, p in cluster.rank_procs.items() if r in dumps})
     for msg_id, rank in _by_engine(cluster, ar, engines):
         if msg_id in cluster.client.outstanding:
             cluster.wedged[msg_id] = rank
-    return hang.hang_message(
-        headline or f"the cell did not finish on every rank within {timeout:g} s.",
-        {r: where.get(r) for r in stuck}, done, _errors_by_rank(cluster, ar, engines), code, advice=RESTART_ADVICE,
-    )
+    return hang.hang_message(headline, {r: where.get(r) for r in stuck}, done, _errors_by_rank(cluster, ar, engines),
+                             code, advice=RESTART_ADVICE)
 
 
 def _errors_by_rank(cluster: "Cluster", ar, engines: list[int] | None) -> dict[int, str]:
