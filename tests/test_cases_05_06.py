@@ -146,7 +146,7 @@ def test_allreduce_gradients_known_bad_rejected(bad, words):
 
 # -- 05, exercise 3: overlap_allreduce -----------------------------------------------------------
 
-def _overlap(broadcast=True, average=True, during_backward=True, bucketed=True):
+def _overlap(broadcast=True, average=True, during_backward=True, bucketed=True, at_end=False):
     """A family of learner versions of the exercise, each with one thing left out."""
 
     def overlap_allreduce(comm, model, bucket_mb):
@@ -175,7 +175,9 @@ def _overlap(broadcast=True, average=True, during_backward=True, bucketed=True):
         def ready(p):
             i = home[id(p)]
             left[i] -= 1
-            if left[i] == 0 and during_backward:
+            if left[i] == 0 and during_backward and at_end:  # queued for the end of backward, as DDP does its last
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: launch(i))
+            elif left[i] == 0 and during_backward:
                 launch(i)
 
         for p in model.parameters():
@@ -205,6 +207,7 @@ def _overlap(broadcast=True, average=True, during_backward=True, bucketed=True):
     (_overlap(average=False), ["summed, not averaged"]),
     (_overlap(broadcast=False), ["differ from rank 0", "broadcast"]),
     (_overlap(during_backward=False), ["while backward ran"]),
+    (_overlap(at_end=True), ["the buckets complete by then", "from the hook that completes it"]),
     (_overlap(bucketed=False), ["all-reduces in a step", "one flat buffer"]),
 ])
 def test_overlap_allreduce_known_bad_rejected(bad, words):

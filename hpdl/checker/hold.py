@@ -1,4 +1,5 @@
-"""Checker's side: hold one learner rank still while the others run a case, and read what they send.
+"""Checker's side: hold one learner rank still while the others run a case, and read what they send;
+or read the wire while every rank waits at a point the case chose (Pause).
 
 Some behaviour shows only in what a rank does *before* an answer from another rank could reach it:
 a 1F1B pipeline stage sends min(p - s, m) micro-batches' activations and then waits for the first
@@ -15,6 +16,11 @@ What it cannot tell: a stage that sends just what 1F1B sends before a gradient c
 then waits on purpose (for a message the held rank sends once let go) and runs GPipe's order after,
 reads as 1F1B. A stage that sends nothing meanwhile waited on a later stage first: the case module
 says so (a wrong order, not a forged one: an honest 1F1B behind a barrier waits too).
+
+A Pause: a case's call() asks for a reading at a point of its own (cases.read_wire_here: in the middle
+of backward, say). Every rank waits there, with its other threads running, until the bytes stop changing
+and the checker has read them; then all go on. What the reading shows happened before the point; where
+the learner's process moves the point, the bytes show that too (the case module bounds them both ways).
 """
 from __future__ import annotations
 
@@ -26,25 +32,21 @@ from hpdl import procs
 STILL = 0.25  # s: the bytes between the ranks unchanged this long, every rank having sent: they wait
 MAX_HOLD = 4.0  # s: the longest one rank is held still (honest stages all send within 0.4 s; one that waits, never)
 EVERY = 0.05  # s between two readings of the wire
+PAUSE_STILL = 0.1  # s: the same for ranks that wait of their own accord (a Pause): their transfers end within ms
 
 
-class Hold:
-    """One rank of a learner job held still for case `index`, from the moment it asked."""
+class Settling:
+    """The wire read every EVERY seconds until the bytes between the ranks stop changing."""
 
-    def __init__(self, meter, proc: procs.Proc, index: int, senders: list[int]):
-        self.meter, self.proc, self.index = meter, proc, index
+    still = STILL
+
+    def __init__(self, meter, senders: list[int]):
+        self.meter = meter
         self.senders = senders  # ranks that should have sent something before the bytes count as settled
-        self.since = self.changed = self.read_at = time.monotonic()
+        self.since = self.changed = time.monotonic()
+        self.read_at = self.since - EVERY  # the first reading at once
         self.seen: dict | None = None
         self.key: tuple = ()
-
-    @classmethod
-    def start(cls, meter, pid: int, index: int, senders: list[int]) -> "Hold | None":
-        """Stop the process `pid` (a rank of this job, as this process sees it); None where it could not be."""
-        proc = procs.record(pid)
-        if proc is None or not procs.hold_still(proc):
-            return None
-        return cls(meter, proc, index, senders)
 
     def settled(self) -> bool:
         """Read the wire (at most every EVERY seconds); True once the others have stopped sending."""
@@ -62,7 +64,23 @@ class Hold:
             self.key, self.changed = key, now
         everyone = all(any(isinstance(v, int) and v > 0 and k.isdigit() for k, v in self.seen.get(str(r), {}).items())
                        for r in self.senders)
-        return (everyone and now - self.changed >= STILL) or now - self.since >= MAX_HOLD
+        return (everyone and now - self.changed >= self.still) or now - self.since >= MAX_HOLD
+
+
+class Hold(Settling):
+    """One rank of a learner job held still for case `index`, from the moment it asked."""
+
+    def __init__(self, meter, proc: procs.Proc, index: int, senders: list[int]):
+        super().__init__(meter, senders)
+        self.proc, self.index = proc, index
+
+    @classmethod
+    def start(cls, meter, pid: int, index: int, senders: list[int]) -> "Hold | None":
+        """Stop the process `pid` (a rank of this job, as this process sees it); None where it could not be."""
+        proc = procs.record(pid)
+        if proc is None or not procs.hold_still(proc):
+            return None
+        return cls(meter, proc, index, senders)
 
     def let_go(self) -> dict | None:
         """Let the rank go on; what each rank had sent to each other while it was held (None: not read)."""
@@ -70,3 +88,20 @@ class Hold:
         if self.seen is None:
             return None
         return {r: {k: v for k, v in row.items() if k.isdigit() and isinstance(v, int)} for r, row in self.seen.items()}
+
+
+class Pause(Settling):
+    """Every rank of a learner job waiting at `tag` in case `index` (cases.read_wire_here), not stopped: the
+    transfers they started before (torch.distributed's, on threads of their own) finish meanwhile."""
+
+    still = PAUSE_STILL
+
+    def __init__(self, meter, index: int, tag: str):
+        super().__init__(meter, [])
+        self.index, self.tag = index, tag
+
+    def received(self) -> dict[str, int] | None:
+        """The bytes each rank had received from the others since the case began (None: not read)."""
+        if self.seen is None:
+            return None
+        return {r: row["received"] for r, row in self.seen.items() if isinstance(row.get("received"), int)}

@@ -56,6 +56,8 @@ POLL = 0.02
 MAX_SOCKETS = 1024  # sockets a rank's set_up() may name (METERED)
 _TAG = re.compile(r"[A-Za-z0-9_]{1,32}")  # a barrier's name (learner_job.barrier): the learner's word, so checked
 _CALIBRATED = re.compile(r"calibrated_(\d{1,6})")  # the barrier after a case's calibrate() (learner_job)
+_PAUSE_TAG = re.compile(r"[a-z][a-z0-9_]{0,15}")  # a reading's name in a case (cases.read_wire_here)
+MAX_PAUSES = 32  # readings one case may take (each waits for the wire to be still: ~0.15 s)
 
 
 def verify_timeout(spec: dict) -> float:
@@ -143,6 +145,9 @@ class Job:
         self.window: int | None = None  # the case whose bytes the meter counts now (since its last reading)
         self.holding: hold.Hold | None = None  # a rank held still (hold.py), for the case in the window
         self.held: dict[int, dict | None] = {}  # case -> what each rank sent while its last rank was held
+        self.pausing: dict[tuple[int, str], set[int]] = {}  # (case, tag) -> ranks waiting there so far
+        self.pauses: list[hold.Pause] = []  # every rank waits at these: read the wire, first come first
+        self.paused: dict[int, dict[str, dict | None]] = {}  # case -> tag -> bytes each rank had received
         self.peak = None  # the job's cgroup's memory peak, reset when the window opened (Cgroup.open_peak)
         self.peak_base: int | None = None  # and what the job held then
 
@@ -212,6 +217,8 @@ class Job:
                 self.release(f"go-{ev['tag']}")
         elif kind == "hold" and isinstance(case, int):
             self.hold(rank, case)
+        elif kind == "pause" and isinstance(case, int) and isinstance(ev.get("tag"), str):
+            self.pause(rank, case, ev["tag"])
         elif kind == "start" and isinstance(case, int) and isinstance(ev.get("t"), (int, float)):
             self.starts.setdefault(case, time.monotonic())
         elif kind == "end" and isinstance(case, int):
@@ -296,6 +303,8 @@ class Job:
         for rank, row in (wire or {}).items():
             row["calibration"] = self.calibration.get(index)
             row["memory"] = {"held": held}  # not an int: a row's int values are bytes sent to peers (wire_agrees)
+            if self.planned(index, "pause"):  # a tag missing: the ranks never waited there
+                row["paused"] = {tag: (got or {}).get(rank) for tag, got in self.paused.get(index, {}).items()}
             if self.held_case(index):  # "never": the rank never asked
                 row["held"] = (self.held[index] or {}).get(rank) if index in self.held else "never"
         later = [p.index for p in self.todo if p.index > index]
@@ -340,12 +349,42 @@ class Job:
 
     def held_case(self, index: int) -> bool:
         """Case `index` is one of this job's with "hold" in its params (the checker's plan, not the learner's word)."""
-        return any(p.index == index and bool(p.case.params.get("hold")) for p in self.todo)
+        return self.planned(index, "hold")
+
+    def planned(self, index: int, param: str) -> bool:
+        """Case `index` is one of this job's with `param` in its params."""
+        return any(p.index == index and p.case.params.get(param) not in (None, False) for p in self.todo)
+
+    def pause(self, rank: int, index: int, tag: str) -> None:
+        """Rank `rank` waits at `tag` in case `index` (cases.read_wire_here): once every rank is there,
+        settle_hold() reads the wire and lets them all go on. Only in the case the meter's window is open
+        for, with "pause" in its plan, each tag once: any other is let past at once, with nothing read."""
+        taken = self.paused.setdefault(index, {})
+        wanted = (_PAUSE_TAG.fullmatch(tag) and self.planned(index, "pause") and index == self.window
+                  and tag not in taken and len(taken) < MAX_PAUSES)
+        if not wanted:
+            self.release(f"go-pause_{index}_{tag}", [rank])
+            return
+        waiting = self.pausing.setdefault((index, tag), set())
+        waiting.add(rank)
+        if len(waiting) < self.size:
+            return
+        del self.pausing[(index, tag)]
+        taken[tag] = None
+        if self.meter is None:
+            self.release(f"go-pause_{index}_{tag}")
+        else:
+            self.pauses.append(hold.Pause(self.meter, index, tag))
 
     def settle_hold(self) -> None:
-        """A rank held still: once the others have stopped sending (or it has been long enough), read and let go."""
+        """A rank held still, or every rank waiting to be read: once the others have stopped sending (or it
+        has been long enough), read and let go."""
         if self.holding is not None and self.holding.settled():
             self.let_go()
+        if self.pauses and self.pauses[0].settled():
+            p = self.pauses.pop(0)
+            self.paused[p.index][p.tag] = p.received()
+            self.release(f"go-pause_{p.index}_{p.tag}")
 
     def let_go(self) -> None:
         if self.holding is not None:

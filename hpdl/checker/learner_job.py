@@ -274,6 +274,14 @@ class LearnerJob(RankJob):
         self.emit(ev="hold", case=index)
         self.wait_for(os.path.join(self.dir, f"go-hold_{index}"))
 
+    def pause(self, index: int, tag: str) -> None:
+        """cases.read_wire_here(tag) in case `index`: wait until the checker, once every rank is here and the
+        wire is still, has read it (jobs.Job.pause). The rank's other threads (torch.distributed's) go on."""
+        before, state["phase"] = state["phase"], "paused"
+        self.emit(ev="pause", case=index, tag=tag)
+        self.wait_for(os.path.join(self.dir, f"go-pause_{index}_{tag}"))
+        state["phase"] = before
+
     def take_private_inputs(self) -> dict:
         """This rank's inputs to every case (PRIVATE_INPUTS), read and removed before the learner's
         code is unpacked on any rank. (Not hidden from the other ranks' memory: MPICH's shared-memory
@@ -300,6 +308,10 @@ class LearnerJob(RankJob):
         recorder.reset()
         if case.params.get("hold") and self.spec.get("metered") and self.rank == self.size - 1:
             self.hold(index)
+        from hpdl.checker import cases as cases_pkg
+
+        metered_pause = case.params.get("pause") is not None and self.spec.get("metered")
+        cases_pkg._read_wire = (lambda tag: self.pause(index, tag)) if metered_pause else None
         state["phase"] = "learner"
         call = funcs.get("call")
         t0 = time.perf_counter()

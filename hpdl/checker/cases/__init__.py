@@ -54,6 +54,11 @@ and may define
                                              # ctx.wire["memory"]["held"]: the most the job's processes
                                              # held at once over what they held before the case (its
                                              # memory cgroup, where there is one)
+    Case(..., {"pause": ..., ...})           # METERED: call() reads the wire where it matters with
+                                             # read_wire_here(tag): every rank waits there until the
+                                             # checker has read what each received so far (their transfers
+                                             # in flight done): ctx.wire["paused"][tag], each rank's bytes
+                                             # received since the case began, or the tag missing (skipped)
     SELF_REPORTED = "how many ..."           # what verify() still takes from the learner's own process
                                              # (the recorder, a memory count), which a learner who knows
                                              # the kit can rewrite: named in `hpdl grade`'s report header
@@ -113,7 +118,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 from hpdl import settings
 
@@ -196,6 +201,19 @@ def with_nonce(case: Case, nonce: int | None) -> Case:
     if nonce is None:
         return case
     return Case(**{**case.to_dict(), "params": {**case.params, "nonce": nonce}})
+
+
+#: set on a learner's rank in a METERED check job for a case with "pause" (learner_job): asks the checker
+_read_wire: Callable[[str], None] | None = None
+
+
+def read_wire_here(tag: str) -> None:
+    """Wait here until the checker has read the bytes every rank received so far (every rank stopped at `tag`,
+    the transfers they started meanwhile finished; ctx.wire["paused"][tag]). The kit puts it where timing
+    is the exercise: a reading in the middle of backward shows which all-reduces had started by then, which
+    the learner's process cannot rewrite. Does nothing elsewhere (the reference job, an unmetered check)."""
+    if _read_wire is not None:
+        _read_wire(tag)
 
 
 def one_rank_points(size: int) -> float:

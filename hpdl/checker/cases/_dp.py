@@ -131,6 +131,27 @@ def launched_elements() -> int | None:
     return sum(c.count or 0 for c in recording.recorder.calls if c.name in TORCH_REDUCES)
 
 
+def read_wire_in_backward(x, tag: str):
+    """x, unchanged; but once backward reaches it, the rank waits there for the checker's reading of the
+    wire (cases.read_wire_here): by then backward has made the gradients of every layer after this point
+    (torch runs a parameter's gradient accumulation, and its hooks, as soon as it can) and none before."""
+    import torch
+
+    from hpdl.checker.cases import read_wire_here
+
+    class ReadWire(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, grad):
+            read_wire_here(tag)
+            return grad
+
+    return ReadWire.apply(x)
+
+
 def params(model) -> list:
     return [p.detach().cpu().numpy().copy() for p in model.parameters()]
 

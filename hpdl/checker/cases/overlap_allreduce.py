@@ -15,6 +15,16 @@ buckets but at most one all-reduced while backward ran (counted in values, not c
 all-reduces than buckets. Each rank's initial parameters and batches are drawn with the check's
 nonce, and the kernel counts what reaches each rank: gradients averaged through files the ranks
 share, behind a recording changed to show all-reduces during backward, score nothing.
+
+When the all-reduces ran is read from the wire too, outside the learner's process ("pause" cases): in
+the second step every rank waits, while the checker reads the bytes each has received, at the step's
+start, where backward reaches the third Linear (a kit node in the model: by then the gradients of the
+layers after it exist, and none before), when backward returns and at the step's end. The buckets
+complete at the cut must have crossed there (else WRONG: launched at the end of backward is no
+overlap); what the recording says backward launched must have crossed when it returns, and no more
+than the gradients made by the cut can carry may have crossed there, or the reading was skipped or
+moved (forged: no case counts). A learner who times a by-hand copy of the bucket schedule to those
+readings, rather than to backward, still passes.
 """
 from __future__ import annotations
 
@@ -27,18 +37,25 @@ RANKS = (1, 2, 3)
 TIMEOUT = 30.0
 PRIVATE_INPUTS = True  # each rank gets its own initial parameters and batches as data: no rank can draw the others'
 METERED = True  # the bytes that reach each rank are counted by the kernel (meter.py): averages need them
-SELF_REPORTED = "when the all-reduces ran, during backward or after, as the recorder noted it"
 WIDTHS = (64, 48, 32, 24, 16, 10)  # 10 tensors, 24 KiB of gradients
 STEPS = 3
 LR = 0.1
+CUT = 5  # the wire is read where backward reaches the input of the MLP's third Linear (model[5]), "pause"
+READ_STEP = 1  # in the second step (the first may set things up; each reading costs ~0.15 s)
+LOW = 0.5  # at that reading, at least this share of the bytes the buckets complete by then carry has crossed
+HIGH = 1.5  # and at most this share of what the gradients made by then could carry (+ SLACK): their share
+# of the values, or, where small tensors make each all-reduce's own bytes count, their share of the buckets
+SLACK = 4096  # bytes
 
 
 def cases(size):
     kw = {"slow_factor": 1e6, "points": one_rank_points(size)}  # on one rank a finish() doing nothing is right
     return [
-        Case("5-layer MLP, buckets of 0.004 MiB (several buckets)", {"bucket_mb": 0.004, "seed": 1}, **kw),
+        Case("5-layer MLP, buckets of 0.004 MiB (several buckets)", {"bucket_mb": 0.004, "seed": 1, "pause": CUT},
+             **kw),
         Case("5-layer MLP, buckets of 25 MiB (one bucket)", {"bucket_mb": 25.0, "seed": 2}, **kw),
-        Case("5-layer MLP, buckets of 1e-6 MiB (one tensor each)", {"bucket_mb": 1e-6, "seed": 3}, **kw),
+        Case("5-layer MLP, buckets of 1e-6 MiB (one tensor each)", {"bucket_mb": 1e-6, "seed": 3, "pause": CUT},
+             **kw),
         Case("5-layer MLP, buckets of 0.01 MiB", {"bucket_mb": 0.01, "seed": 4}, hidden=True, **kw),
     ]
 
@@ -52,7 +69,7 @@ def inputs(case, rank, size):
     model = _dp.mlp(WIDTHS, seed=seeded(100 * seed + rank))
     batches = [_dp.batch(6, WIDTHS[0], WIDTHS[-1], seed=seeded(10_000 * seed + 100 * step + rank))
                for step in range(STEPS)]
-    return [p.detach().clone() for p in model.parameters()], case.params["bucket_mb"], batches
+    return [p.detach().clone() for p in model.parameters()], case.params["bucket_mb"], batches, case.params.get("pause")
 
 
 def _model(state):
@@ -120,9 +137,21 @@ def model_solution(comm, model, bucket_mb):
     return finish
 
 
-def _train(build, comm, model, bucket_mb, batches) -> dict:
+def _forward(model, x, cut: int | None):
+    """The model's output; with a cut, the wire is read where backward reaches model[cut] (_dp)."""
+    if cut is None:
+        return model(x)
+    return model[cut:](_dp.read_wire_in_backward(model[:cut](x), "m"))
+
+
+def _train(build, comm, model, bucket_mb, batches, cut=None) -> dict:
+    """Three steps; with a cut, in step READ_STEP every rank also waits for the checker's reading of the wire
+    at the start ("b"), at the cut in backward ("m"), when backward has returned ("e", before finish()) and
+    at the end ("after")."""
     import torch
     import torch.nn.functional as F
+
+    from hpdl.checker.cases import read_wire_here
 
     finish = build(comm, model, bucket_mb)
     if not callable(finish):
@@ -130,27 +159,34 @@ def _train(build, comm, model, bucket_mb, batches) -> dict:
                          "completes the all-reduces after backward"}
     out = {"init": _dp.params(model), "steps": []}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for x, y in batches:
+    for step, (x, y) in enumerate(batches):
+        read = cut is not None and step == READ_STEP
+        if read:
+            read_wire_here("b")
         opt.zero_grad()
         start, elements = _dp.launches(), _dp.launched_elements()
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(_forward(model, x, cut if read else None), y).backward()
         during = _dp.launches() - start
         values = None if elements is None else _dp.launched_elements() - elements
+        if read:
+            read_wire_here("e")
         finish()
         out["steps"].append({"during": during, "total": _dp.launches() - start, "grads": _dp.grads(model),
                              "values_during": values})
         opt.step()
+        if read:
+            read_wire_here("after")
     out["params"] = _dp.params(model)
     return out
 
 
 def call(fn, comm, args):
     _dp.ensure_process_group()
-    state, bucket_mb, batches = args
-    return _train(fn, comm, _model(state), bucket_mb, batches)
+    state, bucket_mb, batches, cut = args
+    return _train(fn, comm, _model(state), bucket_mb, batches, cut)
 
 
-def reference(comm, state, bucket_mb, batches):
+def reference(comm, state, bucket_mb, batches, cut):
     _dp.ensure_process_group()
     model = _model(state)
     out = _train(model_solution, comm, model, bucket_mb, batches)
@@ -158,6 +194,12 @@ def reference(comm, state, bucket_mb, batches):
     out["buckets"] = len(buckets)
     out["gradient_values"] = sum(p.numel() for p in model.parameters())
     out["largest_bucket"] = max(sum(p.numel() for p in b) for b in buckets)
+    if cut is not None:  # at the cut in backward: the gradients made by then, and the buckets they complete
+        made = {id(p) for p in model[cut:].parameters()}
+        out["made_at_cut"] = sum(p.numel() for p in model[cut:].parameters())
+        complete = [b for b in buckets if all(id(p) in made for p in b)]
+        out["complete_at_cut"] = sum(p.numel() for b in complete for p in b)
+        out["buckets_at_cut"] = len(complete)
     return out
 
 
@@ -204,8 +246,41 @@ def verify(case, ctx):
         return Wrong(f"{most} all-reduces in a step where buckets of ≤ {case.params['bucket_mb']:g} MiB give {buckets}",
                      hint="pack the gradients of a bucket into one flat buffer (torch.cat) and all-reduce that once, "
                           "instead of one all-reduce per tensor.")
-    return hooks.received_for_allreduce(ctx, STEPS * 4 * expected["gradient_values"],
-                                        f"the average gradient of {STEPS} steps")
+    return _wire_in_backward(case, ctx) or hooks.received_for_allreduce(
+        ctx, STEPS * 4 * expected["gradient_values"], f"the average gradient of {STEPS} steps")
+
+
+def _wire_in_backward(case, ctx) -> Wrong | None:
+    """A case with "pause": in step READ_STEP the checker read, outside the learner's process, the bytes each
+    rank had received at the step's start ("b"), at the cut in backward ("m"), when backward returned ("e")
+    and at the step's end ("after"), every rank waiting meanwhile (cases.read_wire_here). When backward
+    returned, what the recording says it all-reduced had crossed; at the cut, the buckets complete by then,
+    and no more than the gradients made by then. A reading skipped, or one against the recording, is forged."""
+    if case.params.get("pause") is None or ctx.size == 1 or ctx.wire is None:
+        return None
+    seen, e, r, s = ctx.wire.get("paused"), ctx.expected, ctx.rank, READ_STEP
+    if not isinstance(seen, dict) or any(t not in seen for t in ("b", "m", "e", "after")):
+        return Wrong("backward ran without waiting where the checker reads the wire (the kit's readings in the "
+                     "model and around the step): when the all-reduces ran is unknown", forged=True)
+    if not all(isinstance(seen[t], int) for t in ("b", "m", "e", "after")):
+        return None  # waited there, but the wire could not be read
+    total, where = e["gradient_values"], f"in step {s + 1}, when backward reached the third layer"
+    step, at_cut, at_end = (seen[k] - seen["b"] for k in ("after", "m", "e"))
+    claimed = ctx.got["steps"][s]["values_during"]
+    if isinstance(claimed, int) and at_end < LOW * step * min(claimed, total) / total:
+        return Wrong(f"in step {s + 1} the recording shows {claimed} of the {total} gradient values all-reduced "
+                     f"while backward ran, but when backward returned rank {r} had received {at_end} of the step's "
+                     f"{step} bytes", forged=True)
+    most = max(e["made_at_cut"] / total, e["buckets_at_cut"] / e["buckets"])
+    if at_cut > HIGH * most * step + SLACK:
+        return Wrong(f"{where}, rank {r} had received {at_cut} of the step's {step} bytes: more than the "
+                     f"{e['made_at_cut']} gradient values made by then carry", forged=True)
+    if at_cut < LOW * step * e["complete_at_cut"] / total:
+        return Wrong(f"{where}, rank {r} had received {at_cut} of the step's {step} bytes; the buckets complete by "
+                     f"then ({e['complete_at_cut']} of the {total} gradient values) had not crossed",
+                     hint="launch a bucket's all-reduce from the hook that completes it, while backward goes on; "
+                          "not all at the end of backward.")
+    return None
 
 
 def _overlapped(got, expected) -> Wrong | None:
