@@ -14,8 +14,9 @@ case's wire row (`held`); the case module's verify() reads it.
 
 What it cannot tell: a stage that sends just what 1F1B sends before a gradient could come back,
 then waits on purpose (for a message the held rank sends once let go) and runs GPipe's order after,
-reads as 1F1B. A stage that sends nothing meanwhile waited on a later stage first: the case module
-says so (a wrong order, not a forged one: an honest 1F1B behind a barrier waits too).
+reads as 1F1B here; the case's readings before each later forward (a Pause, below) tell. A stage that
+sends nothing meanwhile waited on a later stage first: the case module says so (a wrong order, not a
+forged one: an honest 1F1B behind a barrier waits too).
 
 A Pause: a case's call() asks for a reading at a point of its own (cases.read_wire_here: in the middle
 of backward, say). Every rank waits there, with its other threads running, until the bytes stop changing
@@ -100,8 +101,10 @@ class Pause(Settling):
         super().__init__(meter, [])
         self.index, self.tag = index, tag
 
-    def received(self) -> dict[str, int] | None:
-        """The bytes each rank had received from the others since the case began (None: not read)."""
-        if self.seen is None:
-            return None
-        return {r: row["received"] for r, row in self.seen.items() if isinstance(row.get("received"), int)}
+
+def readings(seen: dict) -> dict[str, dict]:
+    """A reading of the wire (meter.peek()) as each rank's: {rank: {"from": {peer: bytes the peer sent it},
+    "to": {peer: bytes it sent the peer}}} since the case began."""
+    ranks = [r for r in seen if r.isdigit()]
+    return {r: {"from": {q: seen[q].get(r, 0) for q in ranks if q != r},
+                "to": {q: seen[r].get(q, 0) for q in ranks if q != r}} for r in ranks}

@@ -147,7 +147,7 @@ class Job:
         self.held: dict[int, dict | None] = {}  # case -> what each rank sent while its last rank was held
         self.pausing: dict[tuple[int, str], set[int]] = {}  # (case, tag) -> ranks waiting there so far
         self.pauses: list[hold.Pause] = []  # every rank waits at these: read the wire, first come first
-        self.paused: dict[int, dict[str, dict | None]] = {}  # case -> tag -> bytes each rank had received
+        self.paused: dict[int, dict[str, dict | None]] = {}  # case -> tag -> rank -> its bytes (hold.readings)
         self.peak = None  # the job's cgroup's memory peak, reset when the window opened (Cgroup.open_peak)
         self.peak_base: int | None = None  # and what the job held then
 
@@ -304,7 +304,8 @@ class Job:
             row["calibration"] = self.calibration.get(index)
             row["memory"] = {"held": held}  # not an int: a row's int values are bytes sent to peers (wire_agrees)
             if self.planned(index, "pause"):  # a tag missing: the ranks never waited there
-                row["paused"] = {tag: (got or {}).get(rank) for tag, got in self.paused.get(index, {}).items()}
+                row["paused"] = {tag: None if got is None else got[rank]  # None: waited there, not read
+                                 for tag, got in self.paused.get(index, {}).items() if got is None or rank in got}
             if self.held_case(index):  # "never": the rank never asked
                 row["held"] = (self.held[index] or {}).get(rank) if index in self.held else "never"
         later = [p.index for p in self.todo if p.index > index]
@@ -356,13 +357,18 @@ class Job:
         return any(p.index == index and p.case.params.get(param) not in (None, False) for p in self.todo)
 
     def pause(self, rank: int, index: int, tag: str) -> None:
-        """Rank `rank` waits at `tag` in case `index` (cases.read_wire_here): once every rank is there,
-        settle_hold() reads the wire and lets them all go on. Only in the case the meter's window is open
-        for, with "pause" in its plan, each tag once: any other is let past at once, with nothing read."""
+        """Rank `rank` waits at `tag` in case `index` (cases.read_wire_here). Where the case's "pause" is
+        "together", once every rank is there, settle_hold() reads the wire and lets them all go on; where
+        it is "alone", the wire is read at once and this rank goes on. Only in the case the meter's window is
+        open for, each tag once (per rank, alone): any other is let past at once, with nothing read."""
+        mode = next((p.case.params.get("pause") for p in self.todo if p.index == index), None)
         taken = self.paused.setdefault(index, {})
-        wanted = (_PAUSE_TAG.fullmatch(tag) and self.planned(index, "pause") and index == self.window
-                  and tag not in taken and len(taken) < MAX_PAUSES)
-        if not wanted:
+        fresh = tag not in taken if mode == "together" else str(rank) not in (taken.get(tag) or {})
+        wanted = (mode in ("together", "alone") and _PAUSE_TAG.fullmatch(tag) and index == self.window and fresh
+                  and (tag in taken or len(taken) < MAX_PAUSES))
+        if wanted and mode == "alone":
+            taken.setdefault(tag, {})[str(rank)] = self.read_now(rank)
+        if not wanted or mode == "alone":
             self.release(f"go-pause_{index}_{tag}", [rank])
             return
         waiting = self.pausing.setdefault((index, tag), set())
@@ -376,6 +382,14 @@ class Job:
         else:
             self.pauses.append(hold.Pause(self.meter, index, tag))
 
+    def read_now(self, rank: int) -> dict | None:
+        """What rank `rank` has received from and sent to each other rank so far in this case (None: unread)."""
+        try:
+            seen = self.meter.peek() if self.meter is not None else None
+        except (OSError, ValueError, subprocess.SubprocessError):
+            seen = None
+        return hold.readings(seen).get(str(rank)) if seen else None
+
     def settle_hold(self) -> None:
         """A rank held still, or every rank waiting to be read: once the others have stopped sending (or it
         has been long enough), read and let go."""
@@ -383,7 +397,7 @@ class Job:
             self.let_go()
         if self.pauses and self.pauses[0].settled():
             p = self.pauses.pop(0)
-            self.paused[p.index][p.tag] = p.received()
+            self.paused[p.index][p.tag] = hold.readings(p.seen) if p.seen is not None else None
             self.release(f"go-pause_{p.index}_{p.tag}")
 
     def let_go(self) -> None:

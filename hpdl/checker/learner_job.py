@@ -310,7 +310,7 @@ class LearnerJob(RankJob):
             self.hold(index)
         from hpdl.checker import cases as cases_pkg
 
-        metered_pause = case.params.get("pause") is not None and self.spec.get("metered")
+        metered_pause = case.params.get("pause") in ("together", "alone") and self.spec.get("metered")
         cases_pkg._read_wire = (lambda tag: self.pause(index, tag)) if metered_pause else None
         state["phase"] = "learner"
         call = funcs.get("call")

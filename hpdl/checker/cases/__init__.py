@@ -54,11 +54,13 @@ and may define
                                              # ctx.wire["memory"]["held"]: the most the job's processes
                                              # held at once over what they held before the case (its
                                              # memory cgroup, where there is one)
-    Case(..., {"pause": ..., ...})           # METERED: call() reads the wire where it matters with
+    Case(..., {"pause": "together", ...})    # METERED: call() reads the wire where it matters with
                                              # read_wire_here(tag): every rank waits there until the
                                              # checker has read what each received so far (their transfers
-                                             # in flight done): ctx.wire["paused"][tag], each rank's bytes
-                                             # received since the case began, or the tag missing (skipped)
+                                             # in flight done); "alone": the wire is read as this rank gets
+                                             # there, the others going on. ctx.wire["paused"][tag]: this
+                                             # rank's bytes since the case began {"from": {peer: n}, "to":
+                                             # {peer: n}}, None (not read), or no tag (never waited there)
     SELF_REPORTED = "how many ..."           # what verify() still takes from the learner's own process
                                              # (the recorder, a memory count), which a learner who knows
                                              # the kit can rewrite: named in `hpdl grade`'s report header
@@ -209,7 +211,8 @@ _read_wire: Callable[[str], None] | None = None
 
 def read_wire_here(tag: str) -> None:
     """Wait here until the checker has read the bytes every rank received so far (every rank stopped at `tag`,
-    the transfers they started meanwhile finished; ctx.wire["paused"][tag]). The kit puts it where timing
+    the transfers they started meanwhile finished; or, where the case's "pause" is "alone", this rank's at
+    once; ctx.wire["paused"][tag]). The kit puts it where timing
     is the exercise: a reading in the middle of backward shows which all-reduces had started by then, which
     the learner's process cannot rewrite. Does nothing elsewhere (the reference job, an unmetered check)."""
     if _read_wire is not None:

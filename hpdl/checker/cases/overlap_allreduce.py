@@ -40,7 +40,7 @@ METERED = True  # the bytes that reach each rank are counted by the kernel (mete
 WIDTHS = (64, 48, 32, 24, 16, 10)  # 10 tensors, 24 KiB of gradients
 STEPS = 3
 LR = 0.1
-CUT = 5  # the wire is read where backward reaches the input of the MLP's third Linear (model[5]), "pause"
+CUT = 5  # the wire is read where backward reaches the input of the MLP's third Linear (model[5]): "cut"
 READ_STEP = 1  # in the second step (the first may set things up; each reading costs ~0.15 s)
 LOW = 0.5  # at that reading, at least this share of the bytes the buckets complete by then carry has crossed
 HIGH = 1.5  # and at most this share of what the gradients made by then could carry (+ SLACK): their share
@@ -50,12 +50,11 @@ SLACK = 4096  # bytes
 
 def cases(size):
     kw = {"slow_factor": 1e6, "points": one_rank_points(size)}  # on one rank a finish() doing nothing is right
+    read = {"pause": "together", "cut": CUT}  # the wire read in backward, every rank waiting (_wire_in_backward)
     return [
-        Case("5-layer MLP, buckets of 0.004 MiB (several buckets)", {"bucket_mb": 0.004, "seed": 1, "pause": CUT},
-             **kw),
+        Case("5-layer MLP, buckets of 0.004 MiB (several buckets)", {"bucket_mb": 0.004, "seed": 1, **read}, **kw),
         Case("5-layer MLP, buckets of 25 MiB (one bucket)", {"bucket_mb": 25.0, "seed": 2}, **kw),
-        Case("5-layer MLP, buckets of 1e-6 MiB (one tensor each)", {"bucket_mb": 1e-6, "seed": 3, "pause": CUT},
-             **kw),
+        Case("5-layer MLP, buckets of 1e-6 MiB (one tensor each)", {"bucket_mb": 1e-6, "seed": 3, **read}, **kw),
         Case("5-layer MLP, buckets of 0.01 MiB", {"bucket_mb": 0.01, "seed": 4}, hidden=True, **kw),
     ]
 
@@ -69,7 +68,7 @@ def inputs(case, rank, size):
     model = _dp.mlp(WIDTHS, seed=seeded(100 * seed + rank))
     batches = [_dp.batch(6, WIDTHS[0], WIDTHS[-1], seed=seeded(10_000 * seed + 100 * step + rank))
                for step in range(STEPS)]
-    return [p.detach().clone() for p in model.parameters()], case.params["bucket_mb"], batches, case.params.get("pause")
+    return [p.detach().clone() for p in model.parameters()], case.params["bucket_mb"], batches, case.params.get("cut")
 
 
 def _model(state):
@@ -256,16 +255,16 @@ def _wire_in_backward(case, ctx) -> Wrong | None:
     and at the step's end ("after"), every rank waiting meanwhile (cases.read_wire_here). When backward
     returned, what the recording says it all-reduced had crossed; at the cut, the buckets complete by then,
     and no more than the gradients made by then. A reading skipped, or one against the recording, is forged."""
-    if case.params.get("pause") is None or ctx.size == 1 or ctx.wire is None:
+    if case.params.get("cut") is None or ctx.size == 1 or ctx.wire is None:
         return None
     seen, e, r, s = ctx.wire.get("paused"), ctx.expected, ctx.rank, READ_STEP
     if not isinstance(seen, dict) or any(t not in seen for t in ("b", "m", "e", "after")):
         return Wrong("backward ran without waiting where the checker reads the wire (the kit's readings in the "
                      "model and around the step): when the all-reduces ran is unknown", forged=True)
-    if not all(isinstance(seen[t], int) for t in ("b", "m", "e", "after")):
+    if not all(isinstance(seen[t], dict) for t in ("b", "m", "e", "after")):
         return None  # waited there, but the wire could not be read
     total, where = e["gradient_values"], f"in step {s + 1}, when backward reached the third layer"
-    step, at_cut, at_end = (seen[k] - seen["b"] for k in ("after", "m", "e"))
+    step, at_cut, at_end = (_received(seen[k]) - _received(seen["b"]) for k in ("after", "m", "e"))
     claimed = ctx.got["steps"][s]["values_during"]
     if isinstance(claimed, int) and at_end < LOW * step * min(claimed, total) / total:
         return Wrong(f"in step {s + 1} the recording shows {claimed} of the {total} gradient values all-reduced "
@@ -281,6 +280,11 @@ def _wire_in_backward(case, ctx) -> Wrong | None:
                      hint="launch a bucket's all-reduce from the hook that completes it, while backward goes on; "
                           "not all at the end of backward.")
     return None
+
+
+def _received(reading: dict) -> int:
+    """The bytes a rank had received from the other ranks at a reading (hold.readings)."""
+    return sum(reading["from"].values())
 
 
 def _overlapped(got, expected) -> Wrong | None:

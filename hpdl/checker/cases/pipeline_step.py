@@ -27,16 +27,20 @@ The check runs the learner's stage on 1-4 ranks and decides on behaviour, observ
   sends min(p-s, m) micro-batches' activations and waits, GPipe's sends all m. More than 1F1B's
   while the hooks said 1F1B is a forged order, and so is a last stage that skipped being held: the
   check scores nothing. A stage that sends nothing meanwhile waited on a later stage before its
-  first forward: the case is WRONG (a barrier first, say). (A stage that sends 1F1B's first forwards,
-  then waits for the last one, passes; so does, on 2 ranks under MPICH, GPipe with blocking Sends,
-  which wait for a held receiver after the first.)
+  first forward: the case is WRONG (a barrier first, say). And in that case, before each forward 1F1B
+  runs only after a gradient came back, the stage waits while the checker reads the wire ("pause":
+  "alone"): that many gradients must have come back from the next stage, and no more activations than
+  it has made gone to it. A stage that sends 1F1B's first forwards, waits, then runs GPipe's order
+  (or GPipe with blocking Sends, which on 2 ranks wait for a held receiver after the first) has no
+  gradient back by its next forward: the hooks' order was not the order run, and the check scores
+  nothing;
 - exactly one message per micro-batch each way, of that micro-batch's size (tensor_split's,
   also when B is not divisible by m), between neighbouring stages only;
 - the bytes each stage sent to each rank, counted by the kernel outside the learner's process
   (METERED), against what its recorded sends account for, and what reached it against what the
   activations and gradients need: a stage that took the others' layers by a message hidden from
-  the recorder, or its values through files, scores nothing. The order and the number of
-  messages are still the learner's process's word, and the order but for the held case (SELF_REPORTED).
+  the recorder, or its values through files, scores nothing. How many messages carried them is
+  the recorder's word (a learner who splits one in two behind it gains nothing).
 A send/recv order that deadlocks ends as HANG, naming the stuck ranks and their lines. The kit's
 own schedule (hpdl.pipeline.one_f_one_b) is refused inside the check (hooks.KIT_ANSWERS).
 """
@@ -51,10 +55,6 @@ SIGNATURE = "pipeline_step(comm, stage, batch, targets, m) -> float | None   # 1
 RANKS = (1, 2, 3, 4)
 PRIVATE_INPUTS = True  # each rank gets its own layers (and rank 0 the batch) as data: the rest come by message
 METERED = True  # the bytes each stage sends to each rank, counted by the kernel (meter.py), against its recording
-SELF_REPORTED = ("the order the stage ran its micro-batches in (1F1B or GPipe), as hooks in its own process saw it, "
-                 "but for how many activations a stage sends while the last stage is held still (a stage that sends "
-                 "1F1B's first forwards, then waits for it, runs GPipe's order unseen); how many messages carried "
-                 "them, as its recorder saw them")
 TIMEOUT = 30.0  # the first case of a job pays for importing torch
 WIDTH, CLASSES = 16, 10
 FORBIDDEN = {name: "a pipeline stage exchanges activations and gradients with its neighbours in point-to-point "
@@ -76,7 +76,8 @@ def cases(size):
         # and held: the checker stops the last stage before its code runs and reads, outside the learner's
         # processes, how many micro-batches' activations each stage sends before a gradient could come back
         Case("8 layers of width 128, 16 rows in 4 micro-batches", {"layers": 8, "rows": 16, "micro": 4, "seed": 6,
-                                                                  "width": 128, "hold": True}, slow_factor=slow),
+                                                                  "width": 128, "hold": True, "pause": "alone"},
+             slow_factor=slow),
         Case("8 layers, 19 rows in 8 micro-batches", {"layers": 8, "rows": 19, "micro": 8, "seed": 5}, hidden=True,
              slow_factor=slow),
     ]
@@ -162,6 +163,26 @@ def _watch(stage) -> tuple[list, object]:
     return ops, stage[-1].register_forward_hook(forward_hook)
 
 
+def _read_before_forwards(stage, rank: int, p: int, m: int):
+    """Before each forward that 1F1B runs only after a gradient came back (stage s's forward j, for
+    min(p-s-1, m) < j < m), this rank waits while the checker reads the wire (a case with "pause": "alone";
+    a no-op elsewhere): by then the next stage's gradients of micro-batches 0..j-warm-1 have reached it,
+    and it can have sent the activations of 0..j-1 only (_gradients_before_forwards)."""
+    import torch
+
+    from hpdl.checker.cases import read_wire_here
+
+    warm, count = min(p - rank - 1, m), [0]
+
+    def before(module, args):
+        if torch.is_grad_enabled():
+            j, count[0] = count[0], count[0] + 1
+            if rank < p - 1 and warm < j < m:
+                read_wire_here(f"f{j}")
+
+    return stage[0].register_forward_pre_hook(before)
+
+
 def call(fn, comm, args):
     """The learner's stage, then its gradients and the order its micro-batches ran in."""
     import torch
@@ -170,10 +191,12 @@ def call(fn, comm, args):
     stage = stage_module(layers, last=comm.Get_rank() == comm.Get_size() - 1)
     batch, targets = torch.as_tensor(batch), torch.as_tensor(targets)
     ops, handle = _watch(stage)
+    reads = _read_before_forwards(stage, comm.Get_rank(), comm.Get_size(), m)
     try:
         returned = fn(comm, stage, batch, targets, m)
     finally:
         handle.remove()
+        reads.remove()
     return {"loss": returned, "grads": _grads(stage), "ops": [list(op) for op in ops]}
 
 
@@ -336,7 +359,8 @@ def verify(case, ctx):
                       atol=1e-6)
     if w is None and ctx.rank == ctx.size - 1:
         w = _loss(ctx)
-    return w or _messages(ctx) or _schedule(ctx) or _sent_while_held(ctx) or _received(ctx)
+    return (w or _messages(ctx) or _schedule(ctx) or _sent_while_held(ctx) or _gradients_before_forwards(ctx)
+            or _received(ctx))
 
 
 def _sent_while_held(ctx) -> Wrong | None:
@@ -366,6 +390,43 @@ def _sent_while_held(ctx) -> Wrong | None:
                  forged=True,
                  hint="that is GPipe's order: every forward first, every activation kept until the end. Fill the pipe "
                       "with min(p-s-1, m) forwards, then one forward and one backward at a time.")
+
+
+PER_MESSAGE = 256  # bytes on the wire a message may take beyond its values (MPI's headers: ~50 seen)
+
+
+def _gradients_before_forwards(ctx) -> Wrong | None:
+    """A case with "pause": "alone" (_read_before_forwards): the checker read, outside the learner's process,
+    what stage s had received from the next stage and sent it when each forward j > warm began. 1F1B ran
+    backward j-warm-1 before it, so that many micro-batches' gradients had come back; and no stage can have
+    sent activations it had not made yet. Fewer gradients, more activations, or a reading never taken: the
+    order the hooks recorded is not the order that ran (GPipe after 1F1B's first forwards, say)."""
+    params, r, p = ctx.case.params, ctx.rank, ctx.size
+    m, width = params["micro"], params.get("width", WIDTH)
+    warm = min(p - r - 1, m)
+    if params.get("pause") != "alone" or ctx.wire is None or r == p - 1 or warm + 1 >= m:
+        return None
+    seen, nxt = ctx.wire.get("paused"), str(r + 1)
+    tags = [f"f{j}" for j in range(warm + 1, m)]
+    if not isinstance(seen, dict) or any(t not in seen for t in tags):
+        return Wrong(f"stage {r}'s forwards ran without the checker's readings of the wire before each one after "
+                     "the pipe filled: the order the stage ran in could not be observed", forged=True)
+    nbytes = [4 * width * len(part) for part in np.array_split(np.arange(params["rows"]), m)]
+    for j in range(warm + 1, m):
+        reading = seen[f"f{j}"]
+        if not isinstance(reading, dict):
+            continue  # read, but the wire could not be
+        back, sent = reading["from"].get(nxt, 0), reading["to"].get(nxt, 0)
+        if back < sum(nbytes[:j - warm]):
+            return Wrong(f"as stage {r} of {p} began micro-batch {j}'s forward, {back} bytes had come back from stage "
+                         f"{r + 1} (counted outside your processes); 1F1B has run the backward of micro-batch "
+                         f"{j - warm - 1} by then, on its gradient ({nbytes[j - warm - 1]} bytes): the order your "
+                         "stage's hooks recorded is not the order it ran in", forged=True)
+        if sent > sum(nbytes[:j]) + PER_MESSAGE * j:
+            return Wrong(f"as stage {r} of {p} began micro-batch {j}'s forward, it had already sent stage {r + 1} "
+                         f"{sent} bytes (counted outside your processes): more than the activations of micro-batches "
+                         f"0..{j - 1} carry: the checker's reading was not taken before that forward", forged=True)
+    return None
 
 
 def _waited_first(r: int, p: int, sent: int) -> Wrong:
