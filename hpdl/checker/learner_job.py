@@ -275,8 +275,9 @@ class LearnerJob(RankJob):
         self.wait_for(os.path.join(self.dir, f"go-hold_{index}"))
 
     def pause(self, index: int, tag: str) -> None:
-        """cases.read_wire_here(tag) in case `index`: wait until the checker, once every rank is here and the
-        wire is still, has read it (jobs.Job.pause). The rank's other threads (torch.distributed's) go on."""
+        """cases.read_wire_here(tag) in case `index`: wait until the checker has read the wire (jobs.Job.pause:
+        once every rank is here and the wire is still, or at once for this rank alone). The rank's other
+        threads (torch.distributed's) go on meanwhile."""
         before, state["phase"] = state["phase"], "paused"
         self.emit(ev="pause", case=index, tag=tag)
         self.wait_for(os.path.join(self.dir, f"go-pause_{index}_{tag}"))

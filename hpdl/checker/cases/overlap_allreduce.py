@@ -60,7 +60,8 @@ def cases(size):
 
 
 def inputs(case, rank, size):
-    """This rank's own initial parameters (they differ on every rank) and batches, as data."""
+    """This rank's own initial parameters (they differ on every rank) and batches, as data; and where the
+    wire is read in backward (the case's "cut", on more than one rank)."""
     def seeded(seed):
         return nonce_seed({**case.params, "seed": seed})
 
@@ -68,7 +69,8 @@ def inputs(case, rank, size):
     model = _dp.mlp(WIDTHS, seed=seeded(100 * seed + rank))
     batches = [_dp.batch(6, WIDTHS[0], WIDTHS[-1], seed=seeded(10_000 * seed + 100 * step + rank))
                for step in range(STEPS)]
-    return [p.detach().clone() for p in model.parameters()], case.params["bucket_mb"], batches, case.params.get("cut")
+    cut = case.params.get("cut") if size > 1 else None  # one rank all-reduces nothing: no reading
+    return [p.detach().clone() for p in model.parameters()], case.params["bucket_mb"], batches, cut
 
 
 def _model(state):
