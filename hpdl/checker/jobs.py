@@ -57,7 +57,8 @@ MAX_SOCKETS = 1024  # sockets a rank's set_up() may name (METERED)
 _TAG = re.compile(r"[A-Za-z0-9_]{1,32}")  # a barrier's name (learner_job.barrier): the learner's word, so checked
 _CALIBRATED = re.compile(r"calibrated_(\d{1,6})")  # the barrier after a case's calibrate() (learner_job)
 _PAUSE_TAG = re.compile(r"[a-z][a-z0-9_]{0,15}")  # a reading's name in a case (cases.read_wire_here)
-MAX_PAUSES = 32  # readings one case may take (each waits for the wire to be still: ~0.15 s)
+MAX_PAUSES = 32  # readings one case may take (each waits for the wire to be still: ~0.15 s), and other asks
+MAX_TAGS = 256  # barriers' names a job may use (its own take ~3 a case): more are the learner's, not answered
 
 
 def verify_timeout(spec: dict) -> float:
@@ -207,7 +208,8 @@ class Job:
                 sockets = ev.get("set_up_sockets")
                 if isinstance(sockets, list) and all(isinstance(i, int) for i in sockets[:MAX_SOCKETS]):
                     self.grouped[rank] = set(sockets[:MAX_SOCKETS])
-        elif kind == "at" and isinstance(ev.get("tag"), str) and _TAG.fullmatch(ev["tag"]):  # a file's name
+        elif (kind == "at" and isinstance(ev.get("tag"), str) and _TAG.fullmatch(ev["tag"])  # a file's name
+              and (ev["tag"] in self.arrived or len(self.arrived) < MAX_TAGS)):
             arrived = self.arrived.setdefault(ev["tag"], set())
             arrived.add(rank)
             if len(arrived) == self.size:
@@ -360,15 +362,19 @@ class Job:
         """Rank `rank` waits at `tag` in case `index` (cases.read_wire_here). Where the case's "pause" is
         "together", once every rank is there, settle_hold() reads the wire and lets them all go on; where
         it is "alone", the wire is read at once and this rank goes on. Only in the case the meter's window is
-        open for, each tag once (per rank, alone): any other is let past at once, with nothing read."""
+        open for, each tag once (per rank, alone): asked again, the rank is let past at once, with nothing read;
+        any other ask is not answered."""
         mode = next((p.case.params.get("pause") for p in self.todo if p.index == index), None)
+        if mode not in ("together", "alone") or index != self.window or not _PAUSE_TAG.fullmatch(tag):
+            return  # not the kit's: nothing to answer
         taken = self.paused.setdefault(index, {})
         fresh = tag not in taken if mode == "together" else str(rank) not in (taken.get(tag) or {})
-        wanted = (mode in ("together", "alone") and _PAUSE_TAG.fullmatch(tag) and index == self.window and fresh
-                  and (tag in taken or len(taken) < MAX_PAUSES))
-        if wanted and mode == "alone":
+        room = tag in taken or (index, tag) in self.pausing or len(taken) + len(self.pausing) < MAX_PAUSES
+        if not room:
+            return  # the learner's many asks: the kit's own past them go unanswered (its case ends as HANG)
+        if fresh and mode == "alone":
             taken.setdefault(tag, {})[str(rank)] = self.read_now(rank)
-        if not wanted or mode == "alone":
+        if not fresh or mode == "alone":
             self.release(f"go-pause_{index}_{tag}", [rank])
             return
         waiting = self.pausing.setdefault((index, tag), set())
