@@ -20,8 +20,10 @@ forged one: an honest 1F1B behind a barrier waits too).
 
 A Pause: a case's call() asks for a reading at a point of its own (cases.read_wire_here: in the middle
 of backward, say). Every rank waits there, with its other threads running, until the bytes stop changing
-and the checker has read them; then all go on. What the reading shows happened before the point; where
-the learner's process moves the point, the bytes show that too (the case module bounds them both ways).
+and the checker has read them; then all go on. (Where the case's "pause" is "alone", jobs.Job reads the
+wire as soon as one rank asks, and only that rank waited: a pipeline stage before a forward.) What the
+reading shows happened before the point; where the learner's process moves the point, the bytes show
+that too (the case module bounds them both ways).
 """
 from __future__ import annotations
 

@@ -212,9 +212,9 @@ _read_wire: Callable[[str], None] | None = None
 def read_wire_here(tag: str) -> None:
     """Wait here until the checker has read the bytes every rank received so far (every rank stopped at `tag`,
     the transfers they started meanwhile finished; or, where the case's "pause" is "alone", this rank's at
-    once; ctx.wire["paused"][tag]). The kit puts it where timing
-    is the exercise: a reading in the middle of backward shows which all-reduces had started by then, which
-    the learner's process cannot rewrite. Does nothing elsewhere (the reference job, an unmetered check)."""
+    once; ctx.wire["paused"][tag]). The kit puts it where timing is the exercise: a reading in the middle
+    of backward shows which all-reduces had started by then, which the learner's process cannot rewrite.
+    Does nothing elsewhere (the reference job, an unmetered check)."""
     if _read_wire is not None:
         _read_wire(tag)
 
