@@ -79,6 +79,11 @@ def test_four_ranks_agree_on_three_allreduces(no_strays):
         )
         outs = view.pull("out", block=True)
         assert view.pull("nices", block=True) == [[0]] * 4  # Horovod's thread left as it comes by default
+        # an engine waits as long as ipyparallel's default (50 checks of 3.5 s) for the hub's pings before it
+        # gives up: learners starting side by side on a small node can leave it 50 s without one
+        view.execute("from ipyparallel.engine.app import IPEngine as _E; "
+                     "_patience = _E.instance().max_heartbeat_misses * _E.instance().hb_check_period", block=True)
+        assert all(ms >= 150_000 for ms in view.pull("_patience", block=True))
         for a, b, h, rank, size, threads in outs:
             assert a == b == h == [10.0, 60.0]
             assert size == 4

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CELL_TIMEOUT = settings.CELL_TIMEOUT.default_value()
 DEFAULT_FRAMEWORKS = ("torch", "horovod")
 KNOWN_FRAMEWORKS = {"torch", "horovod"}
+ENGINE_HEARTBEAT_MISSES = 175  # checks with no ping from the hub before an engine gives up (see _launch)
 
 
 def _launcher_traits(launcher: str) -> tuple[bool, str, str]:
@@ -264,6 +265,17 @@ def _on_nodes(n: int, config, kwargs: dict, layout: tuple, run_dir: Path):
     return network
 
 
+def _heartbeats(config, kwargs: dict) -> None:
+    """The hub admits an engine at its first heartbeat, and pings every 3 s by default: pinged every 0.5 s,
+    ranks are ready ~4 s sooner; 60 missed pings still mean the same 30 s of silence before the hub gives an
+    engine up. An engine gives up on the hub after max_heartbeat_misses checks with no ping, one check every
+    period + 0.5 s: at 0.5 s its default 50 would be 50 s, which learners starting side by side on a small node
+    can go without a ping; ENGINE_HEARTBEAT_MISSES keeps ipyparallel's own patience (50 x 3.5 s)."""
+    kwargs["controller_args"] = [*kwargs.get("controller_args", []), "--HeartMonitor.period=500",
+                                 "--HeartMonitor.max_heartmonitor_misses=60"]
+    config.EngineLauncher.engine_args.append(f"--IPEngine.max_heartbeat_misses={ENGINE_HEARTBEAT_MISSES}")
+
+
 def _fork_engines(config, run_dir: Path) -> None:
     """The engines as forks of one process that imported torch once (hpdl.forkserver): every rank
     imports it to set up torch.distributed, ~1 s of CPU each, all at once on the same cores. Only
@@ -307,11 +319,7 @@ def _launch(n, launcher, frameworks, cell_timeout, timeout, env, quiet, layout=N
         timeout = kwargs.pop("start_timeout", 60 + 5 * n)
     else:
         kwargs.pop("start_timeout", None)
-    # The hub admits an engine at its first heartbeat, and pings every 3 s by default: pinged
-    # every 0.5 s, ranks are ready ~4 s sooner; 60 missed pings still mean the same 30 s of
-    # silence before an engine is given up.
-    kwargs["controller_args"] = [*kwargs.get("controller_args", []), "--HeartMonitor.period=500",
-                                 "--HeartMonitor.max_heartmonitor_misses=60"]
+    _heartbeats(config, kwargs)
     network = _on_nodes(n, config, kwargs, layout, run_dir) if layout else None
     if network is None and launcher == "local" and "torch" in frameworks:
         _fork_engines(config, run_dir)
