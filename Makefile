@@ -112,6 +112,7 @@ TEST_MPI := tests/test_mpi_impls.py tests/test_cluster.py tests/test_forkserver.
   tests/test_check_ring.py::test_solution_scores_full_marks_on_1_to_4_ranks_hidden_cases_included \
   tests/test_check_ring.py::test_deadlocking_ring_is_a_hang_naming_every_stuck_rank_and_the_line "tests/test_notebooks.py::test_notebook_runs_headless[notebooks/00_welcome.ipynb]" \
   tests/test_attacks_evidence.py::test_right_answers_pass \
+  tests/test_attacks_evidence.py::test_all_reduces_struck_from_the_recording_are_counted_on_the_wire \
   tests/test_attacks_evidence.py::test_a_rank_sees_no_other_ranks_files_nor_processes \
   "tests/test_notebooks.py::test_notebook_runs_headless[notebooks/03_mpi_collectives.ipynb]" \
   "tests/test_notebooks.py::test_notebook_runs_headless[notebooks/04_ring_allreduce.ipynb]" \

@@ -125,7 +125,9 @@ def test_a_rank_that_never_starts_is_named(tmp_path, monkeypatch, no_strays):
         preflight.run(sites.load_site(str(_site(tmp_path, LENIENT))), launcher="local", out=tmp_path / "r",
                       largest=1 << 10, timeout=3)
     text = str(err.value)
-    assert "before every rank answered" in text
+    # rank 0's stack dump ends the job (usually first), or the client's own time limit does (on a loaded
+    # machine, when rank 0's imports take most of it): either way the same ranks are named
+    assert re.search(r"before every rank answered|not every rank answered within 3 s", text), text
     assert "rank 1: never started" in text
     assert f"rank 0 on {socket.gethostname()}: stuck starting MPI" in text
     assert "Timeout" in text  # rank 0's own stack dump, from the job's output
