@@ -33,12 +33,11 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hpdl import safefiles, settings
+from hpdl import safefiles, scratch, settings
 from hpdl.errors import HpdlError
 
 CHECK_CALL = re.compile(r"""check\(\s*["']([A-Za-z_][A-Za-z0-9_]*)["']""")
@@ -499,7 +498,7 @@ def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress
     # batch folder is an empty one with only the submission's own folder bound back
     from hpdl.checker.checking import answer_keys
 
-    work_root = Path(tempfile.mkdtemp(prefix="hpdl-grade-"))
+    work_root = scratch.make("grade")  # one a killed grader left is removed here
     os.chmod(work_root, 0o700)
     hidden = [str(folder.resolve()), str(out.resolve()), str(work_root), *answer_keys()]
     running: list[Running] = []

@@ -242,7 +242,13 @@ def test_a_killed_batch_leaves_a_valid_report_and_a_rerun_resumes(submissions, t
     assert len(rows) == 2 and "pending" in {r["status"] for r in rows}
     first = (out / "results.jsonl").read_text().splitlines()
     assert len(first) == 1
+    import socket
+    import tempfile
+
+    stranded = list(Path(tempfile.gettempdir()).glob(f"hpdl-grade-{socket.gethostname()}-{proc.pid}-*"))
+    assert len(stranded) == 1 and any(stranded[0].iterdir())  # the killed grader's copies of the submissions
     assert grade.main([str(submissions), "--out", str(out), "--timeout", "60", "--allow-root"]) == 0
+    assert not stranded[0].exists()  # removed by the next grader
     lines = (out / "results.jsonl").read_text().splitlines()
     assert len(lines) == 2 and lines[0] == first[0]  # the first one was not graded again
     rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}

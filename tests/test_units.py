@@ -159,3 +159,31 @@ def test_px_timeout_is_parsed_by_magic_arguments():
     for bad in ("abc", "0"):
         with pytest.raises(UsageError, match="timeout"):
             parser.parse_args(["--timeout", bad])
+
+
+def test_scratch_folders_of_a_gone_maker_are_swept_and_no_others(tmp_path, monkeypatch):
+    """A folder whose maker (host and pid in its name) is gone goes; a live maker's, another host's,
+    another kind's, and a file stay."""
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    from hpdl import scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = socket.gethostname()
+    stale = tmp_path / f"hpdl-check-{host}-{gone.pid}-abc"
+    (stale / "r0").mkdir(parents=True)
+    kept = [tmp_path / f"hpdl-check-{host}-1-abc", tmp_path / f"hpdl-check-elsewhere-{gone.pid}-abc",
+            tmp_path / f"hpdl-grade-{host}-{gone.pid}-abc"]
+    for k in kept:
+        k.mkdir()
+    (tmp_path / f"hpdl-check-{host}-{gone.pid}-file").write_text("x")
+    mine = scratch.make("check")
+    assert mine.parent == tmp_path and mine.name.startswith(f"hpdl-check-{host}-{os.getpid()}-")
+    assert not stale.exists() and all(k.exists() for k in kept) and mine.exists()
+    assert (tmp_path / f"hpdl-check-{host}-{gone.pid}-file").exists()
+    assert scratch.sweep("check") == []  # its own stays while it runs

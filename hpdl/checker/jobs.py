@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpdl import hang, procs, safefiles, settings, sidejob
+from hpdl import hang, procs, safefiles, scratch, settings, sidejob
 from hpdl.checker import hold, isolate, meter, sandbox
 from hpdl.checker.cases import Case, with_nonce
 from hpdl.checker.report import CaseResult, Verdict
@@ -647,7 +647,7 @@ class Runner:
 
     def run(self) -> dict[int, CaseResult]:
         results: dict[int, CaseResult] = {}
-        tmp = tempfile.mkdtemp(prefix="hpdl-check-")
+        tmp = str(scratch.make("check"))  # one a killed checker left is removed by the next check
         runs: list[SizeRun] = []
         try:
             for size, todo in self.plan.items():
