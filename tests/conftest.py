@@ -53,6 +53,7 @@ def no_strays(request):
     me = psutil.Process()
     before = {p.pid for p in kit_processes()} | {c.pid for c in me.children(recursive=True)}
     shm_before = mpi_shared_memory()
+    scratch_before = _own_scratch()
     yield
     deadline = psutil.time.time() + 10
     while True:
@@ -79,6 +80,17 @@ def no_strays(request):
         Path(f).unlink(missing_ok=True)
     if not request.node.get_closest_marker("slurm"):
         assert not shm_left, f"MPI shared memory left in /dev/shm: {shm_left}"
+    # a check run here removes its folder under $TMPDIR (hpdl.scratch) when it ends, whatever its verdict
+    scratch_left = _own_scratch() - scratch_before
+    assert not scratch_left, f"a check's folder left in the temporary directory: {sorted(scratch_left)}"
+
+
+def _own_scratch() -> set[str]:
+    """The scratch folders (hpdl.scratch) this test process made that are there now."""
+    import socket
+    import tempfile
+
+    return {str(p) for p in Path(tempfile.gettempdir()).glob(f"hpdl-*-{socket.gethostname()}-{os.getpid()}-*")}
 
 
 def _new_segments(before: set[Path]) -> list[str]:
