@@ -357,3 +357,26 @@ def test_nodes_are_refused_before_anything_starts_where_the_mpi_cannot_place_the
     assert str(err.value) == why
     assert not hpdl.status()["running"]
     assert set((home() / "runs").glob("*")) <= runs  # no run folder: refused before a controller was started
+
+
+def test_intel_mpi_ranks_that_share_no_memory_each_start_on_a_node_of_their_own(monkeypatch, tmp_path):
+    """Intel MPI maps one start-up segment for a node's ranks: a check's isolated ranks each get a name
+    (a node) and a proxy of their own, started through a remote shell that runs the proxy here. The
+    real runs are test-mpi's (`make test-mpi MPI=impi`: test_a_rank_sees_no_other_ranks_files_nor_processes)."""
+    import subprocess
+
+    from hpdl.checker import runner
+
+    local = ["/x/mpiexec", "-genv", "I_MPI_PIN", "0", "-bootstrap", "fork", "-n", "3"]
+    monkeypatch.setattr(launchers, "mpiexec_implementation", lambda *a: "MPICH")
+    assert runner._nodes_apart(local, 3, str(tmp_path)) == local and not list(tmp_path.iterdir())
+    monkeypatch.setattr(launchers, "mpiexec_implementation", lambda *a: "Intel MPI")
+    shell = tmp_path / "remote-shell-here"
+    assert runner._nodes_apart(local, 3, str(tmp_path)) == [
+        "/x/mpiexec", "-genv", "I_MPI_PIN", "0", "-bootstrap", "ssh", "-bootstrap-exec", str(shell),
+        "-hosts", "hpdl-rank0,hpdl-rank1,hpdl-rank2", "-ppn", "1", "-n", "3"]
+    assert shell.stat().st_mode & 0o777 == 0o700
+    # called as ssh is by Hydra: options, the node's name, then the command, which runs here
+    ran = subprocess.run([str(shell), "-q", "-x", "hpdl-rank1", "echo", "proxy", "$((1+1))"], capture_output=True,
+                         text=True, timeout=10)
+    assert ran.stdout == "proxy 2\n", ran

@@ -20,7 +20,7 @@ learner's code) is `isolate()`:
 Still shared: the network namespace (TCP between ranks, counted by the meter). No memory is shared:
 an isolated job's ranks talk over TCP, metered or not, and Open MPI's PMIx client takes the job's data
 by message (meter.tcp_transport); Intel MPI's start-up needs a segment for all of a node's ranks, so
-its ranks are not isolated (sandbox.ranks_apart).
+its ranks each start as if on a node of their own (launchers.nodes_apart).
 """
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ class Job:
         # sharing no memory, the ranks then talk over TCP
         tcp = meter.tcp_transport() if kind == "learner" and sandboxed and sandbox.isolation_works() else None
         launch = job_launch(size, module, self.dir, {**_job_env(self.dir), **(tcp or {}), **(wire_env or {})},
-                            preload=spec.get("preload") or [])  # this node only
+                            preload=spec.get("preload") or [], apart=tcp is not None)  # this node only
         cmd, env, self.through_batch = launch.cmd, launch.env, launch.through_batch
         self.isolated = tcp is not None and not launch.through_batch
         self.spec["isolate"] = self.isolated

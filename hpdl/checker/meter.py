@@ -31,9 +31,10 @@ OVER_TCP = {
     "Intel MPI": {"I_MPI_FABRICS": "ofi", "FI_PROVIDER": "tcp", "I_MPI_COLL_INTRANODE": "pt2pt"},
 }
 # and, for ranks that share no memory (isolate.py): Open MPI's PMIx client then takes the job's data by
-# message, not from its server's shared-memory segment. Not Intel MPI: its start-up maps one segment
-# for a node's ranks whatever the fabric (MPIDU_Init_shm_init), so its ranks stay in one view
-APART = {"MPICH": {}, "Open MPI": {"PMIX_MCA_gds": "hash"}}
+# message, not from its server's shared-memory segment. Intel MPI's start-up maps one segment for a
+# node's ranks whatever the fabric (MPIDU_Init_shm_init): its ranks each start on a node of their own
+# (launchers.nodes_apart, runner.job_launch)
+APART = {"MPICH": {}, "Open MPI": {"PMIX_MCA_gds": "hash"}, "Intel MPI": {}}
 SS_TIMEOUT = 10.0  # s
 NS_GET_USERNS = 0xB701  # ioctl on a namespace's file: a new descriptor of the user namespace that owns it
 

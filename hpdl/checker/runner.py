@@ -6,6 +6,7 @@ side jobs (hpdl.sidejob); how they start comes from here, through the launcher i
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -24,7 +25,8 @@ class Launch:
     kept: tuple[str, ...] = ()
 
 
-def job_launch(size: int, module: str, job_dir: str, env: dict[str, str], preload: list[str] = ()) -> Launch:
+def job_launch(size: int, module: str, job_dir: str, env: dict[str, str], preload: list[str] = (),
+               apart: bool = False) -> Launch:
     """One check job: `size` ranks of `python -m <module> <job_dir>`, started from `env`.
 
     On this node only, through the local mpiexec, with the batch system's variables removed: a
@@ -34,12 +36,17 @@ def job_launch(size: int, module: str, job_dir: str, env: dict[str, str], preloa
     side job (`srun --overlap`) instead, and the job keeps what it needs of the batch system.
 
     `preload` (modules every rank imports, e.g. torch): through the local mpiexec, the ranks are
-    forked from one process that imported them once (hpdl.forkserver) unless HPDL_FORKSERVER=0."""
+    forked from one process that imported them once (hpdl.forkserver) unless HPDL_FORKSERVER=0.
+
+    `apart`: ranks that will share no memory (isolate.py), which Intel MPI starts only each on a node
+    of its own (launchers.nodes_apart)."""
     from hpdl import forkserver, launchers
 
     program = [sys.executable, "-m", module, job_dir]
     try:
         local = launchers.local_job_command(size)
+        if apart:
+            local = _nodes_apart(local, size, job_dir)
         forked = forkserver.commands(job_dir, preload, module, job_dir)
         cmd = [*forked[0], *local, *forked[1]] if forked else [*local, *program]
         return Launch(cmd, launchers.local_job_env(env))
@@ -50,6 +57,25 @@ def job_launch(size: int, module: str, job_dir: str, env: dict[str, str], preloa
                f"check's jobs ran through the batch system ({cmd[0]}); their sandbox kept the network and the "
                "batch system's variables for it.")
         return Launch([*cmd, *program], dict(env), why, kept)
+
+
+def _nodes_apart(cmd: list[str], size: int, job_dir: str) -> list[str]:
+    """`cmd` (a local mpiexec) starting each rank as if on a node of its own, where this MPI needs it:
+    its flags for forking ranks here (launchers.local_flags) give way to a remote shell that runs each
+    rank's proxy here, a file in the job's folder (in the sandbox, the only folder the job sees)."""
+    from hpdl import launchers, safefiles
+
+    shell = os.path.join(job_dir, "remote-shell-here")
+    flags = launchers.nodes_apart(launchers.mpiexec_implementation(), size, shell)
+    if flags is None or "-n" not in cmd:
+        return cmd
+    safefiles.create_exclusive(shell, launchers.REMOTE_SHELL_HERE, mode=0o700)
+    fork = launchers.local_flags(launchers.mpiexec_implementation())
+    at = next((i for i in range(len(cmd)) if cmd[i:i + len(fork)] == fork), None) if fork else None
+    if at is not None:
+        cmd = cmd[:at] + cmd[at + len(fork):]
+    n = cmd.index("-n")
+    return cmd[:n] + flags + cmd[n:]
 
 
 __all__ = ["Launch", "job_launch"]

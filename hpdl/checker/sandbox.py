@@ -489,7 +489,7 @@ def isolation_works() -> bool:
 
 def ranks_apart() -> bool:
     """Whether a check's learner ranks here each get a view of their own: isolation works, and this node's
-    MPI can run ranks that share no memory (meter.tcp_transport: MPICH with libfabric, Open MPI)."""
+    MPI can run ranks that share no memory (meter.tcp_transport: MPICH with libfabric, Open MPI, Intel MPI)."""
     from hpdl.checker import meter
 
     return isolation_works() and meter.tcp_transport() is not None

@@ -34,6 +34,7 @@ from hpdl.launchers.local import Local
 from hpdl.launchers.mpiexec import (  # noqa: F401  (_IMPLEMENTATION: tests clear what was learnt)
     _IMPLEMENTATION,
     PASSED_ENV,
+    REMOTE_SHELL_HERE,
     engine_env,
     find_mpiexec,
     launch_flags,
@@ -42,6 +43,7 @@ from hpdl.launchers.mpiexec import (  # noqa: F401  (_IMPLEMENTATION: tests clea
     mpiexec_command,
     mpiexec_flags,
     mpiexec_implementation,
+    nodes_apart,
 )
 from hpdl.launchers.slurm import Slurm, job_state, sbatch_template
 from hpdl.sites import SITES_DIR, SlurmSite, load_site

@@ -126,6 +126,24 @@ def local_flags(implementation: str) -> list[str]:
     return []
 
 
+# Intel MPI's "remote shell" for ranks on nodes of their own (nodes_apart): each node is this one. Called
+# as `SCRIPT [-q] [-x] HOST COMMAND...`, as ssh would be; runs COMMAND here, as ssh's remote shell would
+REMOTE_SHELL_HERE = '#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nshift\nexec sh -c "$*"\n'
+
+
+def nodes_apart(implementation: str, n: int, remote_shell: str) -> list[str] | None:
+    """Flags that start `n` ranks here each as if on a node of its own, for ranks that share no memory
+    (a check's isolated learner ranks, hpdl.checker.isolate); None where no flags are needed (MPICH,
+    Open MPI). Why: Intel MPI's start-up maps one shared-memory segment for all of a node's ranks
+    (MPIDU_Init_shm_init), whatever the fabric. One name per rank and one rank per name: each rank
+    under a proxy of its own, started through `remote_shell` (REMOTE_SHELL_HERE, a file), which
+    runs it here. Pure, so tested without MPI."""
+    if implementation != "Intel MPI":
+        return None
+    return ["-bootstrap", "ssh", "-bootstrap-exec", remote_shell,
+            "-hosts", ",".join(f"hpdl-rank{i}" for i in range(n)), "-ppn", "1"]
+
+
 def local_mpiexec_command(n: int) -> list[str]:
     """`mpiexec_command(n)` whose ranks are forked on this machine (local_flags); HpdlError where
     this Python's MPI has no mpiexec (Cray MPICH: only srun starts its ranks)."""
