@@ -129,6 +129,10 @@ def _all_done(folder: Path, n: int) -> bool:
     return len(answers) == n and all(a["phase"] == "done" for a in answers.values())
 
 
+STACK_DUMP = "Timeout ("  # faulthandler's first line when a rank's time is up (rank_main's dump_traceback_later)
+DUMP_LINES = ("Thread 0x", "Current thread 0x", "  File ", "  <no Python frame>", "  ...")  # the rest of its lines
+
+
 def _silent(folder: Path, n: int, why: str, output: Path) -> HpdlError:
     """The error that names every rank which did not finish: its node and what it was doing."""
     seen, lines = _answers(folder), [why]
@@ -141,9 +145,15 @@ def _silent(folder: Path, n: int, why: str, output: Path) -> HpdlError:
         lines.append(f"  (no rank wrote to {folder}: if the job ran, that folder is not on a file system the "
                      "compute nodes see; run from one they do, or pass --out there)")
     text = output.read_text(errors="replace") if output.exists() else ""
-    tail = [s for s in text.strip().splitlines() if "<frozen " not in s][-12:]  # a stack dump: our lines
-    return HpdlError("\n".join(lines + ([f"the job's output ({output}) ends with:"] if tail else [])
-                               + ["    " + s for s in tail]))
+    shown = [s for s in text.strip().splitlines() if "<frozen " not in s]  # a stack dump: our lines
+    dump = max((i for i, s in enumerate(shown) if s.startswith(STACK_DUMP)), default=None)
+    if dump is not None:  # a stuck rank's own stack, not the banner its launcher printed after it ended
+        end = next((i for i in range(dump + 1, len(shown)) if not (shown[i].startswith(DUMP_LINES) or (
+            not shown[i] and i + 1 < len(shown) and shown[i + 1].startswith(DUMP_LINES[:2])))), len(shown))
+        return HpdlError("\n".join(lines + [f"the job's output ({output}) shows where:"]
+                                   + ["    " + s for s in shown[dump:min(end, dump + 24)]]))
+    return HpdlError("\n".join(lines + ([f"the job's output ({output}) ends with:"] if shown else [])
+                               + ["    " + s for s in shown[-12:]]))
 
 
 def batch_script(site: SlurmSite, nodes: int, per_node: int, program: list[str], output: Path, minutes: int) -> str:

@@ -130,7 +130,8 @@ def test_a_rank_that_never_starts_is_named(tmp_path, monkeypatch, no_strays):
     assert re.search(r"before every rank answered|not every rank answered within 3 s", text), text
     assert "rank 1: never started" in text
     assert f"rank 0 on {socket.gethostname()}: stuck starting MPI" in text
-    assert "Timeout" in text  # rank 0's own stack dump, from the job's output
+    # rank 0's own stack dump, from the job's output, even when MPI's launcher printed a banner after it
+    assert "Timeout" in text and "in rank_main" in text and "BAD TERMINATION" not in text, text
 
 
 @pytest.mark.slurm
@@ -191,3 +192,23 @@ def test_gpus_of_a_node_are_counted_by_uuid_as_per_task_binding_shows_them():
     props = SimpleNamespace(name="NVIDIA H100 80GB HBM3", uuid="GPU-abc", pci_bus_id="0000:1b:00.0")
     assert preflight.gpu_identity(props, 0) == "GPU-abc"
     assert preflight.gpu_identity(SimpleNamespace(name="T4", uuid="", pci_bus_id="0000:3b:00.0"), 0) == "0000:3b:00.0"
+
+
+def test_a_stuck_ranks_stack_is_shown_not_the_banner_its_launcher_printed_after_it(tmp_path):
+    """What MPICH's Hydra printed after rank 0's faulthandler dump ended the job (seen in a full run):
+    the message shows the dump, where the rank was, not the last lines of the banner."""
+    out = tmp_path / "job.out"
+    out.write_text("Timeout (0:00:03)!\nThread 0x00007f845cffeb80 (most recent call first):\n"
+                   '  File "/kit/hpdl/preflight.py", line 100 in rank_main\n'
+                   '  File "/kit/hpdl/preflight.py", line 402 in main\n\n' + "=" * 83 + "\n"
+                   + "".join(f"=   {w}\n" for w in ("BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES",
+                                                    "PID 7531 RUNNING AT vm", "EXIT CODE: 9",
+                                                    "CLEANING UP REMAINING PROCESSES",
+                                                    "YOU CAN IGNORE THE BELOW CLEANUP MESSAGES"))
+                   + "=" * 83 + "\nYOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)\n")
+    text = str(preflight._silent(tmp_path / "ranks", 2, "the job ended before every rank answered:", out))
+    assert "rank 0: never started" in text and "shows where:" in text
+    assert "line 100 in rank_main" in text and "BAD TERMINATION" not in text, text
+    out.write_text("".join(f"line {i}\n" for i in range(30)))  # no dump: the output's last lines
+    text = str(preflight._silent(tmp_path / "ranks", 1, "the job ended:", out))
+    assert "ends with:" in text and "line 29" in text and "line 17" not in text, text
