@@ -65,12 +65,12 @@ def _nodes_apart(cmd: list[str], size: int, job_dir: str) -> list[str]:
     rank's proxy here, a file in the job's folder (in the sandbox, the only folder the job sees)."""
     from hpdl import launchers, safefiles
 
-    shell = os.path.join(job_dir, "remote-shell-here")
-    flags = launchers.nodes_apart(launchers.mpiexec_implementation(), size, shell)
+    shell, which = os.path.join(job_dir, "remote-shell-here"), launchers.mpiexec_implementation()
+    flags = launchers.nodes_apart(which, size, shell)
     if flags is None or "-n" not in cmd:
         return cmd
     safefiles.create_exclusive(shell, launchers.REMOTE_SHELL_HERE, mode=0o700)
-    fork = launchers.local_flags(launchers.mpiexec_implementation())
+    fork = launchers.local_flags(which)
     at = next((i for i in range(len(cmd)) if cmd[i:i + len(fork)] == fork), None) if fork else None
     if at is not None:
         cmd = cmd[:at] + cmd[at + len(fork):]
