@@ -246,7 +246,7 @@ def test_a_killed_batch_leaves_a_valid_report_and_a_rerun_resumes(submissions, t
     import tempfile
 
     stranded = list(Path(tempfile.gettempdir()).glob(f"hpdl-grade-{socket.gethostname()}-{proc.pid}-*"))
-    assert len(stranded) == 1 and any(stranded[0].iterdir())  # the killed grader's copies of the submissions
+    assert len(stranded) == 1  # the killed grader's folder (its copy of the next submission, if made by then)
     assert grade.main([str(submissions), "--out", str(out), "--timeout", "60", "--allow-root"]) == 0
     assert not stranded[0].exists()  # removed by the next grader
     lines = (out / "results.jsonl").read_text().splitlines()
