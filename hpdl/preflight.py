@@ -130,7 +130,21 @@ def _all_done(folder: Path, n: int) -> bool:
 
 
 STACK_DUMP = "Timeout ("  # faulthandler's first line when a rank's time is up (rank_main's dump_traceback_later)
-DUMP_LINES = ("Thread 0x", "Current thread 0x", "  File ", "  <no Python frame>", "  ...")  # the rest of its lines
+THREAD_LINES = ("Thread 0x", "Current thread 0x")  # then each thread's header, its frames, a blank line between
+FRAME_LINES = ("  File ", "  <no Python frame>", "  ...")
+
+
+def _last_stack_dump(lines: list[str], most: int = 24) -> list[str]:
+    """The last faulthandler dump in a job's output, every thread of it (at most `most` lines), without
+    what followed it (an MPI launcher's banner after the dump ended the rank); [] when there is none."""
+    start = max((i for i, s in enumerate(lines) if s.startswith(STACK_DUMP)), default=None)
+    if start is None:
+        return []
+    end = start + 1
+    while end < len(lines) and (lines[end].startswith(THREAD_LINES + FRAME_LINES) or (
+            not lines[end] and end + 1 < len(lines) and lines[end + 1].startswith(THREAD_LINES))):
+        end += 1
+    return lines[start:min(end, start + most)]
 
 
 def _silent(folder: Path, n: int, why: str, output: Path) -> HpdlError:
@@ -146,12 +160,9 @@ def _silent(folder: Path, n: int, why: str, output: Path) -> HpdlError:
                      "compute nodes see; run from one they do, or pass --out there)")
     text = output.read_text(errors="replace") if output.exists() else ""
     shown = [s for s in text.strip().splitlines() if "<frozen " not in s]  # a stack dump: our lines
-    dump = max((i for i, s in enumerate(shown) if s.startswith(STACK_DUMP)), default=None)
-    if dump is not None:  # a stuck rank's own stack, not the banner its launcher printed after it ended
-        end = next((i for i in range(dump + 1, len(shown)) if not (shown[i].startswith(DUMP_LINES) or (
-            not shown[i] and i + 1 < len(shown) and shown[i + 1].startswith(DUMP_LINES[:2])))), len(shown))
-        return HpdlError("\n".join(lines + [f"the job's output ({output}) shows where:"]
-                                   + ["    " + s for s in shown[dump:min(end, dump + 24)]]))
+    dump = _last_stack_dump(shown)
+    if dump:  # a stuck rank's own stack, not the banner its launcher printed after it ended
+        return HpdlError("\n".join(lines + [f"the job's output ({output}) shows where:"] + ["    " + s for s in dump]))
     return HpdlError("\n".join(lines + ([f"the job's output ({output}) ends with:"] if shown else [])
                                + ["    " + s for s in shown[-12:]]))
 

@@ -33,6 +33,11 @@ def make(kind: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{_prefix(kind)}{os.getpid()}-"))
 
 
+def made_by(pid: int, kind: str = "*") -> list[Path]:
+    """The folders of `kind` (any kind: "*") that process `pid` made on this host and that are there now."""
+    return sorted(Path(tempfile.gettempdir()).glob(f"{_prefix(kind)}{pid}-*"))
+
+
 def sweep(kind: str) -> list[str]:
     """Remove this host's and user's `kind` folders whose maker no longer runs. Returns what was removed."""
     root, prefix, removed = tempfile.gettempdir(), _prefix(kind), []
@@ -55,4 +60,4 @@ def sweep(kind: str) -> list[str]:
     return removed
 
 
-__all__ = ["make", "sweep"]
+__all__ = ["make", "made_by", "sweep"]

@@ -87,10 +87,9 @@ def no_strays(request):
 
 def _own_scratch() -> set[str]:
     """The scratch folders (hpdl.scratch) this test process made that are there now."""
-    import socket
-    import tempfile
+    from hpdl import scratch
 
-    return {str(p) for p in Path(tempfile.gettempdir()).glob(f"hpdl-*-{socket.gethostname()}-{os.getpid()}-*")}
+    return {str(p) for p in scratch.made_by(os.getpid())}
 
 
 def _new_segments(before: set[Path]) -> list[str]:

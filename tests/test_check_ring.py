@@ -6,10 +6,8 @@ would give it, naming the ranks and the learner's own line; nothing may be left 
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -172,7 +170,7 @@ def test_killing_the_notebook_mid_check_leaves_no_ranks_behind(tmp_path, no_stra
         # the killed checker's folder (the check's inputs) stays until the next check removes it
         from hpdl import scratch
 
-        left = list(Path(tempfile.gettempdir()).glob(f"hpdl-check-{socket.gethostname()}-{client.pid}-*"))
+        left = scratch.made_by(client.pid, "check")
         assert len(left) == 1, left
         assert str(left[0]) in scratch.sweep("check") and not left[0].exists()
     finally:

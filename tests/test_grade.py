@@ -242,10 +242,9 @@ def test_a_killed_batch_leaves_a_valid_report_and_a_rerun_resumes(submissions, t
     assert len(rows) == 2 and "pending" in {r["status"] for r in rows}
     first = (out / "results.jsonl").read_text().splitlines()
     assert len(first) == 1
-    import socket
-    import tempfile
+    from hpdl import scratch
 
-    stranded = list(Path(tempfile.gettempdir()).glob(f"hpdl-grade-{socket.gethostname()}-{proc.pid}-*"))
+    stranded = scratch.made_by(proc.pid, "grade")
     assert len(stranded) == 1  # the killed grader's folder (its copy of the next submission, if made by then)
     assert grade.main([str(submissions), "--out", str(out), "--timeout", "60", "--allow-root"]) == 0
     assert not stranded[0].exists()  # removed by the next grader
