@@ -1,6 +1,7 @@
 """How long a learner waits for an inline check: `hpdl.check("ring_allreduce", fn)` (or, with
 --exercise allreduce_gradients, lesson 05's one flat all-reduce of the gradients; with --exercise
-pipeline_step, lesson 10's 1F1B stage, one case of which holds the last stage still).
+pipeline_step, lesson 10's 1F1B stage, one case of which holds the last stage still; with --exercise
+overlap_allreduce, lesson 05's bucketed all-reduce during backward, whose ranks build optimizers).
 
 Side by side in one run: a bare `mpiexec -n 4 python` that imports numpy and mpi4py (the floor
 any fresh-ranks check pays), a check on 4 ranks only, and the default check (1, 2, 3 and 4
@@ -11,6 +12,7 @@ Goal: the 4-rank check within 5 s on a 2-core laptop.
 
     .venv/bin/python benchmarks/check_inline.py --repeats 5 --against HEAD~1
     .venv/bin/python benchmarks/check_inline.py --repeats 3 --against HEAD~1 --exercise allreduce_gradients
+    .venv/bin/python benchmarks/check_inline.py --repeats 3 --against HEAD --exercise overlap_allreduce
 """
 from __future__ import annotations
 
@@ -71,9 +73,26 @@ def pipeline_step(comm, stage, batch, targets, m):
 r = hpdl.check("pipeline_step", pipeline_step, ranks={ranks!r})
 assert r.passed, r
 """
+SOLVED = """
+import linecache, nbformat
+import hpdl
+nb = nbformat.read({solutions!r} + "/{notebook}", as_version=4)
+cell = next(c.source for c in nb.cells if c.cell_type == "code" and "def {exercise}(" in c.source)
+# as on the ranks, where the lesson imported these: the cell without its %%px
+cell = "import torch\\nimport torch.distributed as dist\\n" + "\\n".join(
+    line for line in cell.splitlines() if not line.startswith("%"))
+linecache.cache["<solution>"] = (len(cell), None, cell.splitlines(True), "<solution>")
+space = {{"__name__": "solution"}}
+exec(compile(cell, "<solution>", "exec"), space)
+r = hpdl.check("{exercise}", space["{exercise}"], ranks={ranks!r})
+assert r.passed, r
+"""
 CHECKS = {"ring_allreduce": (CHECK, "4 ranks (6 cases)", "1-4 ranks (24 cases)"),
           "allreduce_gradients": (FLAT, "4 ranks (2 cases)", "1-3 ranks (6 cases)"),
-          "pipeline_step": (PIPE, "4 ranks (5 cases)", "1-4 ranks (20 cases)")}
+          "pipeline_step": (PIPE, "4 ranks (5 cases)", "1-4 ranks (20 cases)"),
+          # lesson 05's solution as learners are shown it; its ranks build torch optimizers
+          "overlap_allreduce": (SOLVED.replace("{notebook}", "05_data_parallel.ipynb").replace(
+              "{exercise}", "overlap_allreduce"), "4 ranks (3 cases)", "1-3 ranks (9 cases)")}
 
 
 def timed(cmd: list[str], env: dict, cwd: str) -> float:
@@ -113,7 +132,7 @@ def main() -> None:
         template, four, default = CHECKS[args.exercise]
         for label, (venv, cwd) in variants.items():
             for ranks, what in (([4], four), (None, default)):
-                code = template.format(fixtures=str(FIXTURES), ranks=ranks)
+                code = template.format(fixtures=str(FIXTURES), solutions=str(ROOT / "solutions"), ranks=ranks)
                 rows[f"check {what}, {label}"] = ([sys.executable, "-c", code], venv, cwd)
         times = {name: [] for name in rows}
         for _ in range(args.repeats):  # interleaved, so load from others on the machine hits all alike

@@ -41,6 +41,9 @@ import sys
 
 from hpdl import procs
 
+# torch imports torch._dynamo when a process builds its first optimizer (Optimizer.__init__ runs under
+# torch._disable_dynamo): ~1.5 s of CPU in every rank that builds one, on top of `import torch`'s ~1.7 s
+OPTIMIZER_IMPORTS = ("torch._dynamo",)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGCONT)
 MAX_REQUEST = 4 << 20  # bytes of one rank's request (its environment, mostly)

@@ -134,6 +134,23 @@ def test_a_check_job_goes_through_the_server_only_where_it_pays(tmp_path, monkey
     assert "hpdl.forkserver" not in off and off[-3:] == plain[-3:]
 
 
+def test_a_check_preloads_what_its_ranks_import_and_what_their_first_optimizer_does():
+    """torch where the case module or the learner's code imports it; torch._dynamo besides where either
+    builds an optimizer (torch imports it then: ~1.5 s of CPU in each rank); nothing for MPI-only code."""
+    from hpdl.checker import cases, checking
+
+    def learner(source: str) -> dict:
+        return {"sources": [{"source": source}]}
+
+    assert checking._preload(cases.load("train_step"), {}) == ["torch", *forkserver.OPTIMIZER_IMPORTS]
+    assert checking._preload(cases.load("resume_horovod"), {}) == ["torch", *forkserver.OPTIMIZER_IMPORTS]
+    assert checking._preload(cases.load("allreduce_gradients"), {}) == ["torch"]
+    adam = learner("import torch\nopt = torch.optim.Adam(model.parameters())")
+    assert checking._preload(cases.load("allreduce_gradients"), adam) == ["torch", *forkserver.OPTIMIZER_IMPORTS]
+    assert checking._preload(cases.load("ps_exchange"), learner("import numpy as np")) == []
+    assert checking._preload(cases.load("ps_exchange"), adam) == ["torch", *forkserver.OPTIMIZER_IMPORTS]
+
+
 def test_help_and_a_missing_command_are_said_plainly():
     cli = [sys.executable, "-m", "hpdl.forkserver", "serve"]
     shown = subprocess.run([*cli, "--help"], capture_output=True, text=True)

@@ -12,6 +12,7 @@ import secrets
 import time
 from pathlib import Path
 
+from hpdl import forkserver
 from hpdl.checker import cases as case_api
 from hpdl.checker import source
 from hpdl.checker.jobs import Planned, Runner
@@ -84,17 +85,22 @@ def answer_keys() -> list[str]:
 # -- planning ----------------------------------------------------------------------------------
 
 _IMPORTS_TORCH = re.compile(r"^\s*(?:import|from)\s+torch\b", re.MULTILINE)
+_BUILDS_OPTIMIZER = re.compile(r"\boptim\.[A-Z]\w*\(|DistributedOptimizer\(")
 
 
 def _preload(module, code: dict) -> list[str]:
     """What every rank of this exercise's jobs imports, which a fork server can import once for
-    them (runner.py): torch, where the case module or the learner's code imports it."""
+    them (runner.py): torch, where the case module or the learner's code imports it, and what torch
+    imports at a process's first optimizer, where one is built (forkserver.OPTIMIZER_IMPORTS)."""
     try:
         texts = [Path(module.__file__).read_text()]
     except (OSError, TypeError):
         texts = []
     texts += [str(entry.get("source", "")) for entry in code.get("sources", []) if isinstance(entry, dict)]
-    return ["torch"] if any(_IMPORTS_TORCH.search(text) for text in texts) else []
+    if not any(_IMPORTS_TORCH.search(text) for text in texts):
+        return []
+    optimizers = any(_BUILDS_OPTIMIZER.search(text) for text in texts)
+    return ["torch", *(forkserver.OPTIMIZER_IMPORTS if optimizers else ())]
 
 
 def _nonce(module) -> int | None:
