@@ -287,27 +287,31 @@ class Running:
         self.job = sidejob.SideJob(cmd, output=work / "run.log", env=env, cwd=work, timeout=limit,
                                    limits=self.limits, shared_memory=not sub.sandboxed, sweep=True)
         sub.limits = self.limits.applied()  # the total caps as the kernel holds them, read back
+        self.disk = sandbox.DiskWatch(work)  # its folder is on the host's disk: capped as it runs
 
     def poll(self) -> bool:
-        """True when finished (by itself or by the time limit)."""
+        """True when finished (by itself, by the time limit or by its folder's cap on disk)."""
         self.service.poll()
         if not self.job.running():
             self.service.poll()
-            self.finish(timed_out=False)
+            self.finish(stopped=False)
             return True
-        if self.job.expired():
-            self.finish(timed_out=True)
+        if self.job.expired() or self.disk.over():
+            self.finish(stopped=True)
             return True
         return False
 
-    def finish(self, timed_out: bool) -> None:
+    def finish(self, stopped: bool) -> None:
+        """Its results in; `stopped`: ended by us (time limit, disk cap, an interrupt), not by itself."""
         from hpdl.checker import sandbox
 
         sub = self.sub
         sub.seconds = self.job.elapsed()
         self.job.end(now=True)  # its result is in; whatever it still runs is ended with it
         self.service.finish()
-        if timed_out:
+        if self.disk.why is not None:
+            sub.status, sub.detail = "disk limit", f"stopped: {self.disk.why}"
+        elif stopped:
             sub.status, sub.detail = "timeout", f"stopped after {self.limit:g} s (the submission's time limit)"
         else:
             try:  # the submission's folder: no link followed, a regular file, bounded
@@ -523,7 +527,7 @@ def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress
             time.sleep(0.1)
     finally:
         for r in running:
-            r.finish(timed_out=True)
+            r.finish(stopped=True)
             r.sub.status, r.sub.detail = "interrupted", "the grader was stopped while this submission ran"
         if bar is not None:
             bar.close()

@@ -13,6 +13,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -207,6 +208,37 @@ def test_the_checker_never_follows_blocks_on_or_signals_what_the_learners_ranks_
     finally:
         bystander.kill()
         bystander.wait()
+
+
+# a check's ranks filling their folder on the host's disk: 3 GiB in 64 MiB files (each under the per-file cap)
+DISK_FILL = '''def ring_allreduce(comm, x):
+    import os
+    mine = os.path.join(os.environ["HPDL_CHECK_JOB"], "r%d" % comm.Get_rank())  # the rank's own, writable
+    chunk = b"x" * (64 << 20)
+    for i in range(48):
+        with open(os.path.join(mine, "fill-%d" % i), "wb") as f:
+            f.write(chunk)
+    return comm.allreduce(x)
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_checks_ranks_that_fill_their_folder_are_stopped_at_its_cap(tmp_path, monkeypatch, no_strays):
+    """Their folder is the host's and RLIMIT_FSIZE caps one file only: the checker measures it as
+    the ranks run and stops them at sandbox.DISK_BYTES, an error in words, the files gone."""
+    import shutil
+
+    import hpdl
+
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    if free < 8 * sandbox.DISK_BYTES:
+        pytest.skip(f"needs {8 * sandbox.DISK_BYTES / 2**30:g} GiB free in the temporary directory")
+    result = hpdl.check("ring_allreduce", _learner_function(DISK_FILL), ranks=[2], timeout=30)
+    assert result.cases and all(c.verdict == "ERROR" for c in result.cases), result
+    first, *rest = result.cases
+    assert "of disk (the cap on its folder)" in first.message, first.message
+    assert rest and all(c.message.startswith(f"Not run: case {first.name} was stopped") for c in rest), rest[0]
+    assert shutil.disk_usage(tempfile.gettempdir()).free > free - sandbox.DISK_BYTES // 2  # nothing of it left
 
 
 # -- what a batch leaves on the host, and the commands' help --------------------------------------

@@ -266,6 +266,16 @@ for k in kids:
         pass
 '''
 
+# 64 MiB files in its folder (its HOME and working folder, the host's disk),
+# 3 GiB in all, each under the per-file cap
+DISK_BOMB = '''import os
+chunk = b"x" * (64 << 20)
+for i in range(48):
+    with open(f"fill-{i}", "wb") as f:
+        f.write(chunk)
+print("wrote", (i + 1) * 64, "MiB")
+'''
+
 MEMORY = 1536 * 2**20
 TASKS = 512
 
@@ -284,6 +294,9 @@ def hostile(tmp_path, monkeypatch) -> Path:
         nb = nbformat.from_dict(json.loads(json.dumps(solved)))
         nb.cells.append(nbformat.v4.new_code_cell(code))  # after its own honest check
         nbformat.write(nb, subs / f"{name}.ipynb")
+    disk = nbformat.v4.new_notebook()
+    disk.cells = [nbformat.v4.new_code_cell(DISK_BOMB)]  # no check of its own: it only tries the cap
+    nbformat.write(disk, subs / "disk_bomb.ipynb")
     return subs
 
 
@@ -344,6 +357,9 @@ def test_a_hostile_batch_reads_nothing_of_the_grader_or_a_neighbour_and_stays_in
         assert rows["fork_bomb.ipynb"]["status"] in ("runner failed", "kernel died", "timeout", "error")
     held = int(_outputs(out, "memory_bomb.ipynb").split("held together MiB ")[1].split("\\")[0])
     assert held * 2**20 <= MEMORY, held
+    # files in its folder on the host's disk: stopped at the folder's cap, which the header names
+    assert rows["disk_bomb.ipynb"]["status"] == "disk limit", rows["disk_bomb.ipynb"]
+    assert "of disk" in rows["disk_bomb.ipynb"]["detail"] and "its folder on disk: 2 GiB" in data["sandbox"]
     # the snoop's work folder (its HOME, a 0700 folder of the batch's) is gone, the batch's too
     import re
 

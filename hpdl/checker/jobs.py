@@ -120,6 +120,8 @@ class Job:
         # a sandbox has its own /dev/shm and PID namespace, gone with it; outside one, the learner's
         # processes are swept by the job's marker too (a daemon that left the process group)
         self.limits = limits
+        # the learner's one writable folder is the host's: what its files take on disk is capped as it runs
+        self.disk = sandbox.DiskWatch(self.dir) if kind == "learner" else None
         self.side = sidejob.SideJob(cmd, output=os.path.join(self.dir, "output.txt"), env=env, limits=limits,
                                     shared_memory=not sandboxed, sweep=kind == "learner" and not sandboxed)
         self.launched = time.monotonic()
@@ -543,6 +545,8 @@ class SizeRun:
             self.todo.pop(0)
             job.must_stop = True
             job.end()
+            if job.disk is not None and job.disk.why is not None:
+                shutil.rmtree(job.dir, ignore_errors=True)  # what it wrote goes now, not with the check
             self._after_stop(job, decided)
             break
         return decided
@@ -563,6 +567,8 @@ class SizeRun:
         runner, now = self.runner, time.monotonic()
         if job.crash is not None:
             return runner.internal_error(cur, self.size, job.crash)
+        if job.disk is not None and job.disk.over():
+            return runner.over_disk(cur, self.size, job.disk.why)
         if cur.index in job.problem_at and now - job.problem_at[cur.index] > GRACE_AFTER_ERROR and not exited:
             where = job.stacks([r for r in range(self.size) if r not in ends], runner.spec["code"])
             return runner.from_learner(cur, self.size, ends, left_waiting=where)
@@ -601,11 +607,12 @@ class SizeRun:
     def _after_stop(self, job: Job, decided: list) -> None:
         """The learner job was stopped: relaunch it for the cases left (or report them not run)."""
         left = list(self.todo)
-        if left and job.hung and not self.runner.every_case:
-            hung = decided[-1][1]
+        over_disk = job.disk is not None and job.disk.why is not None  # each new job would fill it again
+        if left and (over_disk or job.hung and not self.runner.every_case):
+            stopped = decided[-1][1]
             for p in left:
                 self._go(p.index, False)
-                decided.append((p, self.runner.not_run_after_hang(p, self.size, hung)))
+                decided.append((p, self.runner.not_run_after(p, self.size, stopped)))
             self.todo = []
             left = []
         if left:
@@ -768,9 +775,14 @@ class Runner:
         return self._result(planned, size, Verdict.HANG, msg, hint=hint, stuck=_stuck_text(where), finished=finished,
                             seconds=elapsed, line=line)
 
-    def not_run_after_hang(self, planned: Planned, size: int, hung: CaseResult) -> CaseResult:
-        msg = (f"Not run: case {hung.name} already hung at {size} ranks (fix that first; grading runs every case).")
-        return self._result(planned, size, Verdict.HANG, msg)
+    def not_run_after(self, planned: Planned, size: int, stopped: CaseResult) -> CaseResult:
+        """A case left after one that hung (inline) or filled its folder: not run, in the same verdict."""
+        if stopped.verdict == Verdict.HANG:
+            msg = (f"Not run: case {stopped.name} already hung at {size} ranks "
+                   "(fix that first; grading runs every case).")
+        else:
+            msg = f"Not run: case {stopped.name} was stopped at {size} ranks (above); fix that first."
+        return self._result(planned, size, stopped.verdict, msg)
 
     def died(self, planned: Planned, size: int, ends: dict, ready: dict, output: str) -> CaseResult:
         gone = sorted(set(range(size)) - set(ends))
@@ -780,6 +792,11 @@ class Runner:
         if not ready:
             msg = "The ranks did not start."
         return self._result(planned, size, Verdict.ERROR, msg, error_ranks=gone, details=output)
+
+    def over_disk(self, planned: Planned, size: int, why: str) -> CaseResult:
+        msg = (f"Your ranks were stopped: {why}. A check keeps what your function returns; write no more "
+               "than that to files.")
+        return self._result(planned, size, Verdict.ERROR, msg)
 
     def no_start(self, planned: Planned, size: int, ready: dict, output: str) -> CaseResult:
         msg = (f"Only {len(ready)} of {size} ranks started within {START_TIMEOUT:g} s; the machine may be busy, "

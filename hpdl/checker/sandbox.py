@@ -346,6 +346,62 @@ def _tasks_of_this_user() -> int:
 TMP_BYTES = 512 * 2**20  # the private /tmp inside
 SHM_BYTES = 2**30  # the private /dev/shm inside (MPI's shared memory between ranks)
 HIDDEN_BYTES = 2**20  # each empty folder laid over a private place
+DISK_BYTES = 2 * 2**30  # all files in the one writable folder of a submission or a check's job, together
+DISK_ENTRIES = 20_000  # files and folders in it: past this, over the cap whatever their size
+DISK_EVERY = 0.25  # s between two measures
+
+
+class DiskWatch:
+    """What the files in a sandbox's writable folder hold on the host's disk, measured as it runs.
+
+    Why: that folder is the host's (the grader reads what the submission leaves there), and no
+    rlimit caps it: RLIMIT_FSIZE bounds one file, not how many. Whoever runs the job asks over()
+    as it polls and ends the job on an answer; between two measures a writer gains at most what
+    the disk takes in DISK_EVERY."""
+
+    def __init__(self, folder: str | os.PathLike, limit: int = DISK_BYTES, entries: int = DISK_ENTRIES,
+                 every: float = DISK_EVERY):
+        self.folder, self.limit, self.entries, self.every = str(folder), limit, entries, every
+        self._next = 0.0
+        self.why: str | None = None
+
+    def over(self) -> str | None:
+        """Why the folder is over its cap (then for good), or None; measured at most every `every` s."""
+        import time
+
+        if self.why is not None or time.monotonic() < self._next:
+            return self.why
+        self._next = time.monotonic() + self.every
+        used = disk_usage(self.folder, self.entries)
+        if used is None:
+            self.why = f"it made more than {self.entries} files and folders in its folder"
+        elif used > self.limit:
+            self.why = f"its files took more than {_size(self.limit)} of disk (the cap on its folder)"
+        return self.why
+
+
+def disk_usage(folder: str, max_entries: int) -> int | None:
+    """Bytes the files under `folder` take on disk (blocks allocated: a sparse file counts what it
+    uses), no link followed; None when it holds more than `max_entries` entries."""
+    total, entries, todo = 0, 0, [folder]
+    while todo:
+        try:
+            listing = os.scandir(todo.pop())
+        except OSError:  # gone, or closed to us: nothing of it counts
+            continue
+        with listing:
+            for entry in listing:
+                entries += 1
+                if entries > max_entries:
+                    return None
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total += st.st_blocks * 512
+                if entry.is_dir(follow_symlinks=False):
+                    todo.append(entry.path)
+    return total
 # other users' and the grader's own files: each replaced by an empty folder inside (the grader's
 # HOME and TMPDIR too, wherever they are); the kit, its Python and MPI are bound back read-only
 PRIVATE = ("/home", "/root", "/tmp", "/var/tmp", "/run/user", "/var/mail", "/var/spool/mail", "/mnt", "/media")
@@ -547,7 +603,7 @@ def status(limits: "Limits | None" = None) -> dict:
         "check_ranks": "each in a view of its own" if ranks_apart() else "sharing the job's files",
         "memory_total_bytes": caps["memory"], "tasks_total": caps["tasks"],
         "memory_per_process_bytes": per.memory_bytes, "cpu_seconds_per_process": per.cpu_seconds,
-        "file_bytes": per.file_bytes, "missing": missing(),
+        "file_bytes": per.file_bytes, "disk_bytes": DISK_BYTES, "disk_entries": DISK_ENTRIES, "missing": missing(),
     }
 
 
@@ -581,7 +637,9 @@ def describe(st: dict | None = None) -> str:
              f"total memory {_size(st['memory_total_bytes'])}, total tasks {st['tasks_total'] or 'uncapped'} "
              "(cgroup, read back)",
              f"per process: address space {_size(st['memory_per_process_bytes'])}, "
-             f"CPU {st['cpu_seconds_per_process']} s, files {_size(st['file_bytes'])}"]
+             f"CPU {st['cpu_seconds_per_process']} s, files {_size(st['file_bytes'])}",
+             f"its folder on disk: {_size(st.get('disk_bytes'))} and {st.get('disk_entries') or 'any number of'} "
+             "files in all (measured as it runs)"]
     if st["bubblewrap"] is not None and st["missing"]:
         parts.append(f"missing: {'; '.join(st['missing'])}")
     return "; ".join(parts)
