@@ -139,6 +139,31 @@ def test_one_total_cap_holds_processes_spread_over_many():
     assert "held 512 MiB" not in text and job.returncode != 0, text  # killed at the memory cap
 
 
+def test_a_crash_under_the_limits_leaves_no_core_dump(tmp_path):
+    """A core dump is as large as the process and no other cap counts it (or the host's collector
+    takes it, outside them all): under the sandbox's limits none is written, even where the grader's
+    own shell allows them."""
+    import resource
+
+    from hpdl import sidejob
+
+    sandbox = _sandbox()
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))  # as in a shell with `ulimit -c unlimited`
+    try:
+        crash = ("import os, resource; print('core limit', resource.getrlimit(resource.RLIMIT_CORE)[0], "
+                 "flush=True); os.abort()")
+        job = sidejob.SideJob([sys.executable, "-c", crash], timeout=60, cwd=tmp_path, limits=sandbox.Limits())
+        try:
+            job.wait()
+        finally:
+            job.end(now=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
+    assert "core limit 0" in job.output_text() and job.returncode != 0, job.output_text()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("core")]
+
+
 def _tiny_batch(tmp_path: Path) -> Path:
     subs = tmp_path / "subs"
     subs.mkdir()

@@ -91,9 +91,11 @@ class Limits:
         if group is not None:
             group.join()
         users = getattr(self, "_tasks_now", None) or _tasks_of_this_user()
+        # no core dumps: a crash would write one as large as the process (no other cap counts it), or
+        # hand it to the host's collector (core_pattern |systemd-coredump), outside every cap here
         for what, value in ((resource.RLIMIT_CPU, self.cpu_seconds), (resource.RLIMIT_AS, self.memory_bytes),
                             (resource.RLIMIT_NPROC, users + self.processes),
-                            (resource.RLIMIT_FSIZE, self.file_bytes)):
+                            (resource.RLIMIT_FSIZE, self.file_bytes), (resource.RLIMIT_CORE, 0)):
             soft, hard = resource.getrlimit(what)
             value = value if hard == resource.RLIM_INFINITY else min(value, hard)
             try:
@@ -637,7 +639,7 @@ def describe(st: dict | None = None) -> str:
              f"total memory {_size(st['memory_total_bytes'])}, total tasks {st['tasks_total'] or 'uncapped'} "
              "(cgroup, read back)",
              f"per process: address space {_size(st['memory_per_process_bytes'])}, "
-             f"CPU {st['cpu_seconds_per_process']} s, files {_size(st['file_bytes'])}",
+             f"CPU {st['cpu_seconds_per_process']} s, files {_size(st['file_bytes'])}, no core dumps",
              f"its folder on disk: {_size(st.get('disk_bytes'))} and {st.get('disk_entries') or 'any number of'} "
              "files in all (measured as it runs)"]
     if st["bubblewrap"] is not None and st["missing"]:
