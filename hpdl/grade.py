@@ -31,7 +31,6 @@ import html
 import json
 import os
 import re
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -287,7 +286,8 @@ class Running:
         self.job = sidejob.SideJob(cmd, output=work / "run.log", env=env, cwd=work, timeout=limit,
                                    limits=self.limits, shared_memory=not sub.sandboxed, sweep=True)
         sub.limits = self.limits.applied()  # the total caps as the kernel holds them, read back
-        self.disk = sandbox.DiskWatch(work)  # its folder is on the host's disk: capped as it runs
+        # its folder is on the host's disk: capped as it runs
+        self.disk = sandbox.DiskWatch(work, lambda: self.limits.pids() or self.job.pids())
 
     def poll(self) -> bool:
         """True when finished (by itself, by the time limit or by its folder's cap on disk)."""
@@ -328,7 +328,7 @@ class Running:
             sub.detail = (sub.detail + " | " if sub.detail else "") + "; ".join(self.service.problems[:3])
         data = self._save_executed()
         sub.predictions = predictions_of(_cells(data) or [])
-        shutil.rmtree(self.work, ignore_errors=True)  # gone as soon as it ends, not with the batch
+        safefiles.remove_tree(self.work)  # gone as soon as it ends, not with the batch
         sandbox.sweep_cgroups()  # a cgroup still emptying when its job ended goes now
 
     def _save_executed(self) -> bytes:
@@ -531,7 +531,7 @@ def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress
             r.sub.status, r.sub.detail = "interrupted", "the grader was stopped while this submission ran"
         if bar is not None:
             bar.close()
-        shutil.rmtree(work_root, ignore_errors=True)
+        safefiles.remove_tree(work_root)
         sandbox.sweep_cgroups()
     write_reports(subs, out, exercises, *header)
     return subs

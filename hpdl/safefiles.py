@@ -39,6 +39,46 @@ def open_dir(path: str | os.PathLike) -> int:
         raise UnsafeFile(exc.errno, f"{path} is not a folder (a symbolic link?): {exc.strerror}") from None
 
 
+def open_to_owner(path: str | os.PathLike) -> None:
+    """Give the folder `path` back to its owner (u+rwx), never following a link there: a learner's
+    process may close a folder of its own to everyone (chmod 000) to hide what it holds, or to keep
+    it from being removed. A link put in its place meanwhile changes nothing (O_PATH|O_NOFOLLOW)."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.chmod(f"/proc/self/fd/{fd}", 0o700)
+    finally:
+        os.close(fd)
+
+
+def remove_tree(path: str | os.PathLike) -> None:
+    """shutil.rmtree through folders their owner closed to itself (open_to_owner: only `path` and
+    folders in it, never one above); what still cannot be removed is left (a cleanup never fails)."""
+    import shutil
+
+    top = os.path.abspath(path)
+
+    def reopen(_func, failed: str, _exc) -> None:
+        failed = os.path.abspath(failed)
+        for folder in (os.path.dirname(failed), failed):  # to remove in it, then to list it
+            if folder == top or folder.startswith(top + os.sep):
+                try:
+                    open_to_owner(folder)
+                except OSError:  # not a folder (a file, a link): nothing to open
+                    pass
+        try:
+            if os.path.isdir(failed) and not os.path.islink(failed):
+                shutil.rmtree(failed, ignore_errors=True)
+            else:
+                os.unlink(failed)
+        except OSError:
+            pass
+
+    for _ in range(3):  # a folder opened while its parent was read: the next pass removes it
+        if not os.path.lexists(top):
+            return
+        shutil.rmtree(top, onerror=reopen)
+
+
 def open_regular(path: str | os.PathLike, *, dir_fd: int | None = None) -> int:
     """A read descriptor of the regular file `path`; UnsafeFile for a link, FIFO, device, folder."""
     try:

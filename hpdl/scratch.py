@@ -14,13 +14,12 @@ only this user's, and only when no process has the pid: a pid reused since is le
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import stat
 import tempfile
 from pathlib import Path
 
-from hpdl import procs
+from hpdl import procs, safefiles
 
 
 def _prefix(kind: str) -> str:
@@ -55,7 +54,7 @@ def sweep(kind: str) -> list[str]:
         except OSError:
             continue
         if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
-            shutil.rmtree(path, ignore_errors=True)
+            safefiles.remove_tree(path)
             removed.append(path)
     return removed
 

@@ -214,18 +214,26 @@ def test_the_checker_never_follows_blocks_on_or_signals_what_the_learners_ranks_
 DISK_FILL = '''def ring_allreduce(comm, x):
     import os
     mine = os.path.join(os.environ["HPDL_CHECK_JOB"], "r%d" % comm.Get_rank())  # the rank's own, writable
-    chunk = b"x" * (64 << 20)
+    chunk, held = b"x" * (64 << 20), []
     for i in range(48):
-        with open(os.path.join(mine, "fill-%d" % i), "wb") as f:
-            f.write(chunk)
+        f = open(os.path.join(mine, "fill-%d" % i), "wb")
+        f.write(chunk)
+        f.flush()
+        if UNLINK:  # its name gone, no folder lists it: it takes the disk while held open
+            os.unlink(f.name)
+            held.append(f)
+        else:
+            f.close()
     return comm.allreduce(x)
 '''
 
 
 @pytest.mark.timeout(300)
-def test_a_checks_ranks_that_fill_their_folder_are_stopped_at_its_cap(tmp_path, monkeypatch, no_strays):
+@pytest.mark.parametrize("unlink", [False, True], ids=["named", "unlinked_but_open"])
+def test_a_checks_ranks_that_fill_their_folder_are_stopped_at_its_cap(unlink, no_strays):
     """Their folder is the host's and RLIMIT_FSIZE caps one file only: the checker measures it as
-    the ranks run and stops them at sandbox.DISK_BYTES, an error in words, the files gone."""
+    the ranks run (files removed by name but held open too) and stops them at sandbox.DISK_BYTES,
+    an error in words, the files gone."""
     import shutil
 
     import hpdl
@@ -233,7 +241,7 @@ def test_a_checks_ranks_that_fill_their_folder_are_stopped_at_its_cap(tmp_path, 
     free = shutil.disk_usage(tempfile.gettempdir()).free
     if free < 8 * sandbox.DISK_BYTES:
         pytest.skip(f"needs {8 * sandbox.DISK_BYTES / 2**30:g} GiB free in the temporary directory")
-    result = hpdl.check("ring_allreduce", _learner_function(DISK_FILL), ranks=[2], timeout=30)
+    result = hpdl.check("ring_allreduce", _learner_function(DISK_FILL, UNLINK=unlink), ranks=[2], timeout=30)
     assert result.cases and all(c.verdict == "ERROR" for c in result.cases), result
     first, *rest = result.cases
     assert "of disk (the cap on its folder)" in first.message, first.message

@@ -103,3 +103,46 @@ def test_a_folder_renamed_away_and_replaced_by_a_link_is_not_followed(tmp_path):
             safefiles.open_dir(tmp_path / "inbox")
     finally:
         os.close(fd)
+
+
+# a learner's process closes folders of its own to everyone (chmod 000): what they hold is still
+# counted against its folder's cap, and the folder is still removed; a folder above is never opened
+CLOSED_TREE = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from hpdl import safefiles
+from hpdl.checker import sandbox
+top = sys.argv[2]
+for d in ("a/b/c", "d"):
+    os.makedirs(os.path.join(top, "x", d))
+for f in ("a/b/c/f", "a/b/g", "d/h"):
+    with open(os.path.join(top, "x", f), "wb") as out:
+        out.write(b"x" * (1 << 20))
+for d, mode in (("a/b/c", 0o000), ("a/b", 0o000), ("d", 0o000), ("a", 0o500), ("", 0o000)):
+    os.chmod(os.path.join(top, "x", d), mode)
+print("counted", sandbox.disk_usage(os.path.join(top, "x"), 100) >= 3 << 20)
+os.chmod(os.path.join(top, "x"), 0o000)
+safefiles.remove_tree(os.path.join(top, "x"))
+print("left", os.path.lexists(os.path.join(top, "x")), "top", oct(os.stat(top).st_mode & 0o777))
+"""
+
+
+def test_a_folder_closed_to_its_owner_is_counted_and_removed():
+    import shutil
+    import subprocess
+
+    python = "/usr/bin/python3"  # one every account may run (hpdl's two modules here need no package)
+    if os.geteuid() != 0 or not shutil.which("runuser") or not os.path.exists(python):
+        pytest.skip("runs the learner's side as another account (root reads any folder), with /usr/bin/python3")
+    import tempfile
+
+    top = tempfile.mkdtemp(dir="/tmp")  # where another account may enter (pytest's folder is 0700)
+    os.chmod(top, 0o755)
+    shutil.chown(top, "nobody")
+    root = os.path.dirname(os.path.dirname(safefiles.__file__))
+    try:
+        done = subprocess.run(["runuser", "-u", "nobody", "--", python, "-c", CLOSED_TREE, root, top],
+                              capture_output=True, text=True, timeout=60, cwd="/")
+    finally:
+        shutil.rmtree(top, ignore_errors=True)  # as root: whatever the modes
+    assert done.stdout.split() == ["counted", "True", "left", "False", "top", "0o755"], done.stdout + done.stderr

@@ -31,7 +31,6 @@ import json
 import os
 import pickle
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -111,17 +110,17 @@ class Job:
         self.isolated = tcp is not None and not launch.through_batch
         self.spec["isolate"] = self.isolated
         safefiles.create_exclusive(os.path.join(self.dir, "spec.pkl"), pickle.dumps(self.spec))
-        limits = None
+        limits, self.disk = None, None
         if kind == "learner":
             cmd = sandbox.wrap(cmd, writable=[self.dir], hidden=spec.get("hidden", []),
                                network=bool(launch.through_batch), keep_env=launch.kept, isolating=self.isolated)
             limits = sandbox.Limits(cpu_seconds=int(START_TIMEOUT + sum(p.timeout for p in todo) + 60),
                                     processes=256 + 64 * size)  # tasks: threads count too
+            # its one writable folder is the host's: what its files take on disk is capped as it runs
+            self.disk = sandbox.DiskWatch(self.dir, lambda: limits.pids() or self.side.pids())
         # a sandbox has its own /dev/shm and PID namespace, gone with it; outside one, the learner's
         # processes are swept by the job's marker too (a daemon that left the process group)
         self.limits = limits
-        # the learner's one writable folder is the host's: what its files take on disk is capped as it runs
-        self.disk = sandbox.DiskWatch(self.dir) if kind == "learner" else None
         self.side = sidejob.SideJob(cmd, output=os.path.join(self.dir, "output.txt"), env=env, limits=limits,
                                     shared_memory=not sandboxed, sweep=kind == "learner" and not sandboxed)
         self.launched = time.monotonic()
@@ -546,7 +545,7 @@ class SizeRun:
             job.must_stop = True
             job.end()
             if job.disk is not None and job.disk.why is not None:
-                shutil.rmtree(job.dir, ignore_errors=True)  # what it wrote goes now, not with the check
+                safefiles.remove_tree(job.dir)  # what it wrote goes now, not with the check
             self._after_stop(job, decided)
             break
         return decided
@@ -674,7 +673,7 @@ class Runner:
             for run in runs:
                 run.close()
             if not settings.CHECK_KEEP.get():
-                shutil.rmtree(tmp, ignore_errors=True)
+                safefiles.remove_tree(tmp)
         return void_if_forged(results)
 
     def private_inputs(self, size: int, todo: list[Planned]) -> dict[int, bytes] | None:

@@ -19,12 +19,13 @@ import logging
 import os
 import resource
 import shutil
+import stat
 import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpdl import settings
+from hpdl import safefiles, settings
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,10 @@ class Limits:
         """The cgroup capping everything it starts (where one could be made)."""
         return getattr(self, "_cgroup", None)
 
+    def pids(self) -> list[int]:
+        """Its processes now, from its cgroup (empty where none could be made: ask the job instead)."""
+        return self.cgroup.pids() if self.cgroup is not None else []
+
     def applied(self) -> dict[str, int | None]:
         """The total caps as the kernel holds them (read back from the cgroup; None: no cap)."""
         return self.cgroup.read_back() if self.cgroup is not None else {"memory": None, "tasks": None}
@@ -133,6 +138,14 @@ class Cgroup:
         tasks = self._number("pids", ("pids.max",))
         memory = self._number("memory", ("memory.max", "memory.limit_in_bytes"))  # v2, v1
         return {key: n if n is not None and n < 2**62 else None for key, n in (("memory", memory), ("tasks", tasks))}
+
+    def pids(self) -> list[int]:
+        """Its processes now (host pids), as the kernel lists them: cheaper than walking the process tree."""
+        try:
+            with open(os.path.join(self.path, "cgroup.procs")) as f:
+                return [int(line) for line in f if line.strip().isdigit()]
+        except OSError:
+            return []
 
     def memory(self) -> int | None:
         """The bytes its processes hold now, as the kernel counts them (None: no memory controller)."""
@@ -359,11 +372,13 @@ class DiskWatch:
     Why: that folder is the host's (the grader reads what the submission leaves there), and no
     rlimit caps it: RLIMIT_FSIZE bounds one file, not how many. Whoever runs the job asks over()
     as it polls and ends the job on an answer; between two measures a writer gains at most what
-    the disk takes in DISK_EVERY."""
+    the disk takes in DISK_EVERY. Counted: every file under the folder (a folder closed to its
+    owner is opened again: a chmod cannot hide files), and the files the job's processes (`pids`)
+    hold open on the folder's file system after removing their names."""
 
-    def __init__(self, folder: str | os.PathLike, limit: int = DISK_BYTES, entries: int = DISK_ENTRIES,
-                 every: float = DISK_EVERY):
-        self.folder, self.limit, self.entries, self.every = str(folder), limit, entries, every
+    def __init__(self, folder: str | os.PathLike, pids=lambda: (), limit: int = DISK_BYTES,
+                 entries: int = DISK_ENTRIES, every: float = DISK_EVERY):
+        self.folder, self.pids, self.limit, self.entries, self.every = str(folder), pids, limit, entries, every
         self._next = 0.0
         self.why: str | None = None
 
@@ -377,19 +392,27 @@ class DiskWatch:
         used = disk_usage(self.folder, self.entries)
         if used is None:
             self.why = f"it made more than {self.entries} files and folders in its folder"
-        elif used > self.limit:
+        elif used + _unlinked_open(self.folder, self.pids()) > self.limit:
             self.why = f"its files took more than {_size(self.limit)} of disk (the cap on its folder)"
         return self.why
 
 
 def disk_usage(folder: str, max_entries: int) -> int | None:
     """Bytes the files under `folder` take on disk (blocks allocated: a sparse file counts what it
-    uses), no link followed; None when it holds more than `max_entries` entries."""
+    uses), no link followed; None when it holds more than `max_entries` entries. A folder its
+    owner closed to itself is opened (u+rwx) and read: it is ours, and so is removing it later."""
     total, entries, todo = 0, 0, [folder]
     while todo:
+        path = todo.pop()
         try:
-            listing = os.scandir(todo.pop())
-        except OSError:  # gone, or closed to us: nothing of it counts
+            listing = os.scandir(path)
+        except PermissionError:
+            try:
+                safefiles.open_to_owner(path)
+                listing = os.scandir(path)
+            except OSError:
+                continue
+        except OSError:  # gone: nothing of it counts
             continue
         with listing:
             for entry in listing:
@@ -404,6 +427,33 @@ def disk_usage(folder: str, max_entries: int) -> int | None:
                 if entry.is_dir(follow_symlinks=False):
                     todo.append(entry.path)
     return total
+
+
+def _unlinked_open(folder: str, pids) -> int:
+    """Bytes of the files `pids` hold open on `folder`'s file system whose names are gone (no
+    folder lists them, yet they take the disk until closed)."""
+    try:
+        dev = os.stat(folder).st_dev
+    except OSError:
+        return 0
+    seen: set[int] = set()
+    total = 0
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or not ours to read
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if st.st_dev == dev and st.st_nlink == 0 and st.st_ino not in seen and stat.S_ISREG(st.st_mode):
+                seen.add(st.st_ino)
+                total += st.st_blocks * 512
+    return total
+
+
 # other users' and the grader's own files: each replaced by an empty folder inside (the grader's
 # HOME and TMPDIR too, wherever they are); the kit, its Python and MPI are bound back read-only
 PRIVATE = ("/home", "/root", "/tmp", "/var/tmp", "/run/user", "/var/mail", "/var/spool/mail", "/mnt", "/media")
