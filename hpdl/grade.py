@@ -287,7 +287,7 @@ class Running:
                                    limits=self.limits, shared_memory=not sub.sandboxed, sweep=True)
         sub.limits = self.limits.applied()  # the total caps as the kernel holds them, read back
         # its folder is on the host's disk: capped as it runs
-        self.disk = sandbox.DiskWatch(work, lambda: self.limits.pids() or self.job.pids())
+        self.disk = sandbox.DiskWatch(work, lambda: self.limits.pids() or self.job.pids(), limit=caps.disk)
 
     def poll(self) -> bool:
         """True when finished (by itself, by the time limit or by its folder's cap on disk)."""
@@ -416,10 +416,11 @@ def _append(out: Path, sub: Submission) -> None:
 
 @dataclass
 class Caps:
-    """One total cap per submission on everything it starts (its cgroup): memory and tasks."""
+    """One total cap per submission on everything it starts: memory and tasks (its cgroup), disk (its folder)."""
 
     memory: int = 4 * 2**30
     tasks: int = 2048  # threads count: a kernel, ipyparallel, 4 ranks of torch
+    disk: int = 2 * 2**30  # what its folder holds on the host's disk (sandbox.DiskWatch; a check's: DISK_BYTES)
 
 
 def refusals(no_sandbox: bool = False, allow_root: bool = False) -> list[str]:
@@ -450,6 +451,7 @@ def sandbox_header(caps: Caps, no_sandbox: bool = False) -> tuple[str, dict]:
         st = sandbox.status(probe)
     finally:
         probe.stop()
+    st["disk_bytes"] = caps.disk
     text = sandbox.describe(st)
     from hpdl.checker import meter
 
@@ -697,11 +699,11 @@ def use_keys(folder: Path | None) -> None:
     os.environ[settings.KEYS.name] = str(folder.resolve())
 
 
-def _bytes(text: str) -> int:
+def _bytes(text: str, flag: str = "--memory") -> int:
     """'4G', '512M', '1.5GiB' or a number of bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
     if not m:
-        raise HpdlError(f"--memory {text!r}: give a size such as 4G, 512M or a number of bytes.")
+        raise HpdlError(f"{flag} {text!r}: give a size such as 4G, 512M or a number of bytes.")
     return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
 
 
@@ -722,6 +724,8 @@ def _parser() -> argparse.ArgumentParser:
                                                    "(default 4G; its checks have caps of their own)")
     ap.add_argument("--tasks", type=int, default=2048,
                     help="total processes and threads of one submission (default 2048)")
+    ap.add_argument("--disk", default="2G", help="what the files in one submission's folder may hold on this "
+                                                 "host's disk, measured as it runs (default 2G)")
     ap.add_argument("--no-sandbox", action="store_true",
                     help="grade even where the sandbox is incomplete (no bubblewrap, no seccomp, no cgroup): "
                          "the parts that work are used, the report names the missing ones. Submissions may "
@@ -741,9 +745,11 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.timeout <= 0 or args.jobs < 1 or args.tasks < 16:
         raise HpdlError("--timeout must be positive seconds, --jobs at least 1 and --tasks at least 16.")
-    caps = Caps(memory=_bytes(args.memory), tasks=args.tasks)
+    caps = Caps(memory=_bytes(args.memory), tasks=args.tasks, disk=_bytes(args.disk, "--disk"))
     if caps.memory < 256 * 2**20:
         raise HpdlError(f"--memory {args.memory}: a notebook's kernel needs at least 256M.")
+    if caps.disk < 64 * 2**20:
+        raise HpdlError(f"--disk {args.disk}: a notebook's folder needs at least 64M.")
     use_keys(args.keys)
     wanted = None
     if args.exercises:

@@ -207,7 +207,7 @@ def test_grade_help_names_the_flags():
     out = subprocess.run([sys.executable, "-m", "hpdl.cli", "grade", "--help"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "--no-sandbox" in out.stdout and "--allow-root" in out.stdout
-    assert "--memory" in out.stdout and "--tasks" in out.stdout
+    assert "--memory" in out.stdout and "--tasks" in out.stdout and "--disk" in out.stdout
 
 
 # -- one hostile batch, with an honest learner in it --------------------------------------------------
@@ -347,7 +347,7 @@ def test_a_hostile_batch_reads_nothing_of_the_grader_or_a_neighbour_and_stays_in
     out = tmp_path / "report"
     try:
         assert grade.main([str(hostile), "--out", str(out), "--timeout", "120", "--jobs", "2", "--allow-root",
-                           "--memory", str(MEMORY), "--tasks", str(TASKS)]) == 0
+                           "--memory", str(MEMORY), "--tasks", str(TASKS), "--disk", "1G"]) == 0
     finally:
         import shutil
 
@@ -384,7 +384,8 @@ def test_a_hostile_batch_reads_nothing_of_the_grader_or_a_neighbour_and_stays_in
     assert held * 2**20 <= MEMORY, held
     # files in its folder on the host's disk: stopped at the folder's cap, which the header names
     assert rows["disk_bomb.ipynb"]["status"] == "disk limit", rows["disk_bomb.ipynb"]
-    assert "of disk" in rows["disk_bomb.ipynb"]["detail"] and "its folder on disk: 2 GiB" in data["sandbox"]
+    assert "more than 1 GiB of disk" in rows["disk_bomb.ipynb"]["detail"], rows["disk_bomb.ipynb"]
+    assert "its folder on disk: 1 GiB" in data["sandbox"]
     # the snoop's work folder (its HOME, a 0700 folder of the batch's) is gone, the batch's too
     import re
 
