@@ -56,9 +56,13 @@ def remove_tree(path: str | os.PathLike) -> None:
     import shutil
 
     top = os.path.abspath(path)
+    tried: set[str] = set()  # each failure retried once: a folder that stays closed is left
 
     def reopen(_func, failed: str, _exc) -> None:
         failed = os.path.abspath(failed)
+        if failed in tried:
+            return
+        tried.add(failed)
         for folder in (os.path.dirname(failed), failed):  # to remove in it, then to list it
             if folder == top or folder.startswith(top + os.sep):
                 try:
@@ -67,15 +71,15 @@ def remove_tree(path: str | os.PathLike) -> None:
                     pass
         try:
             if os.path.isdir(failed) and not os.path.islink(failed):
-                shutil.rmtree(failed, ignore_errors=True)
+                shutil.rmtree(failed, onerror=reopen)  # folders closed further down, at any depth
             else:
                 os.unlink(failed)
         except OSError:
             pass
 
-    for _ in range(3):  # a folder opened while its parent was read: the next pass removes it
-        if not os.path.lexists(top):
-            return
+    shutil.rmtree(top, onerror=reopen)
+    if os.path.lexists(top):  # its parent-most folders were opened while it was read: now they go
+        tried.clear()
         shutil.rmtree(top, onerror=reopen)
 
 

@@ -113,12 +113,15 @@ sys.path.insert(0, sys.argv[1])
 from hpdl import safefiles
 from hpdl.checker import sandbox
 top = sys.argv[2]
-for d in ("a/b/c", "d"):
+deep = "/".join("abcdefgh")  # eight folders, each closed below the next
+for d in (deep, "d"):
     os.makedirs(os.path.join(top, "x", d))
-for f in ("a/b/c/f", "a/b/g", "d/h"):
+for f in (deep + "/f", "a/b/g", "d/h"):
     with open(os.path.join(top, "x", f), "wb") as out:
         out.write(b"x" * (1 << 20))
-for d, mode in (("a/b/c", 0o000), ("a/b", 0o000), ("d", 0o000), ("a", 0o500), ("", 0o000)):
+for i in range(len(deep), 0, -2):
+    os.chmod(os.path.join(top, "x", deep[:i]), 0o000 if i > 1 else 0o500)
+for d, mode in (("d", 0o000), ("", 0o000)):
     os.chmod(os.path.join(top, "x", d), mode)
 print("counted", sandbox.disk_usage(os.path.join(top, "x"), 100) >= 3 << 20)
 os.chmod(os.path.join(top, "x"), 0o000)

@@ -21,6 +21,7 @@ import resource
 import shutil
 import stat
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -384,8 +385,6 @@ class DiskWatch:
 
     def over(self) -> str | None:
         """Why the folder is over its cap (then for good), or None; measured at most every `every` s."""
-        import time
-
         if self.why is not None or time.monotonic() < self._next:
             return self.why
         self._next = time.monotonic() + self.every
