@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hpdl import safefiles, scratch, settings
+from hpdl.checker.sandbox import DISK_BYTES
 from hpdl.errors import HpdlError
 
 CHECK_CALL = re.compile(r"""check\(\s*["']([A-Za-z_][A-Za-z0-9_]*)["']""")
@@ -287,7 +288,7 @@ class Running:
                                    limits=self.limits, shared_memory=not sub.sandboxed, sweep=True)
         sub.limits = self.limits.applied()  # the total caps as the kernel holds them, read back
         # its folder is on the host's disk: capped as it runs
-        self.disk = sandbox.DiskWatch(work, lambda: self.limits.pids() or self.job.pids(), limit=caps.disk)
+        self.disk = sandbox.DiskWatch(work, self.job, limit=caps.disk)
 
     def poll(self) -> bool:
         """True when finished (by itself, by the time limit or by its folder's cap on disk)."""
@@ -420,7 +421,7 @@ class Caps:
 
     memory: int = 4 * 2**30
     tasks: int = 2048  # threads count: a kernel, ipyparallel, 4 ranks of torch
-    disk: int = 2 * 2**30  # what its folder holds on the host's disk (sandbox.DiskWatch; a check's: DISK_BYTES)
+    disk: int = DISK_BYTES  # what its folder holds on the host's disk (sandbox.DiskWatch), as a check's
 
 
 def refusals(no_sandbox: bool = False, allow_root: bool = False) -> list[str]:
@@ -724,8 +725,8 @@ def _parser() -> argparse.ArgumentParser:
                                                    "(default 4G; its checks have caps of their own)")
     ap.add_argument("--tasks", type=int, default=2048,
                     help="total processes and threads of one submission (default 2048)")
-    ap.add_argument("--disk", default="2G", help="what the files in one submission's folder may hold on this "
-                                                 "host's disk, measured as it runs (default 2G)")
+    ap.add_argument("--disk", default=None, help="what the files in one submission's folder may hold on this "
+                                                 f"host's disk, measured as it runs (default {DISK_BYTES >> 20}M)")
     ap.add_argument("--no-sandbox", action="store_true",
                     help="grade even where the sandbox is incomplete (no bubblewrap, no seccomp, no cgroup): "
                          "the parts that work are used, the report names the missing ones. Submissions may "
@@ -745,7 +746,9 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.timeout <= 0 or args.jobs < 1 or args.tasks < 16:
         raise HpdlError("--timeout must be positive seconds, --jobs at least 1 and --tasks at least 16.")
-    caps = Caps(memory=_bytes(args.memory), tasks=args.tasks, disk=_bytes(args.disk, "--disk"))
+    caps = Caps(memory=_bytes(args.memory), tasks=args.tasks)
+    if args.disk is not None:
+        caps.disk = _bytes(args.disk, "--disk")
     if caps.memory < 256 * 2**20:
         raise HpdlError(f"--memory {args.memory}: a notebook's kernel needs at least 256M.")
     if caps.disk < 64 * 2**20:

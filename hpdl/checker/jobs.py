@@ -110,19 +110,19 @@ class Job:
         self.isolated = tcp is not None and not launch.through_batch
         self.spec["isolate"] = self.isolated
         safefiles.create_exclusive(os.path.join(self.dir, "spec.pkl"), pickle.dumps(self.spec))
-        limits, self.disk = None, None
+        limits = None
         if kind == "learner":
             cmd = sandbox.wrap(cmd, writable=[self.dir], hidden=spec.get("hidden", []),
                                network=bool(launch.through_batch), keep_env=launch.kept, isolating=self.isolated)
             limits = sandbox.Limits(cpu_seconds=int(START_TIMEOUT + sum(p.timeout for p in todo) + 60),
                                     processes=256 + 64 * size)  # tasks: threads count too
-            # its one writable folder is the host's: what its files take on disk is capped as it runs
-            self.disk = sandbox.DiskWatch(self.dir, lambda: limits.pids() or self.side.pids())
         # a sandbox has its own /dev/shm and PID namespace, gone with it; outside one, the learner's
         # processes are swept by the job's marker too (a daemon that left the process group)
         self.limits = limits
         self.side = sidejob.SideJob(cmd, output=os.path.join(self.dir, "output.txt"), env=env, limits=limits,
                                     shared_memory=not sandboxed, sweep=kind == "learner" and not sandboxed)
+        # a learner job's one writable folder is the host's: what its files take on disk is capped as it runs
+        self.disk = sandbox.DiskWatch(self.dir, self.side) if kind == "learner" else None
         self.launched = time.monotonic()
         self.offsets = [0] * size
         self.partial = [""] * size

@@ -374,14 +374,18 @@ class DiskWatch:
     rlimit caps it: RLIMIT_FSIZE bounds one file, not how many. Whoever runs the job asks over()
     as it polls and ends the job on an answer; between two measures a writer gains at most what
     the disk takes in DISK_EVERY. Counted: every file under the folder (a folder closed to its
-    owner is opened again: a chmod cannot hide files), and the files the job's processes (`pids`)
-    hold open on the folder's file system after removing their names."""
+    owner is opened again: a chmod cannot hide files), and the files the processes of `job` (a
+    sidejob.SideJob) hold open on the folder's file system after removing their names."""
 
-    def __init__(self, folder: str | os.PathLike, pids=lambda: (), limit: int = DISK_BYTES,
-                 entries: int = DISK_ENTRIES, every: float = DISK_EVERY):
-        self.folder, self.pids, self.limit, self.entries, self.every = str(folder), pids, limit, entries, every
+    def __init__(self, folder: str | os.PathLike, job, limit: int = DISK_BYTES, entries: int = DISK_ENTRIES,
+                 every: float = DISK_EVERY):
+        self.folder, self.job, self.limit, self.entries, self.every = str(folder), job, limit, entries, every
         self._next = 0.0
         self.why: str | None = None
+
+    def pids(self) -> list[int]:
+        """The job's processes: as its cgroup lists them where it has one, else its process tree."""
+        return (self.job.limits.pids() if self.job.limits is not None else []) or self.job.pids()
 
     def over(self) -> str | None:
         """Why the folder is over its cap (then for good), or None; measured at most every `every` s."""
@@ -689,8 +693,8 @@ def describe(st: dict | None = None) -> str:
              "(cgroup, read back)",
              f"per process: address space {_size(st['memory_per_process_bytes'])}, "
              f"CPU {st['cpu_seconds_per_process']} s, files {_size(st['file_bytes'])}, no core dumps",
-             f"its folder on disk: {_size(st.get('disk_bytes'))} and {st.get('disk_entries') or 'any number of'} "
-             "files in all (measured as it runs)"]
+             f"its folder on disk: {_size(st['disk_bytes'])} and {st['disk_entries']} files in all "
+             "(measured as it runs)"]
     if st["bubblewrap"] is not None and st["missing"]:
         parts.append(f"missing: {'; '.join(st['missing'])}")
     return "; ".join(parts)
