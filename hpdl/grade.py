@@ -711,9 +711,10 @@ def _bytes(text: str, flag: str = "--memory") -> int:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="hpdl grade", description="Grade a folder of submitted notebooks, each in a sandbox of its own.",
-        epilog="Each notebook runs in bubblewrap (file system read-only, homes and temporary folders hidden, no "
-               "network, a whitelisted environment, a seccomp filter, no nested user namespaces) with one total "
-               "cap on its memory and tasks (a cgroup). Without all of that, or as root, hpdl grade refuses and "
+        epilog="Each notebook runs in bubblewrap (file system read-only, homes, temporary folders and daemons' "
+               "sockets hidden, no network, a whitelisted environment, a seccomp filter, no nested user "
+               "namespaces) with one total cap on its memory and tasks (a cgroup). Without all of that, or as "
+               "root, hpdl grade refuses and "
                "says what is missing, unless --no-sandbox or --allow-root says otherwise.")
     ap.add_argument("submissions", type=Path, help="a folder of notebooks (or of one folder per learner)")
     ap.add_argument("--out", type=Path, default=Path("report"), help="where the reports go (default: ./report)")

@@ -7,6 +7,7 @@ Attack classes, each tried the way a submission would:
 - escaping the limits: a fork bomb and a memory bomb spread over many processes, each under the
   per-process limits, together over the total (one cgroup per submission);
 - leaving the sandbox's rules: a nested user namespace (`unshare -U`), ptrace, mount;
+- acting as the grader through a daemon: a Unix socket of the host's (read-only mounts do not stop connect());
 - grading without a sandbox that holds, or as root: refused, naming what is missing.
 One hostile batch, graded with an honest solved notebook in it, covers the first four at once.
 """
@@ -105,6 +106,79 @@ def test_a_sandboxed_command_sees_no_grader_secret_home_or_namespace(monkeypatch
     assert "infiniband False" in text
     if "--size" in sandbox.features(sandbox.bwrap()):
         assert f"tmp bytes {sandbox.TMP_BYTES}" in text
+
+
+SOCKET_PROBE = """import socket, sys
+for path in sys.argv[1:]:
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        s.sendall(b"from the sandbox")
+        print(path, "connected")
+    except OSError as e:
+        print(path, "refused", e.errno)
+"""
+
+
+def test_a_sandboxed_command_reaches_no_unix_socket_of_the_host(monkeypatch):
+    """A read-only mount does not stop connect(), and the daemon behind a socket sees the grader's
+    uid (a container engine, the system bus, munge, a screen session, slurmstepd). Listening
+    sockets planted where daemons keep theirs: none is reached from inside, but a name service's
+    (who is uid N?), which any user may ask and an LDAP site needs."""
+    import socket
+    import threading
+
+    sandbox = _sandbox()
+    if not sandbox.available() or not os.access("/run", os.W_OK):
+        pytest.skip("needs bubblewrap, and root to plant daemons' sockets")
+    tag = uuid.uuid4().hex[:8]
+    folders = [Path(f"/run/hpdl-{tag}"), Path(f"/var/spool/hpdl-{tag}"), Path(f"/var/lib/hpdl-{tag}"),
+               Path(f"/opt/hpdl-{tag}")]
+    names = [f / "daemon.sock" for f in folders]
+    nscd = Path("/run/nscd/socket")
+    if not nscd.exists():  # a stand-in for a site's name service
+        names.append(nscd)
+    reached, listeners = [], []
+    try:
+        for path in names:
+            path.parent.mkdir(exist_ok=True)
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(str(path))
+            s.listen()
+            s.settimeout(0.2)
+            listeners.append((path, s))
+        sandbox.host_sockets.cache_clear()  # found once per process: these are new
+        stop = threading.Event()
+
+        def accept():
+            while not stop.is_set():
+                for path, s in listeners:
+                    try:
+                        c, _ = s.accept()
+                        reached.append((str(path), c.recv(64)))
+                    except OSError:
+                        pass
+
+        t = threading.Thread(target=accept, daemon=True)
+        t.start()
+        out = subprocess.run(sandbox.wrap([sys.executable, "-c", SOCKET_PROBE, *map(str, names)]),
+                             capture_output=True, text=True, timeout=60)
+        stop.set()
+        t.join(5)
+    finally:
+        for path, s in listeners:
+            s.close()
+            path.unlink(missing_ok=True)
+        for f in (*folders, *([nscd.parent] if nscd in names else [])):
+            if f.is_dir() and not any(f.iterdir()):
+                f.rmdir()
+        sandbox.host_sockets.cache_clear()
+    assert out.returncode == 0, out.stdout + out.stderr
+    for path in names[:4]:
+        assert f"{path} refused" in out.stdout, out.stdout
+    assert [p for p, _ in reached if p != str(nscd)] == [], reached
+    if nscd in names:
+        assert f"{nscd} connected" in out.stdout and reached == [(str(nscd), b"from the sandbox")]
 
 
 def test_one_total_cap_holds_processes_spread_over_many():

@@ -6,8 +6,9 @@ The learner's check ranks, and under `hpdl grade` a whole submission, run as
 
 (Debian's `bubblewrap`): the whole file system read-only except the folders named writable,
 folders named hidden replaced by empty ones (the kit's solutions, other submissions, the
-grader's reports), a private /tmp and /dev/shm, no network (a loopback of its own), its own
-PID namespace, so everything it started ends with it, and no capabilities. Inside or not,
+grader's reports), a private /tmp and /dev/shm, no network (a loopback of its own) and no
+host daemon's Unix socket (read-only mounts do not stop connect()), its own PID namespace,
+so everything it started ends with it, and no capabilities. Inside or not,
 resource limits apply to every process: CPU seconds, address space, open processes, file
 size (an output flood stops at the limit). Without bwrap `describe()` says so; the caller
 then starts its own session (process group) and ends the group.
@@ -459,9 +460,20 @@ def _unlinked_open(folder: str, pids) -> int:
 
 # other users' and the grader's own files: each replaced by an empty folder inside (the grader's
 # HOME and TMPDIR too, wherever they are); the kit, its Python and MPI are bound back read-only
-PRIVATE = ("/home", "/root", "/tmp", "/var/tmp", "/run/user", "/var/mail", "/var/spool/mail", "/mnt", "/media")
+# /run and /var/spool too: they hold the daemons' Unix sockets (below)
+PRIVATE = ("/home", "/root", "/tmp", "/var/tmp", "/run", "/var/run", "/var/mail", "/var/spool", "/mnt", "/media")
 SYSTEM = frozenset({"/", "/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/opt", "/proc", "/sys",
-                    "/dev", "/var", "/run", "/boot", "/srv"})
+                    "/dev", "/var", "/boot", "/srv"})
+# A read-only mount does not stop connect() on a Unix socket, and its daemon sees the grader's uid:
+# a container engine's socket (root), the system bus (power off a laptop), munge (credentials as
+# the grader), a screen session's or slurmstepd's (the grader's own shells and jobs). /run and
+# /var/spool are hidden whole; sockets elsewhere in these trees are each covered by /dev/null.
+SOCKET_TREES = ("/var", "/opt", "/srv", "/etc")
+SOCKET_SCAN_ENTRIES = 200_000  # a bound on the walk (one file system per tree, no link followed)
+# name lookups (who is uid N?), which any user may ask and a site with LDAP needs: kept
+NAME_SERVICE = ("/var/lib/sss/pipes/nss", "/run/nscd/socket", "/run/nslcd/socket")
+# what srun needs from /run, for the one kind of job that must go through the batch system
+BATCH_SYSTEM = ("/run/munge", "/run/slurm")
 MISSING_BWRAP = "bubblewrap (apt-get install bubblewrap, or dnf install bubblewrap; or HPDL_BWRAP=/path/to/bwrap)"
 
 
@@ -506,6 +518,8 @@ def _base_args(exe: str, isolating: bool = False) -> list[str]:
     for path in places:
         args += _sized(exe, TMP_BYTES if path == os.path.realpath("/tmp") else HIDDEN_BYTES, path)
     args += [*_sized(exe, SHM_BYTES, "/dev/shm"), *_kit_back(places)]
+    args += [arg for path in _kept_from_run(NAME_SERVICE) for arg in ("--ro-bind", path, path)]
+    args += [arg for path in host_sockets() for arg in ("--ro-bind", "/dev/null", path)]
     userns = ["--disable-userns"] if "--disable-userns" in features(exe) and not isolating else []
     # as root, a user namespace may map root only if its maker held CAP_SETFCAP (a rank's, isolate.py)
     caps = ["--cap-add", "CAP_SETFCAP"] if isolating and os.geteuid() == 0 else []
@@ -523,9 +537,47 @@ def private_places() -> list[str]:
     for p in (*PRIVATE, os.environ.get("HOME", ""), tempfile.gettempdir()):
         if p and os.path.isdir(p):
             r = os.path.realpath(p)
-            if r not in SYSTEM and r not in real:
+            if r not in SYSTEM and r not in real:  # HOME=/ or TMPDIR=/var: not the whole tree
                 real.append(r)
     return sorted(p for p in real if not any(p.startswith(q + os.sep) for q in real if q != p))
+
+
+def _kept_from_run(paths: tuple[str, ...]) -> list[str]:
+    """Those of `paths` that exist and lie in a hidden place, to bind back over it."""
+    hidden = private_places()
+    return [p for p in paths if os.path.exists(p) and any(p.startswith(q + os.sep) for q in hidden)]
+
+
+@functools.lru_cache(maxsize=1)
+def host_sockets() -> tuple[str, ...]:
+    """The Unix sockets in SOCKET_TREES a sandbox would see (not in a hidden place, not a name
+    service's), found once per process: each walk stays on its tree's file system and follows no link."""
+    hidden, found, seen = private_places(), [], 0
+    for top in SOCKET_TREES:
+        try:
+            device = os.lstat(top).st_dev
+        except OSError:
+            continue
+        stack = [top]
+        while stack and seen < SOCKET_SCAN_ENTRIES:
+            folder = stack.pop()
+            try:
+                entries = list(os.scandir(folder))
+            except OSError:
+                continue
+            seen += len(entries)
+            for entry in entries:
+                try:
+                    if entry.is_symlink() or entry.is_file(follow_symlinks=False):  # no stat: the listing says
+                        continue
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISDIR(st.st_mode) and st.st_dev == device and entry.path not in hidden:
+                    stack.append(entry.path)
+                elif stat.S_ISSOCK(st.st_mode) and entry.path not in NAME_SERVICE:
+                    found.append(entry.path)
+    return tuple(sorted(p for p in found if not any(p.startswith(q + os.sep) for q in hidden)))
 
 
 def _kit_back(places: list[str]) -> list[str]:
@@ -655,6 +707,7 @@ def status(limits: "Limits | None" = None) -> dict:
         "tmp_bytes": (TMP_BYTES if "--size" in feats else None) if exe else None,
         "shm_bytes": (SHM_BYTES if "--size" in feats else None) if exe else None,
         "hidden": private_places() if exe else [], "network": "none (loopback only)" if exe else "host",
+        "host_sockets_covered": len(host_sockets()) if exe else None,
         "check_ranks": "each in a view of its own" if ranks_apart() else "sharing the job's files",
         "memory_total_bytes": caps["memory"], "tasks_total": caps["tasks"],
         "memory_per_process_bytes": per.memory_bytes, "cpu_seconds_per_process": per.cpu_seconds,
@@ -685,7 +738,8 @@ def describe(st: dict | None = None) -> str:
                 "sees the file system and the network")
     else:
         head = (f"sandboxed with bubblewrap {st['bubblewrap_version']}: file system read-only, "
-                f"{', '.join(st['hidden'])} hidden, no network, own PID namespace, nested user namespaces "
+                f"{', '.join(st['hidden'])} hidden, no network, no host Unix socket ({st['host_sockets_covered']} "
+                "more covered), own PID namespace, nested user namespaces "
                 f"{st['nested_user_namespaces']}, /tmp {_size(st['tmp_bytes'])}, /dev/shm {_size(st['shm_bytes'])}")
     parts = [head, f"seccomp: {st['seccomp'] or 'none'}", f"environment: {st['environment']}",
              f"a check's ranks: {st.get('check_ranks', 'sharing the job files')} (files, /tmp, /dev/shm, processes)",
@@ -723,7 +777,10 @@ def wrap(cmd: list[str], *, writable: list[str] = (), hidden: list[str] = (), cw
     inner = [*_confine_prefix(keep_env, isolating), *cmd] if confinement_works() else list(cmd)
     if exe is None:
         return inner
-    args = [exe, *_base_args(exe, isolating), *(["--share-net"] if network else [])]  # after --unshare-all
+    args = [exe, *_base_args(exe, isolating)]
+    if network:  # after --unshare-all; and srun's daemon (munge), its configuration and DNS from /run
+        resolv = os.path.realpath("/etc/resolv.conf")
+        args += ["--share-net", *[a for p in _kept_from_run((*BATCH_SYSTEM, resolv)) for a in ("--ro-bind", p, p)]]
     for path in _devices():
         args += ["--dev-bind", path, path]
     for path in hidden:  # a folder: an empty tmpfs over it; a file (an answer key): /dev/null over it
