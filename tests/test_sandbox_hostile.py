@@ -8,6 +8,7 @@ Attack classes, each tried the way a submission would:
   per-process limits, together over the total (one cgroup per submission);
 - leaving the sandbox's rules: a nested user namespace (`unshare -U`), ptrace, mount;
 - acting as the grader through a daemon: a Unix socket of the host's (read-only mounts do not stop connect());
+- reading what only the grader may read beyond HOME (as root: /etc/shadow);
 - grading without a sandbox that holds, or as root: refused, naming what is missing.
 One hostile batch, graded with an honest solved notebook in it, covers the first four at once.
 """
@@ -147,7 +148,7 @@ def test_a_sandboxed_command_reaches_no_unix_socket_of_the_host(monkeypatch):
             s.listen()
             s.settimeout(0.2)
             listeners.append((path, s))
-        sandbox.host_sockets.cache_clear()  # found once per process: these are new
+        sandbox.host_covered.cache_clear()  # found once per process: these are new
         stop = threading.Event()
 
         def accept():
@@ -172,13 +173,51 @@ def test_a_sandboxed_command_reaches_no_unix_socket_of_the_host(monkeypatch):
         for f in (*folders, *([nscd.parent] if nscd in names else [])):
             if f.is_dir() and not any(f.iterdir()):
                 f.rmdir()
-        sandbox.host_sockets.cache_clear()
+        sandbox.host_covered.cache_clear()
     assert out.returncode == 0, out.stdout + out.stderr
     for path in names[:4]:
         assert f"{path} refused" in out.stdout, out.stdout
     assert [p for p, _ in reached if p != str(nscd)] == [], reached
     if nscd in names:
         assert f"{nscd} connected" in out.stdout and reached == [(str(nscd), b"from the sandbox")]
+
+
+def test_a_sandboxed_command_reads_nothing_only_the_grader_may_read():
+    """Beyond HOME: files and folders in the system's trees that grant the grader's user what they
+    grant nobody else (as root: /etc/shadow, host keys, a hub's secret environment) are covered;
+    what any user may read stays, and the kit and its Python are still there."""
+    sandbox = _sandbox()
+    if not sandbox.available() or not os.access("/etc", os.W_OK):
+        pytest.skip("needs bubblewrap, and root to plant files in /etc and /var/lib")
+    tag = uuid.uuid4().hex[:8]
+    secret, public = f"/etc/hpdl-{tag}.key", f"/opt/hpdl-{tag}-public.txt"
+    folder = Path(f"/var/lib/hpdl-{tag}")
+    folder.mkdir(mode=0o700)
+    (folder / "note.txt").write_text(SECRET + "-folder")  # 0644 itself, in a folder only the grader enters
+    Path(secret).write_text(SECRET + "-file")
+    os.chmod(secret, 0o600)
+    Path(public).write_text("anyone may read this")
+    os.chmod(public, 0o644)
+    shadow = Path("/etc/shadow").read_text().splitlines()[0] if os.geteuid() == 0 else None
+    probe = ("import sys\nfor p in sys.argv[1:]:\n    try: print(p, repr(open(p).read()))\n"
+             "    except OSError as e: print(p, 'refused', type(e).__name__)\n")
+    try:
+        sandbox.host_covered.cache_clear()
+        out = subprocess.run(sandbox.wrap([sys.executable, "-c", probe, secret, str(folder / "note.txt"), public,
+                                           "/etc/shadow"]), capture_output=True, text=True, timeout=60)
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+        Path(secret).unlink(missing_ok=True)
+        Path(public).unlink(missing_ok=True)
+        sandbox.host_covered.cache_clear()
+    assert out.returncode == 0, out.stdout + out.stderr  # its Python (under /root here) still runs
+    assert SECRET not in out.stdout, out.stdout
+    assert f"{secret} refused" in out.stdout and f"{folder}/note.txt refused FileNotFoundError" in out.stdout
+    assert f"{public} 'anyone may read this'" in out.stdout
+    if shadow:
+        assert shadow not in out.stdout, out.stdout
 
 
 def test_one_total_cap_holds_processes_spread_over_many():

@@ -467,9 +467,10 @@ SYSTEM = frozenset({"/", "/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/li
 # A read-only mount does not stop connect() on a Unix socket, and its daemon sees the grader's uid:
 # a container engine's socket (root), the system bus (power off a laptop), munge (credentials as
 # the grader), a screen session's or slurmstepd's (the grader's own shells and jobs). /run and
-# /var/spool are hidden whole; sockets elsewhere in these trees are each covered by /dev/null.
-SOCKET_TREES = ("/var", "/opt", "/srv", "/etc")
-SOCKET_SCAN_ENTRIES = 200_000  # a bound on the walk (one file system per tree, no link followed)
+# /var/spool are hidden whole; sockets elsewhere in these trees are each covered by /dev/null, and
+# so is what only the grader may read there (as root: /etc/shadow, host keys, a hub's secrets).
+COVER_TREES = ("/var", "/opt", "/srv", "/etc")
+COVER_SCAN_ENTRIES = 200_000  # a bound on the walk (one file system per tree, no link followed)
 # name lookups (who is uid N?), which any user may ask and a site with LDAP needs: kept
 NAME_SERVICE = ("/var/lib/sss/pipes/nss", "/run/nscd/socket", "/run/nslcd/socket")
 # what srun needs from /run, for the one kind of job that must go through the batch system
@@ -517,9 +518,12 @@ def _base_args(exe: str, isolating: bool = False) -> list[str]:
     places = private_places()
     for path in places:
         args += _sized(exe, TMP_BYTES if path == os.path.realpath("/tmp") else HIDDEN_BYTES, path)
-    args += [*_sized(exe, SHM_BYTES, "/dev/shm"), *_kit_back(places)]
+    covered = host_covered()
+    args += [*_sized(exe, SHM_BYTES, "/dev/shm"), *[a for p in covered.files for a in ("--ro-bind", "/dev/null", p)]]
+    for path in covered.folders:
+        args += _sized(exe, HIDDEN_BYTES, path)
+    args += [*_kit_back([*places, *covered.folders])]
     args += [arg for path in _kept_from_run(NAME_SERVICE) for arg in ("--ro-bind", path, path)]
-    args += [arg for path in host_sockets() for arg in ("--ro-bind", "/dev/null", path)]
     userns = ["--disable-userns"] if "--disable-userns" in features(exe) and not isolating else []
     # as root, a user namespace may map root only if its maker held CAP_SETFCAP (a rank's, isolate.py)
     caps = ["--cap-add", "CAP_SETFCAP"] if isolating and os.geteuid() == 0 else []
@@ -548,36 +552,55 @@ def _kept_from_run(paths: tuple[str, ...]) -> list[str]:
     return [p for p in paths if os.path.exists(p) and any(p.startswith(q + os.sep) for q in hidden)]
 
 
+@dataclass(frozen=True)
+class Covered:
+    """What of the host's a sandbox must not reach though the read-only file system shows it."""
+    files: tuple[str, ...] = ()  # daemons' Unix sockets and files only the grader may read: /dev/null over each
+    folders: tuple[str, ...] = ()  # folders only the grader may enter: an empty one over each
+
+
+def _only_the_grader(st: os.stat_result, others_bit: int) -> bool:
+    """Whether the grader's user or groups may have this and everybody else may not."""
+    return (st.st_uid == os.geteuid() or st.st_gid in {os.getegid(), *os.getgroups()}) and not st.st_mode & others_bit
+
+
 @functools.lru_cache(maxsize=1)
-def host_sockets() -> tuple[str, ...]:
-    """The Unix sockets in SOCKET_TREES a sandbox would see (not in a hidden place, not a name
-    service's), found once per process: each walk stays on its tree's file system and follows no link."""
-    hidden, found, seen = private_places(), [], 0
-    for top in SOCKET_TREES:
+def host_covered() -> Covered:
+    """What to cover in COVER_TREES, found once per process: Unix sockets (a name service's
+    kept), and files or folders that grant the grader what they grant nobody else. A submission
+    then reads only what any user here could; each walk stays on its tree's file system, follows
+    no link and stops at COVER_SCAN_ENTRIES."""
+    hidden, files, folders, seen = private_places(), [], [], 0
+    for top in COVER_TREES:
         try:
             device = os.lstat(top).st_dev
         except OSError:
             continue
         stack = [top]
-        while stack and seen < SOCKET_SCAN_ENTRIES:
-            folder = stack.pop()
+        while stack and seen < COVER_SCAN_ENTRIES:
             try:
-                entries = list(os.scandir(folder))
+                entries = list(os.scandir(stack.pop()))
             except OSError:
                 continue
             seen += len(entries)
             for entry in entries:
                 try:
-                    if entry.is_symlink() or entry.is_file(follow_symlinks=False):  # no stat: the listing says
-                        continue
-                    st = entry.stat(follow_symlinks=False)
+                    st = None if entry.is_symlink() else entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if stat.S_ISDIR(st.st_mode) and st.st_dev == device and entry.path not in hidden:
-                    stack.append(entry.path)
-                elif stat.S_ISSOCK(st.st_mode) and entry.path not in NAME_SERVICE:
-                    found.append(entry.path)
-    return tuple(sorted(p for p in found if not any(p.startswith(q + os.sep) for q in hidden)))
+                if st is None or entry.path in hidden:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    if st.st_dev == device:
+                        (folders if _only_the_grader(st, stat.S_IXOTH) else stack).append(entry.path)
+                elif (stat.S_ISSOCK(st.st_mode) and entry.path not in NAME_SERVICE
+                      or stat.S_ISREG(st.st_mode) and _only_the_grader(st, stat.S_IROTH)):
+                    files.append(entry.path)
+
+    def shown(paths: list[str]) -> tuple[str, ...]:
+        return tuple(sorted(p for p in paths if not any(p.startswith(q + os.sep) for q in hidden)))
+
+    return Covered(shown(files), shown(folders))
 
 
 def _kit_back(places: list[str]) -> list[str]:
@@ -590,7 +613,7 @@ def _kit_back(places: list[str]) -> list[str]:
     if mpiexec:
         wanted.append(Path(os.path.realpath(mpiexec)).parents[1])
     found = {os.path.realpath(p) for p in wanted}
-    under = sorted(p for p in found if any(p.startswith(q + os.sep) for q in places) and os.path.exists(p))
+    under = sorted(p for p in found if any(p == q or p.startswith(q + os.sep) for q in places) and os.path.exists(p))
     keep = [p for p in under if not any(p.startswith(q + os.sep) for q in under if q != p)]
     return [arg for p in keep for arg in ("--ro-bind", p, p)]
 
@@ -707,7 +730,7 @@ def status(limits: "Limits | None" = None) -> dict:
         "tmp_bytes": (TMP_BYTES if "--size" in feats else None) if exe else None,
         "shm_bytes": (SHM_BYTES if "--size" in feats else None) if exe else None,
         "hidden": private_places() if exe else [], "network": "none (loopback only)" if exe else "host",
-        "host_sockets_covered": len(host_sockets()) if exe else None,
+        "host_covered": len(host_covered().files) + len(host_covered().folders) if exe else None,
         "check_ranks": "each in a view of its own" if ranks_apart() else "sharing the job's files",
         "memory_total_bytes": caps["memory"], "tasks_total": caps["tasks"],
         "memory_per_process_bytes": per.memory_bytes, "cpu_seconds_per_process": per.cpu_seconds,
@@ -738,8 +761,9 @@ def describe(st: dict | None = None) -> str:
                 "sees the file system and the network")
     else:
         head = (f"sandboxed with bubblewrap {st['bubblewrap_version']}: file system read-only, "
-                f"{', '.join(st['hidden'])} hidden, no network, no host Unix socket ({st['host_sockets_covered']} "
-                "more covered), own PID namespace, nested user namespaces "
+                f"{', '.join(st['hidden'])} hidden, no network, no host Unix socket and nothing only this user "
+                f"may read in {', '.join(COVER_TREES)} ({st['host_covered']} covered), own PID namespace, "
+                "nested user namespaces "
                 f"{st['nested_user_namespaces']}, /tmp {_size(st['tmp_bytes'])}, /dev/shm {_size(st['shm_bytes'])}")
     parts = [head, f"seccomp: {st['seccomp'] or 'none'}", f"environment: {st['environment']}",
              f"a check's ranks: {st.get('check_ranks', 'sharing the job files')} (files, /tmp, /dev/shm, processes)",
