@@ -518,9 +518,11 @@ def _base_args(exe: str, isolating: bool = False) -> list[str]:
     places = private_places()
     for path in places:
         args += _sized(exe, TMP_BYTES if path == os.path.realpath("/tmp") else HIDDEN_BYTES, path)
-    covered = host_covered()
-    args += [*_sized(exe, SHM_BYTES, "/dev/shm"), *[a for p in covered.files for a in ("--ro-bind", "/dev/null", p)]]
-    for path in covered.folders:
+    covered = host_covered()  # as found: each still there and of its kind, or bwrap could not start
+    args += [*_sized(exe, SHM_BYTES, "/dev/shm")]
+    files = [p for p in covered.files if os.path.lexists(p) and not os.path.isdir(p)]
+    args += [a for p in files for a in ("--ro-bind", "/dev/null", p)]
+    for path in filter(os.path.isdir, covered.folders):
         args += _sized(exe, HIDDEN_BYTES, path)
     args += [*_kit_back([*places, *covered.folders])]
     args += [arg for path in _kept_from_run(NAME_SERVICE) for arg in ("--ro-bind", path, path)]
