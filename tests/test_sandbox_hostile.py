@@ -187,8 +187,9 @@ def test_a_sandboxed_command_reaches_no_unix_socket_of_the_host(monkeypatch):
 
 def test_a_sandboxed_command_reads_nothing_only_the_grader_may_read():
     """Beyond HOME: files and folders in the system's trees that grant the grader's user what they
-    grant nobody else (as root: /etc/shadow, host keys, a hub's secret environment) are covered;
-    what any user may read stays, and the kit and its Python are still there."""
+    grant nobody else (as root: /etc/shadow, host keys, a hub's secret environment), and the
+    grader's own folder in a scratch tree at the root, are covered; what any user may read stays,
+    and the kit and its Python are still there."""
     sandbox = _sandbox()
     if not sandbox.available() or not os.access("/etc", os.W_OK):
         pytest.skip("needs bubblewrap, and root to plant files in /etc and /var/lib")
@@ -197,6 +198,12 @@ def test_a_sandboxed_command_reads_nothing_only_the_grader_may_read():
     folder = Path(f"/var/lib/hpdl-{tag}")
     folder.mkdir(mode=0o700)
     (folder / "note.txt").write_text(SECRET + "-folder")  # 0644 itself, in a folder only the grader enters
+    # a cluster's scratch tree at the root: the grader's own folder in it (0700), a shared one (0755)
+    scratch = Path(f"/hpdl-scratch-{tag}")
+    (scratch / "grader").mkdir(parents=True, mode=0o700)
+    (scratch / "grader" / "roster.csv").write_text(SECRET + "-scratch")
+    (scratch / "shared").mkdir(mode=0o755)
+    (scratch / "shared" / "data.txt").write_text("shared data")
     Path(secret).write_text(SECRET + "-file")
     os.chmod(secret, 0o600)
     Path(public).write_text("anyone may read this")
@@ -207,11 +214,14 @@ def test_a_sandboxed_command_reads_nothing_only_the_grader_may_read():
     try:
         sandbox.host_covered.cache_clear()
         out = subprocess.run(sandbox.wrap([sys.executable, "-c", probe, secret, str(folder / "note.txt"), public,
-                                           "/etc/shadow"]), capture_output=True, text=True, timeout=60)
+                                           "/etc/shadow", str(scratch / "grader" / "roster.csv"),
+                                           str(scratch / "shared" / "data.txt")]),
+                             capture_output=True, text=True, timeout=60)
     finally:
         import shutil
 
         shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
         Path(secret).unlink(missing_ok=True)
         Path(public).unlink(missing_ok=True)
         sandbox.host_covered.cache_clear()
@@ -219,6 +229,7 @@ def test_a_sandboxed_command_reads_nothing_only_the_grader_may_read():
     assert SECRET not in out.stdout, out.stdout
     assert f"{secret} refused" in out.stdout and f"{folder}/note.txt refused FileNotFoundError" in out.stdout
     assert f"{public} 'anyone may read this'" in out.stdout
+    assert f"{scratch}/grader/roster.csv refused" in out.stdout and "'shared data'" in out.stdout
     if shadow:
         assert shadow not in out.stdout, out.stdout
 

@@ -469,8 +469,11 @@ SYSTEM = frozenset({"/", "/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/li
 # the grader), a screen session's or slurmstepd's (the grader's own shells and jobs). /run and
 # /var/spool are hidden whole; sockets elsewhere in these trees are each covered by /dev/null, and
 # so is what only the grader may read there (as root: /etc/shadow, host keys, a hub's secrets).
-COVER_TREES = ("/var", "/opt", "/srv", "/etc")
+COVER_TREES = ("/var", "/opt", "/srv", "/etc", "/boot")
 COVER_SCAN_ENTRIES = 200_000  # a bound on the walk (one file system per tree, no link followed)
+# the other trees at the root (/scratch, /work, /project: often shared and large) are looked at to
+# their first level only, at most this many entries each, and the grader's own name in each
+COVER_TOP_ENTRIES = 10_000
 # name lookups (who is uid N?), which any user may ask and a site with LDAP needs: kept
 NAME_SERVICE = ("/var/lib/sss/pipes/nss", "/run/nscd/socket", "/run/nslcd/socket")
 # what srun needs from /run, for the one kind of job that must go through the batch system
@@ -566,43 +569,85 @@ def _only_the_grader(st: os.stat_result, others_bit: int) -> bool:
     return (st.st_uid == os.geteuid() or st.st_gid in {os.getegid(), *os.getgroups()}) and not st.st_mode & others_bit
 
 
-@functools.lru_cache(maxsize=1)
-def host_covered() -> Covered:
-    """What to cover in COVER_TREES, found once per process: Unix sockets (a name service's
-    kept), and files or folders that grant the grader what they grant nobody else. A submission
-    then reads only what any user here could; each walk stays on its tree's file system, follows
-    no link and stops at COVER_SCAN_ENTRIES."""
-    hidden, files, folders, seen = private_places(), [], [], 0
-    for top in COVER_TREES:
-        try:
-            device = os.lstat(top).st_dev
-        except OSError:
-            continue
-        stack = [top]
-        while stack and seen < COVER_SCAN_ENTRIES:
-            try:
-                entries = list(os.scandir(stack.pop()))
-            except OSError:
-                continue
-            seen += len(entries)
-            for entry in entries:
+def _to_cover(path: str, st: os.stat_result) -> str | None:
+    """"files" or "folders" when `path` is to be covered: a Unix socket (not a name service's), a
+    file or folder only the grader may read or enter."""
+    if stat.S_ISDIR(st.st_mode):
+        return "folders" if _only_the_grader(st, stat.S_IXOTH) else None
+    if (stat.S_ISSOCK(st.st_mode) and path not in NAME_SERVICE
+            or stat.S_ISREG(st.st_mode) and _only_the_grader(st, stat.S_IROTH)):
+        return "files"
+    return None
+
+
+def _listing(folder: str, limit: int) -> list[tuple[str, os.stat_result]]:
+    """Up to `limit` entries of `folder` with their own status (no link followed, none mounted)."""
+    out: list[tuple[str, os.stat_result]] = []
+    try:
+        with os.scandir(folder) as it:
+            for entry in it:
+                if len(out) >= limit:
+                    break
                 try:
-                    st = None if entry.is_symlink() else entry.stat(follow_symlinks=False)
+                    if not entry.is_symlink():
+                        out.append((entry.path, entry.stat(follow_symlinks=False)))
                 except OSError:
                     continue
-                if st is None or entry.path in hidden:
-                    continue
-                if stat.S_ISDIR(st.st_mode):
-                    if st.st_dev == device:
-                        (folders if _only_the_grader(st, stat.S_IXOTH) else stack).append(entry.path)
-                elif (stat.S_ISSOCK(st.st_mode) and entry.path not in NAME_SERVICE
-                      or stat.S_ISREG(st.st_mode) and _only_the_grader(st, stat.S_IROTH)):
-                    files.append(entry.path)
+    except OSError:
+        pass
+    return out
 
-    def shown(paths: list[str]) -> tuple[str, ...]:
+
+@functools.lru_cache(maxsize=1)
+def host_covered() -> Covered:
+    """What to cover, found once per process: in COVER_TREES, whole, and in the root's other
+    trees, to their first level, Unix sockets (a name service's kept) and files or folders that
+    grant the grader what they grant nobody else. A submission then reads only what any user here
+    could. No walk follows a link; a system tree's stays on its file system."""
+    hidden, found, budget = private_places(), {"files": set(), "folders": set()}, COVER_SCAN_ENTRIES
+    for top in COVER_TREES:
+        device = os.lstat(top).st_dev if os.path.isdir(top) and not os.path.islink(top) else None
+        stack = [top] if device is not None else []
+        while stack and budget > 0:
+            entries = _listing(stack.pop(), budget)
+            budget -= len(entries)
+            for path, st in entries:
+                kind = None if path in hidden else _to_cover(path, st)
+                if kind:
+                    found[kind].add(path)
+                elif stat.S_ISDIR(st.st_mode) and st.st_dev == device and path not in hidden:
+                    stack.append(path)
+    own = _user_name()
+    for top, st in _listing("/", 1000):  # the root's other trees: each itself, else its first level
+        kind = None if top in SYSTEM or top in hidden else _to_cover(top, st)
+        if kind:
+            found[kind].add(top)
+        if kind or top in SYSTEM or top in hidden or not stat.S_ISDIR(st.st_mode):
+            continue
+        firsts = _listing(top, COVER_TOP_ENTRIES)
+        mine = os.path.join(top, own) if own else None  # /scratch/<name>, should it lie past the first entries
+        try:
+            if mine:
+                firsts.append((mine, os.lstat(mine)))
+        except OSError:
+            pass
+        for path, sub in firsts:
+            if path not in hidden and (k := _to_cover(path, sub)):
+                found[k].add(path)
+
+    def shown(paths: set[str]) -> tuple[str, ...]:
         return tuple(sorted(p for p in paths if not any(p.startswith(q + os.sep) for q in hidden)))
 
-    return Covered(shown(files), shown(folders))
+    return Covered(shown(found["files"]), shown(found["folders"]))
+
+
+def _user_name() -> str | None:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return None
 
 
 def _kit_back(places: list[str]) -> list[str]:
@@ -764,7 +809,8 @@ def describe(st: dict | None = None) -> str:
     else:
         head = (f"sandboxed with bubblewrap {st['bubblewrap_version']}: file system read-only, "
                 f"{', '.join(st['hidden'])} hidden, no network, no host Unix socket and nothing only this user "
-                f"may read in {', '.join(COVER_TREES)} ({st['host_covered']} covered), own PID namespace, "
+                f"may read in {', '.join(COVER_TREES)} or atop the root's other trees ({st['host_covered']} "
+                "covered), own PID namespace, "
                 "nested user namespaces "
                 f"{st['nested_user_namespaces']}, /tmp {_size(st['tmp_bytes'])}, /dev/shm {_size(st['shm_bytes'])}")
     parts = [head, f"seccomp: {st['seccomp'] or 'none'}", f"environment: {st['environment']}",
