@@ -631,16 +631,27 @@ def write_reports(subs: list[Submission], out: Path, exercises: list[str] | None
     _write_private(out / "index.html", _html(subs, names, worth, total, sandbox_text))
 
 
+# a spreadsheet runs a cell that starts like a formula (=HYPERLINK(...), =cmd|...): a submission's
+# file name and the text a learner's code puts in a message are the learner's to choose
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _cell(value):
+    """`value` as a spreadsheet shows it and never runs it: text that starts like a formula gets a
+    leading apostrophe (the spreadsheets' own mark for text)."""
+    return "'" + value if isinstance(value, str) and value.startswith(FORMULA_START) else value
+
+
 def _csv(header_rows: list[list], dict_rows: list[dict] | None = None) -> str:
     import io
 
     buf = io.StringIO()
     if dict_rows is None:
-        csv.writer(buf).writerows(header_rows)
+        csv.writer(buf).writerows([[_cell(v) for v in row] for row in header_rows])
     else:
         w = csv.DictWriter(buf, fieldnames=header_rows[0])
         w.writeheader()
-        w.writerows(dict_rows)
+        w.writerows({k: _cell(v) for k, v in row.items()} for row in dict_rows)
     return buf.getvalue()
 
 

@@ -131,6 +131,9 @@ except Exception as exc:
 """
 
 
+FORMULA = "=HYPERLINK(\"http:\u2215\u2215x.example\",\"garbage\")+cmd|' -c calc'!A0.ipynb"
+
+
 @pytest.fixture
 def attacks(tmp_path, monkeypatch) -> Path:
     """Malformed notebooks, forgers, a daemon, resource hogs, and one honest learner."""
@@ -141,7 +144,7 @@ def attacks(tmp_path, monkeypatch) -> Path:
     subs.mkdir()
     nbformat.write(solved, subs / "honest.ipynb")
     (subs / "list.ipynb").write_text("[1, 2, 3]")
-    (subs / "garbage.ipynb").write_text("this is not JSON")
+    (subs / FORMULA).write_text("this is not JSON")  # and named to run in the instructor's spreadsheet
     (subs / "nocells.ipynb").write_text('{"cells": 5, "nbformat": 4}')
     code = nbformat.v4.new_code_cell
     for name, cell, where in [
@@ -179,8 +182,11 @@ def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attack
     full = float(rows["honest.ipynb"]["max_score"])
     assert full > 0 and {float(r["max_score"]) for r in rows.values()} == {full}  # max from the case modules
     assert rows["honest.ipynb"]["status"] == "ok" and float(rows["honest.ipynb"]["score"]) == full
-    for bad in ("list.ipynb", "garbage.ipynb", "nocells.ipynb"):
+    for bad in ("list.ipynb", "'" + FORMULA, "nocells.ipynb"):  # a formula in a spreadsheet: text, never run
         assert rows[bad]["status"] == "not a notebook" and float(rows[bad]["score"]) == 0 and rows[bad]["detail"]
+    for report in ("grades.csv", "cases.csv"):
+        cells = [c for row in csv.reader(open(out / report)) for c in row]
+        assert FORMULA[:-6] in " ".join(cells) and not [c for c in cells if c.startswith(grade.FORMULA_START)]
     # forging results, a daemon, a memory hog: the honest check in those notebooks still counts, nothing more
     for name in ("forger.ipynb", "daemon.ipynb", "memory_hog.ipynb"):
         assert float(rows[name]["score"]) == full, rows[name]
