@@ -636,6 +636,14 @@ def write_reports(subs: list[Submission], out: Path, exercises: list[str] | None
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 
+def _printable(name: str) -> str:
+    """A learner's file name as the instructor's terminal shows it and never obeys it: control
+    characters (an escape sequence that sets the clipboard or the title; a right-to-left override)
+    written out as \\xNN or \\uNNNN."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}"
+                   for c in name)
+
+
 def _cell(value):
     """`value` as a spreadsheet shows it and never runs it: text that starts like a formula gets a
     leading apostrophe (the spreadsheets' own mark for text)."""
@@ -783,7 +791,7 @@ def main(argv: list[str]) -> int:
     worth = scored_exercises(subs, wanted)
     total = sum(worth.values())
     for s in subs:
-        print(f"  {s.name:<40} {s.status:<14} {s.score(worth):g} / {total:g}")
+        print(f"  {_printable(s.name):<40} {s.status:<14} {s.score(worth):g} / {total:g}")
     print(f"hpdl grade: {len(subs)} submissions; reports in {args.out}/ "
           "(grades.csv, cases.csv, grades.json, index.html)")
     return 0

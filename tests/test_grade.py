@@ -131,6 +131,7 @@ except Exception as exc:
 """
 
 
+NOCELLS = "nocells\x1b]52;c;cm0gLXJmIH4K\x07.ipynb"
 FORMULA = "=HYPERLINK(\"http:\u2215\u2215x.example\",\"garbage\")+cmd|' -c calc'!A0.ipynb"
 
 
@@ -145,7 +146,7 @@ def attacks(tmp_path, monkeypatch) -> Path:
     nbformat.write(solved, subs / "honest.ipynb")
     (subs / "list.ipynb").write_text("[1, 2, 3]")
     (subs / FORMULA).write_text("this is not JSON")  # and named to run in the instructor's spreadsheet
-    (subs / "nocells.ipynb").write_text('{"cells": 5, "nbformat": 4}')
+    (subs / NOCELLS).write_text('{"cells": 5, "nbformat": 4}')  # its name sets the clipboard of a terminal
     code = nbformat.v4.new_code_cell
     for name, cell, where in [
         ("forger", FORGE, 5), ("daemon", DAEMON, 2), ("answer_key", CHEAT_CHECK, 5),
@@ -170,7 +171,7 @@ def _daemons() -> list:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attacks, tmp_path, no_strays):
+def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attacks, tmp_path, no_strays, capsys):
     from hpdl.checker import sandbox
 
     if not sandbox.available():
@@ -182,7 +183,9 @@ def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attack
     full = float(rows["honest.ipynb"]["max_score"])
     assert full > 0 and {float(r["max_score"]) for r in rows.values()} == {full}  # max from the case modules
     assert rows["honest.ipynb"]["status"] == "ok" and float(rows["honest.ipynb"]["score"]) == full
-    for bad in ("list.ipynb", "'" + FORMULA, "nocells.ipynb"):  # a formula in a spreadsheet: text, never run
+    printed = capsys.readouterr().out
+    assert "\x1b" not in printed and "nocells\\x1b]52;c;" in printed  # the terminal shows it, never obeys it
+    for bad in ("list.ipynb", "'" + FORMULA, NOCELLS):  # a formula in a spreadsheet: text, never run
         assert rows[bad]["status"] == "not a notebook" and float(rows[bad]["score"]) == 0 and rows[bad]["detail"]
     for report in ("grades.csv", "cases.csv"):
         cells = [c for row in csv.reader(open(out / report)) for c in row]
