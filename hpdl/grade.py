@@ -496,6 +496,7 @@ def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress
     caps = caps or Caps()
     subs = find_submissions(folder)
     sandbox.sweep_cgroups()  # those left by graders that are gone
+    sandbox.cover_the_host()  # the code is the learners', the user is you: what only you may read stays yours
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
     todo = _resume(subs, out)
@@ -536,6 +537,7 @@ def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress
             bar.close()
         safefiles.remove_tree(work_root)
         sandbox.sweep_cgroups()
+        sandbox.cover_the_host(False)
     write_reports(subs, out, exercises, *header)
     return subs
 

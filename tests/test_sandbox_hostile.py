@@ -148,6 +148,7 @@ def test_a_sandboxed_command_reaches_no_unix_socket_of_the_host(monkeypatch):
             s.listen()
             s.settimeout(0.2)
             listeners.append((path, s))
+        monkeypatch.setattr(sandbox, "_covering", True)  # as `hpdl grade` does (cover_the_host)
         sandbox.host_covered.cache_clear()  # found once per process: these are new
         stop = threading.Event()
 
@@ -185,7 +186,7 @@ def test_a_sandboxed_command_reaches_no_unix_socket_of_the_host(monkeypatch):
         assert f"{nscd} connected" in out.stdout and reached == [(str(nscd), b"from the sandbox")]
 
 
-def test_a_sandboxed_command_reads_nothing_only_the_grader_may_read():
+def test_a_sandboxed_command_reads_nothing_only_the_grader_may_read(monkeypatch):
     """Beyond HOME: files and folders in the system's trees that grant the grader's user what they
     grant nobody else (as root: /etc/shadow, host keys, a hub's secret environment), and the
     grader's own folder in a scratch tree at the root, are covered; what any user may read stays,
@@ -212,6 +213,7 @@ def test_a_sandboxed_command_reads_nothing_only_the_grader_may_read():
     probe = ("import sys\nfor p in sys.argv[1:]:\n    try: print(p, repr(open(p).read()))\n"
              "    except OSError as e: print(p, 'refused', type(e).__name__)\n")
     try:
+        monkeypatch.setattr(sandbox, "_covering", True)  # as `hpdl grade` does (cover_the_host)
         sandbox.host_covered.cache_clear()
         out = subprocess.run(sandbox.wrap([sys.executable, "-c", probe, secret, str(folder / "note.txt"), public,
                                            "/etc/shadow", str(scratch / "grader" / "roster.csv"),
@@ -232,6 +234,26 @@ def test_a_sandboxed_command_reads_nothing_only_the_grader_may_read():
     assert f"{scratch}/grader/roster.csv refused" in out.stdout and "'shared data'" in out.stdout
     if shadow:
         assert shadow not in out.stdout, out.stdout
+
+
+def test_the_look_for_what_to_cover_stops_at_its_time_limit_and_says_so(monkeypatch):
+    """A slow or hung network file system under the look must not stop grading: past COVER_SECONDS
+    it keeps what it found, a sandbox still starts, and the report's header says the look stopped.
+    A learner's own check (no cover_the_host) does not look at all."""
+    sandbox = _sandbox()
+    if not sandbox.available():
+        pytest.skip("bubblewrap does not work here")
+    sandbox.host_covered.cache_clear()
+    assert sandbox.host_covered() == sandbox.Covered()  # not grading: nothing looked for
+    monkeypatch.setattr(sandbox, "COVER_SECONDS", 0.0)
+    monkeypatch.setattr(sandbox, "_covering", True)
+    sandbox.host_covered.cache_clear()
+    try:
+        assert sandbox.host_covered().complete is False
+        assert "the look stopped after 0 s" in sandbox.describe()
+        assert subprocess.run(sandbox.wrap(["true"]), timeout=60).returncode == 0
+    finally:
+        sandbox.host_covered.cache_clear()
 
 
 def test_one_total_cap_holds_processes_spread_over_many():

@@ -474,6 +474,7 @@ COVER_SCAN_ENTRIES = 200_000  # a bound on the walk (one file system per tree, n
 # the other trees at the root (/scratch, /work, /project: often shared and large) are looked at to
 # their first level only, at most this many entries each, and the grader's own name in each
 COVER_TOP_ENTRIES = 10_000
+COVER_SECONDS = 20.0  # the look's time limit (a slow or hung network file system): what it found by then is covered
 # name lookups (who is uid N?), which any user may ask and a site with LDAP needs: kept
 NAME_SERVICE = ("/var/lib/sss/pipes/nss", "/run/nscd/socket", "/run/nslcd/socket")
 # what srun needs from /run, for the one kind of job that must go through the batch system
@@ -562,20 +563,30 @@ class Covered:
     """What of the host's a sandbox must not reach though the read-only file system shows it."""
     files: tuple[str, ...] = ()  # daemons' Unix sockets and files only the grader may read: /dev/null over each
     folders: tuple[str, ...] = ()  # folders only the grader may enter: an empty one over each
+    complete: bool = True  # False: the look ran out of time (COVER_SECONDS)
 
 
-def _only_the_grader(st: os.stat_result, others_bit: int) -> bool:
-    """Whether the grader's user or groups may have this and everybody else may not."""
-    return (st.st_uid == os.geteuid() or st.st_gid in {os.getegid(), *os.getgroups()}) and not st.st_mode & others_bit
+_covering = False
 
 
-def _to_cover(path: str, st: os.stat_result) -> str | None:
+def cover_the_host(on: bool = True) -> None:
+    """From now on (until called with False), every sandbox this process makes covers the host's
+    sockets and what only this user may read (host_covered). The batch grader calls it: there the
+    code is a learner's and the user the instructor. A learner's own check runs their own code as
+    them, and skips the look."""
+    global _covering
+    _covering = on
+    host_covered.cache_clear()
+
+
+def _to_cover(path: str, st: os.stat_result, uid: int, gids: set[int]) -> str | None:
     """"files" or "folders" when `path` is to be covered: a Unix socket (not a name service's), a
-    file or folder only the grader may read or enter."""
+    file or folder that grants this user or its groups what it grants nobody else."""
+    only_ours = st.st_uid == uid or st.st_gid in gids
     if stat.S_ISDIR(st.st_mode):
-        return "folders" if _only_the_grader(st, stat.S_IXOTH) else None
+        return "folders" if only_ours and not st.st_mode & stat.S_IXOTH else None
     if (stat.S_ISSOCK(st.st_mode) and path not in NAME_SERVICE
-            or stat.S_ISREG(st.st_mode) and _only_the_grader(st, stat.S_IROTH)):
+            or stat.S_ISREG(st.st_mode) and only_ours and not st.st_mode & stat.S_IROTH):
         return "files"
     return None
 
@@ -600,11 +611,28 @@ def _listing(folder: str, limit: int) -> list[tuple[str, os.stat_result]]:
 
 @functools.lru_cache(maxsize=1)
 def host_covered() -> Covered:
-    """What to cover, found once per process: in COVER_TREES, whole, and in the root's other
-    trees, to their first level, Unix sockets (a name service's kept) and files or folders that
-    grant the grader what they grant nobody else. A submission then reads only what any user here
-    could. No walk follows a link; a system tree's stays on its file system."""
-    hidden, found, budget = private_places(), {"files": set(), "folders": set()}, COVER_SCAN_ENTRIES
+    """What to cover, found once per process (only once cover_the_host() was called): in
+    COVER_TREES, whole, and in the root's other trees, to their first level, Unix sockets (a name
+    service's kept) and files or folders that grant the grader what they grant nobody else. A
+    submission then reads only what any user here could. No walk follows a link; a system tree's
+    stays on its file system; the look stops after COVER_SECONDS with what it found."""
+    if not _covering:
+        return Covered()
+    import threading
+
+    hidden, found = private_places(), {"files": [], "folders": []}
+    look = threading.Thread(target=_look, args=(hidden, found), name="hpdl-host-cover", daemon=True)
+    look.start()
+    look.join(COVER_SECONDS)
+
+    def shown(paths: list[str]) -> tuple[str, ...]:
+        return tuple(sorted({p for p in list(paths) if not any(p.startswith(q + os.sep) for q in hidden)}))
+
+    return Covered(shown(found["files"]), shown(found["folders"]), complete=not look.is_alive())
+
+
+def _look(hidden: list[str], found: dict[str, list[str]]) -> None:
+    uid, gids, budget = os.geteuid(), {os.getegid(), *os.getgroups()}, COVER_SCAN_ENTRIES
     for top in COVER_TREES:
         device = os.lstat(top).st_dev if os.path.isdir(top) and not os.path.islink(top) else None
         stack = [top] if device is not None else []
@@ -612,17 +640,21 @@ def host_covered() -> Covered:
             entries = _listing(stack.pop(), budget)
             budget -= len(entries)
             for path, st in entries:
-                kind = None if path in hidden else _to_cover(path, st)
+                if path in hidden:
+                    continue
+                kind = _to_cover(path, st, uid, gids)
                 if kind:
-                    found[kind].add(path)
-                elif stat.S_ISDIR(st.st_mode) and st.st_dev == device and path not in hidden:
+                    found[kind].append(path)
+                elif stat.S_ISDIR(st.st_mode) and st.st_dev == device:
                     stack.append(path)
     own = _user_name()
     for top, st in _listing("/", 1000):  # the root's other trees: each itself, else its first level
-        kind = None if top in SYSTEM or top in hidden else _to_cover(top, st)
+        if top in SYSTEM or top in hidden:
+            continue
+        kind = _to_cover(top, st, uid, gids)
         if kind:
-            found[kind].add(top)
-        if kind or top in SYSTEM or top in hidden or not stat.S_ISDIR(st.st_mode):
+            found[kind].append(top)
+        if kind or not stat.S_ISDIR(st.st_mode):
             continue
         firsts = _listing(top, COVER_TOP_ENTRIES)
         mine = os.path.join(top, own) if own else None  # /scratch/<name>, should it lie past the first entries
@@ -632,13 +664,8 @@ def host_covered() -> Covered:
         except OSError:
             pass
         for path, sub in firsts:
-            if path not in hidden and (k := _to_cover(path, sub)):
-                found[k].add(path)
-
-    def shown(paths: set[str]) -> tuple[str, ...]:
-        return tuple(sorted(p for p in paths if not any(p.startswith(q + os.sep) for q in hidden)))
-
-    return Covered(shown(found["files"]), shown(found["folders"]))
+            if path not in hidden and (k := _to_cover(path, sub, uid, gids)):
+                found[k].append(path)
 
 
 def _user_name() -> str | None:
@@ -777,7 +804,8 @@ def status(limits: "Limits | None" = None) -> dict:
         "tmp_bytes": (TMP_BYTES if "--size" in feats else None) if exe else None,
         "shm_bytes": (SHM_BYTES if "--size" in feats else None) if exe else None,
         "hidden": private_places() if exe else [], "network": "none (loopback only)" if exe else "host",
-        "host_covered": len(host_covered().files) + len(host_covered().folders) if exe else None,
+        "host_covered": len(host_covered().files) + len(host_covered().folders) if exe and _covering else None,
+        "host_look_complete": host_covered().complete,
         "check_ranks": "each in a view of its own" if ranks_apart() else "sharing the job's files",
         "memory_total_bytes": caps["memory"], "tasks_total": caps["tasks"],
         "memory_per_process_bytes": per.memory_bytes, "cpu_seconds_per_process": per.cpu_seconds,
@@ -808,9 +836,7 @@ def describe(st: dict | None = None) -> str:
                 "sees the file system and the network")
     else:
         head = (f"sandboxed with bubblewrap {st['bubblewrap_version']}: file system read-only, "
-                f"{', '.join(st['hidden'])} hidden, no network, no host Unix socket and nothing only this user "
-                f"may read in {', '.join(COVER_TREES)} or atop the root's other trees ({st['host_covered']} "
-                "covered), own PID namespace, "
+                f"{', '.join(st['hidden'])} hidden, no network, {_covered_text(st)}, own PID namespace, "
                 "nested user namespaces "
                 f"{st['nested_user_namespaces']}, /tmp {_size(st['tmp_bytes'])}, /dev/shm {_size(st['shm_bytes'])}")
     parts = [head, f"seccomp: {st['seccomp'] or 'none'}", f"environment: {st['environment']}",
@@ -824,6 +850,15 @@ def describe(st: dict | None = None) -> str:
     if st["bubblewrap"] is not None and st["missing"]:
         parts.append(f"missing: {'; '.join(st['missing'])}")
     return "; ".join(parts)
+
+
+def _covered_text(st: dict) -> str:
+    if st["host_covered"] is None:
+        return "no Unix socket in /run"
+    text = (f"no host Unix socket and nothing only this user may read in {', '.join(COVER_TREES)} or atop the "
+            f"root's other trees ({st['host_covered']} covered")
+    return text + (")" if st["host_look_complete"] else f"; the look stopped after {COVER_SECONDS:g} s: what it "
+                   "found by then)")
 
 
 def _size(n: int | None) -> str:
