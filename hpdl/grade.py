@@ -493,10 +493,21 @@ def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress
     why = refusals(no_sandbox, allow_root)
     if why:
         raise HpdlError("\n".join(why))
-    caps = caps or Caps()
+    sandbox.cover_the_host()  # the code is the learners', the user is you: what only you may read stays yours
+    try:
+        return _batch(folder, out, limit, jobs, progress, exercises, caps or Caps(), no_sandbox)
+    finally:
+        sandbox.cover_the_host(False)
+
+
+def _batch(folder: Path, out: Path, limit: float, jobs: int, progress: bool, exercises: list[str] | None,
+           caps: Caps, no_sandbox: bool) -> list[Submission]:
+    """grade()'s batch, once it may run: each submission in a sandbox of its own, `jobs` at a time,
+    the reports rewritten as each ends."""
+    from hpdl.checker import sandbox
+
     subs = find_submissions(folder)
     sandbox.sweep_cgroups()  # those left by graders that are gone
-    sandbox.cover_the_host()  # the code is the learners', the user is you: what only you may read stays yours
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
     todo = _resume(subs, out)
@@ -537,7 +548,6 @@ def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress
             bar.close()
         safefiles.remove_tree(work_root)
         sandbox.sweep_cgroups()
-        sandbox.cover_the_host(False)
     write_reports(subs, out, exercises, *header)
     return subs
 

@@ -252,8 +252,27 @@ def test_the_look_for_what_to_cover_stops_at_its_time_limit_and_says_so(monkeypa
         assert sandbox.host_covered().complete is False
         assert "the look stopped after 0 s" in sandbox.describe()
         assert subprocess.run(sandbox.wrap(["true"]), timeout=60).returncode == 0
+        if os.geteuid() == 0:  # a budget /etc alone fits in: spent on /etc before a large /var or /opt
+            monkeypatch.setattr(sandbox, "COVER_SECONDS", 60.0)
+            monkeypatch.setattr(sandbox, "COVER_SCAN_ENTRIES", sum(1 + len(d) + len(f) for _, d, f in os.walk("/etc")))
+            sandbox.host_covered.cache_clear()
+            assert "/etc/shadow" in sandbox.host_covered().files
     finally:
         sandbox.host_covered.cache_clear()
+
+
+def test_grading_covers_the_host_only_while_it_runs(tmp_path, monkeypatch):
+    """`hpdl grade` turns the look on for its batch and off after, even when the batch fails (here
+    its report folder cannot be made), so a learner's checks later in the same process skip it."""
+    sandbox = _sandbox()
+    example_kit(tmp_path / "kit", monkeypatch)
+    (tmp_path / "subs").mkdir()
+    nbformat.write(nbformat.v4.new_notebook(), tmp_path / "subs" / "a.ipynb")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(OSError):
+        grade.grade(tmp_path / "subs", tmp_path / "a_file" / "report", progress=False, allow_root=True,
+                    no_sandbox=not sandbox.available())
+    assert sandbox._covering is False
 
 
 def test_one_total_cap_holds_processes_spread_over_many():
