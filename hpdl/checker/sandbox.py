@@ -528,8 +528,7 @@ def _base_args(exe: str, isolating: bool = False) -> list[str]:
     args += [a for p in files for a in ("--ro-bind", "/dev/null", p)]
     for path in filter(os.path.isdir, covered.folders):
         args += _sized(exe, HIDDEN_BYTES, path)
-    args += [*_kit_back([*places, *covered.folders])]
-    args += [arg for path in _kept_from_run(NAME_SERVICE) for arg in ("--ro-bind", path, path)]
+    args += [*_kit_back([*places, *covered.folders]), *_bound_back(NAME_SERVICE, places)]
     userns = ["--disable-userns"] if "--disable-userns" in features(exe) and not isolating else []
     # as root, a user namespace may map root only if its maker held CAP_SETFCAP (a rank's, isolate.py)
     caps = ["--cap-add", "CAP_SETFCAP"] if isolating and os.geteuid() == 0 else []
@@ -550,12 +549,6 @@ def private_places() -> list[str]:
             if r not in SYSTEM and r not in real:  # HOME=/ or TMPDIR=/var: not the whole tree
                 real.append(r)
     return sorted(p for p in real if not any(p.startswith(q + os.sep) for q in real if q != p))
-
-
-def _kept_from_run(paths: tuple[str, ...]) -> list[str]:
-    """Those of `paths` that exist and lie in a hidden place, to bind back over it."""
-    hidden = private_places()
-    return [p for p in paths if os.path.exists(p) and any(p.startswith(q + os.sep) for q in hidden)]
 
 
 @dataclass(frozen=True)
@@ -686,8 +679,13 @@ def _kit_back(places: list[str]) -> list[str]:
     wanted = [sys.prefix, sys.base_prefix, Path(os.path.realpath(sys.executable)).parents[1], kit]
     if mpiexec:
         wanted.append(Path(os.path.realpath(mpiexec)).parents[1])
-    found = {os.path.realpath(p) for p in wanted}
-    under = sorted(p for p in found if any(p == q or p.startswith(q + os.sep) for q in places) and os.path.exists(p))
+    return _bound_back([os.path.realpath(p) for p in wanted], places)
+
+
+def _bound_back(paths, places: list[str]) -> list[str]:
+    """bwrap's arguments that bind back, read-only, those of `paths` that exist and lie in (or are)
+    one of the hidden or covered `places`; a path inside another one bound back goes with it."""
+    under = sorted({p for p in paths if any(p == q or p.startswith(q + os.sep) for q in places) and os.path.exists(p)})
     keep = [p for p in under if not any(p.startswith(q + os.sep) for q in under if q != p)]
     return [arg for p in keep for arg in ("--ro-bind", p, p)]
 
@@ -795,6 +793,7 @@ def status(limits: "Limits | None" = None) -> dict:
     feats = features(exe) if exe else frozenset()
     caps = limits.applied() if limits is not None else {"memory": None, "tasks": None}
     per = limits or Limits()
+    covered = host_covered() if exe else Covered()
     return {
         "bubblewrap": exe, "bubblewrap_version": _version(exe) if exe else None,
         "nested_user_namespaces": "refused (--disable-userns)" if "--disable-userns" in feats
@@ -804,8 +803,8 @@ def status(limits: "Limits | None" = None) -> dict:
         "tmp_bytes": (TMP_BYTES if "--size" in feats else None) if exe else None,
         "shm_bytes": (SHM_BYTES if "--size" in feats else None) if exe else None,
         "hidden": private_places() if exe else [], "network": "none (loopback only)" if exe else "host",
-        "host_covered": len(host_covered().files) + len(host_covered().folders) if exe and _covering else None,
-        "host_look_complete": host_covered().complete,
+        "host_covered": len(covered.files) + len(covered.folders) if exe and _covering else None,
+        "host_look_complete": covered.complete,
         "check_ranks": "each in a view of its own" if ranks_apart() else "sharing the job's files",
         "memory_total_bytes": caps["memory"], "tasks_total": caps["tasks"],
         "memory_per_process_bytes": per.memory_bytes, "cpu_seconds_per_process": per.cpu_seconds,
@@ -887,7 +886,7 @@ def wrap(cmd: list[str], *, writable: list[str] = (), hidden: list[str] = (), cw
     args = [exe, *_base_args(exe, isolating)]
     if network:  # after --unshare-all; and srun's daemon (munge), its configuration and DNS from /run
         resolv = os.path.realpath("/etc/resolv.conf")
-        args += ["--share-net", *[a for p in _kept_from_run((*BATCH_SYSTEM, resolv)) for a in ("--ro-bind", p, p)]]
+        args += ["--share-net", *_bound_back((*BATCH_SYSTEM, resolv), private_places())]
     for path in _devices():
         args += ["--dev-bind", path, path]
     for path in hidden:  # a folder: an empty tmpfs over it; a file (an answer key): /dev/null over it
