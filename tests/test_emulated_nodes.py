@@ -213,6 +213,21 @@ def test_rates_read_as_tc_writes_them():
     assert emulated.placement(5, 2) == [3, 2]
 
 
+def test_horovod_across_nodes_keeps_intel_mpis_collectives_off_the_shared_memory_step():
+    """Intel MPI's hierarchical collectives deadlock between Horovod's thread and a cell's collective
+    across nodes (lifecycle.HOROVOD_ACROSS_NODES_ENV; shown on real ranks by the test above under
+    `make test-mpi MPI=impi`). Ranks that may span nodes with Horovod get the setting; one node, or
+    no Horovod, keeps Intel MPI's defaults; a learner's own env= wins."""
+    from hpdl.cluster import lifecycle
+
+    key, value = next(iter(lifecycle.HOROVOD_ACROSS_NODES_ENV.items()))
+    assert lifecycle._rank_env("local", ("torch", "horovod"), {}, across_nodes=True)[key] == value
+    assert lifecycle._rank_env("slurm", ("torch", "horovod"), {}, across_nodes=False)[key] == value
+    assert key not in lifecycle._rank_env("local", ("torch", "horovod"), {}, across_nodes=False)
+    assert key not in lifecycle._rank_env("local", ("torch",), {}, across_nodes=True)
+    assert lifecycle._rank_env("local", ("horovod",), {key: "shm"}, across_nodes=True)[key] == "shm"
+
+
 def test_an_mpiexec_the_kit_does_not_start_on_nodes_is_refused_with_what_to_use(tmp_path):
     """MPICH's, Open MPI's and Intel MPI's launchers start on emulated nodes, known from their
     `--version` text (as each prints it); any other MPI is refused before any namespace is made."""
