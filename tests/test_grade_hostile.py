@@ -14,6 +14,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import nbformat
@@ -247,6 +248,51 @@ def test_a_checks_ranks_that_fill_their_folder_are_stopped_at_its_cap(unlink, no
     assert "of disk (the cap on its folder)" in first.message, first.message
     assert rest and all(c.message.startswith(f"Not run: case {first.name} was stopped") for c in rest), rest[0]
     assert shutil.disk_usage(tempfile.gettempdir()).free > free - sandbox.DISK_BYTES // 2  # nothing of it left
+
+
+@pytest.mark.timeout(300)
+def test_one_submissions_check_requests_run_one_at_a_time(tmp_path, monkeypatch, no_strays):
+    """A notebook's hpdl.check() waits for its answer, but a hostile one can file many requests at
+    once (threads, or files written into its inbox). Each check starts two MPI jobs, outside the
+    submission's caps: started together, MAX_REQUESTS of them were hundreds of ranks on the grading
+    host. They run one after another; all are answered; none is left when the notebook has ended."""
+    import psutil
+
+    from hpdl.checker import client, grade_service
+
+    monkeypatch.setenv("HPDL_CASES_PATH", str(Path(__file__).parent / "fixtures" / "cases"))
+    fn = _learner_function("def ring_allreduce(comm, x):\n    return comm.allreduce(x)\n")
+    request = json.dumps({"exercise": "fixture_ring",
+                          "code": grade_service._jsonable(client.learner_code("fixture_ring", fn))})
+    service = grade_service.Service(tmp_path / "checks", hidden=[])
+    rids = [f"{i:032x}" for i in range(3)]
+    for rid in rids:
+        (tmp_path / "checks" / f"req-{rid}.json").write_text(request)
+    me, most = psutil.Process(), 0
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not all((service.answers / f"resp-{r}.json").exists() for r in rids):
+        service.poll()
+        checks = set()  # a check's folder holds its jobs: learner's and reference ranks at each rank count
+        for p in me.children(recursive=True):
+            try:
+                if p.name().startswith("mpiexec"):
+                    checks.add(os.path.dirname(p.cmdline()[-1]))
+            except psutil.Error:  # gone meanwhile
+                pass
+        most = max(most, len(checks))
+        time.sleep(0.05)
+    service.finish()
+    assert sorted(service.seen) == rids and "fixture_ring" in service.results and not service.problems
+    assert most == 1, f"{most} checks at once"
+    # filed again with the notebook ended: answered as not run, nothing started
+    (tmp_path / "late").mkdir()
+    late = grade_service.Service(tmp_path / "late", hidden=[])
+    for rid in rids:
+        (tmp_path / "late" / f"req-{rid}.json").write_text(request)
+    late.poll()
+    late.finish()
+    answers = [json.loads((late.answers / f"resp-{r}.json").read_text()) for r in rids]
+    assert len(late.results) <= 1 and sum("not run" in a.get("error", "") for a in answers) >= 2, answers
 
 
 # -- what a batch leaves on the host, and the commands' help --------------------------------------

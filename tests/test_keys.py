@@ -246,3 +246,28 @@ def test_grading_with_exported_keys_full_marks_and_nothing_for_a_thief(shared_ki
     assert float(rows["thief.ipynb"]["score"]) == 0, rows["thief.ipynb"]
     executed = json.dumps(nbformat.read(out / "executed" / "thief.ipynb", as_version=4).cells[3].outputs)
     assert "reference stolen: False" in executed, executed
+
+
+def test_a_course_case_module_loaded_by_threads_at_once_is_whole_in_each(monkeypatch):
+    """The grader checks submissions side by side (--jobs), in threads. A course's module went into
+    sys.modules before its code ran, and another thread took it for one without SIGNATURE: an
+    honest submission's check was refused. Twenty rounds of eight threads, each a fresh import."""
+    import threading
+
+    monkeypatch.setenv("HPDL_CASES_PATH", str(Path(__file__).parent / "fixtures" / "cases"))
+    errors = []
+
+    def load():
+        try:
+            assert cases.load("fixture_ring").SIGNATURE
+        except Exception as exc:  # noqa: BLE001 - what a thread met is the finding
+            errors.append(exc)
+
+    for _ in range(20):
+        sys.modules.pop("hpdl_cases_fixture_ring", None)
+        threads = [threading.Thread(target=load) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:2]

@@ -95,7 +95,12 @@ def _code_from(raw) -> dict:
 
 
 class Service:
-    """One submission's requests: each checked in a thread of the grader, results kept here.
+    """One submission's requests, checked one after another in a thread of the grader; results kept here.
+
+    One at a time: a check starts two MPI jobs (the learner's ranks, the reference's), each with a
+    cgroup of its own, outside the submission's caps. A notebook's hpdl.check() waits for its answer,
+    so an honest one never has two under way; a hostile one could file MAX_REQUESTS at once (threads,
+    or files written into its inbox) and start hundreds of ranks on the grading host.
 
     `folder` is the inbox the submission writes; `answers` (folder/answers) is the grader's."""
 
@@ -108,7 +113,9 @@ class Service:
         self.inbox_fd = safefiles.open_dir(folder)
         self.answers_fd = safefiles.open_dir(self.answers)
         self.seen: set[str] = set()
-        self.threads: list[threading.Thread] = []
+        self.queue: list[str] = []  # request ids not yet started, in the order they were found
+        self.worker: threading.Thread | None = None
+        self.closing = False  # the submission has ended: what is still queued is not started
         self.results: dict[str, dict] = {}  # exercise -> CheckResult.to_dict(), the last one counts
         self.problems: list[str] = []
         self.lock = threading.Lock()
@@ -136,9 +143,21 @@ class Service:
             if len(self.seen) > MAX_REQUESTS:
                 self._answer(rid, {"error": f"more than {MAX_REQUESTS} checks from one notebook; not run"})
                 continue
-            t = threading.Thread(target=self._serve, args=(rid,), daemon=True, name=f"hpdl-grade-{rid[:6]}")
-            t.start()
-            self.threads.append(t)
+            with self.lock:
+                self.queue.append(rid)
+        with self.lock:
+            if self.queue and not self.closing and (self.worker is None or not self.worker.is_alive()):
+                self.worker = threading.Thread(target=self._work, daemon=True, name="hpdl-grade-checks")
+                self.worker.start()
+
+    def _work(self) -> None:
+        while True:
+            with self.lock:
+                if self.closing or not self.queue:
+                    self.worker = None if self.worker is threading.current_thread() else self.worker
+                    return
+                rid = self.queue.pop(0)
+            self._serve(rid)
 
     def _serve(self, rid: str) -> None:
         from hpdl.checker import cases
@@ -176,13 +195,21 @@ class Service:
             self._problem(f"could not answer a check: {exc}")
 
     def busy(self) -> bool:
-        return any(t.is_alive() for t in self.threads)
+        worker = self.worker
+        return worker is not None and worker.is_alive()
 
     def finish(self, wait: float = 120.0) -> None:
         """Let checks under way end (each has its own time limits), then let the folders go."""
-        deadline = time.monotonic() + wait
-        for t in self.threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        with self.lock:
+            self.closing, dropped, self.queue = True, self.queue, []
+            worker = self.worker
+        for rid in dropped:
+            self._answer(rid, {"error": "the notebook ended before this check could start; not run"})
+        if dropped:
+            self._problem(f"{len(dropped)} check request(s) not run: the notebook ended first "
+                          "(one check runs at a time)")
+        if worker is not None:
+            worker.join(wait)
         if not self.busy():  # a thread still running keeps them (it may yet answer)
             for fd in (self.inbox_fd, self.answers_fd):
                 try:
