@@ -42,6 +42,7 @@ from hpdl.errors import HpdlError
 
 CHECK_CALL = re.compile(r"""check\(\s*["']([A-Za-z_][A-Za-z0-9_]*)["']""")
 SKIP_DIRS = {".ipynb_checkpoints", "__pycache__"}
+MAX_FOLDER_DEPTH = 16  # levels of folders searched for notebooks under the submissions folder
 MAX_NOTEBOOK_BYTES = 64 * 2**20
 MAX_OUTPUT_BYTES = 8 * 2**20  # a saved notebook's outputs, all cells together; the rest is cut with a note
 MAX_ONE_OUTPUT = 2**20  # one output (a stream's text, an image)
@@ -83,12 +84,18 @@ def find_submissions(folder: Path) -> list[Submission]:
 
     exercises = set(known())
     subs = []
-    for path, link in _candidates(folder):
-        name = path.relative_to(folder).as_posix()
-        if link:
+    for path, refused in _candidates(folder):
+        name = _text_of_name(path.relative_to(folder).as_posix())
+        if refused == "link":
+            target = _text_of_name(os.readlink(path))[:200]
             subs.append(Submission(name, path, status="refused",
-                                   detail=f"a symbolic link (to {os.readlink(path)[:200]}), not followed: "
+                                   detail=f"a symbolic link (to {target}), not followed: "
                                           "submit the notebook itself"))
+            continue
+        if refused:
+            detail = (f"a folder more than {MAX_FOLDER_DEPTH} folders deep, not searched: submit notebooks "
+                      "nearer the top" if refused == "deep" else f"a folder that could not be read ({refused})")
+            subs.append(Submission(name, path, status="refused", detail=detail))
             continue
         try:
             data = safefiles.read_bounded(path, MAX_NOTEBOOK_BYTES + 1, too_large="cut")
@@ -107,23 +114,45 @@ def find_submissions(folder: Path) -> list[Submission]:
     return subs
 
 
-def _candidates(folder: Path) -> list[tuple[Path, bool]]:
-    """(path, is a symbolic link) for each *.ipynb under `folder` and each linked folder there,
-    sorted; links are not followed (os.walk's default)."""
-    found = []
-    for root, dirs, files in os.walk(folder):
-        base = Path(root)
-        found += [(base / d, True) for d in dirs if d not in SKIP_DIRS and (base / d).is_symlink()]
-        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not (base / d).is_symlink())
-        found += [(base / f, (base / f).is_symlink()) for f in files if f.endswith(".ipynb")]
+def _text_of_name(name: str) -> str:
+    """A file name as text: bytes that are not UTF-8 (an archive unpacked from another system's
+    encoding, or a learner's choice) written out as \\xNN. Python keeps them as lone surrogates,
+    which no report can encode: one such name ended the whole batch."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _candidates(folder: Path) -> list[tuple[Path, str]]:
+    """(path, "" or why it is refused) for each *.ipynb under `folder`, sorted; a symbolic link
+    ("link": to a notebook or a folder, never followed) and a folder deeper than MAX_FOLDER_DEPTH
+    ("deep") are listed as refused, not searched: os.walk recurses once per level, and a tree a
+    thousand folders deep (an unpacked archive) ended the whole batch."""
+    found, todo = [], [(folder, 0)]
+    while todo:
+        base, depth = todo.pop()
+        try:
+            entries = list(os.scandir(base))
+        except OSError as exc:
+            found.append((base, f"unreadable: {exc.strerror}"))
+            continue
+        for e in entries:
+            path = base / e.name
+            if e.is_dir():  # a link to a folder too, as os.walk sorts them
+                if e.name in SKIP_DIRS:
+                    continue
+                if e.is_symlink() or depth >= MAX_FOLDER_DEPTH:
+                    found.append((path, "link" if e.is_symlink() else "deep"))
+                else:
+                    todo.append((path, depth + 1))
+            elif e.name.endswith(".ipynb"):
+                found.append((path, "link" if e.is_symlink() else ""))
     return sorted(found)
 
 
 def _cells(data: bytes) -> list[dict] | None:
     """The cells of a notebook's JSON, or None when it is not a notebook."""
     try:
-        nb = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+        nb = safefiles.json_of(data)  # too deep to parse is not a notebook either, never an exception
+    except ValueError:
         return None
     cells = nb.get("cells") if isinstance(nb, dict) else None
     if not isinstance(cells, list):
@@ -168,6 +197,10 @@ def predictions_of(cells: list[dict]) -> list[dict]:
 
 
 # -- running one notebook (in its own process, inside the sandbox) --------------------------------
+
+#: what run_one writes as a notebook's status; the grader takes no other from the folder it writes in
+RUNNER_STATUSES = ("ok", "not a notebook", "timeout", "kernel died", "error")
+
 
 def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: float) -> int:
     """Executed in a child process: run the notebook, keep going past failing cells."""
@@ -316,9 +349,11 @@ class Running:
             sub.status, sub.detail = "timeout", f"stopped after {self.limit:g} s (the submission's time limit)"
         else:
             try:  # the submission's folder: no link followed, a regular file, bounded
-                st = json.loads(safefiles.read_bounded(self.status, MAX_STATUS_BYTES))
-                sub.status = str(st["status"])[:40]
-                sub.detail, sub.cell_errors = str(st.get("detail", ""))[:600], int(st.get("cell_errors", 0))
+                st = safefiles.json_of(safefiles.read_bounded(self.status, MAX_STATUS_BYTES))
+                errors = st.get("cell_errors", 0)  # the runner's folder: the submission can write it too
+                if st["status"] not in RUNNER_STATUSES or type(errors) is not int or not 0 <= errors < 2**31:
+                    raise ValueError("not a status the runner writes")
+                sub.status, sub.detail, sub.cell_errors = st["status"], str(st.get("detail", ""))[:600], errors
             except (OSError, ValueError, KeyError, TypeError):
                 tail = _tail(self.work / "run.log")
                 code = self.job.returncode
@@ -363,7 +398,7 @@ class Running:
 def _with_note(data: bytes, note: str) -> bytes:
     """A notebook's JSON with a markdown cell first holding `note`."""
     try:
-        nb = json.loads(data)
+        nb = safefiles.json_of(data)
         nb["cells"].insert(0, {"cell_type": "markdown", "metadata": {}, "source": note})
     except (ValueError, KeyError, TypeError, AttributeError):  # changed since it was found: the note alone
         nb = {"cells": [{"cell_type": "markdown", "metadata": {}, "source": note}], "metadata": {},
@@ -387,7 +422,7 @@ def _write_private(path: Path, data: bytes | str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
+        f.write(data.encode("utf-8", "backslashreplace") if isinstance(data, str) else data)  # a lone surrogate too
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
 

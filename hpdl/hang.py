@@ -177,7 +177,7 @@ def ask(folder: str | Callable[[int], str], ranks: Iterable[int], wait: float = 
             if r in found:
                 continue
             try:  # the ranks' folder (a learner's can write it): no link, no FIFO, bounded
-                data = json.loads(safefiles.read_bounded(answer_path(folder_of(r), r), MAX_ANSWER_BYTES))
+                data = safefiles.json_of(safefiles.read_bounded(answer_path(folder_of(r), r), MAX_ANSWER_BYTES))
             except (OSError, ValueError):
                 continue
             if isinstance(data, dict) and data.get("token") == token:

@@ -18,11 +18,22 @@ in its place then changes nothing for us. Standard library only (ranks may impor
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import os
 import stat
 import uuid
 
+#: how deeply a JSON text from such a folder may nest. A notebook nests about 8 levels (a plot's or a
+#: widget's output data some more). Python's json recurses once per level and past ~1000 raises
+#: RecursionError, not ValueError, from a text of 2 KB: one such file would end whatever read it (a
+#: whole grading batch). Data just under that depth could not be written again deeper in the stack.
+JSON_DEPTH = 100
+
+MAX_OPEN_FOLDERS = 64  # remove_tree: descriptors held at once, one per level it has gone down
+
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -51,36 +62,98 @@ def open_to_owner(path: str | os.PathLike) -> None:
 
 
 def remove_tree(path: str | os.PathLike) -> None:
-    """shutil.rmtree through folders their owner closed to itself (open_to_owner: only `path` and
-    folders in it, never one above); what still cannot be removed is left (a cleanup never fails)."""
-    import shutil
+    """Remove the folder `path` and all it holds; a cleanup never fails: what cannot go is left.
 
+    Without recursion: a learner's process can make a tree a thousand folders deep, past Python's
+    recursion limit, which shutil.rmtree's and os.walk's recursion met: one such folder ended a
+    grading batch. Folders are opened by descriptor, never through a link (O_NOFOLLOW), at most
+    MAX_OPEN_FOLDERS at once: one deeper is first moved up into `path` itself (a rename on the
+    same file system) and removed from there. Folders its owner closed to itself are given back
+    to the owner (open_to_owner), `path` and the folders in it only, never one above."""
     top = os.path.abspath(path)
-    tried: set[str] = set()  # each failure retried once: a folder that stays closed is left
-
-    def reopen(_func, failed: str, _exc) -> None:
-        failed = os.path.abspath(failed)
-        if failed in tried:
-            return
-        tried.add(failed)
-        for folder in (os.path.dirname(failed), failed):  # to remove in it, then to list it
-            if folder == top or folder.startswith(top + os.sep):
-                try:
-                    open_to_owner(folder)
-                except OSError:  # not a folder (a file, a link): nothing to open
-                    pass
-        try:
-            if os.path.isdir(failed) and not os.path.islink(failed):
-                shutil.rmtree(failed, onerror=reopen)  # folders closed further down, at any depth
+    if not os.path.lexists(top):
+        return
+    if os.path.islink(top) or not os.path.isdir(top):
+        with contextlib.suppress(OSError):
+            os.unlink(top)
+        return
+    try:
+        above = os.open(os.path.dirname(top), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # never listed
+    except OSError:
+        return
+    try:
+        first = _enter(above, os.path.basename(top))
+    finally:
+        os.close(above)
+    if first is None:
+        return
+    stack: list[list] = [[first, None, top]]  # [descriptor, sub-folders still to remove, name]
+    while stack:
+        frame = stack[-1]
+        if frame[1] is None:  # list it once: files go now, folders wait their turn
+            frame[1] = _empty_of_files(frame[0])
+        if frame[1]:
+            name = frame[1].pop()
+            if len(stack) >= MAX_OPEN_FOLDERS:
+                moved = f".hpdl-removing-{uuid.uuid4().hex}"
+                with contextlib.suppress(OSError):
+                    os.rename(name, moved, src_dir_fd=frame[0], dst_dir_fd=stack[0][0])
+                    stack[0][1].append(moved)
+                continue
+            inner = _enter(frame[0], name)
+            if inner is not None:
+                stack.append([inner, None, name])
+            continue
+        os.close(frame[0])
+        stack.pop()
+        with contextlib.suppress(OSError):  # a cleanup leaves what it cannot remove
+            if stack:
+                os.rmdir(frame[2], dir_fd=stack[-1][0])
             else:
-                os.unlink(failed)
-        except OSError:
-            pass
+                os.rmdir(top)
 
-    shutil.rmtree(top, onerror=reopen)
-    if os.path.lexists(top):  # its parent-most folders were opened while it was read: now they go
-        tried.clear()
-        shutil.rmtree(top, onerror=reopen)
+
+def _enter(folder_fd: int, name: str) -> int | None:
+    """A descriptor of the folder `name` in `folder_fd` (no link followed), opened to its owner first
+    when it was closed; None when it cannot be."""
+    for attempt in range(2):
+        try:
+            fd = os.open(name, _FOLDER, dir_fd=folder_fd)
+        except PermissionError:
+            if attempt:
+                return None
+            try:
+                handle = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=folder_fd)
+                try:
+                    os.chmod(f"/proc/self/fd/{handle}", 0o700)
+                finally:
+                    os.close(handle)
+            except OSError:
+                return None
+            continue
+        except OSError:
+            return None
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o700)  # u+w too: a folder left read-only could not be emptied
+        return fd
+    return None
+
+
+def _empty_of_files(folder_fd: int) -> list[str]:
+    """Unlink everything in the folder but its sub-folders; their names."""
+    folders = []
+    with contextlib.suppress(OSError), os.scandir(folder_fd) as entries:
+        for entry in entries:
+            try:
+                is_folder = entry.is_dir(follow_symlinks=False)
+            except OSError:
+                is_folder = False
+            if is_folder:
+                folders.append(entry.name)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.name, dir_fd=folder_fd)
+    return folders
 
 
 def open_regular(path: str | os.PathLike, *, dir_fd: int | None = None) -> int:
@@ -157,6 +230,23 @@ def replace_atomically(path: str, data: bytes | str, *, dir_fd: int | None = Non
         raise
 
 
+def json_of(data: bytes | str, max_depth: int = JSON_DEPTH) -> object:
+    """The value of a JSON text someone untrusted wrote. ValueError for anything else, a text nested
+    more than `max_depth` deep included, so that a caller catches one kind of error for all of it."""
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise ValueError(f"JSON nested too deep to read (more than {max_depth} levels)") from None
+    level, depth = ([value] if isinstance(value, (dict, list)) else []), 1
+    while level:  # one level at a time, without recursion
+        if depth > max_depth:
+            raise ValueError(f"JSON nested more than {max_depth} levels deep")
+        level = [x for item in level for x in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(x, (dict, list))]
+        depth += 1
+    return value
+
+
 def _kind(mode: int) -> str:
     for test, word in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder"), (stat.S_ISSOCK, "a socket")):
@@ -165,4 +255,5 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-__all__ = ["UnsafeFile", "open_dir", "open_regular", "read_bounded", "create_exclusive", "replace_atomically"]
+__all__ = ["UnsafeFile", "open_dir", "open_regular", "read_bounded", "create_exclusive", "replace_atomically",
+           "json_of"]

@@ -5,12 +5,13 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from hpdl import grade
+from hpdl import grade, safefiles
 from conftest import example_kit
 
 DEADLOCK = '''def ring_allreduce(comm, x):
@@ -131,6 +132,22 @@ except Exception as exc:
 """
 
 
+DEEP = "[" * 100_000 + "]" * 100_000  # JSON nested past any parser's recursion limit
+# its status and its notebook as run, left nested too deep to parse, then its runner killed
+KILLS_PARENT = f"""import os, signal
+for name in ("status.json", "executed.ipynb"):
+    with open(name, "w") as f:
+        f.write('{{"status": "ok", "cells": {DEEP[:4000]}{DEEP[-4000:]}}}')
+os.kill(os.getppid(), signal.SIGKILL)"""
+def _own_status(text: str) -> str:
+    """A cell that leaves a status of its own in the runner's folder, then kills its runner before
+    it writes the real one."""
+    return f"import os, signal\nopen('status.json', 'w').write({text!r})\nos.kill(os.getppid(), signal.SIGKILL)"
+
+
+OWN_STATUS = _own_status('{"status": "\\u001b]52;c;cm0gLXJmIH4K\\u0007"}')  # drives the instructor's terminal
+OWN_COUNT = _own_status('{"status": "ok", "cell_errors": 1e999}')  # a count of errors no int holds
+NOT_UTF8 = os.fsdecode(b"\xff\xfe latin1.ipynb")  # a name from another system's encoding
 NOCELLS = "nocells\x1b]52;c;cm0gLXJmIH4K\x07.ipynb"
 FORMULA = "=HYPERLINK(\"http:\u2215\u2215x.example\",\"garbage\")+cmd|' -c calc'!A0.ipynb"
 
@@ -147,13 +164,16 @@ def attacks(tmp_path, monkeypatch) -> Path:
     (subs / "list.ipynb").write_text("[1, 2, 3]")
     (subs / FORMULA).write_text("this is not JSON")  # and named to run in the instructor's spreadsheet
     (subs / NOCELLS).write_text('{"cells": 5, "nbformat": 4}')  # its name sets the clipboard of a terminal
+    (subs / NOT_UTF8).write_text("not JSON")
+    (subs / "nested.ipynb").write_text('{"cells": ' + DEEP + "}")  # deeper than a JSON parser's recursion
     code = nbformat.v4.new_code_cell
     for name, cell, where in [
         ("forger", FORGE, 5), ("daemon", DAEMON, 2), ("answer_key", CHEAT_CHECK, 5),
         ("memory_hog", "x = bytearray(64 * 2**30)", 2), ("hangs", "import time\ntime.sleep(3600)", 2),
         ("fork_bomb", "import os, time\nfor _ in range(100000):\n    if os.fork() == 0:\n        time.sleep(600)", 2),
         ("flood", "while True:\n    print('spam ' * 2000)", 5),
-        ("kills_parent", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", 5),
+        ("kills_parent", KILLS_PARENT, 5), ("own_status", OWN_STATUS, 5),
+        ("own_count", OWN_COUNT, 5),
     ]:
         _variant(solved, subs / f"{name}.ipynb", lambda cells, cell=cell, where=where: cells.insert(where, code(cell)))
     return subs
@@ -179,13 +199,14 @@ def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attack
     out = tmp_path / "report"
     assert grade.main([str(attacks), "--out", str(out), "--timeout", "45", "--jobs", "2", "--allow-root"]) == 0
     rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
-    assert len(rows) == 12  # every submission recorded, each with a status and a reason
+    assert len(rows) == 16  # every submission recorded, each with a status and a reason
     full = float(rows["honest.ipynb"]["max_score"])
     assert full > 0 and {float(r["max_score"]) for r in rows.values()} == {full}  # max from the case modules
     assert rows["honest.ipynb"]["status"] == "ok" and float(rows["honest.ipynb"]["score"]) == full
     printed = capsys.readouterr().out
     assert "\x1b" not in printed and "nocells\\x1b]52;c;" in printed  # the terminal shows it, never obeys it
-    for bad in ("list.ipynb", "'" + FORMULA, NOCELLS):  # a formula in a spreadsheet: text, never run
+    # not notebooks; a formula in a spreadsheet stays text; a name that is not UTF-8 is written out
+    for bad in ("list.ipynb", "'" + FORMULA, NOCELLS, "nested.ipynb", "\\xff\\xfe latin1.ipynb"):
         assert rows[bad]["status"] == "not a notebook" and float(rows[bad]["score"]) == 0 and rows[bad]["detail"]
     for report in ("grades.csv", "cases.csv"):
         cells = [c for row in csv.reader(open(out / report)) for c in row]
@@ -200,7 +221,11 @@ def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attack
     for name in ("fork_bomb.ipynb", "flood.ipynb", "kills_parent.ipynb"):
         assert rows[name]["status"] and float(rows[name]["score"]) <= full, rows[name]
     assert rows["flood.ipynb"]["status"] in ("timeout", "runner failed", "kernel died", "error")
-    assert rows["kills_parent.ipynb"]["status"] != "ok" and rows["kills_parent.ipynb"]["detail"]
+    assert rows["kills_parent.ipynb"]["status"] == "runner failed" and rows["kills_parent.ipynb"]["detail"]
+    for name in ("own_status.ipynb", "own_count.ipynb"):  # not the status it wrote
+        assert rows[name]["status"] == "runner failed" and rows[name]["detail"], rows[name]
+    kept = nbformat.read(out / "executed" / "kills_parent.ipynb", as_version=4)  # as submitted, with a note
+    assert "could not be kept" in kept.cells[0].source and KILLS_PARENT in [c.source for c in kept.cells]
     # a cell that never ends: stopped at the time limit, its check recorded as not reached
     assert rows["hangs.ipynb"]["status"] == "timeout" and float(rows["hangs.ipynb"]["score"]) == 0
     assert [c["verdict"] for c in csv.DictReader(open(out / "cases.csv"))
@@ -280,3 +305,28 @@ def test_prediction_cells_are_copied_into_the_report_unscored(tmp_path):
     data = json.loads((tmp_path / "grades.json").read_text())
     assert data["submissions"][0]["predictions"][1]["source"] == "prediction = 6"
     assert "I predict 2(p-1) messages." in (tmp_path / "index.html").read_text()
+
+
+def test_a_folder_nested_a_thousand_deep_is_refused_not_the_end_of_the_batch(tmp_path):
+    """os.walk recursed once per level: a tree deeper than Python's recursion limit (an unpacked
+    archive) ended `hpdl grade` for the whole class. Notebooks nearer the top are still found."""
+    subs = tmp_path / "subs"
+    (subs / "a" / "b").mkdir(parents=True)
+    (subs / "a" / "b" / "near.ipynb").write_text("[1]")
+    fd = os.open(subs, os.O_RDONLY)
+    for _ in range(1100):
+        os.mkdir("d", dir_fd=fd)
+        fd, old = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+        os.close(old)
+    with open(f"/proc/self/fd/{fd}/deep.ipynb", "w") as f:
+        f.write("[1]")
+    os.close(fd)
+    found = {s.name: s for s in grade.find_submissions(subs)}
+    deep = "/".join(["d"] * (grade.MAX_FOLDER_DEPTH + 1))
+    assert sorted(found) == ["a/b/near.ipynb", deep]
+    assert found["a/b/near.ipynb"].status == "not a notebook"
+    assert found[deep].status == "refused" and "not searched" in found[deep].detail
+    (tmp_path / "out").mkdir()
+    grade.write_reports(list(found.values()), tmp_path / "out")
+    assert "not searched" in (tmp_path / "out" / "grades.csv").read_text()
+    safefiles.remove_tree(subs / "d")  # pytest's own cleanup recurses once per level

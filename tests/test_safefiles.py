@@ -149,3 +149,46 @@ def test_a_folder_closed_to_its_owner_is_counted_and_removed():
     finally:
         shutil.rmtree(top, ignore_errors=True)  # as root: whatever the modes
     assert done.stdout.split() == ["counted", "True", "left", "False", "top", "0o755"], done.stdout + done.stderr
+
+
+def test_json_nested_too_deep_is_refused_as_bad_json_not_a_crash():
+    """Python's json raises RecursionError (not ValueError) past ~1000 levels, from a 2 KB text; the
+    grader, the checker's trusted side and the hang report catch ValueError for a learner's bad file."""
+    deep = safefiles.JSON_DEPTH
+    assert safefiles.json_of("[" * deep + "]" * deep) == eval("[" * deep + "]" * deep)
+    assert safefiles.json_of(b'{"cells": [], "n": 5}') == {"cells": [], "n": 5} and safefiles.json_of("7") == 7
+    for text in ("[" * (deep + 1) + "]" * (deep + 1), '{"a": ' * 100_000 + "1" + "}" * 100_000, b"\xff", "{"):
+        with pytest.raises(ValueError):
+            safefiles.json_of(text)
+
+
+def _deep_tree(top, depth: int, name: str = "d") -> str:
+    """`depth` folders one in another under `top` (by descriptor: their path outgrows PATH_MAX), a
+    file in the last; the path of the first."""
+    os.makedirs(top, exist_ok=True)
+    fd = os.open(top, os.O_RDONLY)
+    for _ in range(depth):
+        os.mkdir(name, dir_fd=fd)
+        fd, old = os.open(name, os.O_RDONLY, dir_fd=fd), fd
+        os.close(old)
+    with open(f"/proc/self/fd/{fd}/f", "w") as f:
+        f.write("x")
+    os.close(fd)
+    return os.path.join(top, name)
+
+
+def test_a_tree_thousands_of_folders_deep_is_removed(tmp_path):
+    """shutil.rmtree recursed once per level: a learner's folder deeper than the recursion limit
+    raised RecursionError out of the grader's cleanup (the batch ended). Deeper than PATH_MAX too,
+    a folder closed to its owner inside, a link to a folder outside that must be left whole."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("mine")
+    work = tmp_path / "work"
+    first = _deep_tree(work, 2500, name="d" * 8)  # 2500 x 9 characters: over PATH_MAX (4096)
+    os.symlink(outside, os.path.join(first, "link"))
+    os.makedirs(work / "closed" / "inner")
+    os.chmod(work / "closed", 0o000)
+    safefiles.remove_tree(work)  # 2500 levels: more than the descriptors a process may hold (1024)
+    assert not work.exists() and (outside / "keep").read_text() == "mine"
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".hpdl-removing")]

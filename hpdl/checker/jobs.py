@@ -181,7 +181,7 @@ class Job:
             self.partial[r] = self.partial[r][-MAX_EVENT_BYTES:]
             for line in lines:
                 try:
-                    ev = json.loads(line[:MAX_EVENT_BYTES]) if line.strip() else None
+                    ev = safefiles.json_of(line[:MAX_EVENT_BYTES]) if line.strip() else None
                 except ValueError:
                     ev = None
                 if isinstance(ev, dict):

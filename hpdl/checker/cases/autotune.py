@@ -179,7 +179,8 @@ def reference(comm, measure):
 def _receipt(case, got) -> dict | None:
     """The helper's count of measurements, if its signature holds (checked when the check has a nonce)."""
     import hmac
-    import json
+
+    from hpdl import safefiles
 
     r = got.get("receipt") if isinstance(got, dict) else None
     if not isinstance(r, dict) or not isinstance(r.get("body"), str) or not isinstance(r.get("mac"), str):
@@ -189,7 +190,7 @@ def _receipt(case, got) -> dict | None:
         if not hmac.compare_digest(mac, r["mac"]):
             return None
     try:
-        body = json.loads(r["body"])
+        body = safefiles.json_of(r["body"])
     except ValueError:  # a body of the learner's making, where no signature is checked (no nonce)
         return None
     ok = isinstance(body, dict) and body.get("case") == case.name and all(
