@@ -149,6 +149,23 @@ def example_kit(kit: Path, monkeypatch) -> Path:
     return kit
 
 
+def deep_tree(top, depth: int, name: str = "d", file: str = "f") -> str:
+    """`depth` folders one in another under `top`, made by descriptor (their path may outgrow
+    PATH_MAX), and `file` in the last, holding "[1]"; the path of the first folder."""
+    import os
+
+    os.makedirs(top, exist_ok=True)
+    fd = os.open(top, os.O_RDONLY)
+    for _ in range(depth):
+        os.mkdir(name, dir_fd=fd)
+        fd, old = os.open(name, os.O_RDONLY, dir_fd=fd), fd
+        os.close(old)
+    with open(f"/proc/self/fd/{fd}/{file}", "w") as f:
+        f.write("[1]")
+    os.close(fd)
+    return os.path.join(top, name)
+
+
 def learner_copy(*functions):
     """The last of `functions` as a learner would write it: the same source, defined outside the
     kit (checks refuse the kit's own functions) and carrying the helpers it calls with it, so a

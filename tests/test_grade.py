@@ -12,7 +12,7 @@ import nbformat
 import pytest
 
 from hpdl import grade, safefiles
-from conftest import example_kit
+from conftest import deep_tree, example_kit
 
 DEADLOCK = '''def ring_allreduce(comm, x):
     p, r = comm.Get_size(), comm.Get_rank()
@@ -139,6 +139,8 @@ for name in ("status.json", "executed.ipynb"):
     with open(name, "w") as f:
         f.write('{{"status": "ok", "cells": {DEEP[:4000]}{DEEP[-4000:]}}}')
 os.kill(os.getppid(), signal.SIGKILL)"""
+
+
 def _own_status(text: str) -> str:
     """A cell that leaves a status of its own in the runner's folder, then kills its runner before
     it writes the real one."""
@@ -313,14 +315,7 @@ def test_a_folder_nested_a_thousand_deep_is_refused_not_the_end_of_the_batch(tmp
     subs = tmp_path / "subs"
     (subs / "a" / "b").mkdir(parents=True)
     (subs / "a" / "b" / "near.ipynb").write_text("[1]")
-    fd = os.open(subs, os.O_RDONLY)
-    for _ in range(1100):
-        os.mkdir("d", dir_fd=fd)
-        fd, old = os.open("d", os.O_RDONLY, dir_fd=fd), fd
-        os.close(old)
-    with open(f"/proc/self/fd/{fd}/deep.ipynb", "w") as f:
-        f.write("[1]")
-    os.close(fd)
+    deep_tree(subs, 1100, file="deep.ipynb")
     found = {s.name: s for s in grade.find_submissions(subs)}
     deep = "/".join(["d"] * (grade.MAX_FOLDER_DEPTH + 1))
     assert sorted(found) == ["a/b/near.ipynb", deep]

@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from hpdl import safefiles
+from conftest import deep_tree
 
 
 def test_a_regular_file_is_read_whole_within_its_bound(tmp_path):
@@ -162,21 +163,6 @@ def test_json_nested_too_deep_is_refused_as_bad_json_not_a_crash():
             safefiles.json_of(text)
 
 
-def _deep_tree(top, depth: int, name: str = "d") -> str:
-    """`depth` folders one in another under `top` (by descriptor: their path outgrows PATH_MAX), a
-    file in the last; the path of the first."""
-    os.makedirs(top, exist_ok=True)
-    fd = os.open(top, os.O_RDONLY)
-    for _ in range(depth):
-        os.mkdir(name, dir_fd=fd)
-        fd, old = os.open(name, os.O_RDONLY, dir_fd=fd), fd
-        os.close(old)
-    with open(f"/proc/self/fd/{fd}/f", "w") as f:
-        f.write("x")
-    os.close(fd)
-    return os.path.join(top, name)
-
-
 def test_a_tree_thousands_of_folders_deep_is_removed(tmp_path):
     """shutil.rmtree recursed once per level: a learner's folder deeper than the recursion limit
     raised RecursionError out of the grader's cleanup (the batch ended). Deeper than PATH_MAX too,
@@ -185,7 +171,7 @@ def test_a_tree_thousands_of_folders_deep_is_removed(tmp_path):
     outside.mkdir()
     (outside / "keep").write_text("mine")
     work = tmp_path / "work"
-    first = _deep_tree(work, 2500, name="d" * 8)  # 2500 x 9 characters: over PATH_MAX (4096)
+    first = deep_tree(work, 2500, name="d" * 8)  # 2500 x 9 characters: over PATH_MAX (4096)
     os.symlink(outside, os.path.join(first, "link"))
     os.makedirs(work / "closed" / "inner")
     os.chmod(work / "closed", 0o000)
