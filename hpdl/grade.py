@@ -86,16 +86,8 @@ def find_submissions(folder: Path) -> list[Submission]:
     subs = []
     for path, refused in _candidates(folder):
         name = _text_of_name(path.relative_to(folder).as_posix())
-        if refused == "link":
-            target = _text_of_name(os.readlink(path))[:200]
-            subs.append(Submission(name, path, status="refused",
-                                   detail=f"a symbolic link (to {target}), not followed: "
-                                          "submit the notebook itself"))
-            continue
         if refused:
-            detail = (f"a folder more than {MAX_FOLDER_DEPTH} folders deep, not searched: submit notebooks "
-                      "nearer the top" if refused == "deep" else f"a folder that could not be read ({refused})")
-            subs.append(Submission(name, path, status="refused", detail=detail))
+            subs.append(Submission(name, path, status="refused", detail=refused))
             continue
         try:
             data = safefiles.read_bounded(path, MAX_NOTEBOOK_BYTES + 1, too_large="cut")
@@ -122,29 +114,33 @@ def _text_of_name(name: str) -> str:
 
 
 def _candidates(folder: Path) -> list[tuple[Path, str]]:
-    """(path, "" or why it is refused) for each *.ipynb under `folder`, sorted; a symbolic link
-    ("link": to a notebook or a folder, never followed) and a folder deeper than MAX_FOLDER_DEPTH
-    ("deep") are listed as refused, not searched: os.walk recurses once per level, and a tree a
-    thousand folders deep (an unpacked archive) ended the whole batch."""
+    """(path, "" or why it is refused) for each *.ipynb under `folder`, sorted. Refused, never
+    followed nor searched: a symbolic link (to a notebook or a folder: it could name another
+    learner's notebook, or any file we can read), a folder deeper than MAX_FOLDER_DEPTH (os.walk
+    recursed once per level: a tree a thousand deep, from an unpacked archive, ended the batch),
+    a folder that cannot be read."""
     found, todo = [], [(folder, 0)]
     while todo:
         base, depth = todo.pop()
         try:
             entries = list(os.scandir(base))
         except OSError as exc:
-            found.append((base, f"unreadable: {exc.strerror}"))
+            found.append((base, f"a folder that could not be read ({exc.strerror})"))
             continue
         for e in entries:
-            path = base / e.name
-            if e.is_dir():  # a link to a folder too, as os.walk sorts them
-                if e.name in SKIP_DIRS:
-                    continue
-                if e.is_symlink() or depth >= MAX_FOLDER_DEPTH:
-                    found.append((path, "link" if e.is_symlink() else "deep"))
-                else:
-                    todo.append((path, depth + 1))
-            elif e.name.endswith(".ipynb"):
-                found.append((path, "link" if e.is_symlink() else ""))
+            path, is_folder = base / e.name, e.is_dir()  # a link to a folder too, as os.walk sorts them
+            if e.name in SKIP_DIRS if is_folder else not e.name.endswith(".ipynb"):
+                continue
+            if e.is_symlink():
+                found.append((path, f"a symbolic link (to {_text_of_name(os.readlink(path))[:200]}), not "
+                                    "followed: submit the notebook itself"))
+            elif not is_folder:
+                found.append((path, ""))
+            elif depth < MAX_FOLDER_DEPTH:
+                todo.append((path, depth + 1))
+            else:
+                found.append((path, f"a folder more than {MAX_FOLDER_DEPTH} folders deep, not searched: "
+                                    "submit notebooks nearer the top"))
     return sorted(found)
 
 

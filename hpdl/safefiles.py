@@ -50,11 +50,11 @@ def open_dir(path: str | os.PathLike) -> int:
         raise UnsafeFile(exc.errno, f"{path} is not a folder (a symbolic link?): {exc.strerror}") from None
 
 
-def open_to_owner(path: str | os.PathLike) -> None:
+def open_to_owner(path: str | os.PathLike, *, dir_fd: int | None = None) -> None:
     """Give the folder `path` back to its owner (u+rwx), never following a link there: a learner's
     process may close a folder of its own to everyone (chmod 000) to hide what it holds, or to keep
     it from being removed. A link put in its place meanwhile changes nothing (O_PATH|O_NOFOLLOW)."""
-    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         os.chmod(f"/proc/self/fd/{fd}", 0o700)
     finally:
@@ -114,29 +114,19 @@ def remove_tree(path: str | os.PathLike) -> None:
 
 
 def _enter(folder_fd: int, name: str) -> int | None:
-    """A descriptor of the folder `name` in `folder_fd` (no link followed), opened to its owner first
-    when it was closed; None when it cannot be."""
-    for attempt in range(2):
+    """A descriptor of the folder `name` in `folder_fd` (no link followed), given back to its owner
+    first when it was closed; None when it cannot be opened."""
+    try:
         try:
             fd = os.open(name, _FOLDER, dir_fd=folder_fd)
         except PermissionError:
-            if attempt:
-                return None
-            try:
-                handle = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=folder_fd)
-                try:
-                    os.chmod(f"/proc/self/fd/{handle}", 0o700)
-                finally:
-                    os.close(handle)
-            except OSError:
-                return None
-            continue
-        except OSError:
-            return None
-        with contextlib.suppress(OSError):
-            os.fchmod(fd, 0o700)  # u+w too: a folder left read-only could not be emptied
-        return fd
-    return None
+            open_to_owner(name, dir_fd=folder_fd)
+            fd = os.open(name, _FOLDER, dir_fd=folder_fd)
+    except OSError:
+        return None
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, 0o700)  # u+w too: a folder left read-only could not be emptied
+    return fd
 
 
 def _empty_of_files(folder_fd: int) -> list[str]:

@@ -154,7 +154,7 @@ class Service:
         while True:
             with self.lock:
                 if self.closing or not self.queue:
-                    self.worker = None if self.worker is threading.current_thread() else self.worker
+                    self.worker = None  # this thread: poll() starts another when requests come
                     return
                 rid = self.queue.pop(0)
             self._serve(rid)
