@@ -24,7 +24,9 @@ them (tested with MPICH's and Intel MPI's Hydra and Open MPI's PRRTE). The serve
 the job's sandbox when the job has one (it is part of the job's command), so a fork is confined
 exactly as the rank it replaces. A `run` that cannot reach its server runs MODULE itself. Used
 only where every rank is a process of this machine under its own mpiexec: a check's jobs, and
-the engines of hpdl.start() without emulated nodes (HPDL_FORKSERVER=0: never).
+the engines of hpdl.start() without emulated nodes (HPDL_FORKSERVER=0: never). A check's reference
+jobs, outside its sandbox, share one server for all its rank counts (serve_command with UNTIL_ENDED,
+each rank started by rank_command); each learner job has its own, inside its own sandbox.
 """
 from __future__ import annotations
 
@@ -56,13 +58,34 @@ def commands(folder: str, preload: list[str] | tuple[str, ...], module: str,
     listening in `folder` (0700, the job's own): (what goes before the launcher's command, what the
     launcher starts for each rank). None where the ranks are to start afresh: nothing to preload,
     HPDL_FORKSERVER=0, or a folder too deep for a Unix socket's path (108 bytes)."""
+    path = socket_path(folder)
+    if not preload or path is None:
+        return None
+    return serve_command(path, preload, []), rank_command(path, module, *args)
+
+
+def socket_path(folder: str) -> str | None:
+    """Where a server in `folder` listens; None where none is to: HPDL_FORKSERVER=0, or a folder
+    too deep for a Unix socket's path (108 bytes)."""
     from hpdl import settings
 
     path = os.path.join(folder, "fork.sock")
-    if not preload or not settings.FORKSERVER.get() or len(os.fsencode(path)) >= 100:
-        return None
-    me = [sys.executable, "-m", "hpdl.forkserver"]
-    return [*me, "serve", path, *(f"--preload={m}" for m in preload), "--"], [*me, "run", path, module, *args]
+    return path if settings.FORKSERVER.get() and len(os.fsencode(path)) < 100 else None
+
+
+def serve_command(path: str, preload: list[str] | tuple[str, ...], job: list[str]) -> list[str]:
+    """A server at `path` that imports `preload` and serves until the job command `job` ends (empty:
+    the launcher's command, to follow)."""
+    return [sys.executable, "-m", "hpdl.forkserver", "serve", path, *(f"--preload={m}" for m in preload), "--", *job]
+
+
+# the job of a server for several jobs (each rank started by rank_command): it lasts until ended
+UNTIL_ENDED = [sys.executable, "-c", "import signal; signal.pause()"]
+
+
+def rank_command(path: str, module: str, *args: str) -> list[str]:
+    """What a launcher starts for each rank that the server at `path` is to fork."""
+    return [sys.executable, "-m", "hpdl.forkserver", "run", path, module, *args]
 
 
 # -- the rank's stand-in --------------------------------------------------------------------------

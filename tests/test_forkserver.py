@@ -136,19 +136,77 @@ def test_a_check_job_goes_through_the_server_only_where_it_pays(tmp_path, monkey
 
 def test_a_check_preloads_what_its_ranks_import_and_what_their_first_optimizer_does():
     """torch where the case module or the learner's code imports it; torch._dynamo besides where either
-    builds an optimizer (torch imports it then: ~1.5 s of CPU in each rank); nothing for MPI-only code."""
-    from hpdl.checker import cases, checking
+    builds an optimizer (torch imports it then: ~1.5 s of CPU in each rank); nothing for MPI-only code.
+    The reference job preloads what the case module needs only; the learner's job also what the
+    learner's function uses through a global another cell imported (shard_indices' torch.randperm)."""
+    from hpdl.checker import cases, checking, source
 
     def learner(source: str) -> dict:
         return {"sources": [{"source": source}]}
 
-    assert checking._preload(cases.load("train_step"), {}) == ["torch", *forkserver.OPTIMIZER_IMPORTS]
-    assert checking._preload(cases.load("resume_horovod"), {}) == ["torch", *forkserver.OPTIMIZER_IMPORTS]
-    assert checking._preload(cases.load("allreduce_gradients"), {}) == ["torch"]
-    adam = learner("import torch\nopt = torch.optim.Adam(model.parameters())")
-    assert checking._preload(cases.load("allreduce_gradients"), adam) == ["torch", *forkserver.OPTIMIZER_IMPORTS]
-    assert checking._preload(cases.load("ps_exchange"), learner("import numpy as np")) == []
-    assert checking._preload(cases.load("ps_exchange"), adam) == ["torch", *forkserver.OPTIMIZER_IMPORTS]
+    def both(modules: list[str]) -> dict:
+        return {"reference": modules, "learner": modules}
+
+    torch, adam = ["torch"], ["torch", *forkserver.OPTIMIZER_IMPORTS]
+    assert checking._preload(cases.load("train_step"), {}) == both(adam)
+    assert checking._preload(cases.load("resume_horovod"), {}) == both(adam)
+    assert checking._preload(cases.load("allreduce_gradients"), {}) == both(torch)
+    with_adam = learner("import torch\nopt = torch.optim.Adam(model.parameters())")
+    assert checking._preload(cases.load("allreduce_gradients"), with_adam) == {"reference": torch, "learner": adam}
+    assert checking._preload(cases.load("ps_exchange"), learner("import numpy as np")) == both([])
+    assert checking._preload(cases.load("ps_exchange"), with_adam) == {"reference": [], "learner": adam}
+    # torch imported in an earlier cell: the function's source names it, its pickle carries it
+    space: dict = {}
+    exec("import torch\ndef shard(n, seed):\n    return torch.randperm(n, generator=torch.Generator()"
+         ".manual_seed(seed)).tolist()", space)
+    packed = source.package(space["shard"])
+    assert checking._preload(cases.load("shard_indices"), packed) == {"reference": [], "learner": torch}
+    unsourced = {**packed, "sources": []}
+    assert checking._preload(cases.load("shard_indices"), unsourced) == {"reference": [], "learner": torch}
+
+
+def test_a_checks_reference_ranks_at_every_rank_count_are_forks_of_one_server(no_strays):
+    """The reference job at each rank count runs outside the sandbox: one server per check imports torch
+    for all of them (a check of a torch exercise at 1-4 ranks imported it in 4 reference servers); each
+    learner job keeps its own server, inside its own sandbox. Seen from outside while a real check runs:
+    the servers listening beside the jobs' folders (the shared one) and inside one (a job's own), and
+    whose forks the reference ranks are."""
+    import threading
+
+    import hpdl
+
+    def allreduce_gradients(comm, model):  # wrong (nothing averaged): the reference ranks run all the same
+        return None
+
+    seen: dict[str, set[int]] = {"shared": set(), "reference ranks": set(), "own servers of": set()}
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            for proc in psutil.process_iter(["cmdline", "ppid", "pid"]):
+                cmd = proc.info["cmdline"] or []
+                if cmd[1:4] != ["-m", "hpdl.forkserver", "serve"]:
+                    continue
+                folder = os.path.basename(os.path.dirname(cmd[4]))
+                is_fork = " ".join(psutil.Process(proc.info["ppid"]).cmdline()[1:4]) == "-m hpdl.forkserver serve" \
+                    if proc.info["ppid"] else False
+                if not folder.startswith(("r", "l")) or "-" not in folder:  # the check's own folder
+                    seen["reference ranks" if is_fork else "shared"].add(proc.info["pid"])
+                elif not is_fork:
+                    seen["own servers of"].add(folder[0])
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        result = hpdl.check("allreduce_gradients", allreduce_gradients, ranks=[2, 3])
+    finally:
+        done.set()
+        watcher.join()
+    assert not result.passed and {c.ranks for c in result.cases} == {2, 3}, result
+    assert len(seen["shared"]) == 1, seen
+    assert len(seen["reference ranks"]) == 2 + 3, seen  # every reference rank of both jobs: its fork
+    assert seen["own servers of"] <= {"l"}, seen  # no reference job starts a server of its own
 
 
 def test_help_and_a_missing_command_are_said_plainly():

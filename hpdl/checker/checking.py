@@ -85,22 +85,34 @@ def answer_keys() -> list[str]:
 # -- planning ----------------------------------------------------------------------------------
 
 _IMPORTS_TORCH = re.compile(r"^\s*(?:import|from)\s+torch\b", re.MULTILINE)
+_USES_TORCH = re.compile(r"^\s*(?:import|from)\s+torch\b|\btorch\.", re.MULTILINE)
 _BUILDS_OPTIMIZER = re.compile(r"\boptim\.[A-Z]\w*\(|DistributedOptimizer\(")
 
 
-def _preload(module, code: dict) -> list[str]:
-    """What every rank of this exercise's jobs imports, which a fork server can import once for
-    them (runner.py): torch, where the case module or the learner's code imports it, and what torch
-    imports at a process's first optimizer, where one is built (forkserver.OPTIMIZER_IMPORTS)."""
+def _preload(module, code: dict) -> dict[str, list[str]]:
+    """What every rank of each job of this exercise imports, which a fork server can import once
+    for the job (runner.py): torch, and what torch imports at a process's first optimizer where one
+    is built (forkserver.OPTIMIZER_IMPORTS). The reference job runs the case module: torch where it
+    imports torch. The learner's job runs the case module's public part and the learner's code: torch
+    also where that code uses it, imported in its own cell or in another (a global the function
+    reaches, which its pickle names). Only ever these modules: the learner's code picks none."""
     try:
-        texts = [Path(module.__file__).read_text()]
+        case = Path(module.__file__).read_text()
     except (OSError, TypeError):
-        texts = []
-    texts += [str(entry.get("source", "")) for entry in code.get("sources", []) if isinstance(entry, dict)]
-    if not any(_IMPORTS_TORCH.search(text) for text in texts):
-        return []
-    optimizers = any(_BUILDS_OPTIMIZER.search(text) for text in texts)
-    return ["torch", *(forkserver.OPTIMIZER_IMPORTS if optimizers else ())]
+        case = ""
+    learner = [str(entry.get("source", "")) for entry in code.get("sources", []) if isinstance(entry, dict)]
+    pickled = code.get("pickled")
+    in_case = bool(_IMPORTS_TORCH.search(case))
+    in_learner = (any(_USES_TORCH.search(text) for text in learner)
+                  or (isinstance(pickled, bytes) and b"torch" in pickled))
+
+    def modules(torch: bool, texts: list[str]) -> list[str]:
+        if not torch:
+            return []
+        optimizers = any(_BUILDS_OPTIMIZER.search(text) for text in texts)
+        return ["torch", *(forkserver.OPTIMIZER_IMPORTS if optimizers else ())]
+
+    return {"reference": modules(in_case, [case]), "learner": modules(in_case or in_learner, [case, *learner])}
 
 
 def _nonce(module) -> int | None:

@@ -42,7 +42,7 @@ from hpdl import hang, procs, safefiles, scratch, settings, sidejob
 from hpdl.checker import hold, isolate, meter, sandbox
 from hpdl.checker.cases import Case, with_nonce
 from hpdl.checker.report import CaseResult, Verdict
-from hpdl.checker.runner import job_launch
+from hpdl.checker.runner import job_launch, shared_server
 from hpdl.hang import rank_word
 
 GRACE_AFTER_ERROR = 0.2  # s: let the other ranks end the case on their own before aborting
@@ -52,6 +52,7 @@ VERIFY_TIMEOUT = 60.0  # s: for the reference job's verify() once the learner's 
 MAX_EVENT_BYTES = 1 << 20  # one event line from a learner's rank; longer ones are cut
 MAX_OUTPUT_BYTES = 512 * 2**20  # one rank's packed outputs for one case
 POLL = 0.02
+SERVER_LISTENS = 10.0  # s for the reference jobs' fork server to listen; else each job starts its ranks
 MAX_SOCKETS = 1024  # sockets a rank's set_up() may name (METERED)
 _TAG = re.compile(r"[A-Za-z0-9_]{1,32}")  # a barrier's name (learner_job.barrier): the learner's word, so checked
 _CALIBRATED = re.compile(r"calibrated_(\d{1,6})")  # the barrier after a case's calibrate() (learner_job)
@@ -78,11 +79,11 @@ class Job:
     """One mpiexec job: `size` ranks of `module` working through `todo` cases in order."""
 
     def __init__(self, kind: str, spec: dict, size: int, todo: list[Planned], tmp: str, sandboxed: bool,
-                 private: dict[int, bytes] | None = None, oracle: dict[int, bytes] | None = None):
-        self.kind, self.size, self.todo = kind, size, list(todo)
+                 private: dict[int, bytes] | None = None, oracle: dict[int, bytes] | None = None,
+                 server: str | None = None):
+        self.kind, self.size, self.todo, self.sandboxed = kind, size, list(todo), sandboxed
         self.dir = tempfile.mkdtemp(prefix=f"{kind[0]}{size}-", dir=tmp)
         os.chmod(self.dir, 0o700)
-        self.sandboxed = sandboxed
         slack = verify_timeout(spec) if kind == "reference" else 30
         metered = kind == "learner" and spec.get("metered") and size > 1
         wire_env, unmetered = meter.node_transport() if metered else (None, None)
@@ -104,8 +105,8 @@ class Job:
         # in a sandbox on this node, each learner rank makes a view of its own before any learner's code;
         # sharing no memory, the ranks then talk over TCP
         tcp = meter.tcp_transport() if kind == "learner" and sandboxed and sandbox.isolation_works() else None
-        launch = job_launch(size, module, self.dir, {**_job_env(self.dir), **(tcp or {}), **(wire_env or {})},
-                            preload=spec.get("preload") or [], apart=tcp is not None)  # this node only
+        launch = job_launch(size, module, self.dir, {**_job_env(self.dir), **(tcp or {}), **(wire_env or {})},  # here
+                            preload=(spec.get("preload") or {}).get(kind, []), apart=tcp is not None, server=server)
         cmd, env, self.through_batch = launch.cmd, launch.env, launch.through_batch
         self.isolated = tcp is not None and not launch.through_batch
         self.spec["isolate"] = self.isolated
@@ -468,7 +469,7 @@ class SizeRun:
     def __init__(self, runner: "Runner", size: int, todo: list[Planned], tmp: str):
         self.runner, self.size, self.tmp = runner, size, tmp
         self.todo = list(todo)
-        self.reference = Job("reference", runner.spec, size, todo, tmp, sandboxed=False)
+        self.reference = Job("reference", runner.spec, size, todo, tmp, sandboxed=False, server=runner.server)
         try:
             self.learner: Job | None = self._learner(todo)
         except BaseException:
@@ -650,12 +651,15 @@ class Runner:
         self.progress = progress
         self.sandboxed = sandbox.available() if sandboxed is None else sandboxed
         self.notes: dict[str, None] = {}  # what the check's result should say about how it ran (in order)
+        self.server: str | None = None  # the reference jobs' fork server's socket (runner.shared_server)
 
     def run(self) -> dict[int, CaseResult]:
         results: dict[int, CaseResult] = {}
         tmp = str(scratch.make("check"))  # one a killed checker left is removed by the next check
         runs: list[SizeRun] = []
+        server = None
         try:
+            server = self._serve(tmp)
             for size, todo in self.plan.items():
                 if todo:
                     runs.append(SizeRun(self, size, todo, tmp))
@@ -668,13 +672,40 @@ class Runner:
                     if run.finished():
                         runs.remove(run)
                         run.close()
+                if server is not None:
+                    server.running()  # notes the /dev/shm files its forks (the reference ranks) map
                 time.sleep(POLL)
         finally:
             for run in runs:
                 run.close()
+            if server is not None:
+                server.end(now=True)
             if not settings.CHECK_KEEP.get():
                 safefiles.remove_tree(tmp)
         return void_if_forged(results)
+
+    def _serve(self, tmp: str) -> sidejob.SideJob | None:
+        """One fork server for every reference job of the check, where they preload torch: each
+        reference rank is its fork (runner.shared_server). Its forks' output goes where their job's
+        does; its own, to a file beside the jobs' folders."""
+        shared = shared_server(tmp, (self.spec.get("preload") or {}).get("reference", []))
+        if shared is None:
+            return None
+        cmd, self.server = shared
+        from hpdl import launchers
+
+        # torch imported under the environment a reference job's ranks have (one thread each)
+        server = sidejob.SideJob(cmd, output=os.path.join(tmp, "fork-server.txt"),
+                                 env=launchers.local_job_env(_job_env(tmp)))
+        # it listens before it imports: until then a rank would not find it and start afresh (slowly)
+        deadline = time.monotonic() + SERVER_LISTENS
+        while not os.path.exists(self.server) and server.running() and time.monotonic() < deadline:
+            time.sleep(POLL)
+        if not os.path.exists(self.server):
+            server.end(now=True)
+            self.server = None
+            return None
+        return server
 
     def private_inputs(self, size: int, todo: list[Planned]) -> dict[int, bytes] | None:
         """Each rank's inputs to its cases, as plain data, when the check has a nonce (PRIVATE_INPUTS):

@@ -26,7 +26,7 @@ class Launch:
 
 
 def job_launch(size: int, module: str, job_dir: str, env: dict[str, str], preload: list[str] = (),
-               apart: bool = False) -> Launch:
+               apart: bool = False, server: str | None = None) -> Launch:
     """One check job: `size` ranks of `python -m <module> <job_dir>`, started from `env`.
 
     On this node only, through the local mpiexec, with the batch system's variables removed: a
@@ -38,6 +38,8 @@ def job_launch(size: int, module: str, job_dir: str, env: dict[str, str], preloa
     `preload` (modules every rank imports, e.g. torch): through the local mpiexec, the ranks are
     forked from one process that imported them once (hpdl.forkserver) unless HPDL_FORKSERVER=0.
 
+    `server`: the socket of a fork server already serving (shared_server): the ranks are its forks.
+
     `apart`: ranks that will share no memory (isolate.py), which Intel MPI starts only each on a node
     of its own (launchers.nodes_apart)."""
     from hpdl import forkserver, launchers
@@ -47,7 +49,8 @@ def job_launch(size: int, module: str, job_dir: str, env: dict[str, str], preloa
         local = launchers.local_job_command(size)
         if apart:
             local = _nodes_apart(local, size, job_dir)
-        forked = forkserver.commands(job_dir, preload, module, job_dir)
+        forked = (([], forkserver.rank_command(server, module, job_dir)) if server
+                  else forkserver.commands(job_dir, preload, module, job_dir))
         cmd = [*forked[0], *local, *forked[1]] if forked else [*local, *program]
         return Launch(cmd, launchers.local_job_env(env))
     except HpdlError as exc:
@@ -57,6 +60,21 @@ def job_launch(size: int, module: str, job_dir: str, env: dict[str, str], preloa
                f"check's jobs ran through the batch system ({cmd[0]}); their sandbox kept the network and the "
                "batch system's variables for it.")
         return Launch([*cmd, *program], dict(env), why, kept)
+
+
+def shared_server(folder: str, preload: list[str]) -> tuple[list[str], str] | None:
+    """One fork server for the jobs of a check that run outside its sandbox (the reference ranks at
+    each rank count): torch imported once per check, not once per job. (Its command, its socket in
+    `folder`), or None where each job starts its ranks itself: nothing to preload, the setting off,
+    or no local launcher. Never for a learner's job: its server must be inside its own sandbox."""
+    from hpdl import forkserver, launchers
+
+    path = forkserver.socket_path(folder) if preload else None
+    try:
+        launchers.local_job_command(1)
+    except HpdlError:
+        return None
+    return (forkserver.serve_command(path, preload, forkserver.UNTIL_ENDED), path) if path else None
 
 
 def _nodes_apart(cmd: list[str], size: int, job_dir: str) -> list[str]:
@@ -78,4 +96,4 @@ def _nodes_apart(cmd: list[str], size: int, job_dir: str) -> list[str]:
     return cmd[:n] + flags + cmd[n:]
 
 
-__all__ = ["Launch", "job_launch"]
+__all__ = ["Launch", "job_launch", "shared_server"]
