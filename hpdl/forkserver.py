@@ -104,10 +104,13 @@ def run(path: str, module: str, args: list[str]) -> None:
         fds.append(int(pmi))
     request = json.dumps({"argv": [module, *args], "env": dict(os.environ), "cwd": os.getcwd(),
                           "fds": fds, "cpus": sorted(os.sched_getaffinity(0))}).encode()
-    conn.sendmsg([struct.pack("!I", len(request)) + request],
-                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
     replies = conn.makefile("r")
-    rank = int(json.loads(replies.readline() or '{"pid": 0}')["pid"])
+    try:
+        conn.sendmsg([struct.pack("!I", len(request)) + request],
+                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        rank = int(json.loads(replies.readline() or '{"pid": 0}')["pid"])
+    except OSError:  # refused: the server closed the connection (not this uid, not its namespace)
+        rank = 0
     if not rank:
         sys.exit(f"hpdl.forkserver: the server at {path} did not start {module}")
     for sig in FORWARDED:
@@ -169,9 +172,11 @@ class Server:
         conn, _ = self.listener.accept()
         try:
             conn.settimeout(REQUEST_TIMEOUT)
-            uid = _peer_uid(conn)
+            pid, uid = _peer(conn)
             if uid != os.getuid():
                 raise OSError(f"connection from uid {uid}")
+            if _mount_namespace(pid) != _mount_namespace(os.getpid()):  # a sandbox's (inside: another's)
+                raise OSError(f"connection from pid {pid}, in another mount namespace")
             request, fds = _receive(conn)
         except (OSError, ValueError, KeyError):
             conn.close()
@@ -237,9 +242,21 @@ def _die_with_parent(server: int) -> None:
         os._exit(70)
 
 
-def _peer_uid(conn: socket.socket) -> int:
-    _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return uid
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """The connecting process's pid (as this process sees it) and uid."""
+    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
+def _mount_namespace(pid: int) -> str:
+    """Which mount namespace `pid` is in. A server forks only for processes in its own: its socket is
+    in a folder no sandbox shows, but where one did (TMPDIR under a tree the sandbox keeps), a learner's
+    process could otherwise have a rank forked outside its sandbox. Its own stand-ins are always in its
+    namespace (the launcher starts them beside it)."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return f"unknown ({pid})"
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:

@@ -98,6 +98,32 @@ def test_a_killed_server_leaves_no_rank_behind(tmp_path, no_strays):
     assert "stand-in=70" in job.output_text()
 
 
+def test_a_process_in_another_mount_namespace_gets_no_rank_forked(tmp_path, no_strays):
+    """The server forks only for processes in its own mount namespace: one in a sandbox (another mount
+    namespace) that reached its socket would otherwise have a rank run outside the sandbox. Same uid,
+    same socket, same request: beside the server, a fork; from another namespace, refused."""
+    import shutil
+
+    if os.geteuid() == 0 and shutil.which("unshare"):
+        apart = ["unshare", "--mount", "--propagation", "unchanged"]
+    elif shutil.which("bwrap"):
+        apart = ["bwrap", "--bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    else:
+        pytest.skip("needs unshare (as root) or bwrap to start a process in another mount namespace")
+    sock = str(tmp_path / "fork.sock")
+    server = forkserver.serve_command(sock, ["preloaded_marker"], forkserver.UNTIL_ENDED)
+    with sidejob.SideJob(server, env=_env(), timeout=60) as job:
+        _wait_for(lambda: [sock] if os.path.exists(sock) else [], 1, job)
+        rank = forkserver.rank_command(sock, "forked_says", "beside")
+        beside = sidejob.run(rank, 60, env=_env(), cwd=tmp_path)
+        away = sidejob.run([*apart, *forkserver.rank_command(sock, "forked_says", "apart")], 60, env=_env(),
+                           cwd=tmp_path)
+    said = json.loads(beside.output.strip().splitlines()[-1])
+    assert beside.returncode == 0 and said["ppid"] == said["imported_by"] == job.pid, beside.output
+    assert away.returncode != 0 and f"the server at {sock} did not start forked_says" in away.output, away.output
+    assert '"argv": ["apart"]' not in away.output
+
+
 def _sleepers(folder: Path, *names: str) -> list:
     """The server's command, then one stand-in's shell line per name (a rank that waits, no MPI)."""
     found = [forkserver.commands(str(folder), ["preloaded_marker"], "forked_sleeper", name) for name in names]
