@@ -46,6 +46,11 @@ MAX_FOLDER_DEPTH = 16  # levels of folders searched for notebooks under the subm
 MAX_NOTEBOOK_BYTES = 64 * 2**20
 MAX_OUTPUT_BYTES = 8 * 2**20  # a saved notebook's outputs, all cells together; the rest is cut with a note
 MAX_ONE_OUTPUT = 2**20  # one output (a stream's text, an image)
+# what a notebook may send as output while it runs: past it, an output flood that would hold its slot until
+# the time limit (and fill the runner's memory) is interrupted; if it goes on (the interrupt caught), its
+# kernel is killed. Output past it is not kept.
+FLOOD_BYTES = 4 * MAX_OUTPUT_BYTES
+FLOOD_GRACE = 5.0  # s for an interrupted cell to end before its kernel is killed
 MAX_STATUS_BYTES = 100_000
 
 
@@ -213,8 +218,8 @@ def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: flo
         status_file.write_text(json.dumps({"status": "not a notebook", "detail": f"{type(exc).__name__}: "
                                                                                  f"{str(exc)[:300]}"}))
         return 0
-    client = NotebookClient(nb, timeout=int(cell_timeout), kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": str(notebook.parent)}})
+    client = _flood_stopping(NotebookClient)(nb, timeout=int(cell_timeout), kernel_name="python3",
+                                              allow_errors=True, resources={"metadata": {"path": str(notebook.parent)}})
     try:
         client.execute()
     except CellTimeoutError as exc:
@@ -223,6 +228,9 @@ def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: flo
         status = {"status": "kernel died", "detail": str(exc)[:300]}
     except Exception as exc:
         status = {"status": "error", "detail": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    if client.flood:
+        status["detail"] = (f"{client.flood}: its outputs passed {FLOOD_BYTES // 2**20} MiB (an output flood)"
+                            + (f"; {status['detail']}" if status["detail"] else ""))
     errors = sum(1 for c in nb.cells if c.get("cell_type") == "code"
                  for o in c.get("outputs", []) if o.get("output_type") == "error")
     status["cell_errors"] = errors
@@ -235,6 +243,68 @@ def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: flo
         status["detail"] += f" (the executed notebook could not be written: {type(exc).__name__})"
     status_file.write_text(json.dumps(status))
     return 0
+
+
+def _flood_stopping(base: type) -> type:
+    """nbclient's client, counting what the notebook sends: a cell that sends over FLOOD_BYTES is
+    interrupted (it ends with KeyboardInterrupt, the next cells run), and its kernel killed if that cell
+    still runs FLOOD_GRACE s later (the interrupt caught). Past FLOOD_BYTES in all, only errors are kept.
+    `flood` says what was done."""
+    import signal
+    import threading
+
+    from hpdl import procs
+
+    class FloodStopping(base):
+        sent, flood, running = 0, "", None
+
+        async def async_execute_cell(self, cell, cell_index, *args, **kwargs):
+            self.running, self.cell_sent = cell_index, 0
+            try:
+                return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
+            finally:
+                self.running = None
+
+        def output(self, outs, msg, display_id, cell_index):
+            size = _output_bytes(msg.get("content"))
+            self.sent += size
+            if self.running == cell_index:
+                self.cell_sent += size
+                if self.cell_sent > FLOOD_BYTES and self.cell_sent - size <= FLOOD_BYTES:  # once per cell
+                    self.flood = f"cell {cell_index} interrupted"
+                    self._signal(signal.SIGINT)
+                    later = threading.Timer(FLOOD_GRACE, self._kill_if_running, args=(cell_index,))
+                    later.daemon = True
+                    later.start()
+            left = FLOOD_BYTES - (self.sent - size)  # what may still be kept, before this message
+            content = msg.get("content")
+            if 0 < left < size and msg.get("msg_type") == "stream" and isinstance(content.get("text"), str):
+                content["text"] = content["text"][:left]  # a flood's first message: its head says what it was
+            elif size > left and not (msg.get("msg_type") == "error" and size <= MAX_ONE_OUTPUT):
+                return None
+            return super().output(outs, msg, display_id, cell_index)
+
+        def _kill_if_running(self, cell_index: int) -> None:
+            if self.running == cell_index:
+                self.flood = f"cell {cell_index} interrupted, then its kernel killed"
+                self._signal(signal.SIGKILL)
+
+        def _signal(self, sig: int) -> None:
+            pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
+            if isinstance(pid, int) and pid > 0:  # the kernel's own process: this runner started it
+                procs.pass_on(pid, sig)
+
+    return FloodStopping
+
+
+def _output_bytes(content) -> int:
+    """About how large one output message is: its text, its data's values, its traceback."""
+    if not isinstance(content, dict):
+        return 0
+    data, traceback = content.get("data"), content.get("traceback")
+    parts = [content.get("text"), *(data.values() if isinstance(data, dict) else [data]),
+             *(traceback if isinstance(traceback, list) else [traceback])]
+    return sum(len(p) if isinstance(p, str) else len(str(p)) for p in parts if p is not None)
 
 
 def cut_outputs(cells: list[dict]) -> int:
