@@ -277,7 +277,7 @@ def _flood_stopping(base: type) -> type:
                     later.daemon = True
                     later.start()
             left = FLOOD_BYTES - (self.sent - size)  # what may still be kept, before this message
-            content = msg.get("content")
+            content = msg.get("content") if isinstance(msg.get("content"), dict) else {}
             if 0 < left < size and msg.get("msg_type") == "stream" and isinstance(content.get("text"), str):
                 content["text"] = content["text"][:left]  # a flood's first message: its head says what it was
             elif size > left and not (msg.get("msg_type") == "error" and size <= MAX_ONE_OUTPUT):

@@ -685,18 +685,23 @@ class Runner:
         return void_if_forged(results)
 
     def _serve(self, tmp: str) -> sidejob.SideJob | None:
-        """One fork server for every reference job of the check, where they preload torch: each
-        reference rank is its fork (runner.shared_server). Its forks' output goes where their job's
-        does; its own, to a file beside the jobs' folders."""
+        """One fork server for every reference job of the check, where they preload torch and there are
+        several: each reference rank is its fork (runner.shared_server). Its forks' output goes where
+        their job's does; its own, to a file beside the jobs' folders."""
+        if sum(1 for todo in self.plan.values() if todo) < 2:  # one job: its own server starts beside its launcher
+            return None
         shared = shared_server(tmp, (self.spec.get("preload") or {}).get("reference", []))
         if shared is None:
             return None
         cmd, self.server = shared
         from hpdl import launchers
 
-        # torch imported under the environment a reference job's ranks have (one thread each)
-        server = sidejob.SideJob(cmd, output=os.path.join(tmp, "fork-server.txt"),
-                                 env=launchers.local_job_env(_job_env(tmp)))
+        try:  # torch imported under the environment a reference job's ranks have (one thread each)
+            server = sidejob.SideJob(cmd, output=os.path.join(tmp, "fork-server.txt"),
+                                     env=launchers.local_job_env(_job_env(tmp)))
+        except OSError:  # no server: each reference job starts its ranks, as without one
+            self.server = None
+            return None
         # it listens before it imports: until then a rank would not find it and start afresh (slowly)
         deadline = time.monotonic() + SERVER_LISTENS
         while not os.path.exists(self.server) and server.running() and time.monotonic() < deadline:

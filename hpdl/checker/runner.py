@@ -70,11 +70,13 @@ def shared_server(folder: str, preload: list[str]) -> tuple[list[str], str] | No
     from hpdl import forkserver, launchers
 
     path = forkserver.socket_path(folder) if preload else None
+    if path is None:
+        return None
     try:
         launchers.local_job_command(1)
     except HpdlError:
         return None
-    return (forkserver.serve_command(path, preload, forkserver.UNTIL_ENDED), path) if path else None
+    return forkserver.serve_command(path, preload, forkserver.UNTIL_ENDED), path
 
 
 def _nodes_apart(cmd: list[str], size: int, job_dir: str) -> list[str]:
