@@ -47,11 +47,9 @@ A pipeline stage's order (GPipe's) rewritten to 1F1B's in the list its hooks kee
 holds the last stage still (SIGSTOP, checker/hold.py) and reads from the kernel how many micro-batches'
 activations each stage sends before any gradient can come back; a last stage that skips being held
 scores nothing too.
-Not caught yet (strict xfails, so a fix shows): a few all-reduces through MPI hidden from the recorder (a
-small one takes a barrier's messages); when torch.distributed's all-reduces ran, rewritten in the
-recorder; GPipe's order after a first wait for the last stage (nothing crosses while it is held);
-ZeRO-3's memory held in arrays the count in the learner's process never sees, in an inline check: in
-grading, a hidden case of 4 MiB layers reads what the job held at once from its memory cgroup.
+Not caught yet (a strict xfail, so a fix shows): ZeRO-3's memory held in arrays the count in the learner's
+process never sees, in an inline check; in grading, a hidden case of 4 MiB layers reads what the job held at
+once from its memory cgroup.
 """
 from __future__ import annotations
 

@@ -336,3 +336,41 @@ def test_every_command_prints_its_help_and_does_nothing_else(verb, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"usage: hpdl {verb}"), out[:300]
     assert "ended" not in out and "removed" not in out
+
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ["cluster/build/horovod.sh", "cluster/build/horovod-nccl.sh", "cluster/build/horovod-mvapich2-gdr.sh",
+           "cluster/build/offline-install.sh", "cluster/jupyterhub/install.sh", "cluster/jupyterhub/stop-hub.sh",
+           "cluster/apptainer/start-lab.sh", "cluster/slurm/local-slurm.sh", "cluster/build/relocate_wheel.py"]
+
+
+def _header(script: Path) -> str:
+    """A script's opening comment, as its --help prints it."""
+    lines = script.read_text().splitlines()[1:]
+    head = [line for line in lines[:next(i for i, line in enumerate(lines) if not line.startswith("#"))]]
+    return "".join(line[2:] if line.startswith("# ") else line[1:] for line in head[:3])
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_of_the_kit_prints_its_help_and_does_nothing_else(script, tmp_path):
+    """`SCRIPT --help` prints the script's opening comment and exits 0. Before, `hpdl-hub-stop --help` stopped
+    the hub (every learner's server), `install.sh --help` installed it and the Horovod builds refused
+    --help only after looking for CUDA. A hub to stop stands by, a process named jupyterhub in a pid file; the
+    rest point at folders that do not exist, so a script that went on would fail, not install."""
+    hub = subprocess.Popen(["bash", "-c", "exec -a jupyterhub sleep 60"])
+    (tmp_path / "jupyterhub.pid").write_text(f"{hub.pid}\n")
+    env = dict(os.environ, HPDL_HUB_STATE=str(tmp_path), HPDL_HUB_PREFIX=str(tmp_path / "hub"),
+               HPDL_KIT_VENV=str(tmp_path / "none"), HPDL_DIR=str(tmp_path / "none"), PYTHON=str(tmp_path / "none"))
+    try:
+        command = [sys.executable, str(ROOT / script)] if script.endswith(".py") else [str(ROOT / script)]
+        shown = subprocess.run([*command, "--help"], env=env, capture_output=True, text=True, timeout=60)
+        alive = hub.poll() is None
+    finally:
+        hub.kill()
+        hub.wait()
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    if script.endswith(".py"):  # argparse
+        assert shown.stdout.startswith(f"usage: {Path(script).name}"), shown.stdout[:1000]
+    else:
+        assert "".join(shown.stdout.splitlines()[:3]) == _header(ROOT / script), shown.stdout[:1000]
+    assert alive, "the hub was stopped"

@@ -3,6 +3,7 @@
 # HPDL_DIR) is read-only, so `hpdl exercises` copies the lessons, exercises and benchmarks to
 # $HPDL_WORKSPACE (default ~/hpdl-workspace, 0700) — new files added, files the learner edited
 # kept — and JupyterLab opens there; the kit's cluster/ is linked beside them for reference.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;; esac  # the comment above
 set -euo pipefail
 umask 077
 export HPDL_DIR="${HPDL_DIR:-/opt/hpdl}" PYTHONDONTWRITEBYTECODE=1

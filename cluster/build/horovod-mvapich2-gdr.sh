@@ -10,6 +10,7 @@
 # MPICH's ABI, which MVAPICH2-GDR shares) and otherwise against the mpicc on PATH. Either way it
 # runs over MVAPICH2-GDR's library, loaded first with LD_PRELOAD; the run settings are printed
 # at the end and explained in cluster/build/README.md.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;; esac  # the comment above
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"

@@ -13,6 +13,7 @@
 # Variables you may set: NCCL_HOME (or HOROVOD_NCCL_HOME: a site NCCL instead), CUDA_HOME,
 # HOROVOD_BUILD_CUDA_CC_LIST (default: the GPUs seen by nvidia-smi, else those of 70,80,90 nvcc supports),
 # HOROVOD_NCCL_LINK (SHARED by default). See cluster/build/README.md.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;; esac  # the comment above
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"

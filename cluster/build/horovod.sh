@@ -14,6 +14,7 @@
 #   HOROVOD_GPU_OPERATIONS=MPI cluster/build/horovod.sh         # GPU nodes, MVAPICH2-GDR
 #   cluster/build/horovod.sh --copy-to DIR                      # also copy the wheel used into DIR
 #                                                               # (hpdl wheelhouse build does)
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;; esac  # the comment above
 set -euo pipefail
 copy_to=""
 if [ "${1:-}" = "--copy-to" ] && [ -n "${2:-}" ]; then copy_to="$2"; shift 2; fi

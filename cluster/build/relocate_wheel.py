@@ -72,4 +72,9 @@ def main(wheel: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("wheel", help="the built wheel, rewritten in place")
+    sys.exit(main(ap.parse_args().wheel))

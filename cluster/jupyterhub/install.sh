@@ -24,6 +24,7 @@
 #
 # Exit codes: 0 installed (or up to date); 1 failed; 3 cannot be installed here (not root, no kit venv
 # learners can run, no npm, an unsafe Python), with the reason.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;; esac  # the comment above
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 kit="$(cd "$here/../.." && pwd)"

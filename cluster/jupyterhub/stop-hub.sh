@@ -6,8 +6,11 @@
 #   hpdl-hub-stop [WAIT]        (HPDL_HUB_STATE: the hub's state folder, default /var/lib/hpdl-hub)
 #
 # Exit codes: 0 stopped (or none was running); 1 it did not stop in time (what to do is printed).
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac  # the comment above
 state="${HPDL_HUB_STATE:-/var/lib/hpdl-hub}"
 wait="${1:-180}"
+case "$wait" in ''|*[!0-9]*) echo "hpdl-hub-stop: WAIT is a number of seconds, not '$wait' (see --help)" >&2; exit 2 ;; esac
+[ $# -le 1 ] || { echo "hpdl-hub-stop: one argument at most, WAIT (see --help)" >&2; exit 2; }
 pidfile="$state/jupyterhub.pid"
 if [ ! -f "$pidfile" ]; then
   echo "hpdl-hub-stop: no hub running ($pidfile is absent)"

@@ -285,5 +285,6 @@ case "${1:-}" in
   start) start ;;
   stop) stop ;;
   status) status ;;
+  -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; echo "usage: $0 start|stop|status" ;;
   *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
 esac
