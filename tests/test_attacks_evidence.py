@@ -60,7 +60,7 @@ import pytest
 
 import hpdl
 from hpdl.checker import sandbox
-from hpdl.checker.jobs import FORGED
+from hpdl.checker.jobs import FORGED, TELLING
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ALONE = "decided on the MPI calls recorded in them alone"  # the check's note when the wire was not read
@@ -83,9 +83,13 @@ def test_a_rank_cannot_rebuild_the_other_ranks_inputs(exercise, no_strays):
     assert all(c.verdict == "WRONG" for c in result.cases), result
 
 
-def test_the_steps_cost_is_not_in_the_learners_process(no_strays):
-    result = hpdl.check("throughput", E.throughput_read_from_the_step, grade=True)
-    no_points(result)
+@pytest.mark.parametrize("guess", [E.throughput_read_from_the_step, E.throughput_guessed_from_the_listed_costs])
+def test_the_steps_cost_is_not_in_the_learners_process(guess, no_strays):
+    """The listed cost per sample read (from the step, or the case's params a frame away), or guessed from it
+    (twice it: the middle of the scales once drawn, 1.3-1.8×, landed in the band for every case): the cost
+    is scaled per case by a factor of 0.4-10 drawn with the check's nonce, so a rate not timed lands in
+    the band for one case in four, for all five about one check in a thousand."""
+    assert not hpdl.check("throughput", guess, grade=True).passed
     all_points(hpdl.check("throughput", E.throughput_timed, grade=True))  # a meter that times the steps
 
 
@@ -93,6 +97,13 @@ def test_the_steps_cost_is_not_in_the_learners_process(no_strays):
                                     E.autotune_swallows_the_refusal, E.autotune_forges_the_receipt])
 def test_the_tuners_costs_and_count_are_not_in_the_learners_process(attack, no_strays):
     no_points(hpdl.check("autotune", attack, ranks=[1], grade=True))
+
+
+def test_a_tuner_gets_one_budget_not_one_per_rank(no_strays):
+    """Graded on one rank: at two, each rank's helper granted a budget of its own, and ranks that split one
+    grid and shared their readings over MPI found the valley's best with twice the measurements."""
+    result = hpdl.check("autotune", E.autotune_pooled_over_ranks, grade=True)
+    assert {c.ranks for c in result.cases} == {1} and result.score < result.max_score, result
 
 
 def test_the_tuning_file_is_judged_by_mpich_outside_the_learners_process(no_strays):
@@ -128,6 +139,15 @@ def test_all_reduces_after_backward_recorded_as_during_score_nothing(attack, say
     result = hpdl.check("overlap_allreduce", attack, ranks=[2])
     no_points(result)
     assert any(says in (c.message or "") for c in result.cases), result
+
+
+def test_all_reduces_launched_from_backwards_last_hook_score_nothing_in_the_hidden_case_too(no_strays):
+    """Every bucket launched from the hook of backward's last gradient: the recording says all during
+    backward, the wire at the cut says none had started. The hidden case was not read and passed (4/8).
+    One bucket (25 MiB) has nothing to overlap: right there."""
+    result = hpdl.check("overlap_allreduce", E.overlap_launched_from_the_last_hook, ranks=[2], grade=True)
+    wrong = [c for c in result.cases if c.params["bucket_mb"] < 25]
+    assert len(wrong) == 3 and all(c.verdict == "WRONG" and "when backward reached" in c.message for c in wrong), result
 
 
 def test_one_tiny_allreduce_during_backward_is_not_overlap(no_strays):
@@ -210,8 +230,55 @@ def test_a_hidden_collective_recorded_as_a_ring_is_seen_on_the_wire(fn, no_stray
     the kernel saw rank 0 send MPI's Allreduce to rank 2, its non-neighbour."""
     result = hpdl.check("ring_allreduce", fn, ranks=[4])
     no_points(result)
-    assert {c.rejected for c in result.cases} == {FORGED}
+    assert FORGED in {c.rejected for c in result.cases}  # the others WRONG too, or not counted
     assert any("outside your process" in c.message for c in result.cases)
+
+
+def test_a_send_the_recorder_cannot_size_buys_no_room_on_the_wire(no_strays):
+    """An object that pickles on the second try only: the recorder's pickle fails, mpi4py's works, so its send
+    was recorded with no size, and any bytes to that peer passed: MPI's Allreduce, taken from behind the
+    recorder, ran unrecorded between ring neighbours. Such a send now counts nothing."""
+    result = hpdl.check("ring_allreduce", E.ring_by_an_allreduce_beside_unsized_sends, ranks=[4])
+    no_points(result)
+    assert {c.rejected for c in result.cases} == {FORGED} and any("outside your process" in c.message
+                                                                 for c in result.cases), result
+
+
+@pytest.mark.parametrize("exercise, fn, ranks, words", [
+    ("ring_allreduce", E.ring_whole_vector_in_a_dict, 3, "one chunk per message"),
+    ("recursive_doubling", E.recursive_doubling_by_a_ring, 4, "with each partner once"),
+    ("recursive_doubling", E.recursive_doubling_by_a_tree, 4, "one per round"),
+])
+def test_the_message_pattern_is_told_by_the_values_moved(exercise, fn, ranks, words, no_strays):
+    """The naive ring, its whole vector in a dict (one key: one element to the recorder's count of the
+    message); the naive ring where recursive doubling is asked (one partner, so never more than lg p);
+    a tree's reduce and broadcast (a partner too few on half its ranks). Values are counted per message
+    and per partner, from what each message moved (its bytes held against the wire's)."""
+    result = hpdl.check(exercise, fn, ranks=[ranks])
+    assert result.score < result.max_score and all(c.verdict == "WRONG" for c in result.cases
+                                                    if c.params["n"] >= ranks), result  # n < p: all the same
+    assert all(words in c.message for c in result.cases if c.params["n"] >= 4 * ranks), result
+
+
+@pytest.mark.parametrize("fn", [E.gradients_gathered_beside_a_tiny_allreduce,
+                                E.gradients_gathered_over_mpi_beside_a_tiny_allreduce])
+def test_the_one_all_reduce_must_carry_every_gradient_value(fn, no_strays):
+    """The gradients all-gathered (p times the data each rank receives, and no reduction), an all-reduce of
+    one value beside it for the count of all-reduces: the values all-reduced are counted too."""
+    result = hpdl.check("allreduce_gradients", fn, ranks=[2])
+    no_points(result)
+    assert all("gradient values" in c.message for c in result.cases), result
+
+
+def test_an_algorithm_a_large_case_tells_apart_scores_nothing(no_strays):
+    """Right values by another algorithm than the one asked: ZeRO-1 by data parallelism's all-reduce. The
+    small cases hide the extra traffic in the wire's noise and passed (20/20); what reaches a rank in the
+    large hidden case tells, and then no case counts (so too for a column-parallel layer whose weight is
+    gathered, test_cases_10). Right answers whose traffic is what ZeRO-1 needs still pass
+    (test_right_answers_pass: p Reduces, then an all-gather)."""
+    result = hpdl.check("zero1_step", E.zero1_by_an_allreduce, ranks=[2], grade=True)
+    no_points(result)
+    assert {c.rejected for c in result.cases} == {TELLING} and any("received" in c.message for c in result.cases)
 
 
 @pytest.fixture
@@ -261,7 +328,7 @@ def test_values_passed_through_files_the_ranks_share_score_nothing(exercise, fn,
     """Right values, no MPI message: the kernel saw nothing reach the ranks over the network."""
     result = hpdl.check(exercise, fn, ranks=[2, 3])
     no_points(result)
-    assert {c.rejected for c in result.cases if c.ranks > 1} == {FORGED}
+    assert {c.rejected for c in result.cases if c.ranks > 1} == {FORGED}, result
 
 
 @pytest.mark.parametrize("exercise, fn", [("average_gradients", E.average_through_files),
@@ -314,13 +381,17 @@ def test_all_reduces_struck_from_the_recording_are_counted_on_the_wire(no_strays
     ("allreduce_gradients", grads_over_mpi, [3]),
     ("allreduce_gradients", E.gradients_by_pickled_allreduce, [2, 4]),
     ("allreduce_gradients", E.gradients_between_torch_barriers, [3]),
+    ("allreduce_gradients", E.gradients_by_reduce_scatter_then_all_gather, [2]),
     ("bcast_binomial", E.bcast_shape_first, [3, 4]),
     ("recursive_doubling", E.recursive_doubling_segmented, [3, 4]),
     ("ring_allreduce", E.ring_on_reversed_split, [4]),
+    ("ring_allreduce", E.ring_last_chunk_takes_the_remainder, [3, 4]),
+    ("ring_allreduce", E.ring_in_segments, [3]),
     ("average_gradients", E.average_with_allreduce, [2, 4]),
+    ("zero1_step", E.zero1_by_reduces, [2, 4]),
 ])
 def test_right_answers_pass(exercise, fn, ranks, no_strays):
-    result = hpdl.check(exercise, fn, ranks=ranks)
+    result = hpdl.check(exercise, fn, ranks=ranks, grade=exercise == "zero1_step")  # its large case is hidden
     all_points(result)
     assert not any(ALONE in h for h in result.hints), result.hints  # their bytes on the wire were counted
 

@@ -56,8 +56,24 @@ def shards_unshuffled(comm, n, epoch, seed=0):
 
 def shards_drop_last(comm, n, epoch, seed=0):
     rank, size = comm.Get_rank(), comm.Get_size()
-    per = n // size
-    return _order(n, epoch, seed)[rank * per:(rank + 1) * per]
+    return _order(n, epoch, seed)[: n // size * size][rank::size]  # DistributedSampler(drop_last=True)
+
+
+def shards_in_blocks(comm, n, epoch, seed=0):
+    """One shuffle, each rank one block of it: not DistributedSampler's dealing."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    per = math.ceil(n / size)
+    order = _order(n, epoch, seed)
+    return (order + order[: per * size - n])[rank * per:(rank + 1) * per]
+
+
+def shards_rotated(comm, n, epoch, seed=0):
+    """No shuffle: range(n) rotated by an offset from seed and epoch, dealt; every collision check passes."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    k = (n // 2 + seed + epoch + 7 * (seed // 1000)) % n
+    order = [(i + k) % n for i in range(n)]
+    total = math.ceil(n / size) * size
+    return (order + order[: total - n])[rank:total:size]
 
 
 def test_shard_indices_drop_last_is_also_right():
@@ -69,6 +85,8 @@ def test_shard_indices_drop_last_is_also_right():
     (shards_ignore_epoch, ["same order", "set_epoch"]),
     (shards_unpadded, ["different numbers", "pad"]),
     (shards_unshuffled, ["not shuffled"]),
+    (shards_in_blocks, ["DistributedSampler", "spread over the whole shuffle"]),
+    (shards_rotated, ["DistributedSampler", "torch.randperm"]),
 ])
 def test_shard_indices_known_bad_rejected(bad, words):
     rejected(hpdl.check("shard_indices", bad, ranks=[3]), *words)

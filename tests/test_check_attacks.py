@@ -82,8 +82,8 @@ def test_peers_given_as_numpy_integers_are_recorded(no_strays):
 def test_the_ring_must_pass_chunks_not_the_whole_vector(no_strays):
     result = hpdl.check("ring_allreduce", A.unchunked_ring, ranks=[2, 3, 4])
     for c in result.cases:
-        if c.params["n"] > 1:
-            assert c.verdict == "WRONG" and "chunks of at most" in c.message, c
+        if c.params["n"] >= c.ranks:  # with n < p the ring's last chunk is all of x: the same messages
+            assert c.verdict == "WRONG" and "one chunk per message" in c.message, c
 
 
 def test_a_chain_broadcast_is_not_a_binomial_tree(no_strays):

@@ -186,9 +186,9 @@ def test_a_check_preloads_what_its_ranks_import_and_what_their_first_optimizer_d
     exec("import torch\ndef shard(n, seed):\n    return torch.randperm(n, generator=torch.Generator()"
          ".manual_seed(seed)).tolist()", space)
     packed = source.package(space["shard"])
-    assert checking._preload(cases.load("shard_indices"), packed) == {"reference": [], "learner": torch}
+    assert checking._preload(cases.load("ps_exchange"), packed) == {"reference": [], "learner": torch}
     unsourced = {**packed, "sources": []}
-    assert checking._preload(cases.load("shard_indices"), unsourced) == {"reference": [], "learner": torch}
+    assert checking._preload(cases.load("ps_exchange"), unsourced) == {"reference": [], "learner": torch}
 
 
 def test_a_checks_reference_ranks_at_every_rank_count_are_forks_of_one_server(no_strays):

@@ -786,7 +786,8 @@ class Runner:
             msg = f"Wrong on {rank_word(by['wrong'])}: {w.get('message')}.{largest}"
             if len(by["wrong"]) > 1 and w.get("message") != ends[by["wrong"][0]].get("message"):
                 msg = f"Wrong on {rank_word(by['wrong'])}; rank {worst}: {w.get('message')}.{largest}"
-            forged = FORGED if any(ends[r].get("forged") for r in by["wrong"]) else None
+            forged = (FORGED if any(ends[r].get("forged") for r in by["wrong"])
+                      else TELLING if any(ends[r].get("telling") for r in by["wrong"]) else None)
             return self._result(planned, size, Verdict.WRONG, msg, hint=hint, wrong_ranks=by["wrong"],
                                 max_error=err, seconds=seconds, rejected=forged)
         ref = max((_num(e.get("reference_seconds")) for e in ends.values()), default=0.0)
@@ -848,21 +849,27 @@ class Runner:
 
 
 FORGED = "the recorded MPI calls (contradicted by the network)"
+TELLING = "the algorithm (seen in a case large enough to tell)"
 
 
 def void_if_forged(results: dict[int, CaseResult]) -> dict[int, CaseResult]:
     """A check in which the network contradicted the learner's recorded calls (hooks.wire_agrees), or what
     else the checker saw outside the learner's processes contradicted them (a Wrong with forged=True),
-    earns nothing: the recording was changed, so no case's evidence can be trusted."""
+    earns nothing: the recording was changed, so no case's evidence can be trusted. Nor does one in which a
+    case large enough to tell showed another algorithm than the one asked (a Wrong with telling=True): the
+    smaller cases passed only because their traffic hides in the wire's noise."""
     forged = next((r for r in results.values() if r.rejected == FORGED), None)
-    if forged is None:
+    telling = next((r for r in results.values() if r.rejected == TELLING), None)
+    if forged is None and telling is None:
         return results
     for r in results.values():
-        if r.verdict.earns_points and r is not forged:
-            r.verdict, r.points, r.rejected = Verdict.WRONG, 0.0, FORGED
+        if r.verdict.earns_points and r is not (forged or telling):
+            r.verdict, r.points, r.rejected = Verdict.WRONG, 0.0, FORGED if forged else TELLING
             r.message = (f"Not counted: on {forged.ranks} ranks, case {forged.name}, what the checker saw outside "
                          "your processes (on the network, or in memory) contradicted what was recorded in them (see "
-                         "that case).")
+                         "that case)." if forged else
+                         f"Not counted: on {telling.ranks} ranks, case {telling.name}, large enough to tell, shows "
+                         "an algorithm other than the one asked (see that case); smaller cases cannot tell them apart.")
     return results
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import itertools
 import importlib.abc
 import operator
 import os
@@ -147,8 +148,12 @@ def _in_world(comm, dest, source):
     return (None if dest is None else next(mapped)), (None if source is None else next(mapped))
 
 
-def _count(buf) -> int | None:
-    """Elements in a send buffer: an array, [array, MPI type], or a Python object."""
+def _count(buf, pickled: bool = False) -> int | None:
+    """Elements in a send buffer: an array, [array, MPI type], or a Python object. `pickled` (mpi4py's
+    lowercase calls, which send any object): every value the object holds, the arrays in a dict, list
+    or tuple summed; a whole vector wrapped in a dict is still its n elements, not the dict's one key."""
+    if pickled:
+        return _elements(buf)
     if isinstance(buf, (list, tuple)) and buf:
         buf = buf[0]
     size = getattr(buf, "size", None)
@@ -158,6 +163,33 @@ def _count(buf) -> int | None:
         return len(buf)
     except TypeError:
         return None
+
+
+def _elements(obj, depth: int = 0) -> int:
+    """Values in a Python object: an array's or tensor's elements, a string's characters, the sum over
+    a container's items (to a depth of 8, its first 10**6 items), 1 for anything else."""
+    size = getattr(obj, "size", None)
+    if isinstance(size, int):
+        return size
+    if isinstance(obj, (str, bytes, bytearray, memoryview)):
+        return len(obj)
+    numel = getattr(obj, "numel", None)
+    if callable(numel):
+        try:
+            return int(numel())
+        except Exception:
+            return 1
+    if isinstance(obj, dict):
+        obj = obj.values()
+    if isinstance(obj, (list, tuple, set, frozenset, type({}.values()))) and depth < 8:
+        return sum(_elements(v, depth + 1) for v in itertools.islice(obj, 10**6))
+    return 1
+
+
+def _is_in_place(buf) -> bool:
+    from mpi4py import MPI
+
+    return buf is MPI.IN_PLACE or (isinstance(buf, (list, tuple)) and bool(buf) and buf[0] is MPI.IN_PLACE)
 
 
 def _nbytes(name: str, buf) -> int | None:
@@ -189,7 +221,9 @@ def _wrap(cls_name: str, name: str, base):
             return base(self, *args, **kwargs)
         dest, source = _peer(args, kwargs, dpos, "dest"), _peer(args, kwargs, spos, "source")
         buf = args[0] if args else kwargs.get("buf", kwargs.get("obj", kwargs.get("sendbuf")))
-        count = _count(buf) if dest is not None else None
+        if dest is None and args and _is_in_place(buf):  # a collective in place: its data is the receive buffer
+            buf = args[1] if len(args) > 1 else kwargs.get("recvbuf")
+        count = _count(buf, pickled=name[0].islower()) if buf is not None else None
         nbytes = _nbytes(name, buf) if dest is not None and recorder.sized else None
         recorder.note(name, *_in_world(self, dest, source), count, nbytes=nbytes)
         peer = f" to rank {dest}" if dest is not None else ""
@@ -251,11 +285,19 @@ TORCH_COLLECTIVES = {
 }
 
 
-def _numel(args, kwargs) -> int | None:
-    """Elements in a torch.distributed call's tensor (its first argument), when it is one tensor."""
-    tensor = args[0] if args else kwargs.get("tensor")
-    numel = getattr(tensor, "numel", None)
-    return int(numel()) if callable(numel) else None
+#: where a torch.distributed call's data is not its first argument: its input (a reduce-scatter's output is a part)
+_INPUT_AT = {"reduce_scatter": (1, "input_list"), "reduce_scatter_tensor": (1, "input"),
+             "_reduce_scatter_base": (1, "input")}
+
+
+def _numel(args, kwargs, name: str = "") -> int | None:
+    """Elements in a torch.distributed call's data (its first argument, or the input of a reduce-scatter):
+    a tensor's, or the sum over a list of tensors (all_reduce_coalesced's, reduce_scatter's)."""
+    at, key = _INPUT_AT.get(name, (0, "tensor"))
+    data = args[at] if len(args) > at else kwargs.get(key, kwargs.get("tensors"))
+    parts = data if isinstance(data, (list, tuple)) else [data]
+    numels = [getattr(t, "numel", None) for t in parts]
+    return sum(int(n()) for n in numels) if numels and all(callable(n) for n in numels) else None
 
 
 def _patch_c10d(c10d) -> None:
@@ -270,7 +312,7 @@ def _patch_c10d(c10d) -> None:
                 if reason:
                     recorder.rejected.append(f"torch.distributed.{_name}")
                     raise ForbiddenCall(f"torch.distributed.{_name}", reason)
-                recorder.calls.append(Call(_name, count=_numel(args, kwargs)))
+                recorder.calls.append(Call(_name, count=_numel(args, kwargs, _name)))
             return _base(*args, **kwargs)
 
         fn.__name__, fn.__qualname__, fn.__wrapped__, fn._hpdl_recorded = name, name, base, True

@@ -112,7 +112,8 @@ class ReferenceJob(RankJob):
                 hint = module.diagnose(case, ctx)
             except Exception:
                 hint = None
-        result.update(status="wrong", message=wrong.message, hint=hint, max_error=wrong.max_error, forged=forged)
+        result.update(status="wrong", message=wrong.message, hint=hint, max_error=wrong.max_error, forged=forged,
+                      telling=bool(getattr(wrong, "telling", False)))
         return result
 
 

@@ -154,6 +154,8 @@ class Wrong:
     hint: str | None = None
     max_error: float | None = None
     forged: bool = False  # seen outside the learner's processes, against what was recorded in them: no case counts
+    telling: bool = False  # the algorithm, wrong where a case is large enough to tell it (its bytes on the wire,
+    #                        say, which smaller cases hide in noise): no case of the check counts either
 
 
 @dataclass

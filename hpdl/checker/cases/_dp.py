@@ -13,7 +13,8 @@ from __future__ import annotations
 MPI_REDUCES = {"Allreduce", "allreduce", "Iallreduce", "Allreduce_init", "Reduce_scatter",
                "Reduce_scatter_block", "Ireduce_scatter", "Ireduce_scatter_block", "Reduce", "reduce", "Ireduce",
                "Reduce_init"}
-TORCH_REDUCES = ("all_reduce", "all_reduce_coalesced", "reduce")
+TORCH_REDUCES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+                 "_reduce_scatter_base")  # a reduce-scatter (then an all-gather) is an all-reduce too
 
 
 def _unrecorded():
@@ -121,14 +122,14 @@ def launches() -> int:
 
 
 def launched_elements() -> int | None:
-    """Elements all-reduced so far through torch.distributed (as recording.py noted them); None
+    """Elements all-reduced so far through torch.distributed or MPI (as recording.py noted them); None
     outside a learner's check job (the reference's own all-reduces are not recorded)."""
     import sys
 
     recording = sys.modules.get("hpdl.checker.recording")
     if recording is None or not recording.recorder.torch_hooked:
         return None
-    return sum(c.count or 0 for c in recording.recorder.calls if c.name in TORCH_REDUCES)
+    return sum(c.count or 0 for c in recording.recorder.calls if c.name in TORCH_REDUCES or c.name in MPI_REDUCES)
 
 
 def read_wire_in_backward(x, tag: str):

@@ -91,10 +91,11 @@ def call(fn, comm, args):
     model = _model(name, seed)
     _backward(model, x, y)
     own = _dp.grads(model)
-    before = _dp.launches()
+    before, elements = _dp.launches(), _dp.launched_elements()
     returned = fn(comm, model)
+    reduced = None if elements is None else _dp.launched_elements() - elements
     return {"grads": _dp.grads(model), "own": own, "launches": _dp.launches() - before,
-            "returned": type(returned).__name__}
+            "returned": type(returned).__name__, "reduced": reduced}
 
 
 def reference(comm, name, seed, x, y):
@@ -136,7 +137,11 @@ def verify(case, ctx):
     if on_wire is not None and on_wire > MAX_ON_WIRE:
         return _more_on_wire(on_wire, tensors, ctx.calls)
     nbytes = sum(g.nbytes for g in expected["own"])
-    return hooks.received_for_allreduce(ctx, nbytes, "an average of every rank's gradients")
+    values, reduced = sum(g.size for g in expected["own"]), got.get("reduced")
+    return hooks.received_for_allreduce(ctx, nbytes, "an average of every rank's gradients") or (
+        Wrong(f"your all-reduce took {reduced} of the {values} gradient values; the rest reached the other ranks "
+              "some other way (a gather, broadcasts)", hint=_ONE)
+        if size > 1 and isinstance(reduced, int) and reduced < values else None)
 
 
 def _more_on_wire(on_wire: float, tensors: int, calls) -> Wrong:

@@ -24,7 +24,8 @@ import itertools
 from hpdl.checker.cases import Case, Wrong
 
 SIGNATURE = "autotune(measure, space: dict[str, list], budget: int) -> dict   # a config within 5% of the best"
-RANKS = (1, 2)
+RANKS = (1,)  # a tuner decides on one rank (Horovod's on rank 0); at more, each rank's helper grants a budget of
+#              its own, which ranks that share their readings over MPI would pool
 TIMEOUT = 20.0
 TOLERANCE = 1.05
 ORACLE = True  # the cost table lives in a helper process beside the learner's rank (oracle.py)

@@ -18,8 +18,9 @@ share, behind a recording changed to show all-reduces during backward, score not
 
 When the all-reduces ran is read from the wire too, outside the learner's process ("pause" cases): in
 the second step every rank waits, while the checker reads the bytes each has received, at the step's
-start, where backward reaches the third Linear (a kit node in the model: by then the gradients of the
-layers after it exist, and none before), when backward returns and at the step's end. The buckets
+start, where backward reaches the third Linear (the second, where the first bucket is larger; a kit node
+in the model: by then the gradients of the layers after it exist, and none before), when backward returns
+and at the step's end; in the hidden case too. The buckets
 complete at the cut must have crossed there (else WRONG: launched at the end of backward is no
 overlap); what the recording says backward launched must have crossed when it returns, and no more
 than the gradients made by the cut can carry may have crossed there, or the reading was skipped or
@@ -55,7 +56,8 @@ def cases(size):
         Case("5-layer MLP, buckets of 0.004 MiB (several buckets)", {"bucket_mb": 0.004, "seed": 1, **read}, **kw),
         Case("5-layer MLP, buckets of 25 MiB (one bucket)", {"bucket_mb": 25.0, "seed": 2}, **kw),
         Case("5-layer MLP, buckets of 1e-6 MiB (one tensor each)", {"bucket_mb": 1e-6, "seed": 3, **read}, **kw),
-        Case("5-layer MLP, buckets of 0.01 MiB", {"bucket_mb": 0.01, "seed": 4}, hidden=True, **kw),
+        # its first bucket is complete only when backward reaches the second Linear (model[3]): read there
+        Case("5-layer MLP, buckets of 0.01 MiB", {"bucket_mb": 0.01, "seed": 4, **read, "cut": 3}, hidden=True, **kw),
     ]
 
 
@@ -265,7 +267,8 @@ def _wire_in_backward(case, ctx) -> Wrong | None:
                      "model and around the step): when the all-reduces ran is unknown", forged=True)
     if not all(isinstance(seen[t], dict) for t in ("b", "m", "e", "after")):
         return None  # waited there, but the wire could not be read
-    total, where = e["gradient_values"], f"in step {s + 1}, when backward reached the third layer"
+    nth = {1: "first", 3: "second", 5: "third", 7: "fourth"}.get(case.params["cut"], "a")
+    total, where = e["gradient_values"], f"in step {s + 1}, when backward reached the {nth} Linear"
     step, at_cut, at_end = (_received(seen[k]) - _received(seen["b"]) for k in ("after", "m", "e"))
     claimed = ctx.got["steps"][s]["values_during"]
     if isinstance(claimed, int) and at_end < LOW * step * min(claimed, total) / total:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpdl.checker import hooks
+from hpdl.checker.cases import Wrong
 from hpdl.checker.cases._sums import diagnose_sum, explain_sums, received_enough, sum_cases, vector
 
 SIGNATURE = "recursive_doubling(comm, x: np.ndarray) -> np.ndarray"
@@ -66,7 +67,31 @@ def verify(case, ctx):
     limit = p2.bit_length() - 1 + (1 if p != p2 else 0)
     return hooks.wire_agrees(ctx) or hooks.compare(ctx.got, ctx.expected) or hooks.max_sends(
         ctx, limit, "recursive doubling needs one exchange per round (lg p rounds, one more for ranks folded in)"
-    ) or received_enough(ctx)
+    ) or received_enough(ctx) or exchanges(ctx, p2)
+
+
+METADATA = 16  # values a rank may send a partner beside the vector: its shape or length first
+
+
+def exchanges(ctx, p2: int):
+    """Recursive doubling's pattern in what a rank sent: the vector to each partner once (in segments if
+    you like: values counted, not messages); with p a power of two, a partner in each of the lg p rounds.
+    A ring passes the vector to one neighbour p-1 times; a tree's leaves send to one rank only."""
+    r, n = ctx.rank, int(ctx.case.params["n"])
+    per = {peer: sum(values) for peer, values in sorted(hooks.values_sent(ctx).items())}
+    for peer, values in per.items():
+        if values > n + METADATA:
+            return Wrong(f"rank {r} sent {values} values to rank {peer}; recursive doubling swaps the vector ({n} "
+                         f"values) with each partner once",
+                         hint="one Sendrecv per round, with partner r ^ 2**k in round k: passing the vector around "
+                              "a ring sends it to the same rank p-1 times.")
+    rounds = p2.bit_length() - 1
+    if ctx.size == p2 and len(per) != rounds:
+        return Wrong(f"rank {r} sent to {len(per)} rank(s) {sorted(per)}; with {ctx.size} ranks (a power of two) "
+                     f"every rank swaps with lg p = {rounds} partners, one per round",
+                     hint="in round k every rank swaps with r ^ 2**k: no rank sits out when p is a power of two "
+                          "(a tree's reduce then broadcast leaves some ranks with one partner).")
+    return None
 
 
 def diagnose(case, ctx) -> str | None:

@@ -2,8 +2,9 @@
 
 The ring: cut x into p chunks; p-1 steps of reduce-scatter (pass a chunk to the right, add
 the one from the left), then p-1 steps of allgather (pass the finished chunks around). Only
-point-to-point messages between ring neighbours, at most 2(p-1) per rank, each at most
-⌈n/p⌉ elements: passing the whole vector around the ring is not the ring algorithm.
+point-to-point messages between ring neighbours, 2(p-1) chunks per rank, each at most one chunk
+(⌈n/p⌉ values, or n//p + n%p where the last chunk takes the remainder; sent in segments if you
+like): passing the whole vector around the ring is not the ring algorithm.
 """
 from __future__ import annotations
 
@@ -67,19 +68,26 @@ def verify(case, ctx):
 
 
 def chunked(ctx):
-    """The ring algorithm, not just a ring: 2(p-1) messages per rank, each at most ⌈n/p⌉ elements."""
-    p, n = ctx.size, case_n(ctx)
-    sent = [c for c in ctx.calls if c.dest is not None]
-    largest = max((c.count or 0 for c in sent), default=0)
-    limit = -(-n // p)
-    if largest > limit:
-        return Wrong(f"rank {ctx.rank} sent a message of {largest} elements; the ring sends chunks of at most "
-                     f"⌈n/p⌉ = {limit}",
+    """The ring algorithm, not just a ring: one chunk of x per message (a chunk in segments too), 2(p-1)
+    chunks in all. A chunk is at most n//p + n%p values (the last one taking the remainder; ⌈n/p⌉ with even
+    cuts), and the 2(p-1) chunks a rank passes on are all of x but one chunk, twice: at most 2(n - n//p)
+    values. Counted in values moved (hooks.values_sent), not messages. With n < p the last chunk is all
+    of x: there the ring moves what passing x around does, and only longer cases tell them apart."""
+    p, n, r = ctx.size, case_n(ctx), ctx.rank
+    widest = n // p + n % p
+    moved = [v for messages in hooks.values_sent(ctx).values() for v in messages]
+    largest = max(moved, default=0)
+    if largest > widest:
+        return Wrong(f"rank {r} sent a message of {largest} values; the ring sends one chunk per message, at most "
+                     f"{widest} values when x has {n} and there are {p} ranks",
                      hint="cut x into p chunks and pass one chunk per step (reduce-scatter, then allgather); "
                           "passing the whole vector around costs p times the bandwidth.")
-    if len(sent) > 2 * (p - 1):
-        return Wrong(f"rank {ctx.rank} sent {len(sent)} messages; the ring needs 2(p-1) = {2 * (p - 1)}",
-                     hint="p-1 steps of reduce-scatter, then p-1 steps of allgather: one Sendrecv per step.")
+    budget = 2 * (n - n // p)
+    if sum(moved) > budget:
+        return Wrong(f"rank {r} sent {sum(moved)} values in {len(moved)} messages; the ring's 2(p-1) = {2 * (p - 1)} "
+                     f"steps pass on one chunk each, at most {budget} values",
+                     hint="p-1 steps of reduce-scatter, then p-1 steps of allgather: one chunk (one Sendrecv) per "
+                          "step.")
     return None
 
 

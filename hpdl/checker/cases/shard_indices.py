@@ -9,7 +9,7 @@ checks look at all ranks' answers together: every rank the same number of indice
 run different numbers of steps and DDP waits forever for the missing one); no index on two
 ranks except the few repeated to pad (DistributedSampler) — or none dropped except the tail
 (drop_last); the same answer when asked twice; shuffled; a different order every epoch (what
-set_epoch does) and for another seed.
+set_epoch does) and for another seed; and then DistributedSampler's own list, as the exercise asks.
 """
 from __future__ import annotations
 
@@ -37,13 +37,14 @@ def inputs(case, rank, size):
     return case.params["n"], case.params["seed"]
 
 
-def reference_shard(n: int, rank: int, size: int, epoch: int, seed: int) -> list[int]:
-    """DistributedSampler's rule: shuffle with seed + epoch, pad by repeating the start, take every size-th."""
-    import numpy as np
+def reference_shard(n: int, rank: int, size: int, epoch: int, seed: int, drop_last: bool = False) -> list[int]:
+    """DistributedSampler's list (shuffle=True): torch.randperm seeded with seed + epoch, topped up from its
+    start (or its tail dropped, drop_last), every size-th index from the rank's."""
+    import torch
 
-    order = np.random.default_rng(seed + epoch).permutation(n).tolist()
-    total = math.ceil(n / size) * size
-    order += order[: total - n]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    total = (n // size) * size if drop_last else math.ceil(n / size) * size
+    order = order[:total] if drop_last else order + order[: total - n]
     return order[rank:total:size]
 
 
@@ -143,7 +144,27 @@ def verify(case, ctx):
     if n >= 10 and all(a.get("other_seed") == a["epochs"][0] for a in answers):
         return Wrong(f"seed {case.params['seed']} and seed {case.params['seed'] + OTHER_SEED} gave the same order "
                      "in epoch 0", hint="the shuffle must depend on the seed too: seed + epoch, not the epoch alone.")
-    return None
+    return _not_the_samplers(answers, n, case.params["seed"])
+
+
+def _not_the_samplers(answers: list[dict], n: int, seed: int) -> Wrong | None:
+    """The exercise asks for DistributedSampler's own list (the check compares, as the notebook says): a
+    fair split of some other order is not it. Either of its two ways with a tail (padded, or drop_last)."""
+    size = len(answers)
+    asked = [(e, seed) for e in EPOCHS] + [(0, seed + OTHER_SEED)]
+    for drop_last in (False, True):
+        lists = [[reference_shard(n, r, size, e, s, drop_last) for e, s in asked] for r in range(size)]
+        if all([*a["epochs"], a["other_seed"]] == lists[r] for r, a in enumerate(answers)):
+            return None
+    lists = [[reference_shard(n, r, size, e, s) for e, s in asked] for r in range(size)]
+    rank, k = next((r, k) for r, a in enumerate(answers) for k, got in enumerate([*a["epochs"], a["other_seed"]])
+                   if got != lists[r][k])
+    epoch, s = asked[k]
+    return Wrong(f"rank {rank}'s indices for epoch {epoch} (seed {s}) are a fair split, but not the list "
+                 f"DistributedSampler(…, shuffle=True, seed={s}) gives after set_epoch({epoch})",
+                 hint="draw the order as DistributedSampler does: torch.randperm(n, generator="
+                      "torch.Generator().manual_seed(seed + epoch)), top it up from its start, then take "
+                      "order[rank::size] (every size-th index: a rank's share spread over the whole shuffle).")
 
 
 def everyone_same(everyone, a: int, b: int) -> bool:
