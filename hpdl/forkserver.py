@@ -25,7 +25,7 @@ the job's sandbox when the job has one (it is part of the job's command), so a f
 exactly as the rank it replaces. A `run` that cannot reach its server runs MODULE itself. Used
 only where every rank is a process of this machine under its own mpiexec: a check's jobs, and
 the engines of hpdl.start() without emulated nodes (HPDL_FORKSERVER=0: never). A check's reference
-jobs, outside its sandbox, share one server for all its rank counts (serve_command with UNTIL_ENDED,
+jobs, outside its sandbox, share one server for all its rank counts (serve_command with until_gone(owner),
 each rank started by rank_command); each learner job has its own, inside its own sandbox.
 """
 from __future__ import annotations
@@ -79,8 +79,12 @@ def serve_command(path: str, preload: list[str] | tuple[str, ...], job: list[str
     return [sys.executable, "-m", "hpdl.forkserver", "serve", path, *(f"--preload={m}" for m in preload), "--", *job]
 
 
-# the job of a server for several jobs (each rank started by rank_command): it lasts until ended
-UNTIL_ENDED = [sys.executable, "-c", "import signal; signal.pause()"]
+def until_gone(owner: int) -> list[str]:
+    """The job of a server for several jobs (each rank started by rank_command): it lasts until ended, or
+    until `owner`, the process that started it, is gone. An owner killed before it could end its server
+    (SIGTERM, SIGKILL: no finally runs) once left the server and its torch behind for good."""
+    watch = "import os, sys, time\nwhile os.path.exists(f'/proc/{sys.argv[1]}'):\n    time.sleep(1)"
+    return [sys.executable, "-c", watch, str(owner)]
 
 
 def rank_command(path: str, module: str, *args: str) -> list[str]:

@@ -111,7 +111,7 @@ def test_a_process_in_another_mount_namespace_gets_no_rank_forked(tmp_path, no_s
     else:
         pytest.skip("needs unshare (as root) or bwrap to start a process in another mount namespace")
     sock = str(tmp_path / "fork.sock")
-    server = forkserver.serve_command(sock, ["preloaded_marker"], forkserver.UNTIL_ENDED)
+    server = forkserver.serve_command(sock, ["preloaded_marker"], forkserver.until_gone(os.getpid()))
     with sidejob.SideJob(server, env=_env(), timeout=60) as job:
         _wait_for(lambda: [sock] if os.path.exists(sock) else [], 1, job)
         rank = forkserver.rank_command(sock, "forked_says", "beside")
@@ -233,6 +233,33 @@ def test_a_checks_reference_ranks_at_every_rank_count_are_forks_of_one_server(no
     assert len(seen["shared"]) == 1, seen
     assert len(seen["reference ranks"]) == 2 + 3, seen  # every reference rank of both jobs: its fork
     assert seen["own servers of"] <= {"l"}, seen  # no reference job starts a server of its own
+
+
+def test_a_check_killed_leaves_no_shared_server_behind(tmp_path, no_strays):
+    """The reference jobs' shared server ends with the process that started it: a kernel killed mid-check
+    (SIGKILL, or SIGTERM with Python's default handler: no finally runs) left the server, and torch in it,
+    running for good."""
+    import signal
+
+    script = tmp_path / "client.py"
+    script.write_text("import time\nimport hpdl\n\n\ndef allreduce_gradients(comm, model):\n    time.sleep(60)\n\n\n"
+                      "hpdl.check('allreduce_gradients', allreduce_gradients, ranks=[2, 3], timeout=120)\n")
+    client = subprocess.Popen([sys.executable, str(script)])
+    try:
+        servers: list = []
+        deadline = time.time() + 60
+        while time.time() < deadline and not servers:
+            servers = [p for p in psutil.Process(client.pid).children()
+                       if p.cmdline()[1:4] == ["-m", "hpdl.forkserver", "serve"]]
+            time.sleep(0.2)
+        assert servers, "no shared fork server started"
+        client.send_signal(signal.SIGKILL)
+        client.wait()
+        gone, alive = psutil.wait_procs(servers, timeout=15)
+        assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
+    finally:
+        client.kill()
+        client.wait()
 
 
 def test_help_and_a_missing_command_are_said_plainly():

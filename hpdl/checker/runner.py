@@ -76,7 +76,7 @@ def shared_server(folder: str, preload: list[str]) -> tuple[list[str], str] | No
         launchers.local_job_command(1)
     except HpdlError:
         return None
-    return forkserver.serve_command(path, preload, forkserver.UNTIL_ENDED), path
+    return forkserver.serve_command(path, preload, forkserver.until_gone(os.getpid())), path
 
 
 def _nodes_apart(cmd: list[str], size: int, job_dir: str) -> list[str]:
