@@ -389,6 +389,7 @@ def test_all_reduces_struck_from_the_recording_are_counted_on_the_wire(no_strays
     ("ring_allreduce", E.ring_in_segments, [3]),
     ("average_gradients", E.average_with_allreduce, [2, 4]),
     ("zero1_step", E.zero1_by_reduces, [2, 4]),
+    ("pipeline_step", E.pipeline_1f1b_reentrant_checkpoint, [3]),
 ])
 def test_right_answers_pass(exercise, fn, ranks, no_strays):
     result = hpdl.check(exercise, fn, ranks=ranks, grade=exercise == "zero1_step")  # its large case is hidden

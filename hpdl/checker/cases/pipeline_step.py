@@ -46,6 +46,9 @@ own schedule (hpdl.pipeline.one_f_one_b) is refused inside the check (hooks.KIT_
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 
 from hpdl.checker import hooks
@@ -148,17 +151,43 @@ def _grads(module) -> list:
     return [None if q.grad is None else q.grad.detach().numpy().copy() for q in module.parameters()]
 
 
+def _in_checkpoint() -> bool:
+    """Called (at any depth) from torch.utils.checkpoint: a reentrant checkpoint runs its first forward
+    without autograd, and again, with it, inside backward."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(os.path.join("torch", "utils", "checkpoint.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _watch(stage) -> tuple[list, object]:
     """Record ("F", i) when the stage's last layer runs forward with autograd on, ("B", i) when
-    autograd computes the gradient of that output: the stage's schedule as it really ran."""
+    autograd computes the gradient of that output: the stage's schedule as it really ran. A reentrant
+    activation checkpoint (torch.utils.checkpoint, use_reentrant=True) runs the forward without autograd,
+    then again inside backward: the first is the forward, the second only brings its gradient, for the
+    oldest such forward (1F1B's backwards run in its forwards' order)."""
+    import torch
+
     ops: list = []
+    pending: list[int] = []  # forwards run by a reentrant checkpoint, their gradients still to come
 
     def forward_hook(module, args, out):
-        if not getattr(out, "requires_grad", False):
+        grad = getattr(out, "requires_grad", False)
+        if torch._C._current_autograd_node() is not None:  # inside backward: a checkpoint recomputing
+            if grad and pending:
+                i = pending.pop(0)
+                out.register_hook(lambda g, i=i: ops.append(("B", i)))
+            return
+        if not grad and not _in_checkpoint():
             return
         i = sum(1 for kind, _ in ops if kind == "F")
         ops.append(("F", i))
-        out.register_hook(lambda grad, i=i: ops.append(("B", i)))
+        if grad:
+            out.register_hook(lambda g, i=i: ops.append(("B", i)))
+        else:
+            pending.append(i)
 
     return ops, stage[-1].register_forward_hook(forward_hook)
 
@@ -174,8 +203,8 @@ def _read_before_forwards(stage, rank: int, p: int, m: int):
 
     warm, count = min(p - rank - 1, m), [0]
 
-    def before(module, args):
-        if torch.is_grad_enabled():
+    def before(module, args):  # a forward of the schedule: with autograd, or a reentrant checkpoint's first (_watch)
+        if torch._C._current_autograd_node() is None and (torch.is_grad_enabled() or _in_checkpoint()):
             j, count[0] = count[0], count[0] + 1
             if rank < p - 1 and warm < j < m:
                 read_wire_here(f"f{j}")
