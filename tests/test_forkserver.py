@@ -235,6 +235,14 @@ def test_a_checks_reference_ranks_at_every_rank_count_are_forks_of_one_server(no
     assert seen["own servers of"] <= {"l"}, seen  # no reference job starts a server of its own
 
 
+def _serves(proc: psutil.Process) -> bool:
+    """A fork server, of the processes a check starts (one may have ended meanwhile)."""
+    try:
+        return proc.cmdline()[1:4] == ["-m", "hpdl.forkserver", "serve"]
+    except psutil.Error:
+        return False
+
+
 def test_a_check_killed_leaves_no_shared_server_behind(tmp_path, no_strays):
     """The reference jobs' shared server ends with the process that started it: a kernel killed mid-check
     (SIGKILL, or SIGTERM with Python's default handler: no finally runs) left the server, and torch in it,
@@ -249,8 +257,7 @@ def test_a_check_killed_leaves_no_shared_server_behind(tmp_path, no_strays):
         servers: list = []
         deadline = time.time() + 60
         while time.time() < deadline and not servers:
-            servers = [p for p in psutil.Process(client.pid).children()
-                       if p.cmdline()[1:4] == ["-m", "hpdl.forkserver", "serve"]]
+            servers = [p for p in psutil.Process(client.pid).children() if _serves(p)]
             time.sleep(0.2)
         assert servers, "no shared fork server started"
         client.send_signal(signal.SIGKILL)

@@ -69,9 +69,11 @@ def call(fn, comm, args):
 
 
 def reference(comm, n, seed):
+    """DistributedSampler's lists for what call() asks, padded and drop_last (either is right)."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    return {"epochs": [reference_shard(n, rank, size, e, seed) for e in EPOCHS],
-            "other_seed": reference_shard(n, rank, size, 0, seed + OTHER_SEED)}
+    asked = [(e, seed) for e in EPOCHS] + [(0, seed + OTHER_SEED)]  # what call() asks, in its order
+    return {way: [reference_shard(n, rank, size, e, s, way == "drop_last") for e, s in asked]
+            for way in ("padded", "drop_last")}
 
 
 def _problems(shards: list[list[int]], n: int) -> Wrong | None:
@@ -113,6 +115,7 @@ def _problems(shards: list[list[int]], n: int) -> Wrong | None:
 
 def verify(case, ctx):
     answers = ctx.comm.allgather(ctx.got)  # first, on every rank: verify's collectives must match
+    expected = ctx.comm.allgather(ctx.expected)
     if "error" in ctx.got:
         return Wrong(ctx.got["error"])
     failed = [r for r, a in enumerate(answers) if "error" in a]
@@ -144,22 +147,18 @@ def verify(case, ctx):
     if n >= 10 and all(a.get("other_seed") == a["epochs"][0] for a in answers):
         return Wrong(f"seed {case.params['seed']} and seed {case.params['seed'] + OTHER_SEED} gave the same order "
                      "in epoch 0", hint="the shuffle must depend on the seed too: seed + epoch, not the epoch alone.")
-    return _not_the_samplers(answers, n, case.params["seed"])
+    return _not_the_samplers(answers, expected, case.params["seed"])
 
 
-def _not_the_samplers(answers: list[dict], n: int, seed: int) -> Wrong | None:
+def _not_the_samplers(answers: list[dict], expected: list[dict], seed: int) -> Wrong | None:
     """The exercise asks for DistributedSampler's own list (the check compares, as the notebook says): a
-    fair split of some other order is not it. Either of its two ways with a tail (padded, or drop_last)."""
-    size = len(answers)
-    asked = [(e, seed) for e in EPOCHS] + [(0, seed + OTHER_SEED)]
-    for drop_last in (False, True):
-        lists = [[reference_shard(n, r, size, e, s, drop_last) for e, s in asked] for r in range(size)]
-        if all([*a["epochs"], a["other_seed"]] == lists[r] for r, a in enumerate(answers)):
-            return None
-    lists = [[reference_shard(n, r, size, e, s) for e, s in asked] for r in range(size)]
-    rank, k = next((r, k) for r, a in enumerate(answers) for k, got in enumerate([*a["epochs"], a["other_seed"]])
-                   if got != lists[r][k])
-    epoch, s = asked[k]
+    fair split of some other order is not it. Either of its two ways with a tail (padded, or drop_last),
+    as the reference job made them (a stripped kit: its stored answers), every rank's."""
+    mine = [[*a["epochs"], a["other_seed"]] for a in answers]
+    if any(all(m == e.get(way) for m, e in zip(mine, expected)) for way in ("padded", "drop_last")):
+        return None
+    rank, k = next((r, k) for r, m in enumerate(mine) for k, got in enumerate(m) if got != expected[r]["padded"][k])
+    epoch, s = ([(e, seed) for e in EPOCHS] + [(0, seed + OTHER_SEED)])[k]
     return Wrong(f"rank {rank}'s indices for epoch {epoch} (seed {s}) are a fair split, but not the list "
                  f"DistributedSampler(…, shuffle=True, seed={s}) gives after set_epoch({epoch})",
                  hint="draw the order as DistributedSampler does: torch.randperm(n, generator="
