@@ -150,6 +150,16 @@ def test_all_reduces_launched_from_backwards_last_hook_score_nothing_in_the_hidd
     assert len(wrong) == 3 and all(c.verdict == "WRONG" and "when backward reached" in c.message for c in wrong), result
 
 
+def test_mpi_all_reduces_launched_in_backward_that_did_not_move_are_wrong_not_forged(no_strays):
+    """Iallreduce from the hooks, through MPI: launched during backward (its values are counted since the
+    MPI collectives' are), but MPICH moves nothing until finish() calls into MPI. No overlap, said so,
+    with MPI's progress as the hint; never read as a recording forged (that voided the check: 0/8)."""
+    result = hpdl.check("overlap_allreduce", E.overlap_with_mpi_iallreduce, ranks=[3])
+    assert FORGED not in {c.rejected for c in result.cases}, result
+    wrong = [c for c in result.cases if c.verdict == "WRONG"]
+    assert wrong and all("had not moved" in c.message and "progress" in (c.hint or "") for c in wrong), result
+
+
 def test_one_tiny_allreduce_during_backward_is_not_overlap(no_strays):
     result = hpdl.check("overlap_allreduce", E.overlap_one_tiny_allreduce, ranks=[2])
     several = [c for c in result.cases if "one bucket" not in c.name]

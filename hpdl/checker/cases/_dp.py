@@ -121,15 +121,16 @@ def launches() -> int:
     return counter.torch_calls + sum(1 for c in calls if c.name in MPI_REDUCES)
 
 
-def launched_elements() -> int | None:
-    """Elements all-reduced so far through torch.distributed or MPI (as recording.py noted them); None
-    outside a learner's check job (the reference's own all-reduces are not recorded)."""
+def launched_elements(mpi: bool = True) -> int | None:
+    """Elements all-reduced so far through torch.distributed, and MPI unless `mpi` is False (as recording.py
+    noted them); None outside a learner's check job (the reference's own all-reduces are not recorded)."""
     import sys
 
     recording = sys.modules.get("hpdl.checker.recording")
     if recording is None or not recording.recorder.torch_hooked:
         return None
-    return sum(c.count or 0 for c in recording.recorder.calls if c.name in TORCH_REDUCES or c.name in MPI_REDUCES)
+    names = {*TORCH_REDUCES, *(MPI_REDUCES if mpi else ())}
+    return sum(c.count or 0 for c in recording.recorder.calls if c.name in names)
 
 
 def read_wire_in_backward(x, tag: str):

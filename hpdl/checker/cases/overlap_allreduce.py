@@ -167,15 +167,16 @@ def _train(build, comm, model, bucket_mb, batches, cut=None) -> dict:
         if read:
             read_wire_here("b")
         opt.zero_grad()
-        start, elements = _dp.launches(), _dp.launched_elements()
+        start, elements, in_torch = _dp.launches(), _dp.launched_elements(), _dp.launched_elements(mpi=False)
         F.cross_entropy(_forward(model, x, cut if read else None), y).backward()
         during = _dp.launches() - start
         values = None if elements is None else _dp.launched_elements() - elements
+        torch_values = None if in_torch is None else _dp.launched_elements(mpi=False) - in_torch
         if read:
             read_wire_here("e")
         finish()
         out["steps"].append({"during": during, "total": _dp.launches() - start, "grads": _dp.grads(model),
-                             "values_during": values})
+                             "values_during": values, "torch_during": torch_values})
         opt.step()
         if read:
             read_wire_here("after")
@@ -270,11 +271,18 @@ def _wire_in_backward(case, ctx) -> Wrong | None:
     nth = {1: "first", 3: "second", 5: "third", 7: "fourth"}.get(case.params["cut"], "a")
     total, where = e["gradient_values"], f"in step {s + 1}, when backward reached the {nth} Linear"
     step, at_cut, at_end = (_received(seen[k]) - _received(seen["b"]) for k in ("after", "m", "e"))
-    claimed = ctx.got["steps"][s]["values_during"]
-    if isinstance(claimed, int) and at_end < LOW * step * min(claimed, total) / total:
-        return Wrong(f"in step {s + 1} the recording shows {claimed} of the {total} gradient values all-reduced "
+    claimed, in_torch = ctx.got["steps"][s]["values_during"], ctx.got["steps"][s].get("torch_during")
+    in_torch = claimed if in_torch is None else in_torch
+    if isinstance(in_torch, int) and at_end < LOW * step * min(in_torch, total) / total:
+        return Wrong(f"in step {s + 1} the recording shows {in_torch} of the {total} gradient values all-reduced "
                      f"while backward ran, but when backward returned rank {r} had received {at_end} of the step's "
                      f"{step} bytes", forged=True)
+    if isinstance(claimed, int) and at_end < LOW * step * min(claimed, total) / total:  # MPI's, launched: not moved
+        return Wrong(f"in step {s + 1} your MPI all-reduces of {claimed} gradient values started while backward "
+                     f"ran, but when it returned rank {r} had received {at_end} of the step's {step} bytes: they "
+                     "had not moved", hint="MPI moves a nonblocking collective's data only inside MPI calls here "
+                     "(no progress thread): launched from a hook, it waits for finish(). torch.distributed's "
+                     "all_reduce(async_op=True) runs on a thread of its own while backward goes on.")
     most = max(e["made_at_cut"] / total, e["buckets_at_cut"] / e["buckets"])
     if at_cut > HIGH * most * step + SLACK:
         return Wrong(f"{where}, rank {r} had received {at_cut} of the step's {step} bytes: more than the "
