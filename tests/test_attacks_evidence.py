@@ -160,6 +160,18 @@ def test_mpi_all_reduces_launched_in_backward_that_did_not_move_are_wrong_not_fo
     assert wrong and all("had not moved" in c.message and "progress" in (c.hint or "") for c in wrong), result
 
 
+@pytest.mark.parametrize("slip", [E.overlap_blocking_in_the_hook, E.overlap_waited_for_at_once])
+def test_a_hook_that_waits_for_its_all_reduce_is_no_overlap(slip, no_strays):
+    """Every bucket crosses during backward and the recording says so, but backward stalls on each one: the
+    wire cannot tell (Gloo runs a group's collectives in turn), the checker's clock can. With the last rank
+    held back, the others' backward must get past the hooks of every bucket but the first Linear's (8/8
+    before)."""
+    result = hpdl.check("overlap_allreduce", slip, ranks=[2])
+    held = [c for c in result.cases if c.params.get("hold")]
+    assert held and all(c.verdict == "WRONG" and "was held back" in c.message for c in held), result
+    assert result.score < result.max_score, result
+
+
 def test_one_tiny_allreduce_during_backward_is_not_overlap(no_strays):
     result = hpdl.check("overlap_allreduce", E.overlap_one_tiny_allreduce, ranks=[2])
     several = [c for c in result.cases if "one bucket" not in c.name]
@@ -400,6 +412,7 @@ def test_all_reduces_struck_from_the_recording_are_counted_on_the_wire(no_strays
     ("average_gradients", E.average_with_allreduce, [2, 4]),
     ("zero1_step", E.zero1_by_reduces, [2, 4]),
     ("pipeline_step", E.pipeline_1f1b_reentrant_checkpoint, [3]),
+    ("overlap_allreduce", E.overlap_waited_for_at_the_end_of_backward, [3]),
 ])
 def test_right_answers_pass(exercise, fn, ranks, no_strays):
     result = hpdl.check(exercise, fn, ranks=ranks, grade=exercise == "zero1_step")  # its large case is hidden

@@ -71,19 +71,29 @@ class Settling:
 
 
 class Hold(Settling):
-    """One rank of a learner job held still for case `index`, from the moment it asked."""
+    """One rank of a learner job held still for case `index`, from the moment it asked. With `passed` (a
+    case's hold_here(); the job adds to it the ranks that say they passed the case's mark, cases.passed_here):
+    until every other rank is in it, or MAX_HOLD, however still the wire is. A rank that waits on the held
+    one never gets there; one that does not gets there in ms, but a loaded machine may keep it off its core
+    for longer than STILL."""
 
-    def __init__(self, meter, proc: procs.Proc, index: int, senders: list[int]):
+    def __init__(self, meter, proc: procs.Proc, index: int, senders: list[int], passed: set[int] | None = None):
         super().__init__(meter, senders)
-        self.proc, self.index = proc, index
+        self.proc, self.index, self.passed = proc, index, passed
 
     @classmethod
-    def start(cls, meter, pid: int, index: int, senders: list[int]) -> "Hold | None":
+    def start(cls, meter, pid: int, index: int, senders: list[int], passed: set[int] | None = None) -> "Hold | None":
         """Stop the process `pid` (a rank of this job, as this process sees it); None where it could not be."""
         proc = procs.record(pid)
         if proc is None or not procs.hold_still(proc):
             return None
-        return cls(meter, proc, index, senders)
+        return cls(meter, proc, index, senders, passed)
+
+    def settled(self) -> bool:
+        still = super().settled()  # the wire read meanwhile either way: what the others sent while held
+        if self.passed is None:
+            return still
+        return set(self.senders) <= self.passed or time.monotonic() - self.since >= MAX_HOLD
 
     def let_go(self) -> dict | None:
         """Let the rank go on; what each rank had sent to each other while it was held (None: not read)."""

@@ -148,6 +148,8 @@ class Job:
         self.window: int | None = None  # the case whose bytes the meter counts now (since its last reading)
         self.holding: hold.Hold | None = None  # a rank held still (hold.py), for the case in the window
         self.held: dict[int, dict | None] = {}  # case -> what each rank sent while its last rank was held
+        self.passing: dict[int, set[int]] = {}  # case ("hold": "here") -> ranks past its mark before the let-go
+        self.passed_held: dict[int, list[int]] = {}  # and once let go, those ranks
         self.pausing: dict[tuple[int, str], set[int]] = {}  # (case, tag) -> ranks waiting there so far
         self.pauses: list[hold.Pause] = []  # every rank waits at these: read the wire, first come first
         self.paused: dict[int, dict[str, dict | None]] = {}  # case -> tag -> rank -> its bytes (hold.readings)
@@ -223,6 +225,8 @@ class Job:
             self.hold(rank, case)
         elif kind == "pause" and isinstance(case, int) and isinstance(ev.get("tag"), str):
             self.pause(rank, case, ev["tag"])
+        elif kind == "passed" and isinstance(case, int):
+            self.note_passed(rank, case)
         elif kind == "start" and isinstance(case, int) and isinstance(ev.get("t"), (int, float)):
             self.starts.setdefault(case, time.monotonic())
         elif kind == "end" and isinstance(case, int):
@@ -312,6 +316,8 @@ class Job:
                                  for tag, got in self.paused.get(index, {}).items() if got is None or rank in got}
             if self.held_case(index):  # "never": the rank never asked
                 row["held"] = (self.held[index] or {}).get(rank) if index in self.held else "never"
+            if self.plan(index, "hold") == "here":  # None: it could not be held here
+                row["passed_held"] = self.passed_held.get(index) if index in self.held else "never"
         later = [p.index for p in self.todo if p.index > index]
         self.window = later[0] if later else None
         self.open_memory_window()
@@ -345,7 +351,9 @@ class Job:
         wanted = (self.held_case(index) and rank == self.size - 1 and index == self.window
                   and index not in self.held and self.holding is None)
         if wanted and self.meter is not None and rank in self.host_pids:
-            self.holding = hold.Hold.start(self.meter, self.host_pids[rank], index, list(range(self.size - 1)))
+            here = self.plan(index, "hold") == "here"
+            self.holding = hold.Hold.start(self.meter, self.host_pids[rank], index, list(range(self.size - 1)),
+                                           passed=self.passing.setdefault(index, set()) if here else None)
             if self.holding is None:
                 self.held[index] = None  # could not be stopped here: nothing to say
         elif wanted:
@@ -358,7 +366,19 @@ class Job:
 
     def planned(self, index: int, param: str) -> bool:
         """Case `index` is one of this job's with `param` in its params."""
-        return any(p.index == index and p.case.params.get(param) not in (None, False) for p in self.todo)
+        return self.plan(index, param) not in (None, False)
+
+    def plan(self, index: int, param: str):
+        """The value of `param` in case `index`'s params (the checker's plan), None where it has none."""
+        return next((p.case.params.get(param) for p in self.todo if p.index == index), None)
+
+    def note_passed(self, rank: int, index: int) -> None:
+        """Rank `rank` says it passed the case's mark (cases.passed_here): counted only until the last rank,
+        held still for this case, is let go. It cannot get past its hold_here() before that, so a rank that
+        waits on it never gets there meanwhile, whichever of the two this process hears of first."""
+        if (self.plan(index, "hold") == "here" and index == self.window and index not in self.held
+                and 0 <= rank < self.size - 1):
+            self.passing.setdefault(index, set()).add(rank)
 
     def pause(self, rank: int, index: int, tag: str) -> None:
         """Rank `rank` waits at `tag` in case `index` (cases.read_wire_here). Where the case's "pause" is
@@ -366,7 +386,7 @@ class Job:
         it is "alone", the wire is read at once and this rank goes on. Only in the case the meter's window is
         open for, each tag once (per rank, alone): asked again, the rank is let past at once, with nothing read;
         any other ask is not answered."""
-        mode = next((p.case.params.get("pause") for p in self.todo if p.index == index), None)
+        mode = self.plan(index, "pause")
         if mode not in ("together", "alone") or index != self.window or not _PAUSE_TAG.fullmatch(tag):
             return  # not the kit's: nothing to answer
         taken = self.paused.setdefault(index, {})
@@ -412,6 +432,8 @@ class Job:
         if self.holding is not None:
             h, self.holding = self.holding, None
             self.held[h.index] = h.let_go()
+            if h.passed is not None:
+                self.passed_held[h.index] = sorted(h.passed)
 
 
 def _job_env(job_dir: str) -> dict[str, str]:

@@ -307,12 +307,17 @@ class LearnerJob(RankJob):
             self.rebind(fn, comm)
         recorder = recording.recorder
         recorder.reset()
-        if case.params.get("hold") and self.spec.get("metered") and self.rank == self.size - 1:
+        metered, last = bool(self.spec.get("metered")), self.rank == self.size - 1
+        if case.params.get("hold") is True and metered and last:
             self.hold(index)
         from hpdl.checker import cases as cases_pkg
 
-        metered_pause = case.params.get("pause") in ("together", "alone") and self.spec.get("metered")
+        metered_pause = case.params.get("pause") in ("together", "alone") and metered
         cases_pkg._read_wire = (lambda tag: self.pause(index, tag)) if metered_pause else None
+        hold_here = case.params.get("hold") == "here" and metered and self.size > 1
+        cases_pkg._hold_here = (lambda: self.hold(index)) if hold_here and last else None
+        cases_pkg._passed_here = ((lambda tag: self.emit(ev="passed", case=index, tag=tag))
+                                  if hold_here and not last else None)
         state["phase"] = "learner"
         call = funcs.get("call")
         t0 = time.perf_counter()

@@ -54,6 +54,10 @@ and may define
                                              # ctx.wire["memory"]["held"]: the most the job's processes
                                              # held at once over what they held before the case (its
                                              # memory cgroup, where there is one)
+    Case(..., {"hold": "here", ...})         # METERED: the same, from where call() says hold_here() on the
+                                             # last rank, until every other rank has said passed_here()
+                                             # (or MAX_HOLD): ctx.wire["passed_held"], the ranks that got
+                                             # there while it was still stopped, None (not held) or "never"
     Case(..., {"pause": "together", ...})    # METERED: call() reads the wire where it matters with
                                              # read_wire_here(tag): every rank waits there until the
                                              # checker has read what each received so far (their transfers
@@ -220,6 +224,28 @@ def read_wire_here(tag: str) -> None:
     Does nothing elsewhere (the reference job, an unmetered check)."""
     if _read_wire is not None:
         _read_wire(tag)
+
+
+#: set on a learner's rank in a METERED check job for a case whose "hold" is "here" (learner_job): the last
+#: rank's asks the checker to hold it still, the others' tell it they got somewhere
+_hold_here: Callable[[], None] | None = None
+_passed_here: Callable[[str], None] | None = None
+
+
+def hold_here() -> None:
+    """On the last rank, be held still from here (stopped from outside, hold.py) until every other rank has
+    reached passed_here(), or for MAX_HOLD. What the others do meanwhile cannot wait on this rank: an
+    all-reduce launched and left to run lets them go on, one waited for at once stops them. Does nothing on
+    the other ranks and elsewhere (the reference job, an unmetered check)."""
+    if _hold_here is not None:
+        _hold_here()
+
+
+def passed_here(tag: str) -> None:
+    """Tell the checker this rank got here; its clock notes whether the held rank was still stopped then
+    (ctx.wire["passed_held"]). Does not wait. Does nothing on the held rank and elsewhere."""
+    if _passed_here is not None:
+        _passed_here(tag)
 
 
 def one_rank_points(size: int) -> float:

@@ -8,6 +8,8 @@ backward ran" from "all sent afterwards". Nothing here is imported on the client
 """
 from __future__ import annotations
 
+from typing import Callable
+
 # MPI calls on the learner's communicator that all-reduce data (a Reduce is one when a Bcast
 # follows: counted too, so Reduce+Bcast per tensor is as many all-reduces as tensors)
 MPI_REDUCES = {"Allreduce", "allreduce", "Iallreduce", "Allreduce_init", "Reduce_scatter",
@@ -133,25 +135,38 @@ def launched_elements(mpi: bool = True) -> int | None:
     return sum(c.count or 0 for c in recording.recorder.calls if c.name in names)
 
 
-def read_wire_in_backward(x, tag: str):
-    """x, unchanged; but once backward reaches it, the rank waits there for the checker's reading of the
-    wire (cases.read_wire_here): by then backward has made the gradients of every layer after this point
-    (torch runs a parameter's gradient accumulation, and its hooks, as soon as it can) and none before."""
+def _in_backward(x, then: Callable[[], None]):
+    """x, unchanged; once backward reaches it, then() runs there: by then backward has made the gradients of
+    every layer after this point (torch runs a parameter's gradient accumulation, and its hooks, as soon as it
+    can) and none before."""
     import torch
 
-    from hpdl.checker.cases import read_wire_here
-
-    class ReadWire(torch.autograd.Function):
+    class At(torch.autograd.Function):
         @staticmethod
         def forward(ctx, t):
             return t.view_as(t)
 
         @staticmethod
         def backward(ctx, grad):
-            read_wire_here(tag)
+            then()
             return grad
 
-    return ReadWire.apply(x)
+    return At.apply(x)
+
+
+def read_wire_in_backward(x, tag: str):
+    """x; once backward reaches it, the rank waits there for the checker's reading of the wire
+    (cases.read_wire_here)."""
+    from hpdl.checker.cases import read_wire_here
+
+    return _in_backward(x, lambda: read_wire_here(tag))
+
+
+def passed_in_backward(x, tag: str):
+    """x; once backward reaches it, the rank tells the checker so and goes on (cases.passed_here)."""
+    from hpdl.checker.cases import passed_here
+
+    return _in_backward(x, lambda: passed_here(tag))
 
 
 def params(model) -> list:

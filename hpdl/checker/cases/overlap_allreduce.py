@@ -26,6 +26,15 @@ overlap); what the recording says backward launched must have crossed when it re
 than the gradients made by the cut can carry may have crossed there, or the reading was skipped or
 moved (forged: no case counts). A learner who times a by-hand copy of the bucket schedule to those
 readings, rather than to backward, still passes.
+
+Whether a hook waits for its all-reduce is read from the checker's clock ("hold" cases): in the third step
+the last rank is held still (stopped from outside, hold.py) before its forward, and the others run theirs
+and their backward. An all-reduce launched and left to run cannot finish without the held rank, but
+backward goes on past it; one waited for at once (all_reduce without async_op, or .wait() in the hook)
+stops backward at the first complete bucket until the held rank is let go. Each other rank tells the
+checker when its backward reaches the first Linear's output, after every other layer's hooks; only what
+the checker hears while the last rank is still stopped counts. A wait at the very end of backward, as
+DDP's own queued callback does, gets there first and passes.
 """
 from __future__ import annotations
 
@@ -47,17 +56,21 @@ LOW = 0.5  # at that reading, at least this share of the bytes the buckets compl
 HIGH = 1.5  # and at most this share of what the gradients made by then could carry (+ SLACK): their share
 # of the values, or, where small tensors make each all-reduce's own bytes count, their share of the buckets
 SLACK = 4096  # bytes
+HOLD_STEP = 2  # the last rank held still before this step's forward (no reading of the wire in it)
 
 
 def cases(size):
     kw = {"slow_factor": 1e6, "points": one_rank_points(size)}  # on one rank a finish() doing nothing is right
     read = {"pause": "together", "cut": CUT}  # the wire read in backward, every rank waiting (_wire_in_backward)
+    held = {"hold": "here"}  # the last rank held back in step HOLD_STEP (_backward_waited)
     return [
-        Case("5-layer MLP, buckets of 0.004 MiB (several buckets)", {"bucket_mb": 0.004, "seed": 1, **read}, **kw),
+        Case("5-layer MLP, buckets of 0.004 MiB (several buckets)", {"bucket_mb": 0.004, "seed": 1, **read, **held},
+             **kw),
         Case("5-layer MLP, buckets of 25 MiB (one bucket)", {"bucket_mb": 25.0, "seed": 2}, **kw),
         Case("5-layer MLP, buckets of 1e-6 MiB (one tensor each)", {"bucket_mb": 1e-6, "seed": 3, **read}, **kw),
         # its first bucket is complete only when backward reaches the second Linear (model[3]): read there
-        Case("5-layer MLP, buckets of 0.01 MiB", {"bucket_mb": 0.01, "seed": 4, **read, "cut": 3}, hidden=True, **kw),
+        Case("5-layer MLP, buckets of 0.01 MiB", {"bucket_mb": 0.01, "seed": 4, **read, "cut": 3, **held},
+             hidden=True, **kw),
     ]
 
 
@@ -72,7 +85,8 @@ def inputs(case, rank, size):
     batches = [_dp.batch(6, WIDTHS[0], WIDTHS[-1], seed=seeded(10_000 * seed + 100 * step + rank))
                for step in range(STEPS)]
     cut = case.params.get("cut") if size > 1 else None  # one rank all-reduces nothing: no reading
-    return [p.detach().clone() for p in model.parameters()], case.params["bucket_mb"], batches, cut
+    held = case.params.get("hold") == "here" and size > 1
+    return [p.detach().clone() for p in model.parameters()], case.params["bucket_mb"], batches, cut, held
 
 
 def _model(state):
@@ -140,21 +154,24 @@ def model_solution(comm, model, bucket_mb):
     return finish
 
 
-def _forward(model, x, cut: int | None):
-    """The model's output; with a cut, the wire is read where backward reaches model[cut] (_dp)."""
+def _forward(model, x, cut: int | None, held: bool = False):
+    """The model's output; with a cut, the wire is read where backward reaches model[cut]; held, each rank
+    says when backward reaches the first Linear's output (_dp)."""
+    if held:
+        return model[2:](_dp.passed_in_backward(model[:2](x), "first"))  # model[1]: the first Linear
     if cut is None:
         return model(x)
     return model[cut:](_dp.read_wire_in_backward(model[:cut](x), "m"))
 
 
-def _train(build, comm, model, bucket_mb, batches, cut=None) -> dict:
+def _train(build, comm, model, bucket_mb, batches, cut=None, held=False) -> dict:
     """Three steps; with a cut, in step READ_STEP every rank also waits for the checker's reading of the wire
     at the start ("b"), at the cut in backward ("m"), when backward has returned ("e", before finish()) and
-    at the end ("after")."""
+    at the end ("after"); held, in step HOLD_STEP the last rank is held still before its forward."""
     import torch
     import torch.nn.functional as F
 
-    from hpdl.checker.cases import read_wire_here
+    from hpdl.checker.cases import hold_here, read_wire_here
 
     finish = build(comm, model, bucket_mb)
     if not callable(finish):
@@ -167,8 +184,11 @@ def _train(build, comm, model, bucket_mb, batches, cut=None) -> dict:
         if read:
             read_wire_here("b")
         opt.zero_grad()
+        hold = held and step == HOLD_STEP
+        if hold:
+            hold_here()
         start, elements, in_torch = _dp.launches(), _dp.launched_elements(), _dp.launched_elements(mpi=False)
-        F.cross_entropy(_forward(model, x, cut if read else None), y).backward()
+        F.cross_entropy(_forward(model, x, cut if read else None, hold), y).backward()
         during = _dp.launches() - start
         values = None if elements is None else _dp.launched_elements() - elements
         torch_values = None if in_torch is None else _dp.launched_elements(mpi=False) - in_torch
@@ -186,11 +206,11 @@ def _train(build, comm, model, bucket_mb, batches, cut=None) -> dict:
 
 def call(fn, comm, args):
     _dp.ensure_process_group()
-    state, bucket_mb, batches, cut = args
-    return _train(fn, comm, _model(state), bucket_mb, batches, cut)
+    state, bucket_mb, batches, cut, held = args
+    return _train(fn, comm, _model(state), bucket_mb, batches, cut, held)
 
 
-def reference(comm, state, bucket_mb, batches, cut):
+def reference(comm, state, bucket_mb, batches, cut, held):
     _dp.ensure_process_group()
     model = _model(state)
     out = _train(model_solution, comm, model, bucket_mb, batches)
@@ -250,8 +270,26 @@ def verify(case, ctx):
         return Wrong(f"{most} all-reduces in a step where buckets of ≤ {case.params['bucket_mb']:g} MiB give {buckets}",
                      hint="pack the gradients of a bucket into one flat buffer (torch.cat) and all-reduce that once, "
                           "instead of one all-reduce per tensor.")
-    return _wire_in_backward(case, ctx) or hooks.received_for_allreduce(
+    return _wire_in_backward(case, ctx) or _backward_waited(case, ctx) or hooks.received_for_allreduce(
         ctx, STEPS * 4 * expected["gradient_values"], f"the average gradient of {STEPS} steps")
+
+
+def _backward_waited(case, ctx) -> Wrong | None:
+    """A "hold" case: in step HOLD_STEP the last rank was held still before its forward; this rank's backward
+    must have reached the first Linear's output meanwhile (the checker's clock, ctx.wire["passed_held"])."""
+    if case.params.get("hold") != "here" or ctx.size == 1 or ctx.wire is None:
+        return None
+    passed, last, s = ctx.wire.get("passed_held"), ctx.size - 1, HOLD_STEP
+    if passed == "never":
+        return Wrong(f"in step {s + 1} rank {last} was not held back where the checker holds it (the kit's call "
+                     "before its forward): whether backward waits for the other ranks is unknown", forged=True)
+    if not isinstance(passed, list) or ctx.rank == last or ctx.rank in passed:
+        return None  # could not be held here; or the held rank itself; or it went on
+    return Wrong(f"in step {s + 1}, while rank {last} was held back before its forward, rank {ctx.rank}'s backward "
+                 "stopped before reaching the first Linear: a hook waited for its all-reduce, which cannot end "
+                 f"before rank {last} gets there, so backward computed nothing while the bytes were on the wire",
+                 hint="in the hook, launch dist.all_reduce(flat, async_op=True) and keep the work it returns, "
+                      "without waiting; wait for all of them in finish(), after backward.")
 
 
 def _wire_in_backward(case, ctx) -> Wrong | None:
