@@ -16,7 +16,9 @@ and what Python and numpy allocate, through tracemalloc; sampled at every torch 
 every MPI call): a rank that keeps the gathered layers alive holds the whole model and is
 rejected, whatever its output. In a hidden case (grading) of 4 MiB layers the kernel counts it
 too, outside the learner's processes: the most the check job's memory cgroup held at once during
-the case (reset while every rank waits before it; jobs.Job.memory_held), over what it held then.
+the case (reset while every rank waits before it; jobs.Job.memory_held), over what it held then. That
+case is its job's first, counted from before the learner's code is unpacked: memory kept from an earlier
+case (an arena made there, the whole model's worth) would be in what a later one counts from.
 Beyond their shards, more than OUTSIDE_LAYERS layers' worth per rank (the whole model is 16) while
 the count in the learner's process saw less is memory hidden from it: the check scores nothing.
 The layers are drawn with the check's nonce, and the kernel counts what reaches each rank (the
@@ -50,12 +52,15 @@ OUTSIDE_LAYERS = 10
 
 def cases(size):
     slow = 1e6
-    big = [] if size < 2 else [  # layers of 4 MiB: what all ranks hold at once is also read outside their processes
-        # (METERED jobs, 2 ranks on). In grading only: drawing and gathering 64 MiB adds about 1 s a rank count
+    # layers of 4 MiB: what all ranks hold at once is also read outside their processes (METERED jobs, 2 ranks
+    # on). In grading only: drawing and gathering 64 MiB adds about 1 s a rank count. The job's first case: its
+    # count starts before the learner's code is unpacked, so no memory held from an earlier case (an arena)
+    # or from unpacking is in what it counts from
+    big = [] if size < 2 else [
         Case("16 layers of 1024 × 1024, batch 2: memory counted by the system", {"widths": [1024] * 17, "batch": 2,
                                                                                 "seed": 5}, hidden=True,
              slow_factor=slow)]
-    return [
+    return big + [
         Case("3 layers 8 → 6 → 5 → 4, batch 3", {"widths": [8, 6, 5, 4], "batch": 3, "seed": 1}, slow_factor=slow),
         Case("6 layers of 192 × 192, batch 4: memory measured", {"widths": [192] * 7, "batch": 4, "seed": 2},
              slow_factor=slow),
@@ -63,7 +68,7 @@ def cases(size):
              hidden=True, slow_factor=slow),
         Case("5 layers of 161 × 161, batch 2: memory measured", {"widths": [161] * 6, "batch": 2, "seed": 4},
              hidden=True, slow_factor=slow),
-    ] + big
+    ]
 
 
 def _layers(params):
