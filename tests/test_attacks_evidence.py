@@ -93,6 +93,14 @@ def test_the_steps_cost_is_not_in_the_learners_process(guess, no_strays):
     all_points(hpdl.check("throughput", E.throughput_timed, grade=True))  # a meter that times the steps
 
 
+def test_which_batches_were_stepped_is_the_helpers_word(no_strays):
+    """One batch timed, the step's own list of calls rewritten to every batch: the helper that sleeps for the
+    step notes each call and signs the list (5/5 before, on the list kept in the learner's process)."""
+    result = hpdl.check("throughput", E.throughput_from_one_step_recorded_as_all, grade=True)
+    assert not any(c.verdict == "PASS" for c in result.cases), result
+    assert all("step was called on batches of sizes" in c.message for c in result.cases), result
+
+
 @pytest.mark.parametrize("attack", [E.autotune_from_the_cost, E.autotune_resets_its_count,
                                     E.autotune_swallows_the_refusal, E.autotune_forges_the_receipt])
 def test_the_tuners_costs_and_count_are_not_in_the_learners_process(attack, no_strays):

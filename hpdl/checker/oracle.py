@@ -70,6 +70,44 @@ def _serve_forever(sock: socket.socket, path: str, serve) -> None:
         stream.flush()
 
 
+def key(kind: str, params: dict, case_name: str) -> str:
+    """The key a helper signs its receipts with: drawn from the check's nonce, which only the checker's side
+    and the helper know (and the learner's process never does)."""
+    import hashlib
+
+    return hashlib.sha256(f"{kind}:{params.get('nonce')}:{case_name}".encode()).hexdigest()
+
+
+def signed(body: dict, secret: str) -> dict:
+    """In the helper: `body` as a receipt the learner's process can hand on, but not make up or alter."""
+    import hmac
+
+    text = json.dumps(body, sort_keys=True)
+    return {"body": text, "mac": hmac.new(secret.encode(), text.encode(), "sha256").hexdigest()}
+
+
+def receipt_body(receipt, secret: str | None) -> dict | None:
+    """The body of a receipt (signed()) whose signature holds; None where it is missing or altered.
+    `secret` None: taken unchecked (a check without a nonce, a stripped kit's public cases: the learner's
+    own inline check, which nothing is at stake in)."""
+    import hmac
+
+    from hpdl import safefiles
+
+    if not isinstance(receipt, dict) or not isinstance(receipt.get("body"), str) \
+            or not isinstance(receipt.get("mac"), str):
+        return None
+    if secret is not None:
+        mac = hmac.new(secret.encode(), receipt["body"].encode(), "sha256").hexdigest()
+        if not hmac.compare_digest(mac, receipt["mac"]):
+            return None
+    try:
+        body = safefiles.json_of(receipt["body"])
+    except ValueError:  # a body of the learner's making, where no signature is checked
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def running() -> bool:
     return _file is not None
 

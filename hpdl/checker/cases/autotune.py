@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 
+from hpdl.checker import oracle
 from hpdl.checker.cases import Case, Wrong
 
 SIGNATURE = "autotune(measure, space: dict[str, list], budget: int) -> dict   # a config within 5% of the best"
@@ -97,8 +98,6 @@ class RemoteMeasure:
         self.invalid: str | None = None
 
     def __call__(self, config) -> float:
-        from hpdl.checker import oracle
-
         idx = index_of(self.space, config)
         if idx is None:
             self.invalid = repr(config)
@@ -111,15 +110,7 @@ class RemoteMeasure:
 
     def receipt(self) -> dict:
         """The helper's signed count of measurements made and refused; it measures nothing after."""
-        from hpdl.checker import oracle
-
         return oracle.ask({"case": self.case, "receipt": True})
-
-
-def _key(params: dict, case_name: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(f"autotune:{params.get('nonce')}:{case_name}".encode()).hexdigest()
 
 
 def secrets(case, rank, size) -> dict:
@@ -128,20 +119,18 @@ def secrets(case, rank, size) -> dict:
     p = case.params
     return {"costs": _costs(p["surface"]), "shape": [len(v) for v in SPACES[p["surface"]].values()],
             "budget": p["budget"], "noise": p["noise"], "seed": f"{p['seed']}:{p.get('nonce')}",
-            "key": _key(p, case.name), "case": case.name, "calls": 0, "refused": 0, "seen": {}, "closed": False}
+            "key": oracle.key("autotune", p, case.name), "case": case.name, "calls": 0, "refused": 0, "seen": {},
+            "closed": False}
 
 
 def serve(request: dict, known: dict) -> dict:
     """In the helper: one noisy measurement of a config within the budget, or the signed receipt."""
     import hashlib
-    import hmac
-    import json
 
     s = known[str(request["case"])]
     if request.get("receipt"):
         s["closed"] = True
-        body = json.dumps({"case": s["case"], "calls": s["calls"], "refused": s["refused"]}, sort_keys=True)
-        return {"body": body, "mac": hmac.new(s["key"].encode(), body.encode(), "sha256").hexdigest()}
+        return oracle.signed({"case": s["case"], "calls": s["calls"], "refused": s["refused"]}, s["key"])
     idx = request.get("index")
     if not (isinstance(idx, list) and len(idx) == len(s["shape"])
             and all(type(i) is int and 0 <= i < n for i, n in zip(idx, s["shape"]))):
@@ -179,22 +168,9 @@ def reference(comm, measure):
 
 def _receipt(case, got) -> dict | None:
     """The helper's count of measurements, if its signature holds (checked when the check has a nonce)."""
-    import hmac
-
-    from hpdl import safefiles
-
-    r = got.get("receipt") if isinstance(got, dict) else None
-    if not isinstance(r, dict) or not isinstance(r.get("body"), str) or not isinstance(r.get("mac"), str):
-        return None
-    if "nonce" in case.params:
-        mac = hmac.new(_key(case.params, case.name).encode(), r["body"].encode(), "sha256").hexdigest()
-        if not hmac.compare_digest(mac, r["mac"]):
-            return None
-    try:
-        body = safefiles.json_of(r["body"])
-    except ValueError:  # a body of the learner's making, where no signature is checked (no nonce)
-        return None
-    ok = isinstance(body, dict) and body.get("case") == case.name and all(
+    secret = oracle.key("autotune", case.params, case.name) if "nonce" in case.params else None
+    body = oracle.receipt_body(got.get("receipt") if isinstance(got, dict) else None, secret)
+    ok = body is not None and body.get("case") == case.name and all(
         isinstance(body.get(k), int) for k in ("calls", "refused"))
     return body if ok else None
 

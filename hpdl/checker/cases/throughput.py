@@ -12,7 +12,9 @@ nonce (0.4 to 10, so the listed values are not the answer), and the learner's st
 that asks a helper process (oracle.py) to sleep, the only one that knows how long. The usual
 slips land far from it: timing the warm-up too, counting batches instead of samples, assuming every batch
 is as large as the first, inverting the ratio. Sleeps can only overrun, so a busy machine
-reads a little low; the accepted band is [0.5, 1.15] × the true rate.
+reads a little low; the accepted band is [0.5, 1.15] × the true rate. Which batches step() was called on
+is the helper's word too: it notes each call's size and signs the list with a key drawn from the nonce
+(oracle.signed); verify() reads that receipt, never a list the learner's process kept.
 
 Like train_step, this takes no communicator: `call()` hands the learner's function its inputs.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import numbers
 import time
 
+from hpdl.checker import oracle
 from hpdl.checker.cases import Case, Wrong
 
 SIGNATURE = "throughput(step, batches, warmup=1) -> float   # samples per second after warm-up"
@@ -67,11 +70,13 @@ class RemoteStep:
         self.calls: list[int] = []
 
     def __call__(self, batch):
-        from hpdl.checker import oracle
-
         n = len(batch[0])
         self.calls.append(n)
         oracle.ask({"case": self.case, "n": n})
+
+    def receipt(self) -> dict:
+        """The helper's signed list of the batch sizes it stepped; it steps nothing after."""
+        return oracle.ask({"case": self.case, "receipt": True})
 
 
 def per_sample(params: dict) -> float:
@@ -89,17 +94,22 @@ def per_sample(params: dict) -> float:
 def secrets(case, rank, size) -> dict:
     """What the helper beside the learner's rank knows (jobs.Runner.secrets)."""
     p = case.params
-    return {"per_sample": per_sample(p), "first": p["first"], "warmup": p["warmup"], "served": 0}
+    return {"per_sample": per_sample(p), "first": p["first"], "warmup": p["warmup"], "sizes": [],
+            "key": oracle.key("throughput", p, case.name), "case": case.name, "closed": False}
 
 
 def serve(request: dict, known: dict) -> dict:
-    """In the helper: sleep for one step of `n` samples of a case (its warm-up calls are slow)."""
+    """In the helper: sleep for one step of `n` samples of a case (its warm-up calls are slow), noting its
+    size; or the signed list of the sizes stepped (the receipt), after which it steps no more."""
     s = known[str(request["case"])]
+    if request.get("receipt"):
+        s["closed"] = True
+        return oracle.signed({"case": s["case"], "sizes": s["sizes"]}, s["key"])
     n = int(request["n"])
-    if not 0 <= n <= 1 << 20:
-        raise ValueError(f"a batch of {n} samples")
-    extra = s["first"] if s["served"] < s["warmup"] else 0.0
-    s["served"] += 1
+    if not 0 <= n <= 1 << 20 or s["closed"] or len(s["sizes"]) >= 1 << 12:
+        raise ValueError(f"a batch of {n} samples" if not 0 <= n <= 1 << 20 else "no more steps in this case")
+    extra = s["first"] if len(s["sizes"]) < s["warmup"] else 0.0
+    s["sizes"].append(n)
     time.sleep(extra + s["per_sample"] * n)
     return {}
 
@@ -112,8 +122,6 @@ def inputs(case, rank, size):
     """(step, batch sizes, warmup, as a generator?): `call()` turns the sizes into batches."""
     p = case.params
     if "nonce" not in p:  # the learner's side, or a check without a nonce (a stripped kit's public cases)
-        from hpdl.checker import oracle
-
         step = RemoteStep(case.name) if oracle.running() else SleepyStep(p["per_sample"], p["first"], p["warmup"])
     else:
         step = SleepyStep(per_sample(p), p["first"], p["warmup"])
@@ -125,7 +133,7 @@ def call(fn, comm, args):
     step, sizes, warmup, as_generator = args
     batches = _batches(sizes)
     rate = fn(step, (b for b in batches) if as_generator else batches, warmup)
-    return {"rate": rate, "calls": step.calls}
+    return {"rate": rate, "calls": step.calls, "receipt": step.receipt() if isinstance(step, RemoteStep) else None}
 
 
 def reference(comm, step, sizes, warmup, as_generator):
@@ -133,11 +141,26 @@ def reference(comm, step, sizes, warmup, as_generator):
     return {"rate": 1.0 / step.per_sample, "calls": list(sizes)}
 
 
+def _stepped(case, got) -> list | None:
+    """The sizes of the batches step() was called on: the helper's signed word where the check has a nonce (the
+    checker's side of a real check); else, in a check without one, the list the step kept. None: altered."""
+    if "nonce" not in case.params and got.get("receipt") is None:
+        return got.get("calls")
+    secret = oracle.key("throughput", case.params, case.name) if "nonce" in case.params else None
+    body = oracle.receipt_body(got.get("receipt"), secret)
+    ok = body is not None and body.get("case") == case.name and isinstance(body.get("sizes"), list)
+    return body["sizes"] if ok else None
+
+
 def verify(case, ctx):
     got, expected = ctx.got, ctx.expected
     rate, truth = got["rate"], expected["rate"]
-    if got["calls"] != expected["calls"]:
-        return Wrong(f"step was called on batches of sizes {got['calls']}; expected each batch once, in order: "
+    calls = _stepped(case, got)
+    if calls is None:
+        return Wrong("the checker's record of the steps taken is missing or altered: call step(batch) on each "
+                     "batch and return the rate; leave the step object and the checker's helper alone", forged=True)
+    if calls != expected["calls"]:
+        return Wrong(f"step was called on batches of sizes {calls}; expected each batch once, in order: "
                      f"{expected['calls']}",
                      hint="call step(batch) on every batch, the warm-up ones included (they are run, just not timed).")
     if rate is None or isinstance(rate, bool) or not isinstance(rate, numbers.Real):
