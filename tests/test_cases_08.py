@@ -67,6 +67,7 @@ def test_a_receipt_not_signed_by_the_helper_is_wrong_not_a_crash():
     import json
     from types import SimpleNamespace
 
+    from hpdl.checker import oracle
     from hpdl.checker.cases import Wrong, autotune, with_nonce
 
     case = autotune.cases(1)[0]
@@ -78,8 +79,8 @@ def test_a_receipt_not_signed_by_the_helper_is_wrong_not_a_crash():
         got = SimpleNamespace(got={"config": best, "invalid": None, "receipt": receipt})
         assert isinstance(autotune.verify(case, got), Wrong)
     keyed = with_nonce(case, 42)
-    other = hmac.new(autotune._key({"nonce": 41}, case.name).encode(), body.encode(), "sha256").hexdigest()
-    mine = hmac.new(autotune._key(keyed.params, case.name).encode(), body.encode(), "sha256").hexdigest()
+    other = hmac.new(oracle.key("autotune", {"nonce": 41}, case.name).encode(), body.encode(), "sha256").hexdigest()
+    mine = hmac.new(oracle.key("autotune", keyed.params, case.name).encode(), body.encode(), "sha256").hexdigest()
     got = lambda mac: SimpleNamespace(got={"config": best, "invalid": None, "receipt": {"body": body, "mac": mac}})  # noqa: E731
     assert isinstance(autotune.verify(keyed, got(other)), Wrong)
     assert autotune.verify(keyed, got(mine)) is None  # the helper's own signature: the config is judged

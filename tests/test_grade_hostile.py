@@ -275,10 +275,11 @@ def test_one_submissions_check_requests_run_one_at_a_time(tmp_path, monkeypatch,
         checks = set()  # a check's folder holds its jobs: learner's and reference ranks at each rank count
         for p in me.children(recursive=True):
             try:
-                if p.name().startswith("mpiexec"):
-                    checks.add(os.path.dirname(p.cmdline()[-1]))
+                cmd = p.cmdline() if p.name().startswith("mpiexec") else []
             except psutil.Error:  # gone meanwhile
-                pass
+                continue
+            if cmd:  # empty: it has just ended (a zombie's command line reads empty)
+                checks.add(os.path.dirname(cmd[-1]))
         most = max(most, len(checks))
         time.sleep(0.05)
     service.finish()
