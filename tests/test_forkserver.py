@@ -131,7 +131,19 @@ def _sleepers(folder: Path, *names: str) -> list:
 
 
 def _lines(job: sidejob.SideJob, key: str) -> dict:
-    found = (json.loads(line) for line in job.output_text().splitlines() if line.startswith("{"))
+    """The JSON objects the ranks printed, by `key`. Two ranks share one stream: their lines can run into
+    one another ('{...}{...}'), so every object is read where it starts."""
+    text, decoder, found = job.output_text(), json.JSONDecoder(), []
+    at = text.find("{")
+    while at >= 0:
+        try:
+            obj, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:  # not (yet) a whole object here
+            end = at + 1
+        else:
+            if isinstance(obj, dict) and key in obj:
+                found.append(obj)
+        at = text.find("{", end)
     return {line[key]: line for line in found}
 
 
