@@ -149,7 +149,6 @@ class Job:
         self.holding: hold.Hold | None = None  # a rank held still (hold.py), for the case in the window
         self.held: dict[int, dict | None] = {}  # case -> what each rank sent while its last rank was held
         self.passing: dict[int, set[int]] = {}  # case ("hold": "here") -> ranks past its mark before the let-go
-        self.passed_held: dict[int, list[int]] = {}  # and once let go, those ranks
         self.pausing: dict[tuple[int, str], set[int]] = {}  # (case, tag) -> ranks waiting there so far
         self.pauses: list[hold.Pause] = []  # every rank waits at these: read the wire, first come first
         self.paused: dict[int, dict[str, dict | None]] = {}  # case -> tag -> rank -> its bytes (hold.readings)
@@ -317,7 +316,8 @@ class Job:
             if self.held_case(index):  # "never": the rank never asked
                 row["held"] = (self.held[index] or {}).get(rank) if index in self.held else "never"
             if self.plan(index, "hold") == "here":  # None: it could not be held here
-                row["passed_held"] = self.passed_held.get(index) if index in self.held else "never"
+                row["passed_held"] = (sorted(self.passing[index]) if index in self.passing else None) \
+                    if index in self.held else "never"
         later = [p.index for p in self.todo if p.index > index]
         self.window = later[0] if later else None
         self.open_memory_window()
@@ -356,8 +356,10 @@ class Job:
                                            passed=self.passing.setdefault(index, set()) if here else None)
             if self.holding is None:
                 self.held[index] = None  # could not be stopped here: nothing to say
+                self.passing.pop(index, None)
         elif wanted:
             self.held[index] = None
+            self.passing.pop(index, None)
         self.release(f"go-hold_{index}", [rank])
 
     def held_case(self, index: int) -> bool:
@@ -432,8 +434,6 @@ class Job:
         if self.holding is not None:
             h, self.holding = self.holding, None
             self.held[h.index] = h.let_go()
-            if h.passed is not None:
-                self.passed_held[h.index] = sorted(h.passed)
 
 
 def _job_env(job_dir: str) -> dict[str, str]:

@@ -56,8 +56,8 @@ and may define
                                              # memory cgroup, where there is one)
     Case(..., {"hold": "here", ...})         # METERED: the same, from where call() says hold_here() on the
                                              # last rank, until every other rank has said passed_here()
-                                             # (or MAX_HOLD): ctx.wire["passed_held"], the ranks that got
-                                             # there while it was still stopped, None (not held) or "never"
+                                             # (or MAX_HOLD): ctx.wire["passed_held"], the ranks heard of
+                                             # before it was let go, None (not held) or "never"
     Case(..., {"pause": "together", ...})    # METERED: call() reads the wire where it matters with
                                              # read_wire_here(tag): every rank waits there until the
                                              # checker has read what each received so far (their transfers
@@ -227,7 +227,7 @@ def read_wire_here(tag: str) -> None:
 
 
 #: set on a learner's rank in a METERED check job for a case whose "hold" is "here" (learner_job): the last
-#: rank's asks the checker to hold it still, the others' tell it they got somewhere
+#: rank's asks the checker to hold it still, each other rank's tells it the rank got somewhere
 _hold_here: Callable[[], None] | None = None
 _passed_here: Callable[[str], None] | None = None
 
@@ -242,8 +242,9 @@ def hold_here() -> None:
 
 
 def passed_here(tag: str) -> None:
-    """Tell the checker this rank got here; its clock notes whether the held rank was still stopped then
-    (ctx.wire["passed_held"]). Does not wait. Does nothing on the held rank and elsewhere."""
+    """Tell the checker this rank got here; it counts if heard before the held rank is let go, which cannot
+    get past its hold_here() until then (ctx.wire["passed_held"]). Does not wait. Does nothing on the held
+    rank and elsewhere."""
     if _passed_here is not None:
         _passed_here(tag)
 

@@ -33,7 +33,7 @@ and their backward. An all-reduce launched and left to run cannot finish without
 backward goes on past it; one waited for at once (all_reduce without async_op, or .wait() in the hook)
 stops backward at the first complete bucket until the held rank is let go. Each other rank tells the
 checker when its backward reaches the first Linear's output, after every other layer's hooks; only what
-the checker hears while the last rank is still stopped counts. A wait at the very end of backward, as
+the checker hears before it lets the last rank go counts. A wait at the very end of backward, as
 DDP's own queued callback does, gets there first and passes.
 """
 from __future__ import annotations

@@ -106,8 +106,10 @@ def serve(request: dict, known: dict) -> dict:
         s["closed"] = True
         return oracle.signed({"case": s["case"], "sizes": s["sizes"]}, s["key"])
     n = int(request["n"])
-    if not 0 <= n <= 1 << 20 or s["closed"] or len(s["sizes"]) >= 1 << 12:
-        raise ValueError(f"a batch of {n} samples" if not 0 <= n <= 1 << 20 else "no more steps in this case")
+    if not 0 <= n <= 1 << 20:
+        raise ValueError(f"a batch of {n} samples")
+    if s["closed"] or len(s["sizes"]) >= 1 << 12:
+        raise ValueError("no more steps in this case")
     extra = s["first"] if len(s["sizes"]) < s["warmup"] else 0.0
     s["sizes"].append(n)
     time.sleep(extra + s["per_sample"] * n)
