@@ -70,9 +70,9 @@ def verify(case, ctx):
 def chunked(ctx):
     """The ring algorithm, not just a ring: one chunk of x per message (a chunk in segments too), 2(p-1)
     chunks in all. A chunk is at most n//p + n%p values (the last one taking the remainder; ⌈n/p⌉ with even
-    cuts), and the 2(p-1) chunks a rank passes on are all of x but one chunk, twice: at most 2(n - n//p)
-    values. Counted in values moved (hooks.values_sent), not messages. With n < p the last chunk is all
-    of x: there the ring moves what passing x around does, and only longer cases tell them apart."""
+    cuts), and the 2(p-1) chunks a rank passes on are all of x but one chunk, twice (ring_budget).
+    Counted in values moved (hooks.values_sent), not messages. With n < p the last chunk is all of x:
+    there the ring moves what passing x around does, and only longer cases tell them apart."""
     p, n, r = ctx.size, case_n(ctx), ctx.rank
     widest = n // p + n % p
     moved = [v for messages in hooks.values_sent(ctx).values() for v in messages]
@@ -82,13 +82,24 @@ def chunked(ctx):
                      f"{widest} values when x has {n} and there are {p} ranks",
                      hint="cut x into p chunks and pass one chunk per step (reduce-scatter, then allgather); "
                           "passing the whole vector around costs p times the bandwidth.")
-    budget = 2 * (n - n // p)
+    budget = ring_budget(n, p)
     if sum(moved) > budget:
         return Wrong(f"rank {r} sent {sum(moved)} values in {len(moved)} messages; the ring's 2(p-1) = {2 * (p - 1)} "
                      f"steps pass on one chunk each, at most {budget} values",
                      hint="p-1 steps of reduce-scatter, then p-1 steps of allgather: one chunk (one Sendrecv) per "
                           "step.")
     return None
+
+
+def ring_budget(n: int, p: int) -> int:
+    """The most values one rank passes on in the ring's 2(p-1) steps: all of x but one chunk in each
+    phase (two chunks next to each other in the ring's order), for the cut that makes that most, of
+    the two the docstring allows: even cuts (n//p each, the last one taking the remainder) or ⌈n/p⌉
+    each (the last ones shorter, or empty: n = 13 at 4 ranks cuts 4, 4, 4, 1 and a rank may pass on
+    all but the 1 and a 4)."""
+    s = -(-n // p)
+    ceil = [max(0, min(s, n - i * s)) for i in range(p)]
+    return max(2 * (n - n // p), 2 * n - min(ceil[i] + ceil[(i + 1) % p] for i in range(p)))
 
 
 def case_n(ctx) -> int:
