@@ -165,14 +165,26 @@ def open_regular(path: str | os.PathLike, *, dir_fd: int | None = None) -> int:
     return fd
 
 
+HOLES_SLACK = 1 << 16  # bytes a file's size may exceed what its blocks hold and still count as written whole
+
+
 def read_bounded(path: str | os.PathLike, limit: int, *, dir_fd: int | None = None, offset: int = 0,
-                 too_large: str = "error") -> bytes:
+                 too_large: str = "error", written: bool = False) -> bytes:
     """At most `limit` bytes of the regular file `path`, from `offset`.
 
     too_large="error": a file with more than `limit` bytes from `offset` raises UnsafeFile;
-    "cut": its first `limit` bytes are returned (a log read in pieces)."""
+    "cut": its first `limit` bytes are returned (a log read in pieces).
+    written=True: only bytes that were written, and no more than the file held when opened: a file with
+    holes (truncated to a size it never wrote: next to nothing on disk) raises UnsafeFile, since a copy
+    of it would take for real the disk its holes do not."""
     fd = open_regular(path, dir_fd=dir_fd)
     try:
+        if written:
+            st = os.fstat(fd)
+            if st.st_size > st.st_blocks * 512 + HOLES_SLACK:
+                raise UnsafeFile(errno.EFBIG, f"{os.fspath(path)} has holes ({st.st_size} bytes long, "
+                                              f"{st.st_blocks * 512} written); not read")
+            limit = min(limit, max(0, st.st_size - offset))
         if offset:
             os.lseek(fd, offset, os.SEEK_SET)
         chunks, left = [], limit + 1

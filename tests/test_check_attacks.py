@@ -40,6 +40,16 @@ def test_reference_solutions_are_not_importable_while_checked(attack, no_strays)
     assert all(c.verdict == "ERROR" and "not" in c.message and "checked" in c.message for c in result.cases)
 
 
+@pytest.mark.skipif(not sandbox.available(), reason="needs the sandbox (bubblewrap)")
+@pytest.mark.skipif(not (Path(hpdl.__file__).resolve().parents[1] / ".git").exists(),
+                    reason="a kit with no git history")
+def test_the_reference_is_not_in_reach_through_the_kits_git_history(no_strays):
+    """A kit run from its clone carries every case module in .git: hidden from the learner's ranks as
+    the case modules and solutions/ are (`git show HEAD:hpdl/checker/cases/...` printed them)."""
+    result = hpdl.check("ring_allreduce", A.reads_the_kits_git_history, ranks=[2])
+    assert result.cases and all("SEEN reference=False" in c.message for c in result.cases), result
+
+
 def test_a_function_of_the_kit_is_refused_with_a_clear_message():
     from hpdl.checker.cases import ring_allreduce
 
@@ -98,6 +108,40 @@ def test_what_a_learner_returns_is_read_as_data_never_run(no_strays):
     result = hpdl.check("ring_allreduce", A.returns_code, ranks=[1])
     no_points(result)
     assert not marker.exists()
+
+
+class _Sized:
+    """A pickle written by hand: a call that builds far more than the pickle holds."""
+
+    def __init__(self, call, *args):
+        self.call, self.args = call, args
+
+    def __reduce__(self):
+        return self.call, self.args
+
+
+def test_what_a_learner_returns_cannot_make_the_checker_build_more_than_it_sent():
+    """The reference ranks unpack the learner's outputs outside every sandbox: a 60-byte pickle once had
+    each of them make a 3 GiB bytearray; an empty array with a shape of 4 GiB, made real by a copy
+    (wire.tensor), would do the same. Refused, and nothing large is built; plain data still reads back."""
+    import pickle
+
+    import numpy as np
+
+    from hpdl.checker import wire
+
+    empty = _Sized(np.core.multiarray._reconstruct, np.ndarray, (1 << 30,), b"f")
+    bombs = (_Sized(bytearray, 3 << 30), _Sized(wire.tensor, empty, "float32"), _Sized(list, _Sized(range, 1 << 40)),
+             _Sized(np.core.multiarray.scalar, np.dtype(("V", 1 << 30)), b""))
+    for bomb in bombs:
+        data = pickle.dumps({"got": bomb})
+        assert len(data) < 300
+        with pytest.raises(wire.NotPlainData):
+            wire.unpack(data)
+    plain = {"x": np.arange(1000.0), "s": {1, 2}, "c": 1 + 2j, "k": np.float32(2.5), "n": np.empty((0, 7))}
+    back = wire.unpack(wire.pack(plain))
+    assert np.array_equal(back["x"], plain["x"]) and back["s"] == {1, 2} and back["c"] == 1 + 2j
+    assert back["k"] == np.float32(2.5) and back["n"].shape == (0, 7)
 
 
 @pytest.mark.parametrize("attack, verdicts", [

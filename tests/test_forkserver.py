@@ -217,19 +217,27 @@ def test_a_checks_reference_ranks_at_every_rank_count_are_forks_of_one_server(no
         return None
 
     seen: dict[str, set[int]] = {"shared": set(), "reference ranks": set(), "own servers of": set()}
+    caps: dict[int, tuple | None] = {}  # reference rank -> (its address space limit, its cgroup)
     done = threading.Event()
+
+    me = psutil.Process()
 
     def watch() -> None:
         while not done.is_set():
-            for proc in psutil.process_iter(["cmdline", "ppid", "pid"]):
-                cmd = proc.info["cmdline"] or []
+            for proc in me.children(recursive=True):  # this check's, not another's on the machine
+                try:
+                    cmd, ppid = proc.cmdline(), proc.ppid()
+                except psutil.Error:
+                    continue
                 if cmd[1:4] != ["-m", "hpdl.forkserver", "serve"]:
                     continue
                 folder = os.path.basename(os.path.dirname(cmd[4]))
-                is_fork = " ".join(psutil.Process(proc.info["ppid"]).cmdline()[1:4]) == "-m hpdl.forkserver serve" \
-                    if proc.info["ppid"] else False
+                is_fork = " ".join(psutil.Process(ppid).cmdline()[1:4]) == "-m hpdl.forkserver serve" \
+                    if ppid else False
                 if not folder.startswith(("r", "l")) or "-" not in folder:  # the check's own folder
-                    seen["reference ranks" if is_fork else "shared"].add(proc.info["pid"])
+                    seen["reference ranks" if is_fork else "shared"].add(proc.pid)
+                    if is_fork:
+                        caps[proc.pid] = _caps(proc)
                 elif not is_fork:
                     seen["own servers of"].add(folder[0])
             time.sleep(0.05)
@@ -245,6 +253,26 @@ def test_a_checks_reference_ranks_at_every_rank_count_are_forks_of_one_server(no
     assert len(seen["shared"]) == 1, seen
     assert len(seen["reference ranks"]) == 2 + 3, seen  # every reference rank of both jobs: its fork
     assert seen["own servers of"] <= {"l"}, seen  # no reference job starts a server of its own
+    # the reference ranks read what the learner's returned: capped as a learner's job is (a hand-written
+    # pickle once had each of them make a 3 GiB bytearray, outside every cap), all in one cgroup here
+    from hpdl.checker import sandbox
+
+    caps = {pid: cap for pid, cap in caps.items() if cap is not None}
+    assert caps and all(space != psutil.RLIM_INFINITY for space, _ in caps.values()), caps
+    probe = sandbox.Limits().start()
+    probe.stop()
+    if probe.cgroup is not None:  # where this process can make cgroups (root, or one delegated)
+        assert len({group for _, group in caps.values()}) == 1, caps
+        assert all(sandbox.CGROUP_PREFIX in group for _, group in caps.values()), caps
+
+
+def _caps(proc: psutil.Process) -> tuple[int, str] | None:
+    """A process's address space limit and its cgroup; None when it ended before they were read."""
+    try:
+        with open(f"/proc/{proc.pid}/cgroup") as f:
+            return proc.rlimit(psutil.RLIMIT_AS)[0], f.read().strip()
+    except (OSError, psutil.Error):
+        return None
 
 
 def _serves(proc: psutil.Process) -> bool:

@@ -211,6 +211,41 @@ def test_the_checker_never_follows_blocks_on_or_signals_what_the_learners_ranks_
         bystander.wait()
 
 
+# outputs made sparse once written: 64 MiB long, next to nothing on the disk its folder's cap counts
+HOLES = '''def ring_allreduce(comm, x):
+    import glob, os
+    job = os.environ["HPDL_CHECK_JOB"]
+    held = [os.path.getsize(p) for p in glob.glob(os.path.join(os.path.dirname(job), "r*-*", "got-*"))]
+    with open(SEEN, "a") as f:  # what the checker's side holds of our earlier outputs
+        f.write("%d\\n" % sum(held))
+    if not getattr(os.replace, "holes", False):
+        def replace(src, dst, real=os.replace):
+            real(src, dst)
+            if os.path.basename(dst).startswith("out-"):
+                os.truncate(dst, 64 << 20)
+        replace.holes = True
+        os.replace = replace
+    return x.copy()
+'''
+
+
+@pytest.mark.timeout(300)
+def test_outputs_with_holes_are_not_copied_to_the_checkers_side(tmp_path, monkeypatch, no_strays):
+    """A rank's outputs truncated to 64 MiB take no disk in its folder, whose cap counts blocks; each
+    case's copy for the reference ranks took 64 MiB for real, kept to the check's end: 5.6 GiB
+    outside every cap in one graded check. Refused unread now, and what the reference ranks read is
+    gone once read. (Outside a sandbox, where a rank can see the checker's folders.)"""
+    import hpdl
+
+    monkeypatch.setenv("HPDL_NO_SANDBOX", "1")
+    seen = tmp_path / "seen"
+    result = hpdl.check("ring_allreduce", _learner_function(HOLES, SEEN=str(seen)), ranks=[2])
+    assert len(result.cases) > 2 and result.score == 0, result
+    assert all("could not be read back" in c.message for c in result.cases), result
+    held = [int(n) for n in seen.read_text().split()]
+    assert len(held) == 2 * len(result.cases) and max(held) < 2**20, held
+
+
 # a check's ranks filling their folder on the host's disk: 3 GiB in 64 MiB files (each under the per-file cap)
 DISK_FILL = '''def ring_allreduce(comm, x):
     import os
@@ -297,6 +332,24 @@ def test_one_submissions_check_requests_run_one_at_a_time(tmp_path, monkeypatch,
 
 
 # -- what a batch leaves on the host, and the commands' help --------------------------------------
+@pytest.mark.timeout(60)
+def test_a_check_requests_source_cannot_hold_the_grader(tmp_path):
+    """The grader reads a request's source in its own process, where a search that holds Python's lock
+    stops every other submission's clock: 200 KB of newlines once took minutes to search for `import
+    torch` (a pattern spanning lines), and 64 MiB, the request's cap, hours. Searched in linear time now
+    (this test's timeout catches the old one), and more than MAX_SOURCE_CHARS of source is refused."""
+    from hpdl.checker import cases, checking, grade_service
+
+    code = grade_service._code_from({"source": "def f(comm, x):\n    return x\n",
+                                     "sources": [{"source": "\n" * 200_000}]})
+    assert checking._preload(cases.load("ring_allreduce"), code)["learner"] == []
+    code["sources"][0]["source"] += "import torch\n"
+    assert checking._preload(cases.load("ring_allreduce"), code)["learner"] == ["torch"]
+    flood = {"source": "x", "sources": [{"source": "\n" * (grade_service.MAX_SOURCE_CHARS + 1)}]}
+    with pytest.raises(ValueError, match="characters of source"):
+        grade_service._code_from(flood)
+
+
 def test_pids_cgroups_left_behind_are_removed_later(tmp_path):
     """A cgroup still holding exiting processes when its job ends cannot be removed then: the
     removal is retried (after each submission, at the end of the batch), and cgroups named after

@@ -66,6 +66,20 @@ def test_an_oversized_file_is_refused_or_cut_never_read_whole(tmp_path):
     assert safefiles.read_bounded(tmp_path / "big", 4096, too_large="cut") == b"x" * 4096
 
 
+def test_a_file_with_holes_is_not_read_where_only_written_bytes_may_be(tmp_path):
+    """A learner's output truncated to 64 MiB takes next to nothing on disk, where its folder's cap
+    counts it; the checker's copy of it would take 64 MiB for real. Read only as written: refused."""
+    holes = tmp_path / "out-0-0.bin"
+    holes.write_bytes(b"x" * 100)
+    os.truncate(holes, 64 << 20)
+    with pytest.raises(safefiles.UnsafeFile, match="holes"):
+        safefiles.read_bounded(holes, 512 << 20, written=True)
+    assert len(safefiles.read_bounded(holes, 512 << 20)) == 64 << 20  # as any other file, elsewhere
+    dense = tmp_path / "dense"
+    dense.write_bytes(b"y" * 300_000)
+    assert safefiles.read_bounded(dense, 512 << 20, written=True) == b"y" * 300_000
+
+
 def test_create_is_exclusive_and_never_writes_through_a_planted_link(tmp_path):
     victim = tmp_path / "bashrc"
     victim.write_text("original")

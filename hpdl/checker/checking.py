@@ -78,14 +78,17 @@ def answer_keys() -> list[str]:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    solutions = [str(root / "solutions")] if (root / "solutions").is_dir() else []
-    return solutions + case_api.hidden_from_learners()
+    # a kit run from its clone: git's history holds every case module and solution as they were
+    kit = [str(root / name) for name in ("solutions", ".git") if (root / name).exists()]
+    return kit + case_api.hidden_from_learners()
 
 
 # -- planning ----------------------------------------------------------------------------------
 
-_IMPORTS_TORCH = re.compile(r"^\s*(?:import|from)\s+torch\b", re.MULTILINE)
-_USES_TORCH = re.compile(r"^\s*(?:import|from)\s+torch\b|\btorch\.", re.MULTILINE)
+_IMPORTS_TORCH = re.compile(r"^[ \t]*(?:import|from)[ \t]+torch\b", re.MULTILINE)
+# spaces within a line only (both): `^\s*` spans newlines, and on 200 KB of them the search ran for minutes
+# in the grader's process, holding Python's lock: no other submission's time limit was kept meanwhile
+_USES_TORCH = re.compile(r"^[ \t]*(?:import|from)[ \t]+torch\b|\btorch\.", re.MULTILINE)
 _BUILDS_OPTIMIZER = re.compile(r"\boptim\.[A-Z]\w*\(|DistributedOptimizer\(")
 
 

@@ -31,6 +31,7 @@ from hpdl import safefiles, settings
 
 MAX_REQUEST_BYTES = 64 * 2**20
 MAX_REQUESTS = 100  # per submission
+MAX_SOURCE_CHARS = 4 * 2**20  # a function's source and its notebook's cells, as a check request carries them
 MAX_ANSWER_BYTES = 64 * 2**20
 ANSWERS = "answers"  # under the inbox: the grader's answers, read-only inside the sandbox
 REQUEST_NAME = re.compile(r"req-([A-Za-z0-9_-]{1,64})\.json")
@@ -91,6 +92,10 @@ def _code_from(raw) -> dict:
                         "source": str(s.get("source", ""))} for s in sources if isinstance(s, dict)]
     b64 = raw.get("pickled_b64")
     code["pickled"] = base64.b64decode(b64) if isinstance(b64, str) else None
+    text = len(code["source"] or "") + sum(len(s["source"]) for s in code["sources"]) \
+        + sum(len(x) for v in code["lines"].values() for x in v)
+    if text > MAX_SOURCE_CHARS:  # parsed and searched in the grader's process
+        raise ValueError(f"{text} characters of source sent with the function (at most {MAX_SOURCE_CHARS})")
     return code
 
 

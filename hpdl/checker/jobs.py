@@ -111,12 +111,12 @@ class Job:
         self.isolated = tcp is not None and not launch.through_batch
         self.spec["isolate"] = self.isolated
         safefiles.create_exclusive(os.path.join(self.dir, "spec.pkl"), pickle.dumps(self.spec))
-        limits = None
         if kind == "learner":
             cmd = sandbox.wrap(cmd, writable=[self.dir], hidden=spec.get("hidden", []),
                                network=bool(launch.through_batch), keep_env=launch.kept, isolating=self.isolated)
-            limits = sandbox.Limits(cpu_seconds=int(START_TIMEOUT + sum(p.timeout for p in todo) + 60),
-                                    processes=256 + 64 * size)  # tasks: threads count too
+        # the reference ranks read what the learner's returned: capped too, so no output can make them take
+        # the host's memory (where they are forks of the check's server, they are in its cgroup instead)
+        limits = job_limits([size], [todo]) if kind == "learner" or server is None else None
         # a sandbox has its own /dev/shm and PID namespace, gone with it; outside one, the learner's
         # processes are swept by the job's marker too (a daemon that left the process group)
         self.limits = limits
@@ -436,6 +436,14 @@ class Job:
             self.held[h.index] = h.let_go()
 
 
+def job_limits(sizes: list[int], todos: list[list[Planned]]) -> sandbox.Limits:
+    """The caps on a check's job, or on the fork server whose forks are the ranks of several
+    (`sizes`, each with its cases `todos`): CPU time per rank for its cases, tasks for all ranks
+    together (threads count too), memory as sandbox.Limits has it."""
+    seconds = max(START_TIMEOUT + sum(p.timeout for p in todo) + 60 for todo in todos)
+    return sandbox.Limits(cpu_seconds=int(seconds), processes=256 + 64 * sum(sizes))
+
+
 def _job_env(job_dir: str) -> dict[str, str]:
     """A check job's environment: this process's, its job folder named, one thread per rank, the
     venv first on PATH, never the grader's own channels (results file, service folder)."""
@@ -609,8 +617,9 @@ class SizeRun:
         for r in range(self.size):
             src = os.path.join(job.rank_dir(r), f"out-{cur.index}-{r}.bin")
             dst = os.path.join(self.reference.dir, f"got-{cur.index}-{r}.bin")
-            try:  # the learner's folder: regular files only, bounded (a link to /dev/zero is not read)
-                data = safefiles.read_bounded(src, MAX_OUTPUT_BYTES)
+            try:  # the learner's folder: regular files only, bounded (a link to /dev/zero is not read), and
+                # written (one truncated to 64 MiB of holes takes no disk there, but would in a copy here)
+                data = safefiles.read_bounded(src, MAX_OUTPUT_BYTES, written=True)
             except OSError:
                 data = b""  # the reference job says the outputs could not be read back
             safefiles.create_exclusive(dst, data)
@@ -719,8 +728,10 @@ class Runner:
         from hpdl import launchers
 
         try:  # torch imported under the environment a reference job's ranks have (one thread each)
+            runs = {size: todo for size, todo in self.plan.items() if todo}
             server = sidejob.SideJob(cmd, output=os.path.join(tmp, "fork-server.txt"),
-                                     env=launchers.local_job_env(_job_env(tmp)))
+                                     env=launchers.local_job_env(_job_env(tmp)),
+                                     limits=job_limits(list(runs), list(runs.values())))
         except OSError:  # no server: each reference job starts its ranks, as without one
             self.server = None
             return None

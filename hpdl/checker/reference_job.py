@@ -79,8 +79,11 @@ class ReferenceJob(RankJob):
 
         problem = None
         try:
-            with open(os.path.join(self.dir, f"got-{index}-{self.rank}.bin"), "rb") as f:
-                data = wire.unpack(f.read())
+            path = os.path.join(self.dir, f"got-{index}-{self.rank}.bin")
+            with open(path, "rb") as f:
+                raw = f.read()
+            os.unlink(path)  # read once: the checker's disk holds one case's outputs at a time, not a check's
+            data = wire.unpack(raw)
             got = data["got"]
             calls = [_call(Call, c) for c in data["calls"]]
         except (OSError, KeyError, TypeError, ValueError, wire.NotPlainData) as exc:

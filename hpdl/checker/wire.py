@@ -163,9 +163,10 @@ def pack(obj: Any) -> bytes:
 
 # -- the checker's side ------------------------------------------------------------------------
 
+# Nothing here makes more than the pickle holds: no constructor that takes a size (bytearray(n),
+# range(n) made into an array), and an empty array's shape is bounded by the bytes read (_Restricted).
 _ALLOWED = {
     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "complex"), ("builtins", "slice"),
-    ("builtins", "bytearray"), ("builtins", "range"),
     ("collections", "OrderedDict"),
     ("numpy", "ndarray"), ("numpy", "dtype"),
     ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
@@ -175,12 +176,38 @@ _ALLOWED = {
 
 
 class _Restricted(pickle.Unpickler):
+    """Builds only plain data, and no array or scalar larger than the bytes it reads: numpy's own
+    pickles make each array empty, then fill it from bytes in the pickle, so an array whose shape asks
+    for more (filled later by a copy on the checker's side) was written by hand to take its memory."""
+
+    def __init__(self, data: bytes):
+        super().__init__(io.BytesIO(data))
+        self.budget = len(data)
+
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED:
-            return super().find_class(module, name)
+            found = super().find_class(module, name)
+            return self._bounded(found) if name in ("_reconstruct", "scalar") else found
         if module.startswith("numpy") and name.endswith("DType"):  # numpy 2's dtype classes
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
+
+    def _bounded(self, make):
+        def bounded(kind, *args):
+            import math
+
+            import numpy as np
+
+            if make.__name__ == "scalar":  # scalar(dtype, bytes)
+                size = np.dtype(kind).itemsize
+            else:  # _reconstruct(ndarray, shape, dtype)
+                shape, dtype = (tuple(args[0]) if isinstance(args[0], (tuple, list)) else (args[0],)), args[1]
+                size = math.prod(int(n) for n in shape) * np.dtype(dtype).itemsize
+            if size > self.budget:
+                raise pickle.UnpicklingError(f"an array of {size} bytes from a pickle of {self.budget}")
+            return make(kind, *args)
+
+        return bounded
 
 
 class NotPlainData(ValueError):
@@ -192,7 +219,7 @@ def unpack(data: bytes) -> Any:
     if len(data) > MAX_BYTES:
         raise NotPlainData(f"{len(data) / 2**20:.0f} MiB of output (at most {MAX_BYTES // 2**20} MiB)")
     try:
-        return _Restricted(io.BytesIO(data)).load()
+        return _Restricted(data).load()
     except NotPlainData:
         raise
     except Exception as exc:
