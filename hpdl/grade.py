@@ -177,14 +177,24 @@ def _called_checks(data: bytes) -> list[str]:
     return names
 
 
+MAX_PREDICTIONS = 32  # cells tagged "prediction" kept per notebook (a lesson has at most 6)
+MAX_PREDICTION_CHARS = 4_000  # of each one's source, and of its output
+
+
 def predictions_of(cells: list[dict]) -> list[dict]:
-    """Cells a lesson tags "prediction": the learner's written prediction, and any text it printed."""
+    """Cells a lesson tags "prediction": the learner's written prediction, and any text it printed.
+    Bounded: every report holds them and is written again after each submission, so 3000 tagged cells
+    of 20,000 characters each, in two notebooks, once made a 480 MB index.html and a 2.9 GB grader."""
     out = []
     for i, cell in enumerate(cells):
         meta = cell.get("metadata") if isinstance(cell.get("metadata"), dict) else {}
         tags = meta.get("tags") if isinstance(meta.get("tags"), list) else []
         if "prediction" not in tags:
             continue
+        if len(out) == MAX_PREDICTIONS:
+            out.append({"cell": i, "source": f"[cells tagged prediction from here on not kept: at most "
+                                              f"{MAX_PREDICTIONS} a notebook]", "output": ""})
+            break
         texts = []
         for o in cell.get("outputs", []) if isinstance(cell.get("outputs"), list) else []:
             if not isinstance(o, dict):
@@ -193,7 +203,8 @@ def predictions_of(cells: list[dict]) -> list[dict]:
                 texts.append(_text(o.get("text")))
             elif isinstance(o.get("data"), dict) and "text/plain" in o["data"]:
                 texts.append(_text(o["data"]["text/plain"]))
-        out.append({"cell": i, "source": _text(cell.get("source"))[:20_000], "output": "".join(texts)[:20_000]})
+        out.append({"cell": i, "source": _text(cell.get("source"))[:MAX_PREDICTION_CHARS],
+                    "output": "".join(texts)[:MAX_PREDICTION_CHARS]})
     return out
 
 

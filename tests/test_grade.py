@@ -336,6 +336,19 @@ def test_prediction_cells_are_copied_into_the_report_unscored(tmp_path):
     assert "I predict 2(p-1) messages." in (tmp_path / "index.html").read_text()
 
 
+def test_prediction_cells_beyond_a_lesson_s_are_not_kept(tmp_path):
+    """Every report holds the predictions and is written again after each submission: 3000 tagged cells of
+    20,000 characters in each of two notebooks made a 480 MB index.html and a 2.9 GB grader. Kept: the
+    first MAX_PREDICTIONS, each cut, and a line saying the rest were not."""
+    bloat = [{"cell_type": "markdown", "metadata": {"tags": ["prediction"]}, "source": "<" * 20_000}] * 3000
+    got = grade.predictions_of(bloat)
+    assert len(got) == grade.MAX_PREDICTIONS + 1 and "not kept" in got[-1]["source"], got[-1]
+    assert all(len(p["source"]) <= grade.MAX_PREDICTION_CHARS for p in got)
+    sub = grade.Submission("a.ipynb", tmp_path / "a.ipynb", status="ok", predictions=got)
+    grade.write_reports([sub], tmp_path, exercises=[])
+    assert (tmp_path / "index.html").stat().st_size < 2**20
+
+
 def test_a_folder_nested_a_thousand_deep_is_refused_not_the_end_of_the_batch(tmp_path):
     """os.walk recursed once per level: a tree deeper than Python's recursion limit (an unpacked
     archive) ended `hpdl grade` for the whole class. Notebooks nearer the top are still found."""
