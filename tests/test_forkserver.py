@@ -217,7 +217,7 @@ def test_a_checks_reference_ranks_at_every_rank_count_are_forks_of_one_server(no
         return None
 
     seen: dict[str, set[int]] = {"shared": set(), "reference ranks": set(), "own servers of": set()}
-    caps: dict[int, tuple | None] = {}  # reference rank -> (its address space limit, its cgroup)
+    caps: dict[int, tuple | None] = {}  # rank -> (its address space limit, its cgroups)
     done = threading.Event()
 
     me = psutil.Process()
@@ -234,10 +234,10 @@ def test_a_checks_reference_ranks_at_every_rank_count_are_forks_of_one_server(no
                 folder = os.path.basename(os.path.dirname(cmd[4]))
                 is_fork = " ".join(psutil.Process(ppid).cmdline()[1:4]) == "-m hpdl.forkserver serve" \
                     if ppid else False
+                if is_fork:  # a rank: the reference's, or a learner job's (its own server's fork)
+                    caps[proc.pid] = _caps(proc)
                 if not folder.startswith(("r", "l")) or "-" not in folder:  # the check's own folder
                     seen["reference ranks" if is_fork else "shared"].add(proc.pid)
-                    if is_fork:
-                        caps[proc.pid] = _caps(proc)
                 elif not is_fork:
                     seen["own servers of"].add(folder[0])
             time.sleep(0.05)
@@ -254,24 +254,33 @@ def test_a_checks_reference_ranks_at_every_rank_count_are_forks_of_one_server(no
     assert len(seen["reference ranks"]) == 2 + 3, seen  # every reference rank of both jobs: its fork
     assert seen["own servers of"] <= {"l"}, seen  # no reference job starts a server of its own
     # the reference ranks read what the learner's returned: capped as a learner's job is (a hand-written
-    # pickle once had each of them make a 3 GiB bytearray, outside every cap), all in one cgroup here
+    # pickle once had each of them make a 3 GiB bytearray, outside every cap); and every job of the check
+    # is inside one cgroup whose memory cap holds for them all (4 learner jobs of 8 GiB each once held
+    # more than the host had)
     from hpdl.checker import sandbox
 
     caps = {pid: cap for pid, cap in caps.items() if cap is not None}
-    assert caps and all(space != psutil.RLIM_INFINITY for space, _ in caps.values()), caps
+    assert len(caps) > 2 + 3 and all(space != psutil.RLIM_INFINITY for space, _ in caps.values()), caps
     probe = sandbox.Limits().start()
     probe.stop()
     if probe.cgroup is not None:  # where this process can make cgroups (root, or one delegated)
-        assert len({group for _, group in caps.values()}) == 1, caps
-        assert all(sandbox.CGROUP_PREFIX in group for _, group in caps.values()), caps
+        ours = [[part for part in group.split("/") if part.startswith(sandbox.CGROUP_PREFIX)]
+                for _, group in caps.values()]
+        assert all(len(parts) == 2 for parts in ours), caps  # a job's cgroup inside the check's
+        assert len({parts[0] for parts in ours}) == 1 and len({parts[1] for parts in ours}) >= 3, caps
+        assert not any(os.path.exists(os.path.join(cgroup, ours[0][0])) for cgroup in sandbox._cgroup_parents())
 
 
 def _caps(proc: psutil.Process) -> tuple[int, str] | None:
-    """A process's address space limit and its cgroup; None when it ended before they were read."""
+    """A process's address space limit and its memory cgroup (v1; v2: its one cgroup); None when it ended
+    before they were read."""
     try:
         with open(f"/proc/{proc.pid}/cgroup") as f:
-            return proc.rlimit(psutil.RLIMIT_AS)[0], f.read().strip()
-    except (OSError, psutil.Error):
+            lines = [line.strip().split(":", 2) for line in f]
+        group = next((path for _, ctl, path in lines if "memory" in ctl.split(",")), None)
+        group = group if group is not None else next(path for _, ctl, path in lines if ctl == "")
+        return proc.rlimit(psutil.RLIMIT_AS)[0], group
+    except (OSError, StopIteration, psutil.Error):
         return None
 
 

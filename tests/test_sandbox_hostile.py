@@ -307,6 +307,36 @@ def test_one_total_cap_holds_processes_spread_over_many():
     assert "held 512 MiB" not in text and job.returncode != 0, text  # killed at the memory cap
 
 
+def test_jobs_each_under_their_own_cap_are_held_together_by_their_checks(tmp_path):
+    """A check runs its jobs at every rank count at once, each with a cgroup of its own (8 GiB here): four
+    learner jobs once held 6.3 GiB against a submission's 512 MiB, and could hold 32 GiB on a host of 24.
+    Inside the check's cgroup, two jobs of 300 MiB, each under its own cap of 1 GiB, together pass the
+    check's 400 MiB: one is stopped; and the check's cgroups are gone with it."""
+    sandbox = _sandbox()
+    if not sandbox.cgroup_works():
+        pytest.skip("no writable cgroup with the pids and memory controllers here")
+    from hpdl import sidejob
+
+    check = sandbox.Cgroup.make(200, 400 * 2**20)
+    hold = ("import time\nheld = [b'x' * (50 * 2**20) for _ in range(6)]\n"
+            "print('held 300 MiB', flush=True)\ntime.sleep(3)\n")
+    jobs = []
+    try:
+        for _ in range(2):
+            limits = sandbox.Limits(processes=40, memory_total=2**30, within=check)
+            jobs.append(sidejob.SideJob([sys.executable, "-c", hold], timeout=60, limits=limits))
+            assert limits.applied()["memory"] == 2**30 and limits.cgroup.path.startswith(check.path + os.sep)
+        for job in jobs:
+            job.wait()
+    finally:
+        for job in jobs:
+            job.end(now=True)
+        check.remove()
+    held = [job.returncode == 0 and "held 300 MiB" in job.output_text() for job in jobs]
+    assert held.count(True) == 1, [job.output_text() for job in jobs]  # each alone fits its own cap
+    assert not os.path.exists(check.path)
+
+
 def test_a_crash_under_the_limits_leaves_no_core_dump(tmp_path):
     """A core dump is as large as the process and no other cap counts it (or the host's collector
     takes it, outside them all): under the sandbox's limits none is written, even where the grader's

@@ -80,7 +80,7 @@ class Job:
 
     def __init__(self, kind: str, spec: dict, size: int, todo: list[Planned], tmp: str, sandboxed: bool,
                  private: dict[int, bytes] | None = None, oracle: dict[int, bytes] | None = None,
-                 server: str | None = None):
+                 server: str | None = None, group: sandbox.Cgroup | None = None):
         self.kind, self.size, self.todo, self.sandboxed = kind, size, list(todo), sandboxed
         self.dir = tempfile.mkdtemp(prefix=f"{kind[0]}{size}-", dir=tmp)
         os.chmod(self.dir, 0o700)
@@ -116,7 +116,7 @@ class Job:
                                network=bool(launch.through_batch), keep_env=launch.kept, isolating=self.isolated)
         # the reference ranks read what the learner's returned: capped too, so no output can make them take
         # the host's memory (where they are forks of the check's server, they are in its cgroup instead)
-        limits = job_limits([size], [todo]) if kind == "learner" or server is None else None
+        limits = job_limits([size], [todo], group) if kind == "learner" or server is None else None
         # a sandbox has its own /dev/shm and PID namespace, gone with it; outside one, the learner's
         # processes are swept by the job's marker too (a daemon that left the process group)
         self.limits = limits
@@ -436,12 +436,18 @@ class Job:
             self.held[h.index] = h.let_go()
 
 
-def job_limits(sizes: list[int], todos: list[list[Planned]]) -> sandbox.Limits:
+def job_limits(sizes: list[int], todos: list[list[Planned]], group: sandbox.Cgroup | None) -> sandbox.Limits:
     """The caps on a check's job, or on the fork server whose forks are the ranks of several
     (`sizes`, each with its cases `todos`): CPU time per rank for its cases, tasks for all ranks
-    together (threads count too), memory as sandbox.Limits has it."""
+    together (threads count too), memory as sandbox.Limits has it; inside the check's `group`, whose
+    caps hold for all its jobs together (Runner.run)."""
     seconds = max(START_TIMEOUT + sum(p.timeout for p in todo) + 60 for todo in todos)
-    return sandbox.Limits(cpu_seconds=int(seconds), processes=256 + 64 * sum(sizes))
+    return sandbox.Limits(cpu_seconds=int(seconds), processes=job_tasks(sizes), within=group)
+
+
+def job_tasks(sizes: list[int]) -> int:
+    """Tasks a check's job (or the fork server of several) may run: its ranks' threads count too."""
+    return 256 + 64 * sum(sizes)
 
 
 def _job_env(job_dir: str) -> dict[str, str]:
@@ -499,7 +505,8 @@ class SizeRun:
     def __init__(self, runner: "Runner", size: int, todo: list[Planned], tmp: str):
         self.runner, self.size, self.tmp = runner, size, tmp
         self.todo = list(todo)
-        self.reference = Job("reference", runner.spec, size, todo, tmp, sandboxed=False, server=runner.server)
+        self.reference = Job("reference", runner.spec, size, todo, tmp, sandboxed=False, server=runner.server,
+                             group=runner.group)
         try:
             self.learner: Job | None = self._learner(todo)
         except BaseException:
@@ -513,7 +520,8 @@ class SizeRun:
 
     def _learner(self, todo: list[Planned]) -> Job:
         return Job("learner", self.runner.spec, self.size, todo, self.tmp, sandboxed=self.runner.sandboxed,
-                   private=self.runner.private_inputs(self.size, todo), oracle=self.runner.secrets(self.size, todo))
+                   private=self.runner.private_inputs(self.size, todo), oracle=self.runner.secrets(self.size, todo),
+                   group=self.runner.group)
 
     def _go(self, index: int, verify: bool, seconds: dict | None = None, wire: dict | None = None) -> None:
         path = os.path.join(self.reference.dir, f"go-{index}.json")
@@ -683,12 +691,18 @@ class Runner:
         self.sandboxed = sandbox.available() if sandboxed is None else sandboxed
         self.notes: dict[str, None] = {}  # what the check's result should say about how it ran (in order)
         self.server: str | None = None  # the reference jobs' fork server's socket (runner.shared_server)
+        self.group: sandbox.Cgroup | None = None  # every job's cgroup inside it (made in run)
 
     def run(self) -> dict[int, CaseResult]:
         results: dict[int, CaseResult] = {}
         tmp = str(scratch.make("check"))  # one a killed checker left is removed by the next check
         runs: list[SizeRun] = []
         server = None
+        # the jobs of every rank count run at once, each capped: one memory cap for them all besides, so
+        # 4 learner jobs of 8 GiB each cannot hold 32 GiB on a host of 24 (one submission's check did)
+        sizes = [size for size, todo in self.plan.items() if todo]
+        self.group = sandbox.Cgroup.make(2 * sum(job_tasks([size]) for size in sizes) + job_tasks(sizes),
+                                         sandbox.default_memory())
         try:
             server = self._serve(tmp)
             for size, todo in self.plan.items():
@@ -711,6 +725,8 @@ class Runner:
                 run.close()
             if server is not None:
                 server.end(now=True)
+            if self.group is not None:
+                self.group.remove()  # its jobs' cgroups first (an exiting one: sandbox.sweep_cgroups retries)
             if not settings.CHECK_KEEP.get():
                 safefiles.remove_tree(tmp)
         return void_if_forged(results)
@@ -731,7 +747,7 @@ class Runner:
             runs = {size: todo for size, todo in self.plan.items() if todo}
             server = sidejob.SideJob(cmd, output=os.path.join(tmp, "fork-server.txt"),
                                      env=launchers.local_job_env(_job_env(tmp)),
-                                     limits=job_limits(list(runs), list(runs.values())))
+                                     limits=job_limits(list(runs), list(runs.values()), self.group))
         except OSError:  # no server: each reference job starts its ranks, as without one
             self.server = None
             return None

@@ -67,11 +67,13 @@ class Limits:
     processes: int = 1024  # tasks (threads count) in its cgroup; beyond the user's own under RLIMIT_NPROC
     file_bytes: int = field(default_factory=file_limit)  # any one file written (see file_limit)
     memory_total: int | None = field(default_factory=default_memory)  # all its processes together (cgroup)
+    within: "Cgroup | None" = None  # a cgroup of several jobs, whose own caps hold for all of them together
 
     def start(self) -> "Limits":
         """In the parent, before starting the child: a cgroup capping tasks and memory where one
-        can be made (root, or a delegated cgroup); the child joins it in apply()."""
-        self._cgroup = Cgroup.make(self.processes, self.memory_total)
+        can be made (root, or a delegated cgroup), inside `within` where given; the child joins it in
+        apply()."""
+        self._cgroup = Cgroup.make(self.processes, self.memory_total, within=self.within)
         self._tasks_now = _tasks_of_this_user()
         return self
 
@@ -120,11 +122,39 @@ class Cgroup:
         self.dirs = dirs
 
     @classmethod
-    def make(cls, tasks: int, memory: int | None) -> "Cgroup | None":
+    def make(cls, tasks: int | None, memory: int | None, within: "Cgroup | None" = None) -> "Cgroup | None":
+        """A new cgroup under this process's own, or inside `within` (its caps then hold for all its
+        cgroups together: a check's jobs, each capped, and the check capped as one)."""
         name = f"{CGROUP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         want = {"pids": tasks, "memory": memory}
-        dirs = _v2_dirs(name, want) or _v1_dirs(name, want)
+        dirs = within.nested(name, want) if within is not None else (_v2_dirs(name, want) or _v1_dirs(name, want))
         return cls(dirs) if dirs else None
+
+    def nested(self, name: str, want: dict[str, int | None]) -> dict[str, str]:
+        """Folders of a cgroup `name` inside this one, for the controllers this one has: in cgroup v2 one
+        folder (this one's controllers handed down to it first), in v1 one in each hierarchy."""
+        if len(set(self.dirs.values())) == 1 and os.path.exists(os.path.join(self.path, "cgroup.controllers")):
+            files = {f: str(want[c]) for c, f in (("pids", "pids.max"), ("memory", "memory.max"))
+                     if c in self.dirs and want.get(c) is not None}
+            try:
+                with open(os.path.join(self.path, "cgroup.subtree_control"), "w") as f:
+                    f.write(" ".join(f"+{c}" for c in self.dirs))
+            except OSError as exc:
+                log.debug("cgroup v2 at %s: %s", self.path, exc)
+                return {}
+            path = _make_dir(self.path, name, files)
+            return {c: path for c in self.dirs} if path else {}
+        dirs: dict[str, str] = {}
+        for ctl, parent in self.dirs.items():
+            value = want.get(ctl)
+            files = {} if value is None else {"pids.max" if ctl == "pids" else "memory.limit_in_bytes": str(value)}
+            path = _make_dir(parent, name, files)
+            if path is None:
+                for made in dirs.values():
+                    _remove_dir(made)
+                return {}
+            dirs[ctl] = path
+        return dirs
 
     @property
     def path(self) -> str:
@@ -195,6 +225,13 @@ class Cgroup:
 
 
 def _remove_dir(path: str) -> bool:
+    """Remove a cgroup of ours, the cgroups of ours inside it first (a check's jobs' inside the check's)."""
+    try:
+        inner = [e.path for e in os.scandir(path) if e.is_dir() and e.name.startswith(CGROUP_PREFIX)]
+    except OSError:
+        inner = []
+    for sub in inner:
+        _remove_dir(sub)
     try:
         os.rmdir(path)
     except FileNotFoundError:
@@ -218,7 +255,7 @@ def sweep_cgroups() -> list[str]:
     that is gone (its pid in the name no longer runs; an older name without a pid once it is
     empty). Why: a cgroup still holding exiting processes cannot be removed at once, and nothing
     retried, so every graded submission left one. Returns the cgroups removed."""
-    removed = [path for path in sorted(_unremoved) if _remove_dir(path)]
+    removed = [path for path in sorted(_unremoved, key=len, reverse=True) if _remove_dir(path)]  # inner first
     for parent in dict.fromkeys([*_cgroup_parents(), *_OLD_ROOTS]):
         try:
             names = [n for n in os.listdir(parent) if n.startswith(CGROUP_PREFIX)]
