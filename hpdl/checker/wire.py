@@ -193,6 +193,8 @@ class _Restricted(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
 
     def _bounded(self, make):
+        budget = self.budget  # not self: the memo keeps this function, and self the memo and the bytes read
+
         def bounded(kind, *args):
             import math
 
@@ -203,8 +205,8 @@ class _Restricted(pickle.Unpickler):
             else:  # _reconstruct(ndarray, shape, dtype)
                 shape, dtype = (tuple(args[0]) if isinstance(args[0], (tuple, list)) else (args[0],)), args[1]
                 size = math.prod(int(n) for n in shape) * np.dtype(dtype).itemsize
-            if size > self.budget:
-                raise pickle.UnpicklingError(f"an array of {size} bytes from a pickle of {self.budget}")
+            if size > budget:
+                raise pickle.UnpicklingError(f"an array of {size} bytes from a pickle of {budget}")
             return make(kind, *args)
 
         return bounded
