@@ -41,8 +41,10 @@ SELF_REPORTED = ("the memory held at once, as tracemalloc and the tensors torch 
                  "layers of 4 MiB, where the check job's memory cgroup counts it (where it has one)")
 MEASURED_FROM = 64 * 1024   # layers of at least this many bytes: their memory is checked
 # layers' worth of bytes a rank may hold at once: the layer in use, the next one (prefetched), and
-# room for index bookkeeping (torch.arange(n) for tensor_split's counts is int64: two layers' worth),
-# or for a pickled comm.allgather of the shards as tensors and their torch.cat (3.5-3.7 here)
+# room for a pickled comm.allgather of the shards as tensors and their torch.cat (3.5-3.7 here). Index
+# bookkeeping is no layer and is not counted (_Held.note: floating-point tensors only): torch.arange(n) for
+# tensor_split's counts is int64, two layers' worth, and the last layer's index alive while the next is
+# made put a rank holding one gathered layer at 4.0-4.2
 LAYERS_AT_ONCE = 4.0
 OUTSIDE_FROM = 2**20  # layers of at least this many bytes: what all ranks held at once is read outside them too
 # layers' worth each rank may hold at once by that count, beyond the shards (the model has 16): an honest rank
@@ -91,9 +93,11 @@ def inputs(case, rank, size):
 
 
 class _Held:
-    """What the learner's function holds now, in bytes: the torch tensors made while it runs (each
-    storage once, while any tensor made on it lives: followed by weak references) plus what Python
-    and numpy have allocated since it started (tracemalloc). MPI's own buffers are not counted."""
+    """What the learner's function holds now, in bytes: the floating-point torch tensors made while it runs
+    (each storage once, while any such tensor made on it lives: followed by weak references) plus what Python
+    and numpy have allocated since it started (tracemalloc). MPI's own buffers are not counted, nor are
+    integer and bool tensors: a layer's values are floats, and the index tensors a learner makes to count
+    each rank's share (torch.arange of a layer's size, int64) are twice a layer's bytes without being one."""
 
     def __init__(self):
         import tracemalloc
@@ -117,7 +121,7 @@ class _Held:
         storages = {}
         for ref in self.tensors:
             t = ref()
-            if t is not None:
+            if t is not None and (t.is_floating_point() or t.is_complex()):
                 s = t.untyped_storage()
                 storages[s.data_ptr()] = s.nbytes()
         self.tensors = [ref for ref in self.tensors if ref() is not None]
