@@ -405,7 +405,10 @@ class Running:
         self.service.poll()
         if not self.job.running():
             self.service.poll()
-            self.finish(stopped=False)
+            self.service.close()
+            if self.service.busy() and not self.job.expired():  # its last check, still under way: polled, not
+                return False  # waited for (the loop serves every submission), within the time limit
+            self.finish(stopped=self.service.busy())
             return True
         if self.job.expired() or self.disk.over():
             self.finish(stopped=True)

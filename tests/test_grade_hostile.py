@@ -331,6 +331,31 @@ def test_one_submissions_check_requests_run_one_at_a_time(tmp_path, monkeypatch,
     assert len(late.results) <= 1 and sum("not run" in a.get("error", "") for a in answers) >= 2, answers
 
 
+@pytest.mark.timeout(60)
+def test_a_check_left_running_by_an_ended_notebook_is_stopped_not_waited_for(tmp_path, monkeypatch, no_strays):
+    """A notebook that files a slow check and ends: the grader's loop, which serves every submission, once
+    waited up to 120 s for it (an honest notebook beside it timed out, its time limit unkept meanwhile).
+    Its submission over, the check is stopped: its jobs end at once, it records no result, and says so.
+    (Within the submission's time limit the loop polls it instead: grade.Running.poll.)"""
+    import psutil
+
+    from hpdl.checker import client, grade_service
+
+    monkeypatch.setenv("HPDL_CASES_PATH", str(Path(__file__).parent / "fixtures" / "cases"))
+    fn = _learner_function("def ring_allreduce(comm, x):\n    import time\n    time.sleep(600)\n")
+    request = json.dumps({"exercise": "fixture_ring",
+                          "code": grade_service._jsonable(client.learner_code("fixture_ring", fn))})
+    service = grade_service.Service(tmp_path / "checks", hidden=[])
+    (tmp_path / "checks" / f"req-{0:032x}.json").write_text(request)
+    me = psutil.Process()
+    while not any(p.name().startswith("mpiexec") for p in me.children(recursive=True)):  # its jobs run
+        service.poll()
+        time.sleep(0.05)
+    service.finish()
+    assert not service.busy() and not service.results, service.results
+    assert any("was stopped" in problem for problem in service.problems), service.problems
+
+
 # -- what a batch leaves on the host, and the commands' help --------------------------------------
 @pytest.mark.timeout(60)
 def test_a_check_requests_source_cannot_hold_the_grader(tmp_path):

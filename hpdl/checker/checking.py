@@ -26,8 +26,9 @@ DEFAULT_REASON = "this exercise asks you to build it from point-to-point message
 
 
 def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = False, timeout=None,
-               progress: bool = True, hidden: list[str] = ()) -> CheckResult:
-    """Run the packed function `code` on the cases of exercise `name` (the grader calls this too)."""
+               progress: bool = True, hidden: list[str] = (), stop=None) -> CheckResult:
+    """Run the packed function `code` on the cases of exercise `name` (the grader calls this too).
+    `stop`: a threading.Event that, once set, ends the check's jobs (jobs.Stopped is raised)."""
     t0 = time.perf_counter()
     if grading and case_api.is_public_only(module):
         raise HpdlError(f"This kit holds only the public checks of {name!r} (its answer keys were moved out): "
@@ -47,7 +48,7 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
             "calibrate": callable(getattr(module, "calibrate", None))}
     bar = _progress(sum(len(v) for v in plan.values()), name) if progress else None
     try:
-        runner = Runner(name, module, spec, plan, progress=bar, every_case=grading)
+        runner = Runner(name, module, spec, plan, progress=bar, every_case=grading, stop=stop)
         results = runner.run()
     finally:
         if bar is not None:

@@ -31,6 +31,7 @@ from hpdl import safefiles, settings
 
 MAX_REQUEST_BYTES = 64 * 2**20
 MAX_REQUESTS = 100  # per submission
+STOP_WAIT = 15.0  # s for a check stopped at the notebook's end to end its jobs (it notices within 0.02 s)
 MAX_SOURCE_CHARS = 4 * 2**20  # a function's source and its notebook's cells, as a check request carries them
 MAX_ANSWER_BYTES = 64 * 2**20
 ANSWERS = "answers"  # under the inbox: the grader's answers, read-only inside the sandbox
@@ -121,6 +122,7 @@ class Service:
         self.queue: list[str] = []  # request ids not yet started, in the order they were found
         self.worker: threading.Thread | None = None
         self.closing = False  # the submission has ended: what is still queued is not started
+        self.stop = threading.Event()  # ... and the check under way is ended (its jobs killed)
         self.results: dict[str, dict] = {}  # exercise -> CheckResult.to_dict(), the last one counts
         self.problems: list[str] = []
         self.lock = threading.Lock()
@@ -167,6 +169,7 @@ class Service:
     def _serve(self, rid: str) -> None:
         from hpdl.checker import cases
         from hpdl.checker.checking import check_code
+        from hpdl.checker.jobs import Stopped
 
         try:
             raw = safefiles.read_bounded(f"req-{rid}.json", MAX_REQUEST_BYTES, dir_fd=self.inbox_fd)
@@ -176,7 +179,11 @@ class Service:
                 raise ValueError(f"no exercise named {name!r}")
             code = _code_from(req.get("code"))
             module = cases.load(name)
-            result = check_code(name, module, code, grading=True, progress=False, hidden=self.hidden)
+            result = check_code(name, module, code, grading=True, progress=False, hidden=self.hidden,
+                                stop=self.stop)
+        except Stopped:
+            self._problem(f"the check of {name} under way when the notebook ended was stopped (no result)")
+            return
         except Exception as exc:  # a malformed request is the submission's problem, recorded
             self._problem(f"check request refused: {type(exc).__name__}: {str(exc)[:200]}")
             self._answer(rid, {"error": f"The grader could not run this check: {str(exc)[:300]}"})
@@ -203,16 +210,24 @@ class Service:
         worker = self.worker
         return worker is not None and worker.is_alive()
 
-    def finish(self, wait: float = 120.0) -> None:
-        """Let checks under way end (each has its own time limits), then let the folders go."""
+    def close(self) -> None:
+        """The notebook has ended: no check starts any more (those still queued are answered 'not run');
+        the one under way, if any, goes on (`busy`) until `finish`."""
         with self.lock:
             self.closing, dropped, self.queue = True, self.queue, []
-            worker = self.worker
         for rid in dropped:
             self._answer(rid, {"error": "the notebook ended before this check could start; not run"})
         if dropped:
             self._problem(f"{len(dropped)} check request(s) not run: the notebook ended first "
                           "(one check runs at a time)")
+
+    def finish(self, wait: float = STOP_WAIT) -> None:
+        """The submission is over: a check still under way is stopped, not waited for (the grader's loop
+        waits here, and every other submission's clock with it: a notebook that left a check of minutes
+        behind it once held the batch 120 s, and an honest one beside it timed out). Then the folders go."""
+        self.close()
+        self.stop.set()
+        worker = self.worker
         if worker is not None:
             worker.join(wait)
         if not self.busy():  # a thread still running keeps them (it may yet answer)

@@ -677,11 +677,15 @@ class SizeRun:
         self.learner = None
 
 
+class Stopped(Exception):
+    """The check was stopped from outside (Runner.stop): its jobs are ended, it has no result."""
+
+
 class Runner:
     """Plans the jobs of one check, runs them side by side, and builds the case results."""
 
     def __init__(self, exercise: str, module, spec: dict, plan: dict[int, list[Planned]], progress=None,
-                 every_case: bool = True, sandboxed: bool | None = None):
+                 every_case: bool = True, sandboxed: bool | None = None, stop=None):
         self.every_case = every_case  # grading: run cases left after a HANG too (with a short fuse)
         self.exercise = exercise
         self.module = module
@@ -692,6 +696,7 @@ class Runner:
         self.notes: dict[str, None] = {}  # what the check's result should say about how it ran (in order)
         self.server: str | None = None  # the reference jobs' fork server's socket (runner.shared_server)
         self.group: sandbox.Cgroup | None = None  # every job's cgroup inside it (made in run)
+        self.stop = stop  # a threading.Event: once set, the check ends its jobs and raises Stopped
 
     def run(self) -> dict[int, CaseResult]:
         results: dict[int, CaseResult] = {}
@@ -719,6 +724,8 @@ class Runner:
                         run.close()
                 if server is not None:
                     server.running()  # notes the /dev/shm files its forks (the reference ranks) map
+                if self.stop is not None and self.stop.is_set():
+                    raise Stopped(f"the check of {self.exercise} was stopped before it ended")
                 time.sleep(POLL)
         finally:
             for run in runs:
