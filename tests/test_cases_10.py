@@ -235,7 +235,11 @@ def test_column_parallel_rounding_is_judged_against_the_arrays_scale():
 
 
 def test_column_parallel_missing_allreduce_rejected(no_strays):
-    rejected(hpdl.check("column_parallel_linear", tp_no_allreduce, ranks=[2]), "grad_x", "all-reduce")
+    """And no points on one rank, where the rank's rows are the whole layer and there is nothing to reduce:
+    a layer computed with no message at all scored 5/20 there."""
+    result = hpdl.check("column_parallel_linear", tp_no_allreduce, ranks=[1, 2])
+    rejected(result, "grad_x", "all-reduce")
+    assert result.score == 0, result
 
 
 def test_column_parallel_uneven_split_dropping_columns_rejected(no_strays):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpdl.checker import hooks
-from hpdl.checker.cases import Case, Wrong, nonce_seed
+from hpdl.checker.cases import Case, Wrong, nonce_seed, one_rank_points
 
 SIGNATURE = "column_parallel_linear(comm, x, weight, bias, grad_y) -> (y, grad_x, grad_weight, grad_bias)"
 RANKS = (1, 2, 3, 4)
@@ -31,16 +31,17 @@ TIMEOUT = 30.0  # the first case of a job pays for importing torch
 
 
 def cases(size):
-    slow = 1e6
+    slow, points = 1e6, one_rank_points(size)  # on one rank the whole layer is the rank's: nothing to reduce
     return [
-        Case("Linear(6, 8), batch 4", {"batch": 4, "fan_in": 6, "out": 8, "seed": 1}, slow_factor=slow),
+        Case("Linear(6, 8), batch 4", {"batch": 4, "fan_in": 6, "out": 8, "seed": 1}, slow_factor=slow, points=points),
         Case("Linear(5, 7), batch 3: 7 not divisible by 2, 3 or 4", {"batch": 3, "fan_in": 5, "out": 7, "seed": 2},
-             slow_factor=slow),
-        Case("Linear(4, 10), batch 2", {"batch": 2, "fan_in": 4, "out": 10, "seed": 3}, slow_factor=slow),
+             slow_factor=slow, points=points),
+        Case("Linear(4, 10), batch 2", {"batch": 2, "fan_in": 4, "out": 10, "seed": 3}, slow_factor=slow,
+             points=points),
         Case("Linear(3, 3), batch 5: fewer outputs than ranks", {"batch": 5, "fan_in": 3, "out": 3, "seed": 4},
-             hidden=True, slow_factor=slow),
+             hidden=True, slow_factor=slow, points=points),
         Case("Linear(64, 512), batch 2: far more weight than activations",
-             {"batch": 2, "fan_in": 64, "out": 512, "seed": 5}, slow_factor=slow),
+             {"batch": 2, "fan_in": 64, "out": 512, "seed": 5}, slow_factor=slow, points=points),
     ]
 
 
