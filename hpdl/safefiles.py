@@ -30,6 +30,7 @@ import uuid
 #: RecursionError, not ValueError, from a text of 2 KB: one such file would end whatever read it (a
 #: whole grading batch). Data just under that depth could not be written again deeper in the stack.
 JSON_DEPTH = 100
+JSON_CONTAINERS = 1 << 21  # objects and lists (a notebook holds thousands; each costs ~60 bytes parsed, more as a dict)
 
 MAX_OPEN_FOLDERS = 64  # remove_tree: descriptors held at once, one per level it has gone down
 
@@ -232,9 +233,14 @@ def replace_atomically(path: str, data: bytes | str, *, dir_fd: int | None = Non
         raise
 
 
-def json_of(data: bytes | str, max_depth: int = JSON_DEPTH) -> object:
+def json_of(data: bytes | str, max_depth: int = JSON_DEPTH, max_containers: int = JSON_CONTAINERS) -> object:
     """The value of a JSON text someone untrusted wrote. ValueError for anything else, a text nested
-    more than `max_depth` deep included, so that a caller catches one kind of error for all of it."""
+    more than `max_depth` deep included, so that a caller catches one kind of error for all of it.
+    One with more than `max_containers` brackets ({ and [, counted in strings too) is not read: a
+    64 MiB notebook of 22 million empty cells took 1.9 GB and 20 s of the grader's loop to parse."""
+    brackets = data.count(b"{") + data.count(b"[") if isinstance(data, bytes) else data.count("{") + data.count("[")
+    if brackets > max_containers:
+        raise ValueError(f"JSON of more than {max_containers} objects and lists (brackets: {brackets})")
     try:
         value = json.loads(data)
     except RecursionError:

@@ -177,6 +177,15 @@ def test_json_nested_too_deep_is_refused_as_bad_json_not_a_crash():
             safefiles.json_of(text)
 
 
+def test_json_of_millions_of_objects_is_refused_unparsed():
+    """A notebook of 22 million empty cells, under the 64 MiB a notebook may take, cost the grader 1.9 GB
+    and 20 s of its loop, once for each of the four times it read it: refused before parsing."""
+    many = b'{"cells": [' + b"{}," * (safefiles.JSON_CONTAINERS + 1) + b"{}]}"
+    with pytest.raises(ValueError, match="objects and lists"):
+        safefiles.json_of(many)
+    assert len(safefiles.json_of(b'{"cells": [' + b"{}," * 999 + b"{}]}")["cells"]) == 1000
+
+
 def test_a_tree_thousands_of_folders_deep_is_removed(tmp_path):
     """shutil.rmtree recursed once per level: a learner's folder deeper than the recursion limit
     raised RecursionError out of the grader's cleanup (the batch ended). Deeper than PATH_MAX too,
