@@ -381,7 +381,16 @@ def test_gradients_and_shards_passed_through_files_score_nothing(exercise, fn, s
 def test_a_parameter_server_step_taken_from_the_seeds_without_a_message_scores_nothing(no_strays):
     result = hpdl.check("ps_exchange", E.ps_from_the_seed, ranks=[2, 3])
     no_points(result)
-    assert {c.rejected for c in result.cases} == {FORGED}
+    # its gradients drawn with the check's nonce, which no rank has: wrong values, before the wire is asked
+    assert all(c.verdict == "WRONG" and "values wrong" in c.message for c in result.cases), result
+
+
+def test_a_parameter_server_step_drawn_again_behind_zeros_on_the_wire_scores_nothing(no_strays):
+    """The pattern and the bytes of a parameter server, zeros in them, the step from gradients drawn again with
+    the case module's own function: the gradients are drawn with the check's nonce, which no rank has."""
+    result = hpdl.check("ps_exchange", E.ps_zeros_on_the_wire, ranks=[2, 3])
+    no_points(result)
+    assert all(c.verdict == "WRONG" and "values wrong" in c.message for c in result.cases), result
 
 
 def test_where_ranks_do_not_talk_over_tcp_the_check_says_so_and_decides_on_the_recorder(monkeypatch, no_strays):

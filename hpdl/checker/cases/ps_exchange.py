@@ -7,7 +7,8 @@
         # back to every worker. Every rank returns the new parameters.
 
 Built from Send/Recv (or send/recv): collectives are rejected, and workers may talk only to
-the server. Every rank starts from the same parameters, as after a broadcast.
+the server. Every rank starts from the same parameters, as after a broadcast. The gradients are
+drawn with the check's nonce: a rank cannot draw the others' and send zeros in their place.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ SIGNATURE = "ps_exchange(comm, grads, params, lr) -> np.ndarray   # rank 0 serve
 RANKS = (2, 3, 4)
 TIMEOUT = 5.0
 METERED = True  # the bytes each rank sends are counted outside its process (meter.py), against the recorder
+PRIVATE_INPUTS = True  # each rank gets its gradients as data, drawn with the check's nonce: none can draw another's
 FORBIDDEN = {name: "this exercise builds the exchange from point-to-point messages (Send and Recv)"
              for name in hooks.DATA_COLLECTIVES}
 
@@ -35,12 +37,13 @@ def cases(size):
 
 def _grads(case, rank):
     p = case.params
-    return np.random.default_rng(1000 + rank).standard_normal(p["n"]).astype(p.get("dtype", "float64"))
+    rng = np.random.default_rng([p.get("nonce", 0), 1000 + rank])
+    return rng.standard_normal(p["n"]).astype(p.get("dtype", "float64"))
 
 
 def inputs(case, rank, size):
     p = case.params
-    params = np.random.default_rng(7).standard_normal(p["n"]).astype(p.get("dtype", "float64"))
+    params = np.random.default_rng([p.get("nonce", 0), 7]).standard_normal(p["n"]).astype(p.get("dtype", "float64"))
     grads = None if rank == 0 else _grads(case, rank)
     return grads, params, p["lr"]
 
