@@ -103,7 +103,23 @@ def lars_one_ratio(params, grads, lr, trust_coef=0.001, weight_decay=0.0):
     return [w - lr * ratio * (g + weight_decay * w) for w, g in zip(params, grads)]
 
 
+def lars_without_weight_decay(params, grads, lr, trust_coef=0.001, weight_decay=0.0):
+    return [w - lr * (trust_coef * w.norm() / g.norm() if w.norm() > 0 and g.norm() > 0 else 1.0) * g
+            for w, g in zip(params, grads)]
+
+
+def lars_decay_inside_the_norm(params, grads, lr, trust_coef=0.001, weight_decay=0.0):
+    out = []
+    for w, g in zip(params, grads):
+        d = g + weight_decay * w
+        ratio = trust_coef * w.norm() / d.norm() if w.norm() > 0 and g.norm() > 0 else 1.0  # ‖g + wd·w‖
+        out.append(w - lr * ratio * d)
+    return out
+
+
 @pytest.mark.parametrize("bad, words", [
+    (lars_without_weight_decay, ["weight_decay is left out"]),  # 24/28: a decay of 5e-4 hid in the tolerance
+    (lars_decay_inside_the_norm, ["not ‖g + weight_decay · w‖"]),  # 24/28 too
     (lars_without_trust_ratio, ["plain sgd", "trust ratio"]),
     (lars_dividing_by_zero, ["nan", "ratio of 1"]),
     (lars_zero_layer_stuck, ["never moves"]),
