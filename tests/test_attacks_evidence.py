@@ -253,6 +253,14 @@ def test_the_whole_model_held_at_once_is_counted_outside_the_learners_process_in
 def test_a_paused_recorder_does_not_hide_a_forbidden_collective(no_strays):
     no_points(hpdl.check("ring_allreduce", E.paused_recorder_allreduce, ranks=[2]))
 
+def test_a_linear_broadcast_recorded_as_a_tree_shows_on_the_wire_in_every_case(no_strays):
+    """Honest in the large hidden case only, linear and hidden from the recorder in the others, whose arrays
+    fitted in the bytes a rank may send a peer unrecorded (hooks.WIRE_SLACK): 18/18. Every array is larger now."""
+    result = hpdl.check("bcast_binomial", E.bcast_linear_recorded_as_a_tree, ranks=[4], grade=True)
+    no_points(result)
+    assert FORGED in {c.rejected for c in result.cases}, result
+
+
 def test_rewritten_calls_do_not_make_a_linear_exchange_a_ring(no_strays):
     no_points(hpdl.check("ring_allreduce", E.forged_ring_calls, ranks=[3]))
 
