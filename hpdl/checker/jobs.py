@@ -691,6 +691,7 @@ class Runner:
         self.module = module
         self.spec = spec
         self.plan = plan
+        self.todos = {size: todo for size, todo in plan.items() if todo}  # the rank counts with cases to run
         self.progress = progress
         self.sandboxed = sandbox.available() if sandboxed is None else sandboxed
         self.notes: dict[str, None] = {}  # what the check's result should say about how it ran (in order)
@@ -705,14 +706,13 @@ class Runner:
         server = None
         # the jobs of every rank count run at once, each capped: one memory cap for them all besides, so
         # 4 learner jobs of 8 GiB each cannot hold 32 GiB on a host of 24 (one submission's check did)
-        sizes = [size for size, todo in self.plan.items() if todo]
+        sizes = list(self.todos)  # tasks: each rank count's two jobs, and the reference jobs' fork server
         self.group = sandbox.Cgroup.make(2 * sum(job_tasks([size]) for size in sizes) + job_tasks(sizes),
                                          sandbox.default_memory())
         try:
             server = self._serve(tmp)
-            for size, todo in self.plan.items():
-                if todo:
-                    runs.append(SizeRun(self, size, todo, tmp))
+            for size, todo in self.todos.items():  # one by one: those started are ended if the next fails
+                runs.append(SizeRun(self, size, todo, tmp))
             while runs:
                 for run in list(runs):
                     for planned, result in run.step():
@@ -742,7 +742,7 @@ class Runner:
         """One fork server for every reference job of the check, where they preload torch and there are
         several: each reference rank is its fork (runner.shared_server). Its forks' output goes where
         their job's does; its own, to a file beside the jobs' folders."""
-        if sum(1 for todo in self.plan.values() if todo) < 2:  # one job: its own server starts beside its launcher
+        if len(self.todos) < 2:  # one job: its own server starts beside its launcher
             return None
         shared = shared_server(tmp, (self.spec.get("preload") or {}).get("reference", []))
         if shared is None:
@@ -751,10 +751,9 @@ class Runner:
         from hpdl import launchers
 
         try:  # torch imported under the environment a reference job's ranks have (one thread each)
-            runs = {size: todo for size, todo in self.plan.items() if todo}
             server = sidejob.SideJob(cmd, output=os.path.join(tmp, "fork-server.txt"),
                                      env=launchers.local_job_env(_job_env(tmp)),
-                                     limits=job_limits(list(runs), list(runs.values()), self.group))
+                                     limits=job_limits(list(self.todos), list(self.todos.values()), self.group))
         except OSError:  # no server: each reference job starts its ranks, as without one
             self.server = None
             return None

@@ -123,11 +123,12 @@ class Cgroup:
 
     @classmethod
     def make(cls, tasks: int | None, memory: int | None, within: "Cgroup | None" = None) -> "Cgroup | None":
-        """A new cgroup under this process's own, or inside `within` (its caps then hold for all its
-        cgroups together: a check's jobs, each capped, and the check capped as one)."""
+        """A new cgroup inside `within` (its caps then hold for all its cgroups together: a check's jobs,
+        each capped, and the check capped as one), or, where none is given or it cannot be, under this
+        process's own: a job keeps its own caps when the check's cgroup cannot hold it."""
         name = f"{CGROUP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         want = {"pids": tasks, "memory": memory}
-        dirs = within.nested(name, want) if within is not None else (_v2_dirs(name, want) or _v1_dirs(name, want))
+        dirs = (within.nested(name, want) if within is not None else {}) or _v2_dirs(name, want) or _v1_dirs(name, want)
         return cls(dirs) if dirs else None
 
     def nested(self, name: str, want: dict[str, int | None]) -> dict[str, str]:

@@ -193,13 +193,13 @@ class _Restricted(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
 
     def _bounded(self, make):
+        import math
+
+        import numpy as np
+
         budget = self.budget  # not self: the memo keeps this function, and self the memo and the bytes read
 
         def bounded(kind, *args):
-            import math
-
-            import numpy as np
-
             if make.__name__ == "scalar":  # scalar(dtype, bytes)
                 size = np.dtype(kind).itemsize
             else:  # _reconstruct(ndarray, shape, dtype)
