@@ -484,3 +484,11 @@ def test_the_grading_report_names_what_checks_take_from_the_learners_process():
     from hpdl.checker import sandbox
 
     assert ("share one network" in text) == sandbox.ranks_apart() != ("files they share" in text), text
+
+
+def test_a_checkpoint_drawn_again_on_every_rank_scores_nothing(no_strays):
+    """Each rank draws the checkpoint again with the case module's function instead of taking rank 0's by
+    broadcast (9/9 while it came from the case's seed): it is drawn with the check's nonce, rank 0's alone."""
+    result = hpdl.check("resume_horovod", E.resume_drawn_again_on_every_rank, ranks=[1, 2])
+    no_points(result)
+    assert all(c.verdict == "WRONG" and "not the checkpoint's" in c.message for c in result.cases), result

@@ -10,21 +10,24 @@
 
 Every rank is handed a model initialised differently, so a rank that keeps its own shows. The
 checkpoint was written by more or fewer ranks than the check runs (its learning rate and momentum
-are not the defaults). After the learner's function returns, the check trains a few more epochs
-with the optimizer it returned (DistributedSampler, set_epoch(epoch) from the epoch it returned),
-and compares with the reference: the same resume done by hand, trained the same way with DDP.
+are not the defaults). It is drawn with the check's nonce and handed to rank 0 alone, so a rank
+that draws it again from the case's seed instead of receiving it holds another one. After the
+learner's function returns, the check trains a few more epochs with the optimizer it returned
+(DistributedSampler, set_epoch(epoch) from the epoch it returned), and compares with the
+reference: the same resume done by hand, trained the same way with DDP.
 Decided on what training does: parameters identical on every rank and equal to the reference's.
 What the ranks held right after resuming (parameters, momentum, learning rate, epoch) only
 chooses the message.
 """
 from __future__ import annotations
 
-from hpdl.checker.cases import Case, Wrong
+from hpdl.checker.cases import Case, Wrong, nonce_seed
 from hpdl.checker.cases import _dp
 
 SIGNATURE = ("resume_horovod(comm, checkpoint, model) -> (optimizer, next_epoch)   "
              "# checkpoint: a path on rank 0, None elsewhere")
 RANKS = (1, 2, 3)
+PRIVATE_INPUTS = True  # rank 0 gets the checkpoint as data, drawn with the check's nonce: the others cannot draw it
 TIMEOUT = 60.0  # importing torch and Horovod, joining both
 WIDTHS = (32, 24, 10)
 SAMPLES = 48  # divides by every rank count: equal shards, no padding
@@ -48,33 +51,48 @@ def cases(size):
 
 
 def checkpoint_state(params: dict) -> dict:
-    """What the writing job saved: its model, SGD's momentum (not zero) and learning rate
-    (base_lr times the ranks it ran on), the last epoch it finished, and its rank count."""
+    """What the writing job saved, as plain data: its model's parameters, SGD's momentum (not zero)
+    and learning rate (base_lr times the ranks it ran on), the last epoch it finished, and its rank
+    count. Drawn with the check's nonce (PRIVATE_INPUTS): only rank 0 is handed it, and no other rank
+    can draw it again from the case's seed."""
     import torch
 
-    model = _dp.mlp(WIDTHS, seed=1000 + params["seed"])
-    opt = torch.optim.SGD(model.parameters(), lr=params["base_lr"] * params["writers"], momentum=MOMENTUM)
-    g = torch.Generator().manual_seed(2000 + params["seed"])
-    for p in model.parameters():
-        opt.state[p]["momentum_buffer"] = 0.1 * torch.randn(p.shape, generator=g)
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": params["epoch"],
-            "size": params["writers"]}
+    model = _dp.mlp(WIDTHS, seed=nonce_seed({**params, "seed": 1000 + params["seed"]}))
+    g = torch.Generator().manual_seed(nonce_seed({**params, "seed": 2000 + params["seed"]}))
+    return {"model": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()},
+            "momentum": [(0.1 * torch.randn(p.shape, generator=g)).numpy() for p in model.parameters()],
+            "lr": params["base_lr"] * params["writers"], "epoch": params["epoch"], "size": params["writers"]}
 
 
-def inputs(case, rank, size):
-    """Rank 0: the path of the checkpoint (written here); the others: None. A model per rank, and
-    the seed of the data the check trains on afterwards (not the learner's)."""
+def save_checkpoint(state: dict) -> str:
+    """The checkpoint file the writing job left, made from its plain data on the rank that reads it:
+    {"model": state_dict, "optimizer": SGD(momentum=0.9)'s state_dict, "epoch", "size"}, torch.save'd."""
     import os
     import tempfile
 
     import torch
 
-    model = _dp.mlp(WIDTHS, seed=100 * case.params["seed"] + rank)
-    if rank != 0:
-        return None, model, case.params["seed"]
+    model = _dp.mlp(WIDTHS, seed=0)
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state["model"].items()})
+    opt = torch.optim.SGD(model.parameters(), lr=state["lr"], momentum=MOMENTUM)
+    for p, buf in zip(model.parameters(), state["momentum"]):
+        opt.state[p]["momentum_buffer"] = torch.from_numpy(buf.copy())
     path = os.path.join(tempfile.mkdtemp(prefix="hpdl-resume-"), "checkpoint.pt")
-    torch.save(checkpoint_state(case.params), path)
-    return path, model, case.params["seed"]
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": state["epoch"],
+                "size": state["size"]}, path)
+    return path
+
+
+def inputs(case, rank, size):
+    """Rank 0: the checkpoint's data (call() writes it to a file); the others: None. And the seed of
+    the data the check trains on afterwards (not the learner's). Each rank's model is made in call()."""
+    return (checkpoint_state(case.params) if rank == 0 else None), case.params["seed"]
+
+
+def _model_and_path(comm, state, seed):
+    """A model initialised differently on every rank, and on rank 0 the checkpoint's file."""
+    model = _dp.mlp(WIDTHS, seed=100 * seed + comm.Get_rank())
+    return model, (save_checkpoint(state) if state is not None else None)
 
 
 def train(model, opt, first_epoch: int, seed: int, size: int, rank: int) -> None:
@@ -114,7 +132,8 @@ def call(fn, comm, args):
     import horovod.torch as hvd
 
     _dp.ensure_horovod()
-    path, model, seed = args
+    state, seed = args
+    model, path = _model_and_path(comm, state, seed)
     try:
         out = fn(comm, path, model)
     finally:
@@ -131,13 +150,14 @@ def call(fn, comm, args):
     return {**resumed, "params": _dp.params(model)}
 
 
-def reference(comm, path, model, seed):
+def reference(comm, state, seed):
     """The resume by hand: rank 0 reads the file and sends it to all (over MPI); every rank loads
     it, rescales the learning rate, and trains as the check does, averaging with DDP (Gloo)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     _dp.ensure_process_group()
+    model, path = _model_and_path(comm, state, seed)
     state = comm.bcast(torch.load(path) if comm.Get_rank() == 0 else None, root=0)
     _remove(path)
     model.load_state_dict(state["model"])
