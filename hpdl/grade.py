@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hpdl import safefiles, scratch, settings
-from hpdl.checker.sandbox import DISK_BYTES
+from hpdl.checker.sandbox import DISK_BYTES, default_memory
 from hpdl.errors import HpdlError
 
 CHECK_CALL = re.compile(r"""check\(\s*["']([A-Za-z_][A-Za-z0-9_]*)["']""")
@@ -378,7 +378,7 @@ class Running:
         self.status = work / "status.json"
         self.executed_here = work / "executed.ipynb"
         self.executed = out / "executed" / sub.name
-        self.service = Service(work / "checks", hidden=hidden)
+        self.service = Service(work / "checks", hidden=hidden, memory=caps.check_memory)
         env = dict(os.environ, IPP_NONINTERACTIVE="1", MPLBACKEND="Agg", PYTHONUNBUFFERED="1", HOME=str(work),
                    JUPYTER_RUNTIME_DIR=str(work / "runtime"), IPYTHONDIR=str(work / "ipython"))
         env.update({settings.GRADE.name: "1", settings.GRADE_SERVICE.name: str(work / "checks"),
@@ -537,6 +537,40 @@ class Caps:
     memory: int = 4 * 2**30
     tasks: int = 2048  # threads count: a kernel, ipyparallel, 4 ranks of torch
     disk: int = DISK_BYTES  # what its folder holds on the host's disk (sandbox.DiskWatch), as a check's
+    # the check under way (one at a time): all its ranks, the learner's and the reference's, in a cgroup of its own
+    check_memory: int = field(default_factory=default_memory)
+
+
+MIN_CHECK_MEMORY = 3 * 2**30  # a check's ranks at its heaviest (zero3_unit graded, 1-4 ranks at once) held 2.9 GiB
+
+
+def check_memory_for(jobs: int, memory: int) -> int:
+    """The default cap of a submission's check: half this machine's RAM, at most 8 GiB (sandbox.default_memory),
+    less where `jobs` submissions at once, each holding `memory` and its check, would need more than the RAM;
+    never below MIN_CHECK_MEMORY (then memory_overcommitted says what to change)."""
+    from hpdl.checker import sandbox
+
+    ram = sandbox.ram()
+    share = default_memory() if ram is None else ram // jobs - memory
+    return max(MIN_CHECK_MEMORY, min(default_memory(), share))
+
+
+def memory_overcommitted(jobs: int, caps: Caps, ram: int | None = None) -> str:
+    """Why `jobs` > 1 submissions at once could hold more memory than this machine has ('' if they cannot):
+    each may hold caps.memory, and the check it runs caps.check_memory besides. A hostile class at the
+    caps would then have the kernel's OOM killer pick victims on the grading host, the grader among them.
+    One at a time is the instructor's caps as given, whatever the RAM."""
+    from hpdl.checker import sandbox
+
+    ram = sandbox.ram() if ram is None else ram
+    each = caps.memory + caps.check_memory
+    if jobs < 2 or ram is None or jobs * each <= ram:
+        return ""
+    size = sandbox.size_text
+    fits = ram // each
+    return (f"--jobs {jobs}: each submission may hold {size(caps.memory)} (--memory) and the check it runs "
+            f"{size(caps.check_memory)} more (--check-memory), {size(jobs * each)} for {jobs} at once, on a machine "
+            f"with {size(ram)} of RAM. Use --jobs {max(1, fits)}, or lower --memory or --check-memory.")
 
 
 def refusals(no_sandbox: bool = False, allow_root: bool = False) -> list[str]:
@@ -568,7 +602,9 @@ def sandbox_header(caps: Caps, no_sandbox: bool = False) -> tuple[str, dict]:
     finally:
         probe.stop()
     st["disk_bytes"] = caps.disk
-    text = sandbox.describe(st)
+    st["check_memory_bytes"] = caps.check_memory
+    text = sandbox.describe(st) + (f"; the check it runs: memory {sandbox.size_text(caps.check_memory)} for all "
+                                   "its ranks (cgroup)")
     from hpdl.checker import meter
 
     unmetered = meter.unavailable()
@@ -869,7 +905,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--exercises", default=None,
                     help="comma-separated exercises to score (default: those most notebooks call)")
     ap.add_argument("--memory", default="4G", help="total memory of one submission, all its processes together "
-                                                   "(default 4G; its checks have caps of their own)")
+                                                   "(default 4G; the check it runs is capped by --check-memory)")
+    ap.add_argument("--check-memory", default=None,
+                    help="total memory of the check a submission runs, its learner's and reference ranks together "
+                         "(default: half this machine's RAM, at most 8G, less where --jobs submissions at once "
+                         f"would need more than the RAM, at least {MIN_CHECK_MEMORY >> 30}G)")
     ap.add_argument("--tasks", type=int, default=2048,
                     help="total processes and threads of one submission (default 2048)")
     ap.add_argument("--disk", default=None, help="what the files in one submission's folder may hold on this "
@@ -894,12 +934,19 @@ def main(argv: list[str]) -> int:
     if args.timeout <= 0 or args.jobs < 1 or args.tasks < 16:
         raise HpdlError("--timeout must be positive seconds, --jobs at least 1 and --tasks at least 16.")
     caps = Caps(memory=_bytes(args.memory), tasks=args.tasks)
+    caps.check_memory = (_bytes(args.check_memory, "--check-memory") if args.check_memory is not None
+                         else check_memory_for(args.jobs, caps.memory))
     if args.disk is not None:
         caps.disk = _bytes(args.disk, "--disk")
     if caps.memory < 256 * 2**20:
         raise HpdlError(f"--memory {args.memory}: a notebook's kernel needs at least 256M.")
     if caps.disk < 64 * 2**20:
         raise HpdlError(f"--disk {args.disk}: a notebook's folder needs at least 64M.")
+    if caps.check_memory < 512 * 2**20:
+        raise HpdlError(f"--check-memory {args.check_memory}: a check's ranks need at least 512M.")
+    overcommitted = memory_overcommitted(args.jobs, caps)
+    if overcommitted:
+        raise HpdlError(overcommitted)
     use_keys(args.keys)
     wanted = None
     if args.exercises:

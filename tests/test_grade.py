@@ -12,6 +12,7 @@ import nbformat
 import pytest
 
 from hpdl import grade, safefiles
+from hpdl.errors import HpdlError
 from conftest import deep_tree, example_kit
 
 DEADLOCK = '''def ring_allreduce(comm, x):
@@ -62,13 +63,23 @@ def _digest(folder: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(500)
-def test_batch_grades_every_submission_despite_hangs_and_crashes(submissions, tmp_path, no_strays, capsys):
+def test_batch_grades_every_submission_despite_hangs_and_crashes(submissions, tmp_path, no_strays, capsys,
+                                                                 monkeypatch):
+    from hpdl.checker import sandbox
+
+    made = []  # the caps of every cgroup made: the checks' own among them (the checks run in this process)
+    real_make = sandbox.Cgroup.make.__func__
+    monkeypatch.setattr(sandbox.Cgroup, "make", classmethod(
+        lambda cls, tasks, memory, within=None: made.append(memory) or real_make(cls, tasks, memory, within)))
     before = _digest(submissions)
     out = tmp_path / "report"
     # 150 s: grade mode runs every case at every rank count, whatever the notebook asks for (the
     # deadlocking ring hangs at 3 ranks)
-    assert grade.main([str(submissions), "--out", str(out), "--timeout", "150", "--jobs", "2", "--allow-root"]) == 0
+    assert grade.main([str(submissions), "--out", str(out), "--timeout", "150", "--jobs", "2", "--allow-root",
+                       "--check-memory", "5G"]) == 0
     assert _digest(submissions) == before  # nothing written next to or into a submission
+    assert 5 * 2**30 in made and "the check it runs: memory 5 GiB" in json.loads((out / "grades.json").read_text())[
+        "sandbox"]
 
     rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
     assert set(rows) == {"ada.ipynb", "blank.ipynb", "crash.ipynb", "dana/deadlock.ipynb"}
@@ -365,3 +376,20 @@ def test_a_folder_nested_a_thousand_deep_is_refused_not_the_end_of_the_batch(tmp
     grade.write_reports(list(found.values()), tmp_path / "out")
     assert "not searched" in (tmp_path / "out" / "grades.csv").read_text()
     safefiles.remove_tree(subs / "d")  # pytest's own cleanup recurses once per level
+
+
+def test_more_submissions_at_once_than_the_ram_holds_are_refused_with_what_fits(tmp_path):
+    """--jobs N whose submissions and checks, at their caps, would hold more than the machine's RAM: refused
+    before anything runs, naming the numbers and the --jobs that fits (the OOM killer would otherwise choose
+    among the grader and the submissions). The default check cap shrinks to fit where it can."""
+    from hpdl.checker import sandbox
+
+    ram = sandbox.ram()
+    jobs = ram // (12 * 2**30) + 1  # 8G + 4G each: one more than fits
+    with pytest.raises(HpdlError) as refused:
+        grade.main([str(tmp_path), "--jobs", str(jobs), "--memory", "8G", "--check-memory", "4G", "--allow-root"])
+    assert f"--jobs {jobs}" in str(refused.value) and f"Use --jobs {max(1, jobs - 1)}," in str(refused.value)
+    for n in (1, 2, 3):  # the default: half the RAM up to 8G, less where n at once would not fit, never under 3G
+        cap = grade.check_memory_for(n, 4 * 2**30)
+        assert cap >= grade.MIN_CHECK_MEMORY and cap <= sandbox.default_memory()
+        assert cap == grade.MIN_CHECK_MEMORY or n * (4 * 2**30 + cap) <= ram

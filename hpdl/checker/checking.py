@@ -26,9 +26,10 @@ DEFAULT_REASON = "this exercise asks you to build it from point-to-point message
 
 
 def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = False, timeout=None,
-               progress: bool = True, hidden: list[str] = (), stop=None) -> CheckResult:
+               progress: bool = True, hidden: list[str] = (), stop=None, memory: int | None = None) -> CheckResult:
     """Run the packed function `code` on the cases of exercise `name` (the grader calls this too).
-    `stop`: a threading.Event that, once set, ends the check's jobs (jobs.Stopped is raised)."""
+    `stop`: a threading.Event that, once set, ends the check's jobs (jobs.Stopped is raised).
+    `memory`: what all the check's jobs may hold together (default sandbox.default_memory())."""
     t0 = time.perf_counter()
     if grading and case_api.is_public_only(module):
         raise HpdlError(f"This kit holds only the public checks of {name!r} (its answer keys were moved out): "
@@ -48,7 +49,7 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
             "calibrate": callable(getattr(module, "calibrate", None))}
     bar = _progress(sum(len(v) for v in plan.values()), name) if progress else None
     try:
-        runner = Runner(name, module, spec, plan, progress=bar, every_case=grading, stop=stop)
+        runner = Runner(name, module, spec, plan, progress=bar, every_case=grading, stop=stop, memory=memory)
         results = runner.run()
     finally:
         if bar is not None:

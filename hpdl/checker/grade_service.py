@@ -104,15 +104,17 @@ class Service:
     """One submission's requests, checked one after another in a thread of the grader; results kept here.
 
     One at a time: a check starts two MPI jobs (the learner's ranks, the reference's), each with a
-    cgroup of its own, outside the submission's caps. A notebook's hpdl.check() waits for its answer,
-    so an honest one never has two under way; a hostile one could file MAX_REQUESTS at once (threads,
-    or files written into its inbox) and start hundreds of ranks on the grading host.
+    cgroup of its own inside the check's (capped at `memory` for all of them), outside the submission's
+    caps. A notebook's hpdl.check() waits for its answer, so an honest one never has two under way; a
+    hostile one could file MAX_REQUESTS at once (threads, or files written into its inbox) and start
+    hundreds of ranks on the grading host.
 
     `folder` is the inbox the submission writes; `answers` (folder/answers) is the grader's."""
 
-    def __init__(self, folder: Path, hidden: list[str]):
+    def __init__(self, folder: Path, hidden: list[str], memory: int | None = None):
         self.folder = folder
         self.hidden = hidden
+        self.memory = memory  # what each check's jobs may hold together (None: sandbox.default_memory())
         folder.mkdir(parents=True, exist_ok=True)
         self.answers = folder / ANSWERS
         self.answers.mkdir(mode=0o755)  # made before the submission starts: never one it planted
@@ -180,7 +182,7 @@ class Service:
             code = _code_from(req.get("code"))
             module = cases.load(name)
             result = check_code(name, module, code, grading=True, progress=False, hidden=self.hidden,
-                                stop=self.stop)
+                                stop=self.stop, memory=self.memory)
         except Stopped:
             self._problem(f"the check of {name} under way when the notebook ended was stopped (no result)")
             return

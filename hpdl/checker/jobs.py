@@ -685,7 +685,8 @@ class Runner:
     """Plans the jobs of one check, runs them side by side, and builds the case results."""
 
     def __init__(self, exercise: str, module, spec: dict, plan: dict[int, list[Planned]], progress=None,
-                 every_case: bool = True, sandboxed: bool | None = None, stop=None):
+                 every_case: bool = True, sandboxed: bool | None = None, stop=None, memory: int | None = None):
+        self.memory = memory or sandbox.default_memory()  # all the check's jobs together (the grader may set it)
         self.every_case = every_case  # grading: run cases left after a HANG too (with a short fuse)
         self.exercise = exercise
         self.module = module
@@ -708,7 +709,7 @@ class Runner:
         # 4 learner jobs of 8 GiB each cannot hold 32 GiB on a host of 24 (one submission's check did)
         sizes = list(self.todos)  # tasks: each rank count's two jobs, and the reference jobs' fork server
         self.group = sandbox.Cgroup.make(2 * sum(job_tasks([size]) for size in sizes) + job_tasks(sizes),
-                                         sandbox.default_memory())
+                                         self.memory)
         try:
             server = self._serve(tmp)
             for size, todo in self.todos.items():  # one by one: those started are ended if the next fails

@@ -47,13 +47,18 @@ def file_limit() -> int:
     return 256 * 2**20
 
 
+def ram() -> int | None:
+    """This machine's RAM in bytes, where the system says."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
 def default_memory() -> int:
     """Total memory one sandbox may hold by default: half the machine's RAM, at most 8 GiB."""
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 8 * 2**30
-    return max(2**30, min(8 * 2**30, ram // 2))
+    total = ram()
+    return 8 * 2**30 if total is None else max(2**30, min(8 * 2**30, total // 2))
 
 
 @dataclass
@@ -435,7 +440,7 @@ class DiskWatch:
         if used is None:
             self.why = f"it made more than {self.entries} files and folders in its folder"
         elif used + _unlinked_open(self.folder, self.pids()) > self.limit:
-            self.why = f"its files took more than {_size(self.limit)} of disk (the cap on its folder)"
+            self.why = f"its files took more than {size_text(self.limit)} of disk (the cap on its folder)"
         return self.why
 
 
@@ -875,14 +880,15 @@ def describe(st: dict | None = None) -> str:
         head = (f"sandboxed with bubblewrap {st['bubblewrap_version']}: file system read-only, "
                 f"{', '.join(st['hidden'])} hidden, no network, {_covered_text(st)}, own PID namespace, "
                 "nested user namespaces "
-                f"{st['nested_user_namespaces']}, /tmp {_size(st['tmp_bytes'])}, /dev/shm {_size(st['shm_bytes'])}")
+                f"{st['nested_user_namespaces']}, /tmp {size_text(st['tmp_bytes'])}, "
+                f"/dev/shm {size_text(st['shm_bytes'])}")
     parts = [head, f"seccomp: {st['seccomp'] or 'none'}", f"environment: {st['environment']}",
              f"a check's ranks: {st.get('check_ranks', 'sharing the job files')} (files, /tmp, /dev/shm, processes)",
-             f"total memory {_size(st['memory_total_bytes'])}, total tasks {st['tasks_total'] or 'uncapped'} "
+             f"total memory {size_text(st['memory_total_bytes'])}, total tasks {st['tasks_total'] or 'uncapped'} "
              "(cgroup, read back)",
-             f"per process: address space {_size(st['memory_per_process_bytes'])}, "
-             f"CPU {st['cpu_seconds_per_process']} s, files {_size(st['file_bytes'])}, no core dumps",
-             f"its folder on disk: {_size(st['disk_bytes'])} and {st['disk_entries']} files in all "
+             f"per process: address space {size_text(st['memory_per_process_bytes'])}, "
+             f"CPU {st['cpu_seconds_per_process']} s, files {size_text(st['file_bytes'])}, no core dumps",
+             f"its folder on disk: {size_text(st['disk_bytes'])} and {st['disk_entries']} files in all "
              "(measured as it runs)"]
     if st["bubblewrap"] is not None and st["missing"]:
         parts.append(f"missing: {'; '.join(st['missing'])}")
@@ -898,7 +904,8 @@ def _covered_text(st: dict) -> str:
                    "found by then)")
 
 
-def _size(n: int | None) -> str:
+def size_text(n: int | None) -> str:
+    """A size as the report says it: GiB from 1 GiB up, else MiB; None is uncapped."""
     if n is None:
         return "uncapped"
     return f"{n / 2**30:g} GiB" if n >= 2**30 else f"{n / 2**20:g} MiB"
