@@ -248,8 +248,8 @@ def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: flo
     cut = cut_outputs(nb.cells)
     if cut:
         status["detail"] += f" (outputs over {MAX_OUTPUT_BYTES // 2**20} MiB: {cut} bytes cut, with a note)"
-    try:
-        nbformat.write(nb, executed)
+    try:  # without nbformat's indentation, which grew deeply nested outputs 35 times past what cut_outputs measured
+        executed.write_text(json.dumps(nb, default=str))
     except Exception as exc:
         status["detail"] += f" (the executed notebook could not be written: {type(exc).__name__})"
     status_file.write_text(json.dumps(status))
@@ -309,13 +309,16 @@ def _flood_stopping(base: type) -> type:
 
 
 def _output_bytes(content) -> int:
-    """About how large one output message is: its text, its data's values, its traceback."""
+    """About how large one output message is: its text, its data's values, its traceback, its metadata."""
     if not isinstance(content, dict):
         return 0
     data, traceback = content.get("data"), content.get("traceback")
     parts = [content.get("text"), *(data.values() if isinstance(data, dict) else [data]),
-             *(traceback if isinstance(traceback, list) else [traceback])]
-    return sum(len(p) if isinstance(p, str) else len(str(p)) for p in parts if p is not None)
+             *(traceback if isinstance(traceback, list) else [traceback]), content.get("metadata") or None]
+    try:
+        return sum(len(p) if isinstance(p, str) else len(str(p)) for p in parts if p is not None)
+    except RecursionError:  # nested past what repr() follows: as large as a flood
+        return FLOOD_BYTES
 
 
 def cut_outputs(cells: list[dict]) -> int:
@@ -384,6 +387,7 @@ class Running:
         env.update({settings.GRADE.name: "1", settings.GRADE_SERVICE.name: str(work / "checks"),
                     settings.HOME.name: str(self.home)})
         env.pop(settings.GRADE_RESULTS.name, None)
+        env.pop(settings.KEYS.name, None)  # its checks are the grader's: the keys' folder is none of its business
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env = confine.environment(env)  # the grader's other variables never reach the submission
         cmd = [sys.executable, "-m", "hpdl.grade", "--run-one", str(self.copy), str(self.executed_here),
@@ -429,6 +433,8 @@ class Running:
             sub.status, sub.detail = "timeout", f"stopped after {self.limit:g} s (the submission's time limit)"
         else:
             try:  # the submission's folder: no link followed, a regular file, bounded
+                if self.job.returncode != 0:  # a runner that did not finish (a kernel can kill its runner)
+                    raise ValueError("the runner did not finish: its status is not its own")
                 st = safefiles.json_of(safefiles.read_bounded(self.status, MAX_STATUS_BYTES))
                 errors = st.get("cell_errors", 0)  # the runner's folder: the submission can write it too
                 if st["status"] not in RUNNER_STATUSES or type(errors) is not int or not 0 <= errors < 2**31:
@@ -442,18 +448,21 @@ class Running:
         sub.checks = dict(self.service.results)  # the grader's own results, never the kernel's
         if self.service.problems:
             sub.detail = (sub.detail + " | " if sub.detail else "") + "; ".join(self.service.problems[:3])
-        data = self._save_executed()
+        data = self._save_executed(finished=not stopped and self.job.returncode == 0)
         sub.predictions = predictions_of(_cells(data) or [])
         safefiles.remove_tree(self.work)  # gone as soon as it ends, not with the batch
         sandbox.sweep_cgroups()  # a cgroup still emptying when its job ended goes now
 
-    def _save_executed(self) -> bytes:
+    def _save_executed(self, finished: bool = True) -> bytes:
         """Keep the notebook as it ran (a valid notebook, bounded, never through a link); when
-        the runner left none that is valid, the submitted one (from the submissions folder, which
-        the sandbox cannot write) with a note saying why."""
+        the runner left none that is valid, or did not finish (then the file is the kernel's word:
+        it can write the runner's folder, and kill the runner), the submitted one (from the
+        submissions folder, which the sandbox cannot write) with a note saying why."""
         try:
             data = safefiles.read_bounded(self.executed_here, MAX_NOTEBOOK_BYTES)
             why = "" if _cells(data) is not None else "what the runner saved is not a valid notebook"
+            if not finished:
+                why = "its runner did not finish, so what it left was the notebook's own to write"
         except FileNotFoundError:  # it never got that far (a timeout): nothing to keep
             return self._submitted()
         except OSError as exc:

@@ -168,6 +168,22 @@ def _own_status(text: str) -> str:
 
 OWN_STATUS = _own_status('{"status": "\\u001b]52;c;cm0gLXJmIH4K\\u0007"}')  # drives the instructor's terminal
 OWN_COUNT = _own_status('{"status": "ok", "cell_errors": 1e999}')  # a count of errors no int holds
+# a status and a notebook-as-run that are valid and say all went well, then the runner killed before it writes its own
+FAKE_RUN = _own_status('{"status": "ok", "detail": "all checks passed", "cell_errors": 0}').replace(
+    "\nos.kill", "\nopen('executed.ipynb', 'w').write('{\"cells\": [{\"cell_type\": \"markdown\", "
+    "\"metadata\": {}, \"source\": \"fake-run\"}], \"metadata\": {}, \"nbformat\": 4, "
+    "\"nbformat_minor\": 5}')\nos.kill")
+# outputs whose metadata is their bulk: nested deep (nbformat's indentation multiplied the saved notebook 35
+# times past what was measured), then a flood of it (the flood guard counted text and data only)
+DEEP_META = """from IPython.display import display
+deep = [0] * 100000
+for _ in range(60):
+    deep = [deep]
+for _ in range(8):
+    display({"text/plain": "x"}, raw=True, metadata={"deep": deep})"""
+META_FLOOD = """from IPython.display import display
+for _ in range(600):
+    display({"text/plain": "x"}, raw=True, metadata={"pad": "A" * 2**20})"""
 NOT_UTF8 = os.fsdecode(b"\xff\xfe latin1.ipynb")  # a name from another system's encoding
 NOCELLS = "nocells\x1b]52;c;cm0gLXJmIH4K\x07.ipynb"
 FORMULA = "=HYPERLINK(\"http:\u2215\u2215x.example\",\"garbage\")+cmd|' -c calc'!A0.ipynb"
@@ -194,9 +210,14 @@ def attacks(tmp_path, monkeypatch) -> Path:
         ("fork_bomb", "import os, time\nfor _ in range(100000):\n    if os.fork() == 0:\n        time.sleep(600)", 2),
         ("flood", STUBBORN_FLOOD, 5),
         ("kills_parent", KILLS_PARENT, 5), ("own_status", OWN_STATUS, 5),
-        ("own_count", OWN_COUNT, 5),
+        ("own_count", OWN_COUNT, 5), ("fake_run", FAKE_RUN, 2),
     ]:
         _variant(solved, subs / f"{name}.ipynb", lambda cells, cell=cell, where=where: cells.insert(where, code(cell)))
+
+    def metadata(cells):
+        cells[2:2] = [code(DEEP_META), code(META_FLOOD)]
+
+    _variant(solved, subs / "metadata.ipynb", metadata)
     return subs
 
 
@@ -220,7 +241,7 @@ def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attack
     out = tmp_path / "report"
     assert grade.main([str(attacks), "--out", str(out), "--timeout", "30", "--jobs", "2", "--allow-root"]) == 0
     rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
-    assert len(rows) == 16  # every submission recorded, each with a status and a reason
+    assert len(rows) == 18  # every submission recorded, each with a status and a reason
     full = float(rows["honest.ipynb"]["max_score"])
     assert full > 0 and {float(r["max_score"]) for r in rows.values()} == {full}  # max from the case modules
     assert rows["honest.ipynb"]["status"] == "ok" and float(rows["honest.ipynb"]["score"]) == full
@@ -244,8 +265,14 @@ def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attack
     # stopped well before the time limit: interrupted, then (the interrupt caught) its kernel killed
     assert rows["flood.ipynb"]["status"] == "kernel died" and "then its kernel killed" in rows["flood.ipynb"]["detail"]
     assert rows["kills_parent.ipynb"]["status"] == "runner failed" and rows["kills_parent.ipynb"]["detail"]
-    for name in ("own_status.ipynb", "own_count.ipynb"):  # not the status it wrote
+    for name in ("own_status.ipynb", "own_count.ipynb", "fake_run.ipynb"):  # not the status it wrote
         assert rows[name]["status"] == "runner failed" and rows[name]["detail"], rows[name]
+    forged = nbformat.read(out / "executed" / "fake_run.ipynb", as_version=4)  # nor the notebook: as submitted
+    assert "did not finish" in forged.cells[0].source and "fake-run" not in [c.source for c in forged.cells]
+    assert float(rows["fake_run.ipynb"]["score"]) == 0
+    # outputs that are metadata: stopped as a flood, saved no larger than the outputs a notebook keeps
+    assert "(an output flood)" in rows["metadata.ipynb"]["detail"], rows["metadata.ipynb"]
+    assert (out / "executed" / "metadata.ipynb").stat().st_size < grade.MAX_OUTPUT_BYTES + 2**20
     kept = nbformat.read(out / "executed" / "kills_parent.ipynb", as_version=4)  # as submitted, with a note
     assert "could not be kept" in kept.cells[0].source and KILLS_PARENT in [c.source for c in kept.cells]
     # a cell that never ends: stopped at the time limit, its check recorded as not reached
