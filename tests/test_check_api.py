@@ -110,6 +110,23 @@ def test_source_scan_finds_collectives_but_not_local_numpy_reductions():
     assert source.forbidden_calls(sneaky, {"reduce"})[0]["line"] == 11
 
 
+def test_the_source_scan_parses_no_megabytes_in_the_graders_process():
+    """A check request's sources may hold 4 MiB (grade_service.MAX_SOURCE_CHARS): as one list display of two
+    million names, ast.parse took the grader 2.9 GB and 8 s holding Python's lock, for a hint. Sources past
+    the scan's bound are skipped, the function beside them still scanned."""
+    import tracemalloc
+
+    bomb = {"name": "cell", "firstline": 1, "source": "Allreduce; x = [" + "a," * 1_999_990 + "]"}
+    sneaky = {"name": "g", "firstline": 10, "source": "def g(c, x):\n    return c.Allreduce(x)\n"}
+    tracemalloc.start()
+    try:
+        found = source.forbidden_calls([bomb, sneaky], {"Allreduce"})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [f["func"] for f in found] == ["g"] and peak < 64 * 2**20, peak
+
+
 def test_package_carries_helpers_and_their_lines():
     code = source.package(L.ring_collective_one_rank)  # calls ring_ok, defined elsewhere in the file
     names = {s["name"] for s in code["sources"]}

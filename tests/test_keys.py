@@ -209,6 +209,7 @@ for path in glob.glob(os.path.join(KIT, "*", "ring_allreduce.py")) + \\
     except Exception as exc:
         print("could not read", path, type(exc).__name__)
 print("reference stolen:", "reference" in stolen)
+print("keys named:", any("keys" in v for k, v in os.environ.items() if k.startswith("HPDL")))
 
 
 def ring_allreduce(comm, x, _paths=glob.glob(os.path.join(KIT, "*", "ring_allreduce.py"))):
@@ -245,7 +246,7 @@ def test_grading_with_exported_keys_full_marks_and_nothing_for_a_thief(shared_ki
     assert float(rows["solved.ipynb"]["score"]) == full, rows["solved.ipynb"]
     assert float(rows["thief.ipynb"]["score"]) == 0, rows["thief.ipynb"]
     executed = json.dumps(nbformat.read(out / "executed" / "thief.ipynb", as_version=4).cells[3].outputs)
-    assert "reference stolen: False" in executed, executed
+    assert "reference stolen: False" in executed and "keys named: False" in executed, executed
 
 
 def test_a_course_case_module_loaded_by_threads_at_once_is_whole_in_each(monkeypatch):

@@ -105,7 +105,10 @@ class Job:
         # in a sandbox on this node, each learner rank makes a view of its own before any learner's code;
         # sharing no memory, the ranks then talk over TCP
         tcp = meter.tcp_transport() if kind == "learner" and sandboxed and sandbox.isolation_works() else None
-        launch = job_launch(size, module, self.dir, {**_job_env(self.dir), **(tcp or {}), **(wire_env or {})},  # here
+        env = _job_env(self.dir)
+        if kind == "learner":  # where the keys are is none of its business (its spec holds the public part)
+            env.pop(settings.KEYS.name, None)
+        launch = job_launch(size, module, self.dir, {**env, **(tcp or {}), **(wire_env or {})},  # here
                             preload=(spec.get("preload") or {}).get(kind, []), apart=tcp is not None, server=server)
         cmd, env, self.through_batch = launch.cmd, launch.env, launch.through_batch
         self.isolated = tcp is not None and not launch.through_batch
