@@ -63,6 +63,27 @@ def test_predict_step_time_calling_the_kits_predictor_is_refused():
     assert result.score == 0 and all(c.rejected == "hpdl.predict.predict_step_time" for c in result.cases), result
 
 
+def test_a_table_of_the_public_answers_fits_no_graded_grid():
+    """A stripped kit publishes its public cases' answers (*.expected), drawn without a nonce: a table of
+    them, looked up by the arguments, with no model of a step, scored 20/24 graded. Graded grids are drawn
+    with the check's nonce; what the table still fits is the fixed points (one rank, the published runs)."""
+    from hpdl.checker.cases import predict_step_time as case
+    from hpdl.predict import predict_step_time as kit
+
+    table = {}
+    for c in case.cases(2):
+        for pt in case.inputs(c, 0, 1)[0]:  # every point, as a stripped kit's learner draws it (no nonce)
+            args = case._args(pt)
+            table[tuple(args.values())] = kit(**args)
+
+    def predict_step_time(compute, nbytes, alpha, beta, gamma, p, overlap=0.0, buckets=1, _table=table):
+        return _table.get((compute, nbytes, alpha, beta, gamma, p, overlap, buckets), 0.0)
+
+    result = hpdl.check("predict_step_time", predict_step_time, ranks=[2], grade=True)
+    passed = {c.name for c in result.cases if c.verdict == "PASS"}
+    assert passed == {"one rank: no communication", "published: Horovod, 128 and 512 Pascal GPUs"}, result
+
+
 @pytest.mark.parametrize("bad, words", [
     (step_no_bus_factor, ["2(p−1)/p"]),
     (step_overlap_on_compute, ["does not shrink the compute"]),
