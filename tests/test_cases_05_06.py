@@ -80,6 +80,27 @@ def test_shard_indices_drop_last_is_also_right():
     assert passed(hpdl.check("shard_indices", shards_drop_last, ranks=[3]))
 
 
+def test_a_table_of_the_public_shards_fits_no_graded_case():
+    """A stripped kit publishes its public cases' answers (*.expected), asked with the cases' own seeds: a table
+    of them, looked up by (n, epoch, seed), scored 9/12 graded with no shuffle of its own. Graded, the seed is
+    drawn with the check's nonce."""
+    from hpdl.checker.cases import shard_indices as case
+
+    size, table = 2, {}
+    for c in case.cases(size):
+        n, seed = case.inputs(c, 0, size)  # as a stripped kit's learner asks it (no nonce)
+        for s in (seed, seed + case.OTHER_SEED):
+            for epoch in case.EPOCHS:
+                for rank in range(size):
+                    table[n, rank, epoch, s] = case.reference_shard(n, rank, size, epoch, s)
+
+    def shard_indices(comm, n, epoch, seed=0, _table=table):
+        return _table.get((n, comm.Get_rank(), epoch, seed), [])
+
+    result = hpdl.check("shard_indices", shard_indices, ranks=[size], grade=True)
+    assert result.score == 0 and all(c.verdict == "WRONG" for c in result.cases), result
+
+
 @pytest.mark.parametrize("bad, words", [
     (shards_rank_seeded, ["more than one rank", "same seed"]),
     (shards_ignore_epoch, ["same order", "set_epoch"]),

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import math
 
-from hpdl.checker.cases import Case, Wrong
+from hpdl.checker.cases import Case, Wrong, nonce_seed
 
 SIGNATURE = "shard_indices(comm, n, epoch, seed=0) -> list[int]   # this rank's samples for this epoch"
 RANKS = (1, 2, 3)
 TIMEOUT = 20.0
+PRIVATE_INPUTS = True  # the seed drawn with the check's nonce where there is one (inputs())
 EPOCHS = (0, 0, 1, 2)  # epoch 0 twice: the same question must get the same answer
 OTHER_SEED = 1000  # epoch 0 is asked once more with seed + OTHER_SEED: the order must depend on the seed
 
@@ -34,7 +35,12 @@ def cases(size):
 
 
 def inputs(case, rank, size):
-    return case.params["n"], case.params["seed"]
+    """n and the seed: with the check's nonce (grading, PRIVATE_INPUTS) the seed is drawn from it, so a table
+    of a stripped kit's public answers (*.expected) fits no case; any seed is as good a question."""
+    seed = case.params["seed"]
+    if case.params.get("nonce") is not None:
+        seed = nonce_seed(case.params) % 100_000
+    return case.params["n"], seed
 
 
 def reference_shard(n: int, rank: int, size: int, epoch: int, seed: int, drop_last: bool = False) -> list[int]:
@@ -121,7 +127,7 @@ def verify(case, ctx):
     failed = [r for r, a in enumerate(answers) if "error" in a]
     if failed:
         return Wrong(f"rank {failed[0]} could not answer: {answers[failed[0]]['error']}")
-    n = case.params["n"]
+    n, seed = ctx.args  # the seed asked (drawn with the nonce in grading)
     everyone = [a["epochs"] for a in answers]  # everyone[rank][k] = that rank's answer for EPOCHS[k]
     for k, epoch in enumerate(EPOCHS[1:], start=1):
         if EPOCHS[k] == EPOCHS[k - 1] and any(r[k] != r[k - 1] for r in everyone):
@@ -145,9 +151,9 @@ def verify(case, ctx):
                      hint="seed the shuffle with seed + epoch (that is what sampler.set_epoch(epoch) is for): "
                           "with the same order every epoch, the model sees the batches in the same order forever.")
     if n >= 10 and all(a.get("other_seed") == a["epochs"][0] for a in answers):
-        return Wrong(f"seed {case.params['seed']} and seed {case.params['seed'] + OTHER_SEED} gave the same order "
+        return Wrong(f"seed {seed} and seed {seed + OTHER_SEED} gave the same order "
                      "in epoch 0", hint="the shuffle must depend on the seed too: seed + epoch, not the epoch alone.")
-    return _not_the_samplers(answers, expected, case.params["seed"])
+    return _not_the_samplers(answers, expected, seed)
 
 
 def _not_the_samplers(answers: list[dict], expected: list[dict], seed: int) -> Wrong | None:
