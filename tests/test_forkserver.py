@@ -235,7 +235,9 @@ def test_a_checks_reference_ranks_at_every_rank_count_are_forks_of_one_server(no
                 is_fork = " ".join(psutil.Process(ppid).cmdline()[1:4]) == "-m hpdl.forkserver serve" \
                     if ppid else False
                 if is_fork:  # a rank: the reference's, or a learner job's (its own server's fork)
-                    caps[proc.pid] = _caps(proc)
+                    cap = _caps(proc)  # the deepest cgroup it was seen in: leaving, it may be moved up
+                    if cap is not None and _depth(cap) >= _depth(caps.get(proc.pid)):
+                        caps[proc.pid] = cap
                 if not folder.startswith(("r", "l")) or "-" not in folder:  # the check's own folder
                     seen["reference ranks" if is_fork else "shared"].add(proc.pid)
                 elif not is_fork:
@@ -269,6 +271,13 @@ def test_a_checks_reference_ranks_at_every_rank_count_are_forks_of_one_server(no
         assert all(len(parts) == 2 for parts in ours), caps  # a job's cgroup inside the check's
         assert len({parts[0] for parts in ours}) == 1 and len({parts[1] for parts in ours}) >= 3, caps
         assert not any(os.path.exists(os.path.join(cgroup, ours[0][0])) for cgroup in sandbox._cgroup_parents())
+
+
+def _depth(cap: tuple[int, str] | None) -> int:
+    """How many of the kit's cgroups a reading of _caps() is nested in (-1: no reading)."""
+    from hpdl.checker import sandbox
+
+    return -1 if cap is None else sum(part.startswith(sandbox.CGROUP_PREFIX) for part in cap[1].split("/"))
 
 
 def _caps(proc: psutil.Process) -> tuple[int, str] | None:

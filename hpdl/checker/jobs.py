@@ -105,10 +105,8 @@ class Job:
         # in a sandbox on this node, each learner rank makes a view of its own before any learner's code;
         # sharing no memory, the ranks then talk over TCP
         tcp = meter.tcp_transport() if kind == "learner" and sandboxed and sandbox.isolation_works() else None
-        env = _job_env(self.dir)
-        if kind == "learner":  # where the keys are is none of its business (its spec holds the public part)
-            env.pop(settings.KEYS.name, None)
-        launch = job_launch(size, module, self.dir, {**env, **(tcp or {}), **(wire_env or {})},  # here
+        env = {**_job_env(self.dir, keys=kind != "learner"), **(tcp or {}), **(wire_env or {})}  # keys: the reference's
+        launch = job_launch(size, module, self.dir, env,  # here
                             preload=(spec.get("preload") or {}).get(kind, []), apart=tcp is not None, server=server)
         cmd, env, self.through_batch = launch.cmd, launch.env, launch.through_batch
         self.isolated = tcp is not None and not launch.through_batch
@@ -119,10 +117,9 @@ class Job:
                                network=bool(launch.through_batch), keep_env=launch.kept, isolating=self.isolated)
         # the reference ranks read what the learner's returned: capped too, so no output can make them take
         # the host's memory (where they are forks of the check's server, they are in its cgroup instead)
-        limits = job_limits([size], [todo], group) if kind == "learner" or server is None else None
+        self.limits = limits = job_limits([size], [todo], group) if kind == "learner" or server is None else None
         # a sandbox has its own /dev/shm and PID namespace, gone with it; outside one, the learner's
         # processes are swept by the job's marker too (a daemon that left the process group)
-        self.limits = limits
         self.side = sidejob.SideJob(cmd, output=os.path.join(self.dir, "output.txt"), env=env, limits=limits,
                                     shared_memory=not sandboxed, sweep=kind == "learner" and not sandboxed)
         # a learner job's one writable folder is the host's: what its files take on disk is capped as it runs
@@ -453,12 +450,15 @@ def job_tasks(sizes: list[int]) -> int:
     return 256 + 64 * sum(sizes)
 
 
-def _job_env(job_dir: str) -> dict[str, str]:
+def _job_env(job_dir: str, keys: bool = True) -> dict[str, str]:
     """A check job's environment: this process's, its job folder named, one thread per rank, the
-    venv first on PATH, never the grader's own channels (results file, service folder)."""
+    venv first on PATH, never the grader's own channels (results file, service folder); where the
+    instructor's keys are only where `keys` (a learner's job is told nothing of them)."""
     env = dict(os.environ)
     env.pop(settings.GRADE_RESULTS.name, None)
     env.pop(settings.GRADE_SERVICE.name, None)
+    if not keys:
+        env.pop(settings.KEYS.name, None)
     bindir = str(Path(sys.executable).parent)
     env.update({settings.CHECK_JOB.name: job_dir}, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}", MALLOC_MMAP_THRESHOLD_=str(MMAP_FROM))
