@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import numbers
 
-from hpdl.checker.cases import Case, Wrong
+from hpdl.checker.cases import Case, Wrong, nonce_seed
 
 SIGNATURE = "predict_step_time(compute, nbytes, alpha, beta, gamma, p, overlap=0.0, buckets=1) -> float  # seconds"
 RANKS = (1, 2, 3, 4)
@@ -81,7 +81,7 @@ def inputs(case: Case, rank: int, size: int) -> tuple:
     if "grid" not in p:
         return (p["points"][rank::size],)
     seed, n, overlap, buckets = p["grid"]
-    return (_grid(seed if p.get("nonce") is None else f"{seed}:{p['nonce']}", n, overlap=overlap,
+    return (_grid(seed if p.get("nonce") is None else nonce_seed({**p, "seed": seed}), n, overlap=overlap,
                   buckets=buckets)[rank::size],)
 
 

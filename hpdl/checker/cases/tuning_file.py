@@ -23,7 +23,7 @@ import json
 import os
 import tempfile
 
-from hpdl.checker.cases import Case, Wrong
+from hpdl.checker.cases import Case, Wrong, nonce_seed
 
 SIGNATURE = "tuning_file(table: list[tuple[int | None, str]]) -> dict   # MPICH's selection JSON"
 RANKS = (1, 2)
@@ -71,7 +71,7 @@ def inputs(case, rank, size):
 
     table = [list(row) for row in case.params["table"]]
     if case.params.get("nonce") is not None:
-        rng, low = random.Random(f"{case.name}:{case.params['nonce']}"), 0
+        rng, low = random.Random(nonce_seed({**case.params, "seed": case.name})), 0
         for row in table:
             if row[0] is not None:
                 row[0] = max(low + 64, int(row[0] * rng.choice((0.5, 1, 2))) // 16 * 16 + 16 * rng.randrange(1, 8))
