@@ -71,6 +71,27 @@ def test_choose_algorithm_solution_passes_beyond_its_rank_counts(no_strays):
     assert {c.ranks for c in result.cases} == {3, 4}
 
 
+def test_a_table_of_the_public_answers_fits_no_graded_case(no_strays):
+    """The answers a stripped kit stores for its public cases (*.expected), looked up by (α, nbytes, p), the
+    nearest stored point answering for any other: 3/4 graded at one rank. Graded, each machine also meets two
+    rank counts drawn with the check's nonce, at sizes drawn too."""
+    from hpdl.checker.cases import choose_algorithm as case
+
+    table = {}
+    for c in case.cases(1):
+        (params,) = case.inputs(c, 0, 1)
+        for n, p in params["points"]:
+            table[(params["alpha"], n, p)] = case.best(n, p, params["alpha"], params["beta"], params["gamma"])
+
+    def choose_algorithm(nbytes, p, alpha, beta, gamma, _table=table):
+        near = min((k for k in _table if k[0] == alpha), default=None,
+                   key=lambda k: (abs(math.log2(k[2] / p)), abs(math.log2(k[1] / nbytes))))
+        return _table[near] if near is not None else "ring"
+
+    result = hpdl.check("choose_algorithm", choose_algorithm, ranks=[1], grade=True)
+    assert [c.verdict for c in result.cases] == ["WRONG"] * 4, result
+
+
 @pytest.mark.parametrize("bad, words", [
     (choose_fixed_threshold, ["not the cheapest", "fixed size threshold"]),
     (choose_ring_half_bandwidth, ["not the cheapest", "ring too early"]),

@@ -15,18 +15,24 @@ result back, which costs 2(α + nβ) + nγ more):
 The function takes no communicator: `call()` evaluates it over a grid of sizes and rank counts
 (plus the points just either side of every crossover of the model, found by bisection) and
 `verify()` accepts any algorithm whose cost is within 1e-9 of the least (ties, e.g. p = 1 or 2).
+Graded, each machine gains two rank counts drawn with the check's nonce (one a power of two, one
+not), each asked at many sizes drawn too: a table of a stripped kit's public answers (*.expected)
+meets rank counts it never saw. (Drawn sizes, not crossovers: inputs() goes to the learner's job,
+and finding a crossover takes the answer.)
 The usual slips land off the grid's crossovers: a fixed size threshold, a cost off by a factor
 (γ forgotten, 2(p−1)/p read as (p−1)/p, lg p read as p), ignoring the fold-in.
 """
 from __future__ import annotations
 
 
-from hpdl.checker.cases import Case, Wrong
+from hpdl.checker.cases import Case, Wrong, nonce_seed
 
 SIGNATURE = 'choose_algorithm(nbytes, p, alpha, beta, gamma) -> str   # "recursive_doubling", ' \
             '"reduce_scatter_allgather" or "ring"'
 RANKS = (1, 2)
 TIMEOUT = 20.0
+PRIVATE_INPUTS = True  # graded, two rank counts more per machine, drawn with the check's nonce (inputs())
+DRAWN_SIZES = 96  # per drawn rank count: about three a doubling from 1 B to 1 GiB
 ALGORITHMS = ("recursive_doubling", "reduce_scatter_allgather", "ring")
 SIZES = [8 << (2 * i) for i in range(13)]  # 8 B … 128 MiB
 CLUSTERS = {
@@ -78,7 +84,8 @@ def cases(size):
         for p in ps:
             for c in crossovers(p, a, b, g):
                 points += [(max(1, int(c * 0.97)), p), (int(c * 1.03) + 1, p)]
-        return Case(f"{name}: p = {', '.join(map(str, ps))}", {"alpha": a, "beta": b, "gamma": g, "points": points},
+        return Case(f"{name}: p = {', '.join(map(str, ps))}", {"alpha": a, "beta": b, "gamma": g, "points": points,
+                                                               "seed": len(ps) * 1000 + ps[-1]},
                     hidden=hidden, slow_factor=1e6)
 
     return [grid("this machine", [2, 4, 8]), grid("InfiniBand cluster", [16, 64, 1024]),
@@ -86,7 +93,19 @@ def cases(size):
 
 
 def inputs(case, rank, size):
-    return (case.params,)
+    """The case's α, β, γ and points; with the check's nonce (grading) also every size of SIZES and
+    DRAWN_SIZES more, at one more power of two and one more other rank count, neither the case's."""
+    import random
+
+    params = {k: case.params[k] for k in ("alpha", "beta", "gamma", "points")}
+    if "nonce" not in case.params:
+        return (params,)
+    rng = random.Random(nonce_seed(case.params))
+    ps = {p for _, p in params["points"]}
+    drawn = [rng.choice([q for q in (1 << k for k in range(1, 11)) if q not in ps]),
+             rng.choice([q for q in range(3, 129) if q & (q - 1) and q not in ps])]
+    extra = [(n, p) for p in drawn for n in SIZES + [max(1, int(2 ** rng.uniform(0, 30))) for _ in range(DRAWN_SIZES)]]
+    return ({**params, "points": params["points"] + extra},)
 
 
 def call(fn, comm, args):
@@ -101,7 +120,7 @@ def reference(comm, params):
 
 
 def verify(case, ctx):
-    params = case.params
+    (params,) = ctx.args  # the points asked (more in grading)
     a, b, g = params["alpha"], params["beta"], params["gamma"]
     got = ctx.got
     if not isinstance(got, list) or len(got) != len(params["points"]):
@@ -122,7 +141,7 @@ def verify(case, ctx):
 
 
 def diagnose(case, ctx):
-    params = case.params
+    (params,) = ctx.args
     a, b, g = params["alpha"], params["beta"], params["gamma"]
     pts, got = params["points"], ctx.got
     if not isinstance(got, list) or any(x not in ALGORITHMS for x in got):
@@ -130,14 +149,15 @@ def diagnose(case, ctx):
     by_p: dict[int, list[tuple[int, str]]] = {}
     for (n, p), x in zip(pts, got):
         by_p.setdefault(p, []).append((n, x))
-    # the same switch size for every p and every machine: a fixed threshold, not the model
-    switches = {p: min((n for n, x in v if x != "recursive_doubling"), default=None) for p, v in by_p.items()}
-    if len(by_p) > 1 and len(set(switches.values())) == 1 and None not in switches.values():
+    # one size that splits recursive doubling from the rest for every p: a fixed threshold, not the model
+    below = max((n for v in by_p.values() for n, x in v if x == "recursive_doubling"), default=0)
+    above = min((n for v in by_p.values() for n, x in v if x != "recursive_doubling"), default=None)
+    if len(by_p) > 1 and above is not None and below < above:
         return ("your switch point does not move with p, α, β or γ: compare the three modelled costs for each "
                 "call instead of using a fixed size threshold.")
     right = [best(n, p, a, b, g) == x for (n, p), x in zip(pts, got)]
     odd = [p & (p - 1) != 0 for n, p in pts]
-    if any(o and not r for o, r in zip(odd, right)) and all(r for o, r in zip(odd, right) if not o):
+    if not all(odd) and any(o and not r for o, r in zip(odd, right)) and all(r for o, r in zip(odd, right) if not o):
         return ("right for powers of two, wrong for other p: recursive doubling and reduce-scatter + allgather "
                 "run on p' = the largest power of two ≤ p, plus the fold-in 2(α + nβ) + nγ.")
     ring_late = any(x != "ring" and best(n, p, a, b, g) == "ring" for (n, p), x in zip(pts, got))
