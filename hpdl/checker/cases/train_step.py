@@ -7,7 +7,9 @@ The function runs on one device and takes no communicator, so this module define
 the checker hands it the learner's function and this rank's inputs instead of calling
 `fn(comm, *args)`. Each case takes three steps in a row on one model (so gradients left over
 from one step would spoil the next) and compares, after every step, the returned loss and
-the model's parameters with those of the reference step on an identical copy.
+the model's parameters with those of the reference step on an identical copy. The model's first
+weights and the batches are drawn with the check's nonce (PRIVATE_INPUTS), so a table of a stripped
+kit's public answers (*.expected) fits no graded case.
 """
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ import numbers
 import numpy as np
 
 from hpdl.checker import hooks
-from hpdl.checker.cases import Case, Wrong
+from hpdl.checker.cases import Case, Wrong, nonce_seed
 
 SIGNATURE = "train_step(model, batch, loss_fn, optimizer) -> float   # the loss before the update"
 RANKS = (1,)
 TIMEOUT = 30.0  # the first case of a job pays for importing torch
 STEPS = 3
+PRIVATE_INPUTS = True  # the first weights and the batches, drawn with the check's nonce, as data (inputs())
 
 
 def cases(size):
@@ -36,25 +39,43 @@ def cases(size):
 
 
 def inputs(case, rank, size):
-    """(model, batches, loss_fn, optimizer): a fresh seeded model and three batches of digits-like data."""
+    """(the case's params, the model's first weights, three batches of digits-like data), as plain data
+    drawn with the check's nonce where there is one; call() builds the model and optimizer from them."""
+    import torch
+
+    p = case.params
+    torch.manual_seed(nonce_seed({**p, "seed": 1234}))
+    model = _model(p)
+    g = torch.Generator().manual_seed(nonce_seed({**p, "seed": 99}))
+    batches = [(torch.rand(p["batch"], 1, 8, 8, generator=g).numpy(),
+                torch.randint(0, 10, (p["batch"],), generator=g).numpy()) for _ in range(STEPS)]
+    return p, [q.detach().numpy().copy() for q in model.parameters()], batches
+
+
+def _model(p: dict):
+    from torch import nn
+
+    if p["model"] == "cnn":
+        return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 64, 10))
+    width = p.get("hidden", 32)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+def build(p: dict, weights: list, batches: list) -> tuple:
+    """(model, batches, loss_fn, optimizer) as the learner's function is handed them."""
     import torch
     from torch import nn
 
-    p = case.params
-    torch.manual_seed(1234)
-    if p["model"] == "cnn":
-        model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 64, 10))
-    else:
-        width = p.get("hidden", 32)
-        model = nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
+    model = _model(p)
+    with torch.no_grad():
+        for q, w in zip(model.parameters(), weights):
+            q.copy_(torch.from_numpy(w))
     if p["optimizer"] == "adam":
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    g = torch.Generator().manual_seed(99)
-    batches = [(torch.rand(p["batch"], 1, 8, 8, generator=g), torch.randint(0, 10, (p["batch"],), generator=g))
-               for _ in range(STEPS)]
-    return model, batches, nn.CrossEntropyLoss(), optimizer
+    tensors = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
+    return model, tensors, nn.CrossEntropyLoss(), optimizer
 
 
 def model_step(model, batch, loss_fn, optimizer) -> float:
@@ -78,11 +99,11 @@ def _run(step, model, batches, loss_fn, optimizer) -> dict:
 
 def call(fn, comm, args):
     """How the checker calls the learner's function: once per batch, without `comm`."""
-    return _run(fn, *args)
+    return _run(fn, *build(*args))
 
 
 def reference(comm, *args):
-    return _run(model_step, *args)
+    return _run(model_step, *build(*args))
 
 
 def verify(case, ctx):
@@ -108,7 +129,7 @@ def verify(case, ctx):
 
 def diagnose(case, ctx):
     got, expected = ctx.got, ctx.expected
-    before = [q.detach().numpy() for q in ctx.args[0].parameters()]
+    before = ctx.args[1]  # the first weights
     if all(np.array_equal(a, b) for a, b in zip(got["params"][0], before)):
         return ("the parameters did not change: call optimizer.step() after loss.backward(), "
                 "and optimizer.zero_grad() before the backward pass, not between backward and step.")
