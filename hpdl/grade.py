@@ -214,6 +214,16 @@ def predictions_of(cells: list[dict]) -> list[dict]:
 RUNNER_STATUSES = ("ok", "not a notebook", "timeout", "kernel died", "error")
 
 
+def _undumpable() -> None:
+    """The runner, before it starts the notebook's kernel: a process of the same user may not write its
+    memory (/proc/PID/mem, process_vm_writev: a kernel rewriting the status or the notebook-as-run the
+    runner is about to save) nor read it. Seccomp refuses ptrace; this is the rest (PR_SET_DUMPABLE 0).
+    The kernel is a new program, dumpable again: it may read and write its own."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
+
+
 def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: float) -> int:
     """Executed in a child process: run the notebook, keep going past failing cells."""
     import nbformat
@@ -938,6 +948,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "--run-one":
+        _undumpable()
         return run_one(Path(argv[1]), Path(argv[2]), Path(argv[3]), float(argv[4]))
     args = _parser().parse_args(argv)
     if args.timeout <= 0 or args.jobs < 1 or args.tasks < 16:

@@ -184,6 +184,17 @@ for _ in range(8):
 META_FLOOD = """from IPython.display import display
 for _ in range(600):
     display({"text/plain": "x"}, raw=True, metadata={"pad": "A" * 2**20})"""
+# the runner's memory, written from its kernel (/proc/PID/mem: no ptrace call): the status or the notebook-as-run
+# it is about to save, rewritten in place
+RUNNER_MEMORY = """import os
+pid = os.getppid()
+try:
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as f:
+        start = int(open(f"/proc/{pid}/maps").read().split("-")[0], 16)
+        f.seek(start); data = f.read(16); f.seek(start); f.write(data)
+    print("runner memory: written")
+except OSError as exc:
+    print("runner memory: refused", type(exc).__name__)"""
 NOT_UTF8 = os.fsdecode(b"\xff\xfe latin1.ipynb")  # a name from another system's encoding
 NOCELLS = "nocells\x1b]52;c;cm0gLXJmIH4K\x07.ipynb"
 FORMULA = "=HYPERLINK(\"http:\u2215\u2215x.example\",\"garbage\")+cmd|' -c calc'!A0.ipynb"
@@ -218,6 +229,9 @@ def attacks(tmp_path, monkeypatch) -> Path:
         cells[2:2] = [code(DEEP_META), code(META_FLOOD)]
 
     _variant(solved, subs / "metadata.ipynb", metadata)
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [code(RUNNER_MEMORY)]
+    nbformat.write(nb, subs / "runner_memory.ipynb")
     return subs
 
 
@@ -241,7 +255,7 @@ def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attack
     out = tmp_path / "report"
     assert grade.main([str(attacks), "--out", str(out), "--timeout", "30", "--jobs", "2", "--allow-root"]) == 0
     rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
-    assert len(rows) == 18  # every submission recorded, each with a status and a reason
+    assert len(rows) == 19  # every submission recorded, each with a status and a reason
     full = float(rows["honest.ipynb"]["max_score"])
     assert full > 0 and {float(r["max_score"]) for r in rows.values()} == {full}  # max from the case modules
     assert rows["honest.ipynb"]["status"] == "ok" and float(rows["honest.ipynb"]["score"]) == full
@@ -270,6 +284,8 @@ def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attack
     forged = nbformat.read(out / "executed" / "fake_run.ipynb", as_version=4)  # nor the notebook: as submitted
     assert "did not finish" in forged.cells[0].source and "fake-run" not in [c.source for c in forged.cells]
     assert float(rows["fake_run.ipynb"]["score"]) == 0
+    ran = nbformat.read(out / "executed" / "runner_memory.ipynb", as_version=4)  # nor in the runner's memory
+    assert "runner memory: refused PermissionError" in ran.cells[0].outputs[0].text, ran.cells[0].outputs
     # outputs that are metadata: stopped as a flood, saved no larger than the outputs a notebook keeps
     assert "(an output flood)" in rows["metadata.ipynb"]["detail"], rows["metadata.ipynb"]
     assert (out / "executed" / "metadata.ipynb").stat().st_size < grade.MAX_OUTPUT_BYTES + 2**20
