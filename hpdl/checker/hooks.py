@@ -180,7 +180,7 @@ def wire_agrees(ctx) -> Wrong | None:
     if wire.get("closed"):
         return Wrong(f"rank {r} closed a network connection to another rank during the check; {why}", forged=True)
     for peer, sent in sorted(wire.items()):
-        if not isinstance(sent, int) or peer in ("closed", "received"):  # not a peer's bytes
+        if not isinstance(sent, int) or peer in ("closed", "received", "unseen"):  # not a peer's bytes
             continue
         mine, messages = recorded.get(int(peer), [0, 0]) if peer.isdigit() else (0, 0)
         allowed = (mine + WIRE_SLACK + WIRE_PER_MESSAGE * min(messages, WIRE_MESSAGES_CAP)
@@ -197,6 +197,16 @@ def wire_agrees(ctx) -> Wrong | None:
             return Wrong(f"rank {r} recorded {mine} bytes sent to rank {peer}, but only {sent} went out; {why}",
                          forged=True)
     return None
+
+
+def unseen_connections(ctx) -> Wrong:
+    """WRONG (forged) for every rank when the job's ranks opened TCP connections that were gone before the
+    checker could list them (meter.Meter: the kernel's count of connections, against those it listed): what
+    crossed them was counted nowhere. No honest way needs one; MPI and torch.distributed keep theirs."""
+    n = ctx.wire.get("unseen")
+    return Wrong(f"{n} network connection end(s) were opened and closed again between two of the checker's "
+                 "readings, so the bytes they carried were never counted: values must move by your MPI calls",
+                 forged=True)
 
 
 def _received(ctx) -> int | None:

@@ -155,6 +155,16 @@ def connections(pid: int) -> dict[int, Connection]:
     return found
 
 
+def opened(pid: int) -> int:
+    """TCP connections established in `pid`'s network namespace so far, as the kernel counts them (each end:
+    ActiveOpens + PassiveOpens − AttemptFails in /proc/PID/net/snmp): a connection opened and closed between
+    two readings shows here, and nowhere in ss."""
+    with open(f"/proc/{pid}/net/snmp") as f:
+        rows = [line.split() for line in f if line.startswith("Tcp:")]
+    tcp = dict(zip(rows[0][1:], (int(v) for v in rows[1][1:])))
+    return tcp["ActiveOpens"] + tcp["PassiveOpens"] - tcp["AttemptFails"]
+
+
 def socket_inodes(pid: int | str) -> set[int]:
     """The sockets a process holds open ("self": this one)."""
     inodes = set()
@@ -182,12 +192,18 @@ class Meter:
     Messages are counted too, as the data segments that reached each rank from the others (on
     loopback, one per message sent, whatever its size up to 64 KiB), apart for the connections
     each rank opened in its case module's set_up() (`grouped`: torch.distributed's, say) and for
-    all the others (MPI's): how many all-reduces a case ran shows there (hooks.allreduces_on_wire)."""
+    all the others (MPI's): how many all-reduces a case ran shows there (hooks.allreduces_on_wire).
+
+    A connection opened and closed between two readings is in no listing: the kernel's count of the
+    connections established in the namespace (opened()), against the connections ever listed, shows it
+    ("unseen", job-wide: every rank's row)."""
 
     def __init__(self, pids: dict[int, int], grouped: dict[int, set[int]] | None = None):
         self.pids = dict(pids)  # rank -> pid as this process sees it
         self.grouped = {r: set(inodes) for r, inodes in (grouped or {}).items()}  # rank -> its set_up's sockets
+        self.opened_at_start, self.listed = None, set()  # the kernel's count; every connection ever listed
         self.last = self._read()  # socket inode -> (rank, sent, received, segments in) at the last reading
+        self.opened_at_start, self.listed_at_start = self.opened, set(self.listed)
         ends = {c.local for c in self.held}
         talking = {self.last[c.inode][0] for c in self.held if c.peer in ends}
         if talking != set(self.pids):  # the communicators made at start-up connect every rank
@@ -199,7 +215,10 @@ class Meter:
         for rank, pid in self.pids.items():
             for inode in socket_inodes(pid):
                 owner.setdefault(inode, rank)
-        found = connections(next(iter(self.pids.values())))
+        pid = next(iter(self.pids.values()))
+        self.opened = opened(pid)  # before the listing: what it counts is listed, unless closed already
+        found = connections(pid)
+        self.listed |= set(found)
         self.held = [c for c in found.values() if c.inode in owner]
         return {c.inode: (owner[c.inode], c.sent, c.received, c.data_segs_in) for c in self.held}
 
@@ -230,9 +249,12 @@ class Meter:
                 segments[kind] += max(0, c.data_segs_in - was_segments)
         for inode in set(self.last) - set(now):
             add(self.last[inode][0], "closed", 1)
+        unseen = self.opened - self.opened_at_start - len(self.listed - self.listed_at_start)
         for r in self.pids:  # what reached each rank from the other ranks
             sent[str(r)]["received"] = sum(row.get(str(r), 0) for q, row in sent.items() if q != str(r))
             sent[str(r)]["all segments"] = segments
+            if unseen > 0:
+                sent[str(r)]["unseen"] = unseen
         self.last = now
         return sent
 
