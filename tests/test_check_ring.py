@@ -208,3 +208,76 @@ def test_a_hang_in_a_check_reads_as_a_hang_in_a_px_cell(no_strays):
     assert check_words in case.message
     assert f"stuck:    rank 0 at {place}" in px_words and case.stuck[0] == place
     assert hang.DEADLOCK_HINT == case.hint
+
+
+def ring_by_a_packed_chain(comm, x):
+    """Attack (red team): no ring. The WHOLE vector goes along a chain, reduce 0 → 1 → … → p-1 then
+    broadcast p-1 → 0 → … → p-2, each time packed losslessly (the narrowest float that holds every value
+    exactly, then zlib if that is shorter) and sent as the case's dtype in segments of at most a chunk,
+    then zero padding up to the bytes each rank must receive. It fits the ring's budget of values only
+    if the inputs pack into fewer bytes than their dtype holds."""
+    import zlib
+
+    import numpy as np
+
+    p, r = comm.Get_size(), comm.Get_rank()
+    if p == 1:
+        return x.copy()
+    n, dt = len(x), x.dtype
+    isz, widest = dt.itemsize, n // p + n % p
+    right, left = (r + 1) % p, (r - 1) % p
+    narrow = [np.dtype(t) for t in ("float16", "float32", "float64") if np.dtype(t).itemsize <= isz]
+
+    def pack(a):
+        if n < p:
+            return len(narrow) - 1, 0, a.tobytes()
+        kind = next(i for i, t in enumerate(narrow) if np.array_equal(a.astype(t).astype(dt), a))
+        raw = a.astype(narrow[kind]).tobytes()
+        squeezed = zlib.compress(raw, 9)
+        return (kind, 1, squeezed) if len(squeezed) < len(raw) else (kind, 0, raw)
+
+    def unpack(kind, zipped, b):
+        return np.frombuffer(zlib.decompress(b) if zipped else b, dtype=narrow[kind]).astype(dt)
+
+    def send_frame(kind, zipped, b):  # an 8-byte header (codec, length), then the bytes in chunk-sized segments
+        if n >= p:  # with n < p a chunk is all of x: the raw vector, no header, fits as it is
+            comm.Send(np.array([kind * 2 + zipped, len(b)], np.int32).view(dt), dest=right, tag=7)
+        v = np.frombuffer(b + b"\0" * (-len(b) % isz), dtype=dt)
+        for i in range(0, len(v), max(widest, 1)):
+            comm.Send(v[i:i + widest].copy(), dest=right, tag=7)
+        return 8 + len(v) * isz
+
+    def recv_frame():
+        head = np.array([len(narrow) * 2 - 2, n * isz], np.int32).view(dt)
+        if n >= p:
+            comm.Recv(head, source=left, tag=7)
+        code, length = (int(v) for v in head.view(np.int32))
+        v = np.empty(-(-length // isz), dt)
+        for i in range(0, len(v), max(widest, 1)):
+            seg = np.empty(len(v[i:i + widest]), dt)
+            comm.Recv(seg, source=left, tag=7)
+            v[i:i + widest] = seg
+        return code // 2, code % 2, v.tobytes()[:length]
+
+    sent = 0
+    part = x.copy() if r == 0 else unpack(*recv_frame()) + x  # reduce along the chain
+    if r < p - 1:
+        sent += send_frame(*pack(part))
+    total = part if r == p - 1 else unpack(*recv_frame())  # broadcast the total along the chain
+    if r != p - 2:
+        sent += send_frame(*pack(total))
+    if n >= p:  # pad what the right neighbour receives up to the kernel's floor
+        send_frame(0, 0, b"\0" * max(0, (p - 1) * n * isz // p - sent))
+        recv_frame()
+    return total
+
+
+def test_whole_vectors_packed_along_a_chain_do_not_fit_the_rings_budget(no_strays):
+    """Inputs as small whole numbers (plus quarters) packed into float16 (2 bytes a value): a chain of
+    whole vectors fitted the ring's 2(p-1) chunks and scored full marks. With every bit of the inputs
+    drawn from the check's nonce (_sums.vector) nothing packs: a middle rank of the chain passes on x twice,
+    p/(p-1) times the ring's 2(p-1) chunks."""
+    result = hpdl.check("ring_allreduce", ring_by_a_packed_chain, ranks=[3, 4], grade=True)
+    assert not result.passed and result.score < result.max_score
+    longer = [c for c in result.cases if c.params["n"] >= c.ranks]  # with n < p the ring's last chunk is all of x
+    assert longer and all(c.verdict == "WRONG" and "values" in c.message for c in longer), result

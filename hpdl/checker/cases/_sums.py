@@ -1,8 +1,11 @@
 """Shared by the allreduce-by-hand exercises (ring, recursive doubling): inputs and hints.
 
-Inputs are whole numbers plus a rank-dependent quarter, so every sum is exact in float32
-and float64 whatever the order of additions: a wrong value is a wrong algorithm, never
-rounding.
+Inputs are random multiples of one power of two, as many significant bits as the dtype holds
+less the ⌈lg p⌉ a sum of p of them needs: every sum is exact in float32 and float64 whatever the
+order of additions, so results are compared exactly (compare_sum), and a wrong value is a wrong
+algorithm, never rounding. Every bit but those few is drawn from the check's nonce, so a vector
+cannot be packed into fewer bytes than its dtype holds (whole numbers below 100 fitted in a
+uint16: a whole vector passed along a chain, packed, fitted a ring's budget of chunks).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ def sum_cases(size: int) -> list[Case]:
         (10 * p - 1, "float32", False, "uneven"),
         (1, "float64", False, "shorter than p"),
         (max(p - 1, 1), "float32", False, "shorter than p"),
-        (100_003, "float32", False, "large"),
+        (100_003, "float64", False, "large"),  # float64: a float32 vector has too few spare bits (see vector())
         (p, "float32", True, "one per rank"),
         (2 * p + 1, "float64", True, "uneven"),
         (257, "float64", True, "uneven"),
@@ -40,14 +43,26 @@ def sum_cases(size: int) -> list[Case]:
     return cases
 
 
-def vector(case: Case, rank: int) -> np.ndarray:
-    """This rank's summand. With a check's nonce (PRIVATE_INPUTS) no rank can work out another's."""
+def vector(case: Case, rank: int, size: int) -> np.ndarray:
+    """This rank's summand. With a check's nonce (PRIVATE_INPUTS) no rank can work out another's.
+
+    Whole numbers k with 0 < |k| < 2**b, scaled by 2**(1-b) (so within ±2): b is the dtype's
+    significand bits less ⌈lg size⌉, so any partial sum of `size` of them is exact, and the
+    sign and b bits of each are random (full-entropy mantissas: nothing to pack away)."""
     params = case.params
+    dtype = np.dtype(params["dtype"])
     rng = np.random.default_rng([params.get("nonce", 0), 1000 * params["seed"] + rank])
-    # positive: every other rank adds something, so no rank's own vector is ever the sum (with a
+    bits = np.finfo(dtype).nmant + 1 - max(int(size) - 1, 0).bit_length()
+    # nonzero: every other rank adds something, so no rank's own vector is ever the sum (with a
     # zero on rank 0, a ring that leaves the sum on rank 0 only passed a one-element case at p = 2)
-    x = rng.integers(1, 100, params["n"]).astype(np.float64) + rank / 4
-    return x.astype(params["dtype"])
+    k = rng.integers(1, 2**bits, params["n"], dtype=np.int64) * rng.choice(np.array([-1, 1]), params["n"])
+    return np.ldexp(k.astype(np.float64), 1 - bits).astype(dtype)
+
+
+def compare_sum(got, expected) -> Wrong | None:
+    """Exact: the inputs (vector) make every order of additions give the same sum, and any
+    tolerance would be bits a learner could leave out when packing a whole vector into a chunk."""
+    return hooks.compare(got, expected, rtol=0.0, atol=0.0)
 
 
 def received_enough(ctx) -> Wrong | None:
