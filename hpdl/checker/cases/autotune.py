@@ -8,7 +8,10 @@ The checker hands the learner cost surfaces they have not seen, shaped like real
 (a U-curve in a bucket size, a fusion threshold × cycle time valley with a tilt, a cliff) and
 deterministic noise: measuring the same config again gives another, reproducible reading, as
 a real measurement would. A config passes when its true (noise-free) cost is within 5% of the
-best in the space. The noise is ±2%, under half the tolerance: a config whose one reading beat the
+best in the space. Where the check has a nonce (graded, and the full kit's own checks) each surface
+slides (or the cliff's slope folds) along its knobs by an amount drawn from it, so the best config differs
+from check to check while the shape stays (MOVES); a stripped kit's public cases keep the surfaces still.
+The noise is ±2%, under half the tolerance: a config whose one reading beat the
 best config's reading is within (1.02/0.98 =) 1.041× of it, so a tuner that measured the best once
 is never failed by noise alone (at ±3% it was, about 1 check in 700). Every call beyond the budget
 is refused (the case is WRONG: the tuner exhausted its budget); an exhaustive search never fits
@@ -31,6 +34,7 @@ RANKS = (1,)  # a tuner decides on one rank (Horovod's on rank 0); at more, each
 #              its own, which ranks that share their readings over MPI would pool
 TIMEOUT = 20.0
 TOLERANCE = 1.05
+QUOTE = 80  # characters of a learner's object a WRONG message quotes at most
 ORACLE = True  # the cost table lives in a helper process beside the learner's rank (oracle.py)
 
 
@@ -47,8 +51,41 @@ SPACES = {
 }
 
 
-def _cost(kind: str):
-    """The noise-free cost of the indices (i, j, ...) into a surface's knobs: the checker's side only."""
+def _slides(centre: float, bests, fractions=(-0.2, -0.1, 0.0, 0.1, 0.2)) -> tuple:
+    """The moves that put a knob's minimum (the formula's `centre`) at index b + f for each b and f: a best
+    that close to a value leaves its neighbours past the tolerance, one config within it (the fraction as
+    the formulas' own centres have one; the valley's tilted neighbour is 1.2 off, so its knobs get none)."""
+    return tuple((round(centre - b - f, 6), None) for b in bests for f in fractions)
+
+
+#: With a nonce, each knob's move (offset, fold), drawn from the nonce: index i is the formula's x = i + offset,
+#: folded back past `fold` (x = 2·fold − x). The best differs from check to check, the shape stays: the
+#: U-curve's and valley's minimum lands anywhere known-bad tuners would not find it (the middle cycle_ms and
+#: channels, which a sweep of the first knob keeps; the fusion_mb a truncated grid reaches), the cliff's slope
+#: tops out at buffsize index 5, 6 or 7 (a truncated grid stops at 3) and the corner's best stays at the far
+#: edge. Bucket: 1 fixed answer in 10 is right by chance, fusion 1 in 30, cliff 1 in 15, corner 1 in 20.
+MOVES = {
+    "bucket": (_slides(7.3, range(1, 11)),),
+    "fusion": (_slides(5.6, range(4, 9), (0.0,)), _slides(1.2, (0, 1, 2, 4, 5, 6), (0.0,))),
+    "cliff": (tuple((0.0, b) for b in (5, 6, 7)), _slides(3.8, (0, 1, 2, 4, 5))),
+    "corner": (((0.0, None),), _slides(2.2, range(5)), _slides(1.6, range(4))),
+}
+
+
+def _cost(kind: str, moves: tuple = ()):
+    """The noise-free cost of the indices (i, j, ...) into a surface's knobs: the checker's side only.
+    `moves`: each knob's (offset, fold) (MOVES); none without a nonce."""
+    formula = _formula(kind)
+
+    def x(i, move):
+        offset, fold = move
+        return i + offset if fold is None or i + offset <= fold else 2 * fold - i - offset
+
+    moves = tuple(moves) or ((0.0, None),) * len(SPACES[kind])
+    return lambda *idx: formula(*(x(i, m) for i, m in zip(idx, moves)))
+
+
+def _formula(kind: str):
     if kind == "bucket":  # DDP's bucket_cap_mb: a U-curve, minimum off-centre
         return lambda i: 10.0 + 0.9 * (i - 7.3) ** 2
     if kind == "fusion":  # Horovod fusion threshold × cycle time: a tilted valley
@@ -60,9 +97,23 @@ def _cost(kind: str):
     raise ValueError(kind)
 
 
-def _costs(kind: str) -> dict[str, float]:
+def _moves(params: dict) -> tuple:
+    """Each knob's move, drawn from the check's nonce (MOVES); none where there is no nonce (a stripped
+    kit's public cases, which the learner's own inline check runs: nothing is at stake there)."""
+    import hashlib
+
+    if params.get("nonce") is None:
+        return ()
+    drawn = []
+    for d, choices in enumerate(MOVES[params["surface"]]):
+        text = f"autotune:{params['surface']}:{params['seed']}:{params['nonce']}:{d}".encode()
+        drawn.append(choices[int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") % len(choices)])
+    return tuple(drawn)
+
+
+def _costs(kind: str, moves: tuple = ()) -> dict[str, float]:
     """Every config's cost, keyed "i,j,...": the table the helper serves, never the formulas."""
-    cost = _cost(kind)
+    cost = _cost(kind, moves)
     return {",".join(map(str, idx)): cost(*idx)
             for idx in itertools.product(*(range(len(v)) for v in SPACES[kind].values()))}
 
@@ -119,7 +170,7 @@ def secrets(case, rank, size) -> dict:
     """What the helper beside the learner's rank knows (jobs.Runner.secrets): the case's cost table,
     noise seeded with the check's nonce, and a key to sign its count of measurements."""
     p = case.params
-    return {"costs": _costs(p["surface"]), "shape": [len(v) for v in SPACES[p["surface"]].values()],
+    return {"costs": _costs(p["surface"], _moves(p)), "shape": [len(v) for v in SPACES[p["surface"]].values()],
             "budget": p["budget"], "noise": p["noise"], "seed": f"{p['seed']}:{p.get('nonce')}",
             "key": oracle.key("autotune", p, case.name), "case": case.name, "calls": 0, "refused": 0, "seen": {},
             "closed": False}
@@ -177,6 +228,15 @@ def _receipt(case, got) -> dict | None:
     return body if ok else None
 
 
+def _quoted(obj, text: bool = False) -> str:
+    """What a message quotes of an object from the learner's process: its type and the start of its repr
+    (`text`: a string, e.g. the repr the measure took, as it is), never the whole of it: a run could carry
+    the readings it took out of the check in what it returns."""
+    shown = obj if text and isinstance(obj, str) else repr(obj)
+    shown = shown if len(shown) <= QUOTE else shown[:QUOTE] + "…"
+    return shown if text and isinstance(obj, str) else f"{type(obj).__name__} {shown}"
+
+
 def verify(case, ctx):
     got, p = ctx.got, case.params
     budget = p["budget"]
@@ -189,14 +249,17 @@ def verify(case, ctx):
                      hint="the space has more configs than the budget allows: search, don't enumerate "
                           "(e.g. one knob at a time, keeping the best of each).")
     if got.get("invalid"):
-        return Wrong(f"measure() was called with {got['invalid']}, not a config of the space")
-    idx = index_of(SPACES[p["surface"]], got.get("config"))
+        return Wrong(f"measure() was called with {_quoted(got['invalid'], text=True)}, not a config of the space")
+    space = SPACES[p["surface"]]
+    idx = index_of(space, got.get("config"))
     if idx is None:
-        return Wrong(f"returned {got.get('config')!r}; expected a dict with one value from the space for each knob")
-    costs = _costs(p["surface"])
+        return Wrong(f"returned {_quoted(got.get('config'))}; expected a dict with one value from the space for "
+                     "each knob")
+    costs = _costs(p["surface"], _moves(p))
     mine, best = costs[",".join(map(str, idx))], min(costs.values())
     if mine > TOLERANCE * best:
-        return Wrong(f"returned {got['config']}, whose true cost is {mine / best:.2f}× the best in the space "
+        config = {k: values[i] for (k, values), i in zip(space.items(), idx)}  # the space's values, not the object
+        return Wrong(f"returned {config}, whose true cost is {mine / best:.2f}× the best in the space "
                      f"(accepted: within {TOLERANCE:.2f}×); it used {receipt['calls']} of {budget} measurements",
                      max_error=mine / best - 1)
     return None
@@ -213,8 +276,12 @@ def diagnose(case, ctx):
         return "it measured almost nothing: spend the budget on the configs most likely to be fast."
     if len(space) > 1 and idx[1:] == tuple(len(v) // 2 for v in list(space.values())[1:]):
         return "only the first knob seems tuned: the others matter too — sweep each knob in turn."
-    first = list(space.values())[0]
-    if idx[0] <= 2 and len(first) > 5:
+    # the config's place in the grid's order (itertools.product's): where the best moves with the nonce, this
+    # tells what a grid cut off by the budget returns, which the config's first knob alone does not
+    rank = 0
+    for i, values in zip(idx, space.values()):
+        rank = rank * len(values) + i
+    if receipt["calls"] >= case.params["budget"] and rank < receipt["calls"]:
         return ("the configs measured look like the start of an exhaustive grid, cut off by the budget: "
                 "cover every knob's range instead.")
     return ("noise is ±a few %: a config that looked best once may not be; measure the leaders again, "
