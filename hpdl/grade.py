@@ -11,8 +11,9 @@ there is none, under the same rlimits in a process group of its own; the report 
 The submission's kernel decides nothing: each hpdl.check() in it hands the learner's function
 to this process (checker/grade_service.py), which runs the check in grade mode (the exercise's
 own rank counts, time limits and hidden cases) and keeps the result. Points per exercise come
-from the case modules; the exercises scored are those named with --exercises, else those the
-submissions' notebooks call in at least half of them.
+from the case modules; the exercises scored are those named with --exercises, else those called
+(in code, not comments) by the notebooks of at least half of the learners (a learner: a folder of
+the submissions folder, or a notebook directly in it).
 
 Every submission ends with a status and a reason (ok, timeout, kernel died, runner failed,
 not a notebook, ...). Results are appended to OUT/results.jsonl as each submission finishes and
@@ -41,6 +42,7 @@ from hpdl.checker.sandbox import DISK_BYTES, default_memory
 from hpdl.errors import HpdlError
 
 CHECK_CALL = re.compile(r"""check\(\s*["']([A-Za-z_][A-Za-z0-9_]*)["']""")
+MAX_PARSED_CELL = 64 * 1024  # characters: a longer code cell is not read for the checks it calls
 SKIP_DIRS = {".ipynb_checkpoints", "__pycache__"}
 MAX_FOLDER_DEPTH = 16  # levels of folders searched for notebooks under the submissions folder
 MAX_NOTEBOOK_BYTES = 64 * 2**20
@@ -168,13 +170,31 @@ def _text(src) -> str:
 
 
 def _called_checks(data: bytes) -> list[str]:
+    """The exercises a notebook's code calls a check of: `check("name", ...)` as a call in a code cell, not
+    in a comment or a string (a notebook's text must not add an exercise to the class's scoring)."""
     names = []
     for cell in _cells(data) or []:
-        if cell.get("cell_type") == "code":
-            for name in CHECK_CALL.findall(_text(cell.get("source"))):
+        text = _text(cell.get("source")) if cell.get("cell_type") == "code" else ""
+        if len(text) <= MAX_PARSED_CELL and CHECK_CALL.search(text):  # the cheap test first: few cells parse
+            for name in _check_calls(text):
                 if name not in names:
                     names.append(name)
     return names
+
+
+def _check_calls(text: str) -> list[str]:
+    """First arguments of the calls to something named `check` in a cell's code (IPython's magic lines and
+    shell escapes read as blank lines); none where the cell is not Python."""
+    import ast
+
+    code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in text.splitlines())
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    return [n.args[0].value for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "check"
+            and n.args and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str)]
 
 
 MAX_PREDICTIONS = 32  # cells tagged "prediction" kept per notebook (a lesson has at most 6)
@@ -751,14 +771,24 @@ def _done(out: Path, subs: list[Submission], sub: Submission, exercises, bar, he
 
 def scored_exercises(subs: list[Submission], exercises: list[str] | None = None) -> dict[str, float]:
     """Exercise -> points it is worth, from its case module (never from a submission): those
-    named, else those called in at least half of the submissions' notebooks."""
+    named, else those called in the notebooks of at least half of the learners. A learner is a folder
+    of the submissions folder (or a notebook directly in it), whatever the notebooks it holds: one
+    learner's many notebooks are one vote, never enough to drop or add an exercise for the class."""
     if exercises is None:
-        counts: dict[str, int] = {}
+        called: dict[str, set[str]] = {}
         for s in subs:
-            for ex in set(s.exercises):
+            called.setdefault(learner_of(s.name), set()).update(s.exercises)
+        counts: dict[str, int] = {}
+        for names in called.values():
+            for ex in names:
                 counts[ex] = counts.get(ex, 0) + 1
-        exercises = sorted(ex for ex, n in counts.items() if 2 * n >= len(subs))
+        exercises = sorted(ex for ex, n in counts.items() if 2 * n >= len(called))
     return {ex: planned_points(ex) for ex in exercises}
+
+
+def learner_of(name: str) -> str:
+    """Whose a submission is: its first folder under the submissions folder, else the notebook itself."""
+    return name.split("/", 1)[0] if "/" in name else name
 
 
 def planned_points(exercise: str) -> float:
@@ -922,7 +952,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds each notebook may run (default 600)")
     ap.add_argument("--jobs", type=int, default=1, help="notebooks run at once (default 1; each may start MPI ranks)")
     ap.add_argument("--exercises", default=None,
-                    help="comma-separated exercises to score (default: those most notebooks call)")
+                    help="comma-separated exercises to score (default: those the notebooks of at least half "
+                         "the learners call; a learner is a folder, or a notebook directly in SUBMISSIONS)")
     ap.add_argument("--memory", default="4G", help="total memory of one submission, all its processes together "
                                                    "(default 4G; the check it runs is capped by --check-memory)")
     ap.add_argument("--check-memory", default=None,

@@ -436,3 +436,29 @@ def test_more_submissions_at_once_than_the_ram_holds_are_refused_with_what_fits(
         cap = grade.check_memory_for(n, 4 * 2**30)
         assert cap >= grade.MIN_CHECK_MEMORY and cap <= sandbox.default_memory()
         assert cap == grade.MIN_CHECK_MEMORY or n * (4 * 2**30 + cap) <= ram
+
+
+def test_one_learners_many_notebooks_are_one_vote_on_what_is_scored():
+    """Without --exercises, the exercises scored are those most learners' notebooks call. One learner's folder
+    of four stubs, each calling one exercise, outvoted three learners and dropped the other exercise from
+    everyone's score (theirs had not solved it): a learner is one vote, whatever their notebooks."""
+    sub = grade.Submission
+    honest = [sub(f"{who}/03.ipynb", Path("x"), exercises=["bcast_binomial", "average_gradients"])
+              for who in ("alice", "bob", "carol")]
+    stubs = [sub(f"mallory/{k}.ipynb", Path("x"), exercises=["bcast_binomial"]) for k in "abcd"]
+    assert set(grade.scored_exercises(honest + stubs)) == {"bcast_binomial", "average_gradients"}
+    flat = [sub(f"{who}.ipynb", Path("x"), exercises=["bcast_binomial"]) for who in ("dan", "eve")]
+    assert set(grade.scored_exercises(flat + [sub("fay.ipynb", Path("x"), exercises=["ring_allreduce"])])) == \
+        {"bcast_binomial"}
+
+
+def test_a_check_named_in_a_comment_or_a_string_is_not_a_call():
+    """A check named only in a comment or a string counted as called: stubs could add an exercise to the
+    class's scoring. Calls in cells with IPython magics count."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in (
+        '# hpdl.check("bcast_binomial", f)\nprint("hi")', 'x = "check(\'throughput\')"',
+        'hpdl.check("ring_allreduce", ring_allreduce)', '%%px\nresult = check("average_gradients", avg, ranks=[2])',
+        'hpdl.check("ring_allreduce", other)')]
+    nb.cells.append(nbformat.v4.new_markdown_cell('hpdl.check("train_step", f)'))
+    assert grade._called_checks(nbformat.writes(nb).encode()) == ["ring_allreduce", "average_gradients"]
