@@ -39,12 +39,14 @@ DENIED = ("ptrace", "syslog", "acct", "mount", "umount2", "swapon", "swapoff", "
           "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register", "open_tree", "move_mount",
           "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr")
 
-# a learner's isolated rank (isolate.py) may open TCP sockets and the kernel's routing netlink (the C
-# library's list of interfaces), nothing else: its ranks share a network namespace, and the checker counts
-# what crosses it on their TCP connections (meter.py). UDP, an abstract Unix socket, SCTP or a netlink
-# family that carries data between processes would pass values the count never sees. socketpair() stays:
-# it reaches no other rank.
-AF_UNIX, AF_INET, AF_NETLINK, AF_INET6, SOCK_STREAM, IPPROTO_TCP, NETLINK_ROUTE = 1, 2, 16, 10, 1, 6, 0
+# a learner's isolated rank (isolate.py) may open TCP and UDP sockets and the kernel's routing netlink (the
+# C library's list of interfaces), nothing else: its ranks share a network namespace, and the checker counts
+# what crosses it on their TCP connections (meter.py), and any UDP datagram (Open MPI's ranks ask a UDP
+# socket for the list of interfaces: they send nothing on it). An abstract Unix socket, SCTP, UDP-Lite or
+# a netlink family that carries data between processes would pass values no count sees. socketpair()
+# stays: it reaches no other rank.
+AF_UNIX, AF_INET, AF_NETLINK, AF_INET6, SOCK_STREAM, SOCK_DGRAM, IPPROTO_TCP, IPPROTO_UDP, NETLINK_ROUTE = \
+    1, 2, 16, 10, 1, 2, 6, 17, 0
 SOCKET = {"x86_64": 41, "aarch64": 198}
 ALU_AND_K = 0x54
 
@@ -117,9 +119,9 @@ def program(machine: str | None = None, allow: frozenset[str] = frozenset()) -> 
     return _assemble(code)
 
 
-def tcp_only_program(machine: str | None = None) -> bytes:
+def inet_only_program(machine: str | None = None) -> bytes:
     """A second filter, stacked on the first in an isolated learner rank: socket() answers EPERM but for
-    TCP over IPv4 or IPv6 and routing netlink (see AF_UNIX above)."""
+    TCP and UDP over IPv4 or IPv6 and routing netlink (see AF_UNIX above)."""
     machine = machine or platform.machine()
     arch = ARCHES[machine][0]
     code: list[tuple] = [
@@ -127,8 +129,10 @@ def tcp_only_program(machine: str | None = None) -> bytes:
         (JEQ_K, "", "allow", SOCKET[machine]),
         (LD_W_ABS, "", "", 16), (JEQ_K, "inet", "", AF_INET), (JEQ_K, "inet", "", AF_INET6),
         (JEQ_K, "", "eperm", AF_NETLINK), (LD_W_ABS, "", "", 32), (JEQ_K, "allow", "eperm", NETLINK_ROUTE),
-        ("inet",), (LD_W_ABS, "", "", 24), (ALU_AND_K, "", "", 0xF), (JEQ_K, "", "eperm", SOCK_STREAM),
-        (LD_W_ABS, "", "", 32), (JEQ_K, "allow", "", 0), (JEQ_K, "allow", "eperm", IPPROTO_TCP),
+        ("inet",), (LD_W_ABS, "", "", 24), (ALU_AND_K, "", "", 0xF), (JEQ_K, "stream", "", SOCK_STREAM),
+        (JEQ_K, "", "eperm", SOCK_DGRAM), (LD_W_ABS, "", "", 32), (JEQ_K, "allow", "", 0),
+        (JEQ_K, "allow", "eperm", IPPROTO_UDP),
+        ("stream",), (LD_W_ABS, "", "", 32), (JEQ_K, "allow", "", 0), (JEQ_K, "allow", "eperm", IPPROTO_TCP),
         ("allow",), (RET_K, "", "", RET_ALLOW), ("eperm",), (RET_K, "", "", RET_ERRNO | EPERM)]
     return _assemble(code)
 
@@ -153,13 +157,13 @@ def _assemble(code: list[tuple]) -> bytes:
     return b"".join(out)
 
 
-def install(allow: frozenset[str] = frozenset(), tcp_only: bool = False) -> None:
+def install(allow: frozenset[str] = frozenset(), inet_only: bool = False) -> None:
     """Apply the filter to this process and all it will start (raises OSError where refused). Filters
     stack: a process under one that allows some calls can install the whole one (isolate.py's ranks),
-    and with `tcp_only` the socket filter after it."""
+    and with `inet_only` the socket filter after it."""
     _install(program(allow=allow))
-    if tcp_only:
-        _install(tcp_only_program())
+    if inet_only:
+        _install(inet_only_program())
 
 
 def _install(prog: bytes) -> None:

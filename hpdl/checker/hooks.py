@@ -200,13 +200,13 @@ def wire_agrees(ctx) -> Wrong | None:
 
 
 def unseen_connections(ctx) -> Wrong:
-    """WRONG (forged) for every rank when the job's ranks opened TCP connections that were gone before the
-    checker could list them (meter.Meter: the kernel's count of connections, against those it listed): what
-    crossed them was counted nowhere. No honest way needs one; MPI and torch.distributed keep theirs."""
+    """WRONG (forged) for every rank when the job's ranks carried data the checker could not count: TCP
+    connections gone before it could list them, or UDP datagrams (meter.opened: the kernel's counts, against
+    the connections it listed). No honest way needs either: MPI and torch.distributed keep their connections."""
     n = ctx.wire.get("unseen")
-    return Wrong(f"{n} network connection end(s) were opened and closed again between two of the checker's "
-                 "readings, so the bytes they carried were never counted: values must move by your MPI calls",
-                 forged=True)
+    return Wrong(f"{n} network connection end(s) or datagram(s) that the checker could not count crossed between "
+                 "the ranks (a connection opened and closed between two of its readings, or UDP): values must "
+                 "move by your MPI calls", forged=True)
 
 
 def _received(ctx) -> int | None:

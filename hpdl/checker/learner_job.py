@@ -173,7 +173,7 @@ class LearnerJob(RankJob):
                                "PMIX_RANK): it cannot be given a folder of its own")
         self.outer_pid = isolate.isolate(job_dir, rank)
         self.env_rank = rank
-        confine.install(tcp_only=True)  # and no socket but TCP's: what crosses between ranks, the meter counts
+        confine.install(inet_only=True)  # sockets over IP only: what crosses between ranks, the meter counts
 
     def own_dir(self, job_dir: str) -> str:
         from hpdl.checker import isolate

@@ -155,14 +155,22 @@ def connections(pid: int) -> dict[int, Connection]:
     return found
 
 
-def opened(pid: int) -> int:
-    """TCP connections established in `pid`'s network namespace so far, as the kernel counts them (each end:
-    ActiveOpens + PassiveOpens − AttemptFails in /proc/PID/net/snmp): a connection opened and closed between
-    two readings shows here, and nowhere in ss."""
+def opened(pid: int) -> tuple[int, int]:
+    """What `pid`'s network namespace has carried so far that no listing of TCP connections shows, as the
+    kernel counts it: (TCP connections established, each end: ActiveOpens + PassiveOpens − AttemptFails, so a
+    connection opened and closed between two readings shows here and nowhere in ss; UDP datagrams sent over
+    IPv4 and IPv6). A rank may open a UDP socket (Open MPI asks one for the list of interfaces), not send."""
     with open(f"/proc/{pid}/net/snmp") as f:
-        rows = [line.split() for line in f if line.startswith("Tcp:")]
-    tcp = dict(zip(rows[0][1:], (int(v) for v in rows[1][1:])))
-    return tcp["ActiveOpens"] + tcp["PassiveOpens"] - tcp["AttemptFails"]
+        rows = [line.split() for line in f if line.startswith(("Tcp:", "Udp:"))]
+    counts = {f"{head[0]}{k}": int(v) for head, values in zip(rows[::2], rows[1::2])
+              for k, v in zip(head[1:], values[1:])}
+    try:
+        with open(f"/proc/{pid}/net/snmp6") as f:
+            counts.update((k, int(v)) for k, v in (line.split()[:2] for line in f if line.strip()))
+    except OSError:  # no IPv6 here
+        pass
+    tcp = counts["Tcp:ActiveOpens"] + counts["Tcp:PassiveOpens"] - counts["Tcp:AttemptFails"]
+    return tcp, counts["Udp:OutDatagrams"] + counts.get("Udp6OutDatagrams", 0)
 
 
 def socket_inodes(pid: int | str) -> set[int]:
@@ -195,8 +203,8 @@ class Meter:
     all the others (MPI's): how many all-reduces a case ran shows there (hooks.allreduces_on_wire).
 
     A connection opened and closed between two readings is in no listing: the kernel's count of the
-    connections established in the namespace (opened()), against the connections ever listed, shows it
-    ("unseen", job-wide: every rank's row)."""
+    connections established in the namespace (opened()), against the connections ever listed, shows it;
+    a UDP datagram shows in the kernel's count of them ("unseen", job-wide: every rank's row)."""
 
     def __init__(self, pids: dict[int, int], grouped: dict[int, set[int]] | None = None):
         self.pids = dict(pids)  # rank -> pid as this process sees it
@@ -249,7 +257,8 @@ class Meter:
                 segments[kind] += max(0, c.data_segs_in - was_segments)
         for inode in set(self.last) - set(now):
             add(self.last[inode][0], "closed", 1)
-        unseen = self.opened - self.opened_at_start - len(self.listed - self.listed_at_start)
+        connections, datagrams = (now - start for now, start in zip(self.opened, self.opened_at_start))
+        unseen = connections - len(self.listed - self.listed_at_start) + datagrams
         for r in self.pids:  # what reached each rank from the other ranks
             sent[str(r)]["received"] = sum(row.get(str(r), 0) for q, row in sent.items() if q != str(r))
             sent[str(r)]["all segments"] = segments
