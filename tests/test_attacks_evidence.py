@@ -396,6 +396,10 @@ def test_values_moved_beside_the_counted_connections_score_nothing(fn, says, no_
     and closed within the call (gone before any listing), passed every case (no MPI message at all). An
     isolated rank may now open sockets over IP only, and the kernel's counts of connections established and
     UDP datagrams sent in the namespace tell what the checker never listed."""
+    from hpdl.checker import meter
+
+    if fn is E.column_parallel_beside_mpi and not meter.closed_counted():
+        pytest.skip("this MPI's ranks open and close connections of their own: only UDP is counted here")
     result = hpdl.check("column_parallel_linear", fn, ranks=[2], grade=True)
     no_points(result)
     assert all(says in c.message for c in result.cases), result

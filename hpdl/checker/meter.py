@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 
 #: environment that makes each MPI's ranks on one node talk over TCP on loopback, not shared memory
@@ -36,6 +37,9 @@ OVER_TCP = {
 # (launchers.nodes_apart, runner.job_launch)
 APART = {"MPICH": {}, "Open MPI": {"PMIX_MCA_gds": "hash"}, "Intel MPI": {}}
 SS_TIMEOUT = 10.0  # s
+# readings again, SETTLE_SECONDS apart, while the kernel counts connections no listing showed yet: one being
+# made when the ranks stopped (SYN sent, or not yet accepted) shows a moment later; one closed never does
+SETTLE_READINGS, SETTLE_SECONDS = 20, 0.05
 NS_GET_USERNS = 0xB701  # ioctl on a namespace's file: a new descriptor of the user namespace that owns it
 
 
@@ -89,6 +93,18 @@ def unavailable() -> str | None:
     return node_transport()[1]
 
 
+def closed_counted() -> bool:
+    """Whether this node's learner ranks keep every connection they make during a case, so that one opened
+    and closed between two readings is the learner's (Meter's `closed`): MPICH's and Open MPI's do; Intel
+    MPI's ranks opened and closed two of their own in a case of overlap_allreduce, so there only UDP counts."""
+    from hpdl.launchers.mpiexec import mpiexec_implementation
+
+    try:
+        return mpiexec_implementation() != "Intel MPI"
+    except Exception:
+        return False
+
+
 def host_pid(sandbox_pid: int, candidates: list[int]) -> int | None:
     """The pid, as this process sees it, of the process that is `sandbox_pid` in the sandbox's PID
     namespace (the kernel's NSpid line, which the learner cannot change: this process's pid first, then
@@ -120,8 +136,9 @@ _HEADER = re.compile(rf"^(?:{_STATES})\s+\d+\s+\d+\s+(\S+)\s+(\S+).*\bino:(\d+)"
 _COUNTS = re.compile(r"\b(bytes_sent|bytes_received|data_segs_in):(\d+)")
 
 
-def connections(pid: int) -> dict[int, Connection]:
-    """Every TCP connection in `pid`'s network namespace, by socket inode, with its bytes sent."""
+def connections(pid: int) -> dict[int | tuple[str, str], Connection]:
+    """Every TCP connection in `pid`'s network namespace, by socket inode, with its bytes sent; one not yet
+    accepted (no socket, inode 0) by its two ends."""
     cmd = ["ss", "-tinHe"]
     net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     fds = [net]
@@ -140,7 +157,7 @@ def connections(pid: int) -> dict[int, Connection]:
     finally:
         for fd in fds:
             os.close(fd)
-    found: dict[int, Connection] = {}
+    found: dict[int | tuple[str, str], Connection] = {}
     current: Connection | None = None
     for line in out.splitlines():
         head = _HEADER.match(line)
@@ -148,7 +165,7 @@ def connections(pid: int) -> dict[int, Connection]:
             current = None
         if head:
             current = Connection(int(head.group(3)), head.group(1), head.group(2))
-            found[current.inode] = current
+            found[current.inode or (current.local, current.peer)] = current
         elif current is not None:
             for kind, value in _COUNTS.findall(line):
                 setattr(current, kind.removeprefix("bytes_"), int(value))
@@ -206,8 +223,9 @@ class Meter:
     connections established in the namespace (opened()), against the connections ever listed, shows it;
     a UDP datagram shows in the kernel's count of them ("unseen", job-wide: every rank's row)."""
 
-    def __init__(self, pids: dict[int, int], grouped: dict[int, set[int]] | None = None):
+    def __init__(self, pids: dict[int, int], grouped: dict[int, set[int]] | None = None, closed: bool = True):
         self.pids = dict(pids)  # rank -> pid as this process sees it
+        self.closed = closed  # count connections opened and closed unseen (not under Intel MPI: closed_counted)
         self.grouped = {r: set(inodes) for r, inodes in (grouped or {}).items()}  # rank -> its set_up's sockets
         self.opened_at_start, self.listed = None, set()  # the kernel's count; every connection ever listed
         self.last = self._read()  # socket inode -> (rank, sent, received, segments in) at the last reading
@@ -226,7 +244,7 @@ class Meter:
         pid = next(iter(self.pids.values()))
         self.opened = opened(pid)  # before the listing: what it counts is listed, unless closed already
         found = connections(pid)
-        self.listed |= set(found)
+        self.listed |= {(c.local, c.peer) for c in found.values()}  # each end once, accepted or not
         self.held = [c for c in found.values() if c.inode in owner]
         return {c.inode: (owner[c.inode], c.sent, c.received, c.data_segs_in) for c in self.held}
 
@@ -236,6 +254,11 @@ class Meter:
         counts connections of the rank that went away in between (their last bytes were not seen), "received"
         the bytes the other ranks sent it."""
         now = self._read()
+        for _ in range(SETTLE_READINGS):  # a connection still being made (SYN sent) is in no listing yet
+            if self._unseen() <= 0:
+                break
+            time.sleep(SETTLE_SECONDS)
+            now = self._read()
         by_endpoint = {c.local: now[c.inode][0] for c in self.held}
         sent: dict[str, dict] = {str(r): {} for r in self.pids}
         segments = {"set_up": 0, "other": 0}  # over every rank: how many all-reduces ran is the job's
@@ -257,8 +280,7 @@ class Meter:
                 segments[kind] += max(0, c.data_segs_in - was_segments)
         for inode in set(self.last) - set(now):
             add(self.last[inode][0], "closed", 1)
-        connections, datagrams = (now - start for now, start in zip(self.opened, self.opened_at_start))
-        unseen = connections - len(self.listed - self.listed_at_start) + datagrams
+        unseen = self._unseen()
         for r in self.pids:  # what reached each rank from the other ranks
             sent[str(r)]["received"] = sum(row.get(str(r), 0) for q, row in sent.items() if q != str(r))
             sent[str(r)]["all segments"] = segments
@@ -266,6 +288,11 @@ class Meter:
                 sent[str(r)]["unseen"] = unseen
         self.last = now
         return sent
+
+    def _unseen(self) -> int:
+        """Connection ends established and datagrams sent since the start that no listing showed."""
+        connections, datagrams = (now - start for now, start in zip(self.opened, self.opened_at_start))
+        return (connections - len(self.listed - self.listed_at_start) if self.closed else 0) + datagrams
 
     def peek(self) -> dict[str, dict]:
         """What take() would return now, the window left open (the next take() counts from the same reading)."""
