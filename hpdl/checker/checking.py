@@ -44,6 +44,7 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
     forbidden = _forbidden(module)
     spec = {"exercise": name, "module_path": str(case_api.path_of(name)), "code": code, "forbidden": forbidden,
             "public": case_api.public_part(name), "hidden": list(hidden) + answer_keys(),
+            "replaced": kit_answer_copies(),
             "nonce": _nonce(module), "verify_timeout": getattr(module, "VERIFY_TIMEOUT", None),
             "preload": _preload(module, code), "metered": bool(getattr(module, "METERED", False)),
             "calibrate": callable(getattr(module, "calibrate", None))}
@@ -82,7 +83,59 @@ def answer_keys() -> list[str]:
     root = Path(__file__).resolve().parents[2]
     # a kit run from its clone: git's history holds every case module and solution as they were
     kit = [str(root / name) for name in ("solutions", ".git") if (root / name).exists()]
-    return kit + case_api.hidden_from_learners()
+    return kit + case_api.hidden_from_learners() + _compiled(kit_answer_copies())
+
+
+_KIT_ANSWER_COPIES: dict[str, str] = {}  # the kit's file -> this process's copy without its answers
+
+
+def kit_answer_copies() -> dict[str, str]:
+    """{file of a kit module: a copy of it without its implementations of exercises (hooks.KIT_ANSWERS)},
+    laid over the file in a learner's sandboxed check job, so no learner's code reads them (the job
+    replaces the functions in the modules it imports; a module loaded again from its file under another
+    name held them whole). Their compiled copies are hidden (answer_keys). Made once per process."""
+    import atexit
+    import importlib.util
+    import shutil
+    import tempfile
+
+    from hpdl.checker import split
+    from hpdl.checker.hooks import KIT_ANSWERS
+
+    if _KIT_ANSWER_COPIES:
+        return dict(_KIT_ANSWER_COPIES)
+    wanted: dict[str, set[str]] = {}
+    for dotted in KIT_ANSWERS:
+        module, _, name = dotted.rpartition(".")
+        wanted.setdefault(module, set()).add(name)
+    folder = tempfile.mkdtemp(prefix="hpdl-kit-answers-")
+    atexit.register(shutil.rmtree, folder, True)
+    for module, names in sorted(wanted.items()):
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            continue
+        why = (f"{module}'s own version of an exercise is not in a check's view: the check takes the function "
+               "you wrote")
+        copy = Path(folder) / f"{module}.py"
+        copy.write_text(split.without(Path(spec.origin).read_text(), names, why))
+        _KIT_ANSWER_COPIES[spec.origin] = str(copy)
+    return dict(_KIT_ANSWER_COPIES)
+
+
+def _compiled(paths) -> list[str]:
+    """The compiled copies of these sources that exist (__pycache__), which would hold them whole."""
+    import importlib.util
+    import os
+
+    found = []
+    for path in paths:
+        try:
+            pyc = importlib.util.cache_from_source(path)
+        except (NotImplementedError, ValueError):
+            continue
+        if os.path.isfile(pyc):
+            found.append(pyc)
+    return found
 
 
 # -- planning ----------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ class Job:
         self.spec["isolate"] = self.isolated
         safefiles.create_exclusive(os.path.join(self.dir, "spec.pkl"), pickle.dumps(self.spec))
         if kind == "learner":
-            cmd = sandbox.wrap(cmd, writable=[self.dir], hidden=spec.get("hidden", []),
+            cmd = sandbox.wrap(cmd, writable=[self.dir], hidden=spec.get("hidden", []), replaced=spec.get("replaced"),
                                network=bool(launch.through_batch), keep_env=launch.kept, isolating=self.isolated)
         # the reference ranks read what the learner's returned: capped too, so no output can make them take
         # the host's memory (where they are forks of the check's server, they are in its cgroup instead)
@@ -277,7 +277,7 @@ class Job:
         self.meter_problem = "a rank's process was not found" if len(self.host_pids) < self.size else None
         if self.meter_problem is None:
             try:
-                self.meter = meter.Meter(self.host_pids, self.grouped)
+                self.meter = meter.Meter(self.host_pids, self.grouped, closed=meter.closed_counted())
             except (OSError, ValueError, subprocess.SubprocessError) as exc:
                 self.meter_problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         self.window = self.todo[0].index if self.todo else None

@@ -913,7 +913,7 @@ def size_text(n: int | None) -> str:
 
 def wrap(cmd: list[str], *, writable: list[str] = (), hidden: list[str] = (), cwd: str | None = None,
          readonly: list[str] = (), network: bool = False, keep_env: tuple[str, ...] = (),
-         isolating: bool = False) -> list[str]:
+         isolating: bool = False, replaced: dict[str, str] | None = None) -> list[str]:
     """`cmd` inside a sandbox: bubblewrap where it works, and in any case through the confining
     shim (whitelisted environment, seccomp filter) where that works; unchanged when neither does.
     `readonly`: folders inside a writable one that the sandbox may read but not write (the
@@ -922,7 +922,8 @@ def wrap(cmd: list[str], *, writable: list[str] = (), hidden: list[str] = (), cw
     where this Python's MPI has no local launcher, see checker/runner.py. `isolating`: a learner's
     check job whose ranks each make a view of their own (isolate.py): user namespaces stay allowed
     (and, as root, the capability a user namespace's map of root needs) until each rank installs
-    the whole seccomp filter, before the learner's code."""
+    the whole seccomp filter, before the learner's code. `replaced`: {file: the file seen in its place}
+    (the kit's modules without their implementations of exercises, checking.kit_answer_copies)."""
     exe = bwrap()
     isolating = isolating and exe is not None
     inner = [*_confine_prefix(keep_env, isolating), *cmd] if confinement_works() else list(cmd)
@@ -939,6 +940,9 @@ def wrap(cmd: list[str], *, writable: list[str] = (), hidden: list[str] = (), cw
             args += _sized(exe, HIDDEN_BYTES, os.path.realpath(path))
         elif os.path.isfile(path):
             args += ["--ro-bind", "/dev/null", os.path.realpath(path)]
+    for path, copy in (replaced or {}).items():
+        if os.path.isfile(path) and os.path.isfile(copy):
+            args += ["--ro-bind", copy, os.path.realpath(path)]
     for path in writable:
         real = os.path.realpath(path)
         args += ["--bind", real, real]

@@ -169,3 +169,16 @@ def _only(stmt, wanted: set[str]):
     keep = [a for a in stmt.names if (a.asname or a.name.split(".")[0]) in wanted]
     copy = ast.ImportFrom(stmt.module, keep, stmt.level) if isinstance(stmt, ast.ImportFrom) else ast.Import(keep)
     return ast.fix_missing_locations(copy)
+
+
+def without(text: str, names: set[str], why: str) -> str:
+    """A module's source with the top-level functions in `names` cut to a stub that raises RuntimeError(why):
+    the copy of the kit's own implementations of exercises a learner's check job sees in their files' place
+    (checking.kit_answer_copies). Everything else stays as written, comments and all."""
+    lines = text.splitlines(keepends=True)
+    cut = sorted(((s.lineno, s.end_lineno, s.name) for s in ast.parse(text).body
+                  if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name in names), reverse=True)
+    for first, last, name in cut:  # from the end: earlier line numbers stay right
+        lines[first - 1:last] = [f"def {name}(*args, **kwargs):\n", f"    raise RuntimeError({why!r})\n"]
+    return "".join(lines)
+
