@@ -244,8 +244,14 @@ def _undumpable() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
 
 
-def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: float) -> int:
-    """Executed in a child process: run the notebook, keep going past failing cells."""
+OWN_PIDS = "--outside-pid-namespace"  # the runner's last argument in a sandbox: the grader's PID namespace
+
+
+def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: float, outer: str | None = None) -> int:
+    """Executed in a child process: run the notebook, keep going past failing cells. `outer` (in a sandbox: the
+    grader's PID namespace, which the runner's is not): once the notebook has run, every other process in the
+    runner's namespace is ended before it writes the status and the notebook-as-run, so nothing the notebook
+    left running (a process of a new session, say) can replace them between those writes and the runner's exit."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
@@ -272,6 +278,8 @@ def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: flo
     if client.flood:
         status["detail"] = (f"{client.flood}: its outputs passed {FLOOD_BYTES // 2**20} MiB (an output flood)"
                             + (f"; {status['detail']}" if status["detail"] else ""))
+    if outer:
+        _end_the_others(outer)
     errors = sum(1 for c in nb.cells if c.get("cell_type") == "code"
                  for o in c.get("outputs", []) if o.get("output_type") == "error")
     status["cell_errors"] = errors
@@ -284,6 +292,25 @@ def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: flo
         status["detail"] += f" (the executed notebook could not be written: {type(exc).__name__})"
     status_file.write_text(json.dumps(status))
     return 0
+
+
+def _end_the_others(outer: str) -> None:
+    """SIGKILL to every process of this PID namespace but its first and this one (kill(-1): the kernel signals
+    them all at once, so a process that forks meanwhile leaves no child behind); then reap ours. Only where
+    this namespace is not `outer`, the grader's: never in the host's, whatever the caller said."""
+    import signal
+
+    if os.readlink("/proc/self/ns/pid") == outer:
+        return
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except OSError:  # none left
+        pass
+    try:
+        while os.waitpid(-1, 0)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
 
 
 def _flood_stopping(base: type) -> type:
@@ -420,9 +447,10 @@ class Running:
         env.pop(settings.KEYS.name, None)  # its checks are the grader's: the keys' folder is none of its business
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env = confine.environment(env)  # the grader's other variables never reach the submission
-        cmd = [sys.executable, "-m", "hpdl.grade", "--run-one", str(self.copy), str(self.executed_here),
-               str(self.status), str(limit)]
         sub.sandboxed = sandbox.available()
+        outside = [f"{OWN_PIDS}={os.readlink('/proc/self/ns/pid')}"] if sub.sandboxed else []
+        cmd = [sys.executable, "-m", "hpdl.grade", "--run-one", str(self.copy), str(self.executed_here),
+               str(self.status), str(limit), *outside]
         cmd = sandbox.wrap(cmd, writable=[str(work)], readonly=[str(self.service.answers)], hidden=hidden,
                            cwd=str(work))
         self.limits = sandbox.Limits(cpu_seconds=int(limit * 2) + 60, processes=caps.tasks,
@@ -980,7 +1008,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "--run-one":
         _undumpable()
-        return run_one(Path(argv[1]), Path(argv[2]), Path(argv[3]), float(argv[4]))
+        outer = next((a.split("=", 1)[1] for a in argv[5:] if a.startswith(OWN_PIDS + "=")), None)
+        return run_one(Path(argv[1]), Path(argv[2]), Path(argv[3]), float(argv[4]), outer=outer)
     args = _parser().parse_args(argv)
     if args.timeout <= 0 or args.jobs < 1 or args.tasks < 16:
         raise HpdlError("--timeout must be positive seconds, --jobs at least 1 and --tasks at least 16.")

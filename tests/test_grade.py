@@ -195,6 +195,21 @@ try:
     print("runner memory: written")
 except OSError as exc:
     print("runner memory: refused", type(exc).__name__)"""
+# a process of its own session, left running, that replaces the status the runner writes (its notebook raised)
+STATUS_DAEMON = '''import subprocess, sys
+watch = """
+import json, os, time
+while True:
+    try:
+        if os.path.getsize('status.json') and b'forged' not in open('status.json', 'rb').read():
+            open('s.tmp', 'w').write(json.dumps({'status': 'ok', 'detail': 'forged', 'cell_errors': 0}))
+            os.replace('s.tmp', 'status.json')
+    except OSError:
+        pass
+    time.sleep(0.0005)
+"""
+subprocess.Popen([sys.executable, '-c', watch], start_new_session=True)
+1 / 0'''
 NOT_UTF8 = os.fsdecode(b"\xff\xfe latin1.ipynb")  # a name from another system's encoding
 NOCELLS = "nocells\x1b]52;c;cm0gLXJmIH4K\x07.ipynb"
 FORMULA = "=HYPERLINK(\"http:\u2215\u2215x.example\",\"garbage\")+cmd|' -c calc'!A0.ipynb"
@@ -232,6 +247,8 @@ def attacks(tmp_path, monkeypatch) -> Path:
     nb = nbformat.v4.new_notebook()
     nb.cells = [code(RUNNER_MEMORY)]
     nbformat.write(nb, subs / "runner_memory.ipynb")
+    nb.cells = [code(STATUS_DAEMON)]
+    nbformat.write(nb, subs / "status_daemon.ipynb")
     return subs
 
 
@@ -255,7 +272,7 @@ def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attack
     out = tmp_path / "report"
     assert grade.main([str(attacks), "--out", str(out), "--timeout", "30", "--jobs", "2", "--allow-root"]) == 0
     rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
-    assert len(rows) == 19  # every submission recorded, each with a status and a reason
+    assert len(rows) == 20  # every submission recorded, each with a status and a reason
     full = float(rows["honest.ipynb"]["max_score"])
     assert full > 0 and {float(r["max_score"]) for r in rows.values()} == {full}  # max from the case modules
     assert rows["honest.ipynb"]["status"] == "ok" and float(rows["honest.ipynb"]["score"]) == full
@@ -284,6 +301,9 @@ def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attack
     forged = nbformat.read(out / "executed" / "fake_run.ipynb", as_version=4)  # nor the notebook: as submitted
     assert "did not finish" in forged.cells[0].source and "fake-run" not in [c.source for c in forged.cells]
     assert float(rows["fake_run.ipynb"]["score"]) == 0
+    # nor by a process it left running, which the runner ends before it writes them (its notebook raised)
+    daemon = rows["status_daemon.ipynb"]
+    assert daemon["cell_errors"] == "1" and "forged" not in daemon["detail"], daemon
     ran = nbformat.read(out / "executed" / "runner_memory.ipynb", as_version=4)  # nor in the runner's memory
     assert "runner memory: refused PermissionError" in ran.cells[0].outputs[0].text, ran.cells[0].outputs
     # outputs that are metadata: stopped as a flood, saved no larger than the outputs a notebook keeps
