@@ -618,8 +618,14 @@ def check_memory_for(jobs: int, memory: int) -> int:
     from hpdl.checker import sandbox
 
     ram = sandbox.ram()
-    share = default_memory() if ram is None else ram // jobs - memory
+    share = default_memory() if ram is None else (ram - host_reserve(ram)) // jobs - memory
     return max(MIN_CHECK_MEMORY, min(default_memory(), share))
+
+
+def host_reserve(ram: int) -> int:
+    """What submissions at once leave of the RAM for the grader, its reference ranks' start and the system:
+    a sixteenth, at least 1 GiB (two at their caps summed to all of a 24 GiB machine)."""
+    return max(2**30, ram // 16)
 
 
 def memory_overcommitted(jobs: int, caps: Caps, ram: int | None = None) -> str:
@@ -631,13 +637,14 @@ def memory_overcommitted(jobs: int, caps: Caps, ram: int | None = None) -> str:
 
     ram = sandbox.ram() if ram is None else ram
     each = caps.memory + caps.check_memory
-    if jobs < 2 or ram is None or jobs * each <= ram:
+    if jobs < 2 or ram is None or jobs * each <= ram - host_reserve(ram):
         return ""
     size = sandbox.size_text
-    fits = ram // each
+    fits = (ram - host_reserve(ram)) // each
     return (f"--jobs {jobs}: each submission may hold {size(caps.memory)} (--memory) and the check it runs "
             f"{size(caps.check_memory)} more (--check-memory), {size(jobs * each)} for {jobs} at once, on a machine "
-            f"with {size(ram)} of RAM. Use --jobs {max(1, fits)}, or lower --memory or --check-memory.")
+            f"with {size(ram)} of RAM, of which {size(host_reserve(ram))} stays for the grader and the system. "
+            f"Use --jobs {max(1, fits)}, or lower --memory or --check-memory.")
 
 
 def refusals(no_sandbox: bool = False, allow_root: bool = False) -> list[str]:
@@ -987,7 +994,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--check-memory", default=None,
                     help="total memory of the check a submission runs, its learner's and reference ranks together "
                          "(default: half this machine's RAM, at most 8G, less where --jobs submissions at once "
-                         f"would need more than the RAM, at least {MIN_CHECK_MEMORY >> 30}G)")
+                         "would need more than the RAM less a sixteenth (at least 1G) for the grader and the "
+                         f"system, at least {MIN_CHECK_MEMORY >> 30}G)")
     ap.add_argument("--tasks", type=int, default=2048,
                     help="total processes and threads of one submission (default 2048)")
     ap.add_argument("--disk", default=None, help="what the files in one submission's folder may hold on this "

@@ -448,14 +448,18 @@ def test_more_submissions_at_once_than_the_ram_holds_are_refused_with_what_fits(
     from hpdl.checker import sandbox
 
     ram = sandbox.ram()
-    jobs = ram // (12 * 2**30) + 1  # 8G + 4G each: one more than fits
+    usable = ram - grade.host_reserve(ram)  # a sixteenth, at least 1 GiB, stays for the grader and the system
+    jobs = usable // (12 * 2**30) + 1  # 8G + 4G each: one more than fits
     with pytest.raises(HpdlError) as refused:
         grade.main([str(tmp_path), "--jobs", str(jobs), "--memory", "8G", "--check-memory", "4G", "--allow-root"])
     assert f"--jobs {jobs}" in str(refused.value) and f"Use --jobs {max(1, jobs - 1)}," in str(refused.value)
     for n in (1, 2, 3):  # the default: half the RAM up to 8G, less where n at once would not fit, never under 3G
         cap = grade.check_memory_for(n, 4 * 2**30)
         assert cap >= grade.MIN_CHECK_MEMORY and cap <= sandbox.default_memory()
-        assert cap == grade.MIN_CHECK_MEMORY or n * (4 * 2**30 + cap) <= ram
+        assert cap == grade.MIN_CHECK_MEMORY or n * (4 * 2**30 + cap) <= usable
+    # two at once at the default caps summed to the whole RAM of a 24 GiB machine: now they leave its reserve
+    assert grade.memory_overcommitted(2, grade.Caps(memory=4 * 2**30, check_memory=int(7.77 * 2**30)),
+                                      ram=int(23.54 * 2**30))
 
 
 def test_one_learners_many_notebooks_are_one_vote_on_what_is_scored():
