@@ -279,7 +279,9 @@ def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: flo
         status["detail"] = (f"{client.flood}: its outputs passed {FLOOD_BYTES // 2**20} MiB (an output flood)"
                             + (f"; {status['detail']}" if status["detail"] else ""))
     if outer:
-        _end_the_others(outer)
+        from hpdl import procs
+
+        procs.end_the_rest_of_namespace(outer)
     errors = sum(1 for c in nb.cells if c.get("cell_type") == "code"
                  for o in c.get("outputs", []) if o.get("output_type") == "error")
     status["cell_errors"] = errors
@@ -292,25 +294,6 @@ def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: flo
         status["detail"] += f" (the executed notebook could not be written: {type(exc).__name__})"
     status_file.write_text(json.dumps(status))
     return 0
-
-
-def _end_the_others(outer: str) -> None:
-    """SIGKILL to every process of this PID namespace but its first and this one (kill(-1): the kernel signals
-    them all at once, so a process that forks meanwhile leaves no child behind); then reap ours. Only where
-    this namespace is not `outer`, the grader's: never in the host's, whatever the caller said."""
-    import signal
-
-    if os.readlink("/proc/self/ns/pid") == outer:
-        return
-    try:
-        os.kill(-1, signal.SIGKILL)
-    except OSError:  # none left
-        pass
-    try:
-        while os.waitpid(-1, 0)[0] > 0:
-            pass
-    except ChildProcessError:
-        pass
 
 
 def _flood_stopping(base: type) -> type:
