@@ -173,10 +173,10 @@ def connections(pid: int) -> dict[int | tuple[str, str], Connection]:
 
 
 def opened(pid: int) -> tuple[int, int]:
-    """What `pid`'s network namespace has carried so far that no listing of TCP connections shows, as the
-    kernel counts it: (TCP connections established, each end: ActiveOpens + PassiveOpens − AttemptFails, so a
-    connection opened and closed between two readings shows here and nowhere in ss; UDP datagrams sent over
-    IPv4 and IPv6). A rank may open a UDP socket (Open MPI asks one for the list of interfaces), not send."""
+    """The kernel's counts for `pid`'s network namespace so far: (TCP connection ends established,
+    ActiveOpens + PassiveOpens − AttemptFails: a connection opened and closed between two readings is counted
+    here and listed nowhere in ss; UDP datagrams sent over IPv4 and IPv6). A rank may open a UDP socket (Open
+    MPI asks one for the list of interfaces), not send on it."""
     with open(f"/proc/{pid}/net/snmp") as f:
         rows = [line.split() for line in f if line.startswith(("Tcp:", "Udp:"))]
     counts = {f"{head[0]}{k}": int(v) for head, values in zip(rows[::2], rows[1::2])
@@ -227,9 +227,9 @@ class Meter:
         self.pids = dict(pids)  # rank -> pid as this process sees it
         self.closed = closed  # count connections opened and closed unseen (not under Intel MPI: closed_counted)
         self.grouped = {r: set(inodes) for r, inodes in (grouped or {}).items()}  # rank -> its set_up's sockets
-        self.opened_at_start, self.listed = None, set()  # the kernel's count; every connection ever listed
+        self.listed: set[tuple[str, str]] = set()  # every connection end ever listed, by its two addresses
         self.last = self._read()  # socket inode -> (rank, sent, received, segments in) at the last reading
-        self.opened_at_start, self.listed_at_start = self.opened, set(self.listed)
+        self.opened_at_start, self.listed_at_start = self.opened, set(self.listed)  # the kernel's counts then
         ends = {c.local for c in self.held}
         talking = {self.last[c.inode][0] for c in self.held if c.peer in ends}
         if talking != set(self.pids):  # the communicators made at start-up connect every rank
@@ -244,7 +244,7 @@ class Meter:
         pid = next(iter(self.pids.values()))
         self.opened = opened(pid)  # before the listing: what it counts is listed, unless closed already
         found = connections(pid)
-        self.listed |= {(c.local, c.peer) for c in found.values()}  # each end once, accepted or not
+        self.listed |= {(c.local, c.peer) for c in found.values()}  # accepted or not
         self.held = [c for c in found.values() if c.inode in owner]
         return {c.inode: (owner[c.inode], c.sent, c.received, c.data_segs_in) for c in self.held}
 
