@@ -237,14 +237,17 @@ def test_a_stage_that_first_waits_for_the_held_last_stage_is_told_so(no_strays):
 
 
 @pytest.mark.skipif(not sandbox.cgroup_works(), reason="no cgroup can be made here to count a check job's memory")
-@pytest.mark.parametrize("fn", [E.zero3_every_layer_at_once_peak_reset, E.zero3_every_layer_in_an_arena])
+@pytest.mark.parametrize("fn", [E.zero3_every_layer_at_once_peak_reset, E.zero3_every_layer_in_an_arena,
+                                E.zero3_one_rank_holds_every_layer])
 def test_the_whole_model_held_at_once_is_counted_outside_the_learners_process_in_grading(fn, no_strays):
     """Every layer gathered into arrays the count in the learner's process never sees: in grading, a hidden
     case of 4 MiB layers reads what the job's ranks held at once from its memory cgroup (16 layers each,
     where an honest rank holds 2-6), and the check scores nothing. Its attempt to reset the cgroup's peak
     afterwards, as the checker does between cases, finds it read-only. An arena made in the job's first call
     and kept is counted too: that case is the job's first, counted from before the learner's code is unpacked
-    (it was the last, and the arena, made in an earlier case, was in what it counted from: 19/19)."""
+    (it was the last, and the arena, made in an earlier case, was in what it counted from: 19/19). One rank
+    holding every layer while the others hold one at a time is counted on that rank: each rank's memory has a
+    cgroup of its own (counted for the whole job, 16 + 1.4 layers fitted the room of 2 × 10: 5/5)."""
     result = hpdl.check("zero3_unit", fn, ranks=[2], grade=True)
     no_points(result)
     assert {c.rejected for c in result.cases} == {FORGED} and any("memory cgroup" in c.message for c in result.cases)

@@ -154,6 +154,8 @@ class Job:
         self.paused: dict[int, dict[str, dict | None]] = {}  # case -> tag -> rank -> its bytes (hold.readings)
         self.peak = None  # the job's cgroup's memory peak, reset when the window opened (Cgroup.open_peak)
         self.peak_base: int | None = None  # and what the job held then
+        self.rank_groups: dict[int, sandbox.Cgroup] = {}  # rank -> a memory cgroup of its own, inside the job's
+        self.rank_peaks: dict[int, tuple] = {}  # rank -> (its cgroup's peak, reset then; what it held then)
 
     def rank_dir(self, rank: int) -> str:
         """Where rank `rank` of this job keeps its files: its own folder in a learner job, else the job's."""
@@ -281,6 +283,9 @@ class Job:
             except (OSError, ValueError, subprocess.SubprocessError) as exc:
                 self.meter_problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         self.window = self.todo[0].index if self.todo else None
+        group = self.limits.cgroup if self.limits is not None else None
+        if group is not None and len(self.host_pids) == self.size:  # before any learner's code: nothing to hide
+            self.rank_groups = group.split(self.host_pids)
         self.open_memory_window()
         self.release(meter.released("start"))
 
@@ -309,7 +314,8 @@ class Job:
         held = self.memory_held()
         for rank, row in (wire or {}).items():
             row["calibration"] = self.calibration.get(index)
-            row["memory"] = {"held": held}  # not an int: a row's int values are bytes sent to peers (wire_agrees)
+            # not an int: a row's int values are bytes sent to peers (wire_agrees)
+            row["memory"] = {"held": held, "rank": self.memory_held_by(int(rank))}
             if self.planned(index, "pause"):  # a tag missing: the ranks never waited there
                 row["paused"] = {tag: None if got is None else got[rank]  # None: waited there, not read
                                  for tag, got in self.paused.get(index, {}).items() if got is None or rank in got}
@@ -331,11 +337,25 @@ class Job:
         self.close_memory_window()
         self.peak = group.open_peak() if group is not None else None
         self.peak_base = group.memory() if self.peak is not None else None
+        for rank, own in self.rank_groups.items():
+            peak = own.open_peak()
+            if peak is not None:
+                self.rank_peaks[rank] = (peak, own.memory())
 
     def close_memory_window(self) -> None:
         if self.peak is not None:
             self.peak.close()
             self.peak = None
+        for peak, _ in self.rank_peaks.values():
+            peak.close()
+        self.rank_peaks = {}
+
+    def memory_held_by(self, rank: int) -> int | None:
+        """The most rank `rank`'s processes held at once since the window opened, over what they held then, where
+        it has a cgroup of its own (Cgroup.split)."""
+        peak, base = self.rank_peaks.get(rank, (None, None))
+        top = sandbox.Cgroup.read_peak(peak) if peak is not None and base is not None else None
+        return None if top is None else max(0, top - base)
 
     def memory_held(self) -> int | None:
         """The most the job's processes held at once since the window opened, over what they held then."""

@@ -225,6 +225,29 @@ class Cgroup:
             return None
         return int(text) if text.isdigit() else None
 
+    def split(self, pids: dict[int, int]) -> dict[int, "Cgroup"]:
+        """A memory cgroup of its own inside this one for each of these processes (key -> pid), each moved
+        into it: what each holds from now on is counted apart (a job's ranks: one rank holding the whole
+        model fits the room all of them have together), and this one's cap still holds for them all. In
+        cgroup v1 only, whose cgroups hold processes at every level; in v2 every other process would have
+        to leave this one first: {} there, as wherever a folder or a move is refused."""
+        path = self.dirs.get("memory")
+        if path is None or os.path.exists(os.path.join(path, "cgroup.controllers")):
+            return {}
+        made: dict[int, Cgroup] = {}
+        for key, pid in pids.items():
+            inner = _make_dir(path, f"{CGROUP_PREFIX}{os.getpid()}-{key}-{uuid.uuid4().hex[:6]}", {})
+            try:
+                if inner is None:
+                    return {}  # those made are removed with this one
+                made[key] = Cgroup({"memory": inner})
+                with open(os.path.join(inner, "cgroup.procs"), "w") as f:
+                    f.write(str(pid))
+            except OSError as exc:
+                log.debug("cgroup %s: %s", inner, exc)
+                return {}
+        return made
+
     def remove(self) -> bool:
         """Remove it; one still holding exiting processes is kept for `sweep_cgroups` to retry."""
         return all([_remove_dir(path) for path in dict.fromkeys(self.dirs.values())])

@@ -15,11 +15,12 @@ function runs, what it holds is followed (the torch tensors it makes, through we
 and what Python and numpy allocate, through tracemalloc; sampled at every torch operation and
 every MPI call): a rank that keeps the gathered layers alive holds the whole model and is
 rejected, whatever its output. In a hidden case (grading) of 4 MiB layers the kernel counts it
-too, outside the learner's processes: the most the check job's memory cgroup held at once during
-the case (reset while every rank waits before it; jobs.Job.memory_held), over what it held then. That
+too, outside the learner's processes: the most each rank's own memory cgroup held at once during
+the case (reset while every rank waits before it; jobs.Job.memory_held_by), over what it held then;
+where ranks cannot have cgroups of their own (cgroup v2), the check job's, for all ranks together. That
 case is its job's first, counted from before the learner's code is unpacked: memory kept from an earlier
 case (an arena made there, the whole model's worth) would be in what a later one counts from.
-Beyond their shards, more than OUTSIDE_LAYERS layers' worth per rank (the whole model is 16) while
+Beyond its shards, more than OUTSIDE_LAYERS layers' worth on a rank (the whole model is 16) while
 the count in the learner's process saw less is memory hidden from it: the check scores nothing.
 The layers are drawn with the check's nonce, and the kernel counts what reaches each rank (the
 other ranks' shards of every layer at least): layers drawn again, or shards read from files the
@@ -38,7 +39,7 @@ TIMEOUT = 30.0  # the first case of a job pays for importing torch
 PRIVATE_INPUTS = True  # each rank gets its own shards as data: no rank can draw the whole layers
 METERED = True  # the bytes that reach each rank are counted by the kernel (meter.py): gathered layers need them
 SELF_REPORTED = ("the memory held at once, as tracemalloc and the tensors torch made show it, but for a hidden case's "
-                 "layers of 4 MiB, where the check job's memory cgroup counts it (where it has one)")
+                 "layers of 4 MiB, where each rank's memory cgroup counts it (where it has one)")
 MEASURED_FROM = 64 * 1024   # layers of at least this many bytes: their memory is checked
 # layers' worth of bytes a rank may hold at once: the layer in use, the next one (prefetched), and
 # room for a pickled comm.allgather of the shards as tensors and their torch.cat (3.5-3.7 here). Index
@@ -47,8 +48,9 @@ MEASURED_FROM = 64 * 1024   # layers of at least this many bytes: their memory i
 # made put a rank holding one gathered layer at 4.0-4.2
 LAYERS_AT_ONCE = 4.0
 OUTSIDE_FROM = 2**20  # layers of at least this many bytes: what all ranks held at once is read outside them too
-# layers' worth each rank may hold at once by that count, beyond the shards (the model has 16): an honest rank
-# held 2-6 (a pickled allgather of tensors and torch.cat: 6), one holding the whole model 16
+# layers' worth each rank may hold at once by that count, beyond its shards (the model has 16): an honest rank
+# held 1.4-4.5 (counted a rank apart; a pickled allgather of tensors and torch.cat: 3.7-4.5), one holding the
+# whole model 16.4
 OUTSIDE_LAYERS = 10
 
 
@@ -234,20 +236,28 @@ def verify(case, ctx):
 
 
 def _held_outside(ctx, layer: int, sizes: list[int]) -> Wrong | None:
-    """What every rank of the job held at once while the case ran, over what they held before it, as the
-    kernel counts it for the check job's memory cgroup (jobs.Job.memory_held), outside the learner's
-    processes: each rank's copy of its shards (the model, over all ranks), then a layer or two each. More
-    than OUTSIDE_LAYERS each while the count in the learner's process saw less is memory hidden from it."""
-    held = ((ctx.wire or {}).get("memory") or {}).get("held")
-    if layer < OUTSIDE_FROM or not isinstance(held, int) or ctx.size < 2:
+    """What this rank held at once while the case ran, over what it held before it, as the kernel counts it for a
+    memory cgroup of the rank's own (jobs.Job.memory_held_by), outside the learner's processes: its shards,
+    then a layer or two. Where the ranks have no cgroups of their own, what all of them held together (the
+    check job's cgroup), over their shards: one rank holding every layer fits the room all have together. More
+    than OUTSIDE_LAYERS a rank while the count in the learner's process saw less is memory hidden from it."""
+    memory = (ctx.wire or {}).get("memory") or {}
+    if layer < OUTSIDE_FROM or ctx.size < 2:
         return None
-    model = sum(sizes)
-    if held <= model + ctx.size * OUTSIDE_LAYERS * layer:
+    mine, held, model = memory.get("rank"), memory.get("held"), sum(sizes)
+    if isinstance(mine, int):
+        shards = sum(4 * shard.numel() for shard in ctx.args[0])
+        each, who = (mine - shards) / layer, f"rank {ctx.rank} held {mine / 2**20:.0f} MiB"
+        beyond = f"beyond its shards, about {each:.0f} of the {len(sizes)} layers"
+    elif isinstance(held, int):
+        each, who = (held - model) / ctx.size / layer, f"the {ctx.size} ranks together held {held / 2**20:.0f} MiB"
+        beyond = f"beyond their shards, about {each:.0f} of the {len(sizes)} layers each"
+    else:
         return None
-    each = (held - model) / ctx.size / layer
-    return Wrong(f"the {ctx.size} ranks together held {held / 2**20:.0f} MiB at once in this case, by the count of the "
-                 f"system outside your processes (the check job's memory cgroup): beyond their shards, about "
-                 f"{each:.0f} of the {len(sizes)} layers each, where ZeRO-3 holds one or two",
+    if each <= OUTSIDE_LAYERS:
+        return None
+    return Wrong(f"{who} at once in this case, by the count of the system outside your processes (a memory cgroup): "
+                 f"{beyond}, where ZeRO-3 holds one or two",
                  forged=True, hint="drop each gathered layer before gathering the next one: ZeRO-3 never holds the "
                                    "whole model at once.")
 
