@@ -866,18 +866,22 @@ def write_reports(subs: list[Submission], out: Path, exercises: list[str] | None
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 
-def _printable(name: str) -> str:
-    """A learner's file name as the instructor's terminal shows it and never obeys it: control
-    characters (an escape sequence that sets the clipboard or the title; a right-to-left override)
-    written out as \\xNN or \\uNNNN."""
-    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}"
+def _printable(name: str, keep: str = "") -> str:
+    """A learner's file name (or text) as the instructor's terminal, spreadsheet or browser shows it and never
+    obeys it: control characters (an escape sequence that sets the clipboard or the title; a right-to-left
+    override, which shows one learner's row under another's name) written out as \\xNN or \\uNNNN, but those
+    in `keep`."""
+    return "".join(c if c.isprintable() or c in keep else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}"
                    for c in name)
 
 
 def _cell(value):
     """`value` as a spreadsheet shows it and never runs it: text that starts like a formula gets a
-    leading apostrophe (the spreadsheets' own mark for text)."""
-    return "'" + value if isinstance(value, str) and value.startswith(FORMULA_START) else value
+    leading apostrophe (the spreadsheets' own mark for text); control characters are written out."""
+    if not isinstance(value, str):
+        return value
+    value = _printable(value, keep="\n")
+    return "'" + value if value.startswith(FORMULA_START) else value
 
 
 def _csv(header_rows: list[list], dict_rows: list[dict] | None = None) -> str:
@@ -903,7 +907,8 @@ def _html(subs: list[Submission], exercises: list[str], worth: dict[str, float],
     body, details = [], []
     for i, s in enumerate(subs):
         colour = "#1a7f37" if s.status == "ok" else "#cf222e"
-        cells = [Html(f"<a href='#s{i}'>{e(s.name)}</a>"), Html(f"<span style='color:{colour}'>{e(s.status)}</span>"),
+        name = e(_printable(s.name))
+        cells = [Html(f"<a href='#s{i}'>{name}</a>"), Html(f"<span style='color:{colour}'>{e(s.status)}</span>"),
                  Html(f"<b>{s.score(worth):g}</b> / {total:g}")]
         for ex in exercises:
             c = s.checks.get(ex)
@@ -911,7 +916,7 @@ def _html(subs: list[Submission], exercises: list[str], worth: dict[str, float],
                          else Html("<span style='color:#57606a'>not reached</span>"))
         cells.append(f"{s.seconds:.0f} s")
         body.append(cells)
-        parts = [f"<h3 id='s{i}'>{e(s.name)} — {s.score(worth):g} / {total:g}</h3>"]
+        parts = [f"<h3 id='s{i}'>{name} — {s.score(worth):g} / {total:g}</h3>"]
         if s.detail:
             parts.append(f"<p>{e(s.status)}: {e(s.detail)}</p>")
         if s.cell_errors:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import html
 import json
 import os
 from pathlib import Path
@@ -211,7 +212,7 @@ while True:
 subprocess.Popen([sys.executable, '-c', watch], start_new_session=True)
 1 / 0'''
 NOT_UTF8 = os.fsdecode(b"\xff\xfe latin1.ipynb")  # a name from another system's encoding
-NOCELLS = "nocells\x1b]52;c;cm0gLXJmIH4K\x07.ipynb"
+NOCELLS = "nocells\x1b]52;c;cm0gLXJmIH4K\x07\u202ebnpyi.ipynb"  # and a right-to-left override: "ipynb.ipynb"
 FORMULA = "=HYPERLINK(\"http:\u2215\u2215x.example\",\"garbage\")+cmd|' -c calc'!A0.ipynb"
 
 
@@ -279,11 +280,15 @@ def test_a_batch_of_attacks_finishes_with_fair_grades_and_no_forged_score(attack
     printed = capsys.readouterr().out
     assert "\x1b" not in printed and "nocells\\x1b]52;c;" in printed  # the terminal shows it, never obeys it
     # not notebooks; a formula in a spreadsheet stays text; a name that is not UTF-8 is written out
-    for bad in ("list.ipynb", "'" + FORMULA, NOCELLS, "nested.ipynb", "\\xff\\xfe latin1.ipynb"):
+    shown = "nocells\\x1b]52;c;cm0gLXJmIH4K\\x07\\u202ebnpyi.ipynb"
+    for bad in ("list.ipynb", "'" + FORMULA, shown, "nested.ipynb", "\\xff\\xfe latin1.ipynb"):
         assert rows[bad]["status"] == "not a notebook" and float(rows[bad]["score"]) == 0 and rows[bad]["detail"]
     for report in ("grades.csv", "cases.csv"):
         cells = [c for row in csv.reader(open(out / report)) for c in row]
         assert FORMULA[:-6] in " ".join(cells) and not [c for c in cells if c.startswith(grade.FORMULA_START)]
+        assert shown in cells and not [c for c in cells if not c.replace("\n", "").isprintable()]  # written out
+    page = (out / "index.html").read_text()
+    assert "\u202e" not in page and "\x1b" not in page and html.escape(shown) in page
     # forging results, a daemon, a memory hog: the honest check in those notebooks still counts, nothing more
     for name in ("forger.ipynb", "daemon.ipynb", "memory_hog.ipynb"):
         assert float(rows[name]["score"]) == full, rows[name]
