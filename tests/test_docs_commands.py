@@ -65,6 +65,9 @@ BLOCKS = {
     ("cluster/README.md", "echo '0 6 * * * root"): ("paths", "a cron line for the teardown's date"),
     ("cluster/README.md", "$KIT/.venv/bin/hpdl keys export --to"): ("help", "it would strip this kit; tests/"
                                                                   "test_keys.py exports, strips and grades a copy"),
+    ("cluster/README.md", "# once, as root: a cgroup for the instructor"): ("skip", "root's cgroups for an instructor "
+                                                                               "account; tests/test_grade_hostile.py "
+                                                                               "grades so as nobody"),
     ("cluster/slurm/README.md", "cluster/slurm/local-slurm.sh start"): ("run", "the local Slurm the tests use; its "
                                                                         "`stop` line is left out (below)"),
 }

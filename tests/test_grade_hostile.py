@@ -11,6 +11,7 @@ import csv
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -453,3 +454,87 @@ def test_every_script_of_the_kit_prints_its_help_and_does_nothing_else(script, t
     else:
         assert "".join(shown.stdout.splitlines()[:3]) == _header(ROOT / script), shown.stdout[:1000]
     assert alive, "the hub was stopped"
+
+
+# -- graded as an ordinary user, as at a site: the cgroup a user is given, not root's ---------------
+PEEK = """import os
+for p in ("/etc/shadow", SECRET):
+    try:
+        print(p, "read:", open(p).read())
+    except OSError as exc:
+        print(p, "refused:", type(exc).__name__)
+print("environment:", sorted(os.environ))
+"""
+
+
+def _delegated_v1_cgroup(tmp: Path) -> list[str]:
+    """A memory and a pids cgroup (v1) inside this process's own, given to nobody as a site's systemd or
+    batch system delegates one to a user; [] where this host has no such hierarchies."""
+    own = {}
+    for line in open("/proc/self/cgroup"):
+        _, ctls, path = line.rstrip("\n").split(":", 2)
+        for c in ctls.split(","):
+            own[c] = path
+    made = []
+    for ctl in ("memory", "pids"):
+        root = Path("/sys/fs/cgroup") / ctl
+        if ctl not in own or not (root / "cgroup.procs").exists():
+            return []
+        path = root / own[ctl].lstrip("/") / f"delegated-{tmp.name}"
+        path.mkdir()
+        for f in [path, *path.iterdir()]:
+            os.chown(f, 65534, 65534)
+        made.append(str(path))
+    return made
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(os.geteuid() != 0 or not sandbox.available(), reason="becomes nobody (root only); bubblewrap")
+def test_an_ordinary_user_whose_cgroup_is_delegated_grades_in_the_sandbox(tmp_path, monkeypatch, no_strays):
+    """As at a site: the instructor is no root, and the system gave their session a cgroup of its own (v1:
+    folders in the memory and pids hierarchies, theirs). The grader makes its caps there and grades in the
+    sandbox: the honest notebook in full, the other one reading neither /etc/shadow nor a 0600 file of the
+    grader's, nor a variable of the grader's environment. It was refused ("this host lacks: a writable
+    cgroup"): the check asked whether the hierarchy's mount point, root's, was writable, not the user's own
+    cgroup under it."""
+    from test_shared_kit import learners_venv
+
+    venv = learners_venv()
+    top = Path(tempfile.mkdtemp(prefix="hpdl-unprivileged-", dir="/tmp"))  # nobody cannot enter our tmp_path
+    groups: list[str] = []
+    try:
+        groups = _delegated_v1_cgroup(top)
+        if not groups:
+            pytest.skip("no cgroup v1 memory and pids hierarchies here to delegate a cgroup from")
+        kit = example_kit(top / "kit", monkeypatch)
+        subs = top / "subs"
+        subs.mkdir()
+        solved = nbformat.read(kit / "solutions" / "ex.ipynb", as_version=4)
+        nbformat.write(solved, subs / "honest.ipynb")
+        secret = top / "grader-secret"
+        _notebook(subs / "peek.ipynb", f"SECRET = {str(secret)!r}\n" + PEEK)
+        secret.write_text("grader-only-4f1c")
+        subprocess.run(["chown", "-R", "nobody:nogroup", str(top)], check=True)
+        secret.chmod(0o600)
+        join = "; ".join(f"echo $$ > {g}/cgroup.procs" for g in groups)
+        env = ["env", "-i", f"PATH={venv}/bin:/usr/bin:/bin", f"HOME={top}",
+               "SECRET_GRADER_VAR=grader-env-9d2a", f"HPDL_CASES_PATH={os.environ['HPDL_CASES_PATH']}"]
+        cmd = ["sh", "-c", f'{join}; exec "$@"', "sh", "setpriv", "--reuid=65534", "--regid=65534",
+               "--clear-groups", *env, str(venv / "bin" / "hpdl"), "grade", str(subs), "--out", str(top / "out"),
+               "--timeout", "120"]
+        p = subprocess.run(cmd, cwd=top, capture_output=True, text=True, timeout=280)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        assert "total memory" in p.stdout + p.stderr and "missing" not in p.stdout + p.stderr
+        rows = {r["submission"]: r for r in csv.DictReader(open(top / "out" / "grades.csv"))}
+        assert float(rows["honest.ipynb"]["score"]) == float(rows["honest.ipynb"]["max_score"]) > 0, rows
+        shown = json.dumps(nbformat.read(top / "out" / "executed" / "peek.ipynb", as_version=4).cells[0].outputs)
+        assert "/etc/shadow refused" in shown and f"{secret} refused" in shown, shown
+        assert "grader-only-4f1c" not in shown and "SECRET_GRADER_VAR" not in shown
+        for g in groups:  # what the grader made in the cgroup it was given is gone with it
+            assert not [e.name for e in os.scandir(g) if e.is_dir()], g
+    finally:
+        for g in groups:  # inner first; a cgroup's own files go with it
+            for inner in sorted((d for d in Path(g).rglob("*") if d.is_dir()), key=lambda q: -len(str(q))):
+                inner.rmdir()
+            os.rmdir(g)
+        shutil.rmtree(top, ignore_errors=True)

@@ -405,7 +405,9 @@ def _v1_dirs(name: str, want: dict[str, int | None]) -> dict[str, str]:
             continue
         files = {"pids.max": str(value)} if ctl == "pids" else {"memory.limit_in_bytes": str(value)}
         for point, kind, opts in _mounts():
-            if kind == "cgroup" and ctl in opts and ctl in own and os.access(point, os.W_OK):
+            # the folder it is made in is this process's own cgroup: delegated to its user, where the mount
+            # point above it is root's
+            if kind == "cgroup" and ctl in opts and ctl in own:
                 path = _make_dir(os.path.join(point, own[ctl].lstrip("/")), name, files)
                 if path:
                     dirs[ctl] = path
