@@ -20,6 +20,8 @@ namespaces (unshare, setns, clone with a CLONE_NEW* flag; clone3, whose flags a 
 read, answers ENOSYS so the C library falls back to clone), keyrings, bpf, perf_event_open,
 userfaultfd and io_uring (kernel attack surface), kernel modules, kexec, reboot, swap, quotas,
 syslog, open_by_handle_at, and every 32-bit or x32 call on x86_64 (other numbers, other rules).
+An isolated check rank stacks a socket filter (inet_only_program), and a metered one, once its
+sockets are made, a third on every thread: no bind() or listen() (no_new_endpoints_program).
 The program is written by hand (struct, a few hundred bytes): no libseccomp to install.
 """
 from __future__ import annotations
@@ -48,6 +50,13 @@ DENIED = ("ptrace", "syslog", "acct", "mount", "umount2", "swapon", "swapoff", "
 AF_UNIX, AF_INET, AF_NETLINK, AF_INET6, SOCK_STREAM, SOCK_DGRAM, IPPROTO_TCP, IPPROTO_UDP, NETLINK_ROUTE = \
     1, 2, 16, 10, 1, 2, 6, 17, 0
 SOCKET = {"x86_64": 41, "aarch64": 198}
+# and once a metered rank's MPI and torch.distributed have made their sockets, every rank connected to every
+# other, before any learner's code: no bind() or listen() more. The ranks share a network namespace, and the
+# addresses and ports their sockets take are in it for all to see (/proc/net/tcp, or a bind() refused as
+# taken): values spelled in them cross with no byte on any connection
+BIND = {"x86_64": 49, "aarch64": 200}
+LISTEN = {"x86_64": 50, "aarch64": 201}
+SECCOMP_FILTER_FLAG_TSYNC = 1  # every thread of the process at once: MPI's and torch's threads run the learner's
 ALU_AND_K = 0x54
 
 # system call numbers (asm/unistd_64.h; asm-generic/unistd.h for aarch64)
@@ -137,6 +146,17 @@ def inet_only_program(machine: str | None = None) -> bytes:
     return _assemble(code)
 
 
+def no_new_endpoints_program(machine: str | None = None) -> bytes:
+    """A third filter, for a metered rank once its sockets are made (learner_job): bind() and listen() answer
+    EPERM (see BIND above). A connect() still binds a port the kernel picks, as MPI's lazy connections do."""
+    machine = machine or platform.machine()
+    code: list[tuple] = [
+        (LD_W_ABS, "", "", 4), (JEQ_K, "", "allow", ARCHES[machine][0]), (LD_W_ABS, "", "", 0),
+        (JEQ_K, "eperm", "", BIND[machine]), (JEQ_K, "eperm", "allow", LISTEN[machine]),
+        ("allow",), (RET_K, "", "", RET_ALLOW), ("eperm",), (RET_K, "", "", RET_ERRNO | EPERM)]
+    return _assemble(code)
+
+
 def _assemble(code: list[tuple]) -> bytes:
     """Resolve labels (1-tuples) to relative jump offsets and pack each instruction."""
     labels, n = {}, 0
@@ -166,7 +186,12 @@ def install(allow: frozenset[str] = frozenset(), inet_only: bool = False) -> Non
         _install(inet_only_program())
 
 
-def _install(prog: bytes) -> None:
+def no_new_endpoints() -> None:
+    """no_new_endpoints_program on every thread of this process (raises OSError where one cannot take it)."""
+    _install(no_new_endpoints_program(), SECCOMP_FILTER_FLAG_TSYNC)
+
+
+def _install(prog: bytes, flags: int = 0) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     buf = ctypes.create_string_buffer(prog, len(prog))
 
@@ -177,8 +202,11 @@ def _install(prog: bytes) -> None:
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
     libc.syscall.restype = ctypes.c_long
-    if libc.syscall(_SECCOMP_SYSCALL[platform.machine()], SECCOMP_SET_MODE_FILTER, 0, ctypes.byref(fprog)) != 0:
+    done = libc.syscall(_SECCOMP_SYSCALL[platform.machine()], SECCOMP_SET_MODE_FILTER, flags, ctypes.byref(fprog))
+    if done < 0:
         raise OSError(ctypes.get_errno(), "seccomp(SECCOMP_SET_MODE_FILTER)")
+    if done > 0:  # TSYNC: this thread could not take it (a filter of its own)
+        raise OSError(f"seccomp(SECCOMP_SET_MODE_FILTER, TSYNC): thread {done} could not take the filter")
 
 
 def main(argv: list[str]) -> int:

@@ -204,7 +204,7 @@ class LearnerJob(RankJob):
         recording.install({**KIT_ANSWERS, **(spec.get("forbidden") or {})}, sized=bool(spec.get("metered")))
         refuse_kit_answers(KIT_ANSWERS)
         self.private = self.take_private_inputs() if spec.get("private") else None
-        set_up_sockets = self.set_up(funcs.get("set_up"), recording)
+        set_up_sockets = self.set_up(funcs.get("set_up"), recording, connect=bool(spec.get("metered")))
         calibrate = funcs.get("calibrate") if spec.get("metered") and spec.get("calibrate") else None
         # METERED (meter.py): a communicator per case made now, so their set-up traffic is not counted as
         # the learner's; then every rank waits until the checker has read the wire, before any learner's code
@@ -226,13 +226,7 @@ class LearnerJob(RankJob):
 
             oracle.start(os.path.join(self.dir, f"oracle-{self.rank}.bin"), funcs["serve"])
             self.barrier("oracle")  # every rank's secrets file gone before any learner's code runs
-        fn, unpack_error = None, ""
-        try:
-            from hpdl.checker.source import unpack
-
-            fn = unpack(code)
-        except BaseException as exc:  # e.g. the learner's globals could not be rebuilt here
-            unpack_error = short(f"{type(exc).__name__}: {exc}")
+        fn, unpack_error = self.unpack(code)
         for index, case_dict in spec["cases"]:
             case = Case(**case_dict)
             state["case"], state["phase"] = index, "inputs"
@@ -252,16 +246,35 @@ class LearnerJob(RankJob):
         self.emit(ev="exit")
         return 0
 
-    def set_up(self, set_up, recording) -> list[int]:
+    def unpack(self, code: dict):
+        """The learner's function rebuilt here, and why it could not be ('' where it was). First, in an isolated
+        metered rank (its sockets made, every rank connected), no bind() or listen() from now on: the ranks share
+        a network namespace, and the addresses a socket takes there every rank can read."""
+        if self.spec.get("metered") and self.outer_pid is not None:
+            from hpdl.checker import confine
+
+            confine.no_new_endpoints()
+        try:
+            from hpdl.checker.source import unpack
+
+            return unpack(code), ""
+        except BaseException as exc:  # e.g. the learner's globals could not be rebuilt here
+            return None, short(f"{type(exc).__name__}: {exc}")
+
+    def set_up(self, set_up, recording, connect: bool = False) -> list[int]:
         """The case module's set_up(), if any (torch.distributed's process group, say), before any learner's
-        code and before the meter's first reading; the sockets it opened, which the meter counts apart."""
-        if set_up is None:
+        code and before the meter's first reading; the sockets it opened, which the meter counts apart.
+        With `connect` (or a set_up), every rank connected to every other first."""
+        if set_up is None and not connect:
             return []
         from hpdl.checker.meter import socket_inodes
 
-        with recording.paused():  # a message to and from every rank first: an MPI that connects lazily
-            for k in range(1, self.size):  # (Open MPI) would connect within set_up(), counted as its
+        with recording.paused():  # a message to and from every rank first: an MPI that connects lazily (Open
+            for k in range(1, self.size):  # MPI) would connect within set_up(), counted as its, or, metered,
+                # within the learner's code, which may bind no socket (confine.no_new_endpoints)
                 self.world.sendrecv(None, (self.rank + k) % self.size, source=(self.rank - k) % self.size)
+        if set_up is None:
+            return []
         before = socket_inodes("self")
         with recording.paused():
             set_up()

@@ -204,6 +204,12 @@ def _train(build, comm, model, bucket_mb, batches, cut=None, held=False) -> dict
     return out
 
 
+def set_up():
+    """The process group, before the meter's first reading and any learner's code: its connections are counted
+    apart, and once the learner's code runs no socket may be bound (confine.no_new_endpoints)."""
+    _dp.ensure_process_group()
+
+
 def call(fn, comm, args):
     _dp.ensure_process_group()
     state, bucket_mb, batches, cut, held = args
