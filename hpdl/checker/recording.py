@@ -167,7 +167,14 @@ def _count(buf, pickled: bool = False) -> int | None:
 
 def _elements(obj, depth: int = 0) -> int:
     """Values in a Python object: an array's or tensor's elements, a string's characters, the sum over
-    a container's items (to a depth of 8, its first 10**6 items), 1 for anything else."""
+    a container's items (to a depth of 8, its first 10**6 items), 1 for anything else; but beside an array
+    or a tensor in a message (a tuple, list or dict), up to METADATA small whole numbers are its metadata
+    (a chunk's index, a step, a shape), not values: (i, chunk) moves one chunk."""
+    if depth == 0 and isinstance(obj, (list, tuple, dict)) and len(obj) <= 2 * METADATA:
+        items = list(obj.values() if isinstance(obj, dict) else obj)
+        small = [v for v in items if isinstance(v, int) and abs(v) < 2**16]
+        if small and len(small) <= METADATA and any(_is_array(v) for v in items):
+            return sum(_elements(v, 1) for v in items if not (isinstance(v, int) and abs(v) < 2**16))
     size = getattr(obj, "size", None)
     if isinstance(size, int):
         return size
@@ -184,6 +191,13 @@ def _elements(obj, depth: int = 0) -> int:
     if isinstance(obj, (list, tuple, set, frozenset, type({}.values()))) and depth < 8:
         return sum(_elements(v, depth + 1) for v in itertools.islice(obj, 10**6))
     return 1
+
+
+METADATA = 4  # small whole numbers a message may carry beside its array uncounted (_elements): 16 bits each
+
+
+def _is_array(obj) -> bool:
+    return isinstance(getattr(obj, "size", None), int) or callable(getattr(obj, "numel", None))
 
 
 def _is_in_place(buf) -> bool:

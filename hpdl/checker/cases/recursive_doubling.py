@@ -82,10 +82,11 @@ def exchanges(ctx, p2: int):
     per = {peer: sum(values) for peer, values in sorted(hooks.values_sent(ctx).items())}
     for peer, values in per.items():
         if values > n + METADATA:
-            return Wrong(f"rank {r} sent {values} values to rank {peer}; recursive doubling swaps the vector ({n} "
-                         f"values) with each partner once",
+            return Wrong(f"rank {r} sent {values} values (of x's dtype, {ctx.expected.dtype}) to rank {peer}; "
+                         f"recursive doubling swaps the vector ({n} values) with each partner once",
                          hint="one Sendrecv per round, with partner r ^ 2**k in round k: passing the vector around "
-                              "a ring sends it to the same rank p-1 times.")
+                              "a ring sends it to the same rank p-1 times. Send the vector in x's own dtype: a "
+                              "float64 copy of a float32 vector moves twice its bytes.")
     rounds = p2.bit_length() - 1
     if ctx.size == p2 and len(per) != rounds:
         return Wrong(f"rank {r} sent to {len(per)} rank(s) {sorted(per)}; with {ctx.size} ranks (a power of two) "

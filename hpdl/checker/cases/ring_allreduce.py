@@ -79,10 +79,11 @@ def chunked(ctx):
     moved = [v for messages in hooks.values_sent(ctx).values() for v in messages]
     largest = max(moved, default=0)
     if largest > widest:
-        return Wrong(f"rank {r} sent a message of {largest} values; the ring sends one chunk per message, at most "
-                     f"{widest} values when x has {n} and there are {p} ranks",
+        return Wrong(f"rank {r} sent a message of {largest} values (of x's dtype, {ctx.expected.dtype}); the ring "
+                     f"sends one chunk per message, at most {widest} values when x has {n} and there are {p} ranks",
                      hint="cut x into p chunks and pass one chunk per step (reduce-scatter, then allgather); "
-                          "passing the whole vector around costs p times the bandwidth.")
+                          "passing the whole vector around costs p times the bandwidth. Send each chunk in x's own "
+                          "dtype: a float64 copy of a float32 chunk moves twice its bytes.")
     budget = ring_budget(n, p)
     if sum(moved) > budget:
         return Wrong(f"rank {r} sent {sum(moved)} values in {len(moved)} messages; the ring's 2(p-1) = {2 * (p - 1)} "

@@ -149,7 +149,9 @@ def _another_algorithm(ctx, n: int, least: int | None) -> Wrong | None:
     w = hooks.received_at_most(ctx, bound, "a reduce-scatter of the gradients and an all-gather of the updated shards",
                                hint="ZeRO-1 reduce-scatters the gradients (each rank gets the average of its own "
                                     "shard only), never all-reduces or gathers them whole: that is plain data "
-                                    "parallelism's traffic, and its optimizer state on every rank.")
+                                    "parallelism's traffic, and its optimizer state on every rank. Send them in "
+                                    "their own dtype (float32): reduce-scattered in float64 they move as many bytes "
+                                    "as an all-reduce.")
     if w is not None:
         w.message += f" (and every rank received {least} bytes or more)"
         w.telling = True

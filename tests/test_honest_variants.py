@@ -1,0 +1,33 @@
+"""Right answers written otherwise than the model solutions score full marks, graded: each was failed once
+by a check that read a way of writing it as a wrong algorithm or a forged record (tests/fixtures/
+honest_variants.py). And one that moves more than the statement asks is told exactly why."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hpdl
+from conftest import passed
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+import honest_variants as H  # noqa: E402
+
+
+def test_ring_chunks_sent_with_their_index_are_one_chunk_each(no_strays):
+    """(i, chunk) pickled: the index is the message's metadata, not a value of x (recording._elements)."""
+    result = hpdl.check("ring_allreduce", H.ring_chunks_with_their_index, ranks=[3], grade=True)
+    assert passed(result) and result.score == result.max_score, result
+
+
+def test_pipeline_tensors_pickled_by_lower_case_calls_are_not_read_as_a_forged_order(no_strays):
+    """mpi4py pickles a torch tensor with ~400 bytes beside its values: the readings before each forward
+    allow that much a message, never 3/4 of a micro-batch's activations (pipeline_step.PER_MESSAGE)."""
+    result = hpdl.check("pipeline_step", H.pipeline_tensors_pickled, ranks=[3], grade=True)
+    assert passed(result) and result.score == result.max_score, result
+
+
+def test_a_ring_that_sends_float64_chunks_of_a_float32_vector_is_told_so(no_strays):
+    result = hpdl.check("ring_allreduce", H.ring_summed_in_float64, ranks=[2])
+    wrong = [c for c in result.cases if c.verdict == "WRONG"]
+    assert wrong and all("float32" in c.message and "float64 copy" in (c.hint or "") for c in wrong), result
+    assert all(c.verdict == "PASS" for c in result.cases if "float64" in c.name), result
