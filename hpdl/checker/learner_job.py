@@ -156,6 +156,11 @@ def strip_module(module: types.ModuleType) -> dict:
     return kept
 
 
+# said beside an error that a socket refused (confine.no_new_endpoints, the socket filter) may have caused
+NO_SOCKETS = (" (in this check your ranks may open no socket of their own once your code runs: no new process group, "
+              "server or listener; move the data with the communicator or process group you are given)")
+
+
 class LearnerJob(RankJob):
     outer_pid: int | None = None  # this rank's PID as the sandbox sees it, once isolated
 
@@ -341,8 +346,9 @@ class LearnerJob(RankJob):
                     "where": learner_where(traceback.extract_tb(exc.__traceback__), self.files)}
         except BaseException as exc:
             frames = traceback.extract_tb(exc.__traceback__)
+            why = NO_SOCKETS if self.spec.get("metered") and "not permitted" in str(exc) else ""
             return {"status": "error", "exception": type(exc).__name__,
-                    "message": short(f"{type(exc).__name__}: {exc}"), "where": learner_where(frames, self.files),
+                    "message": short(f"{type(exc).__name__}: {exc}") + why, "where": learner_where(frames, self.files),
                     "traceback": learner_traceback(exc.__traceback__, self.files),
                     "seconds": time.perf_counter() - t0}
         seconds = time.perf_counter() - t0
