@@ -73,8 +73,9 @@ def test_a_stripped_module_keeps_verify_unless_it_would_carry_the_reference():
 
 
 @needs_sandbox
-@pytest.mark.parametrize("attack", [A.import_reference, K.exec_case_file])
+@pytest.mark.parametrize("attack", [A.import_reference, K.exec_case_file, K.ring_from_the_kits_tests])
 def test_the_learner_job_cannot_import_or_read_the_case_module(attack, no_strays):
+    """Nor the kit's tests and benchmarks, which hold right answers (checking.answer_keys)."""
     result = hpdl.check("ring_allreduce", attack, ranks=[2])
     no_points(result)
     assert all(c.verdict == "ERROR" for c in result.cases), result

@@ -43,7 +43,7 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
     plan, hidden_not_run = _plan(module, sizes, grading, timeout)
     forbidden = _forbidden(module)
     spec = {"exercise": name, "module_path": str(case_api.path_of(name)), "code": code, "forbidden": forbidden,
-            "public": case_api.public_part(name), "hidden": list(hidden) + answer_keys(),
+            "public": case_api.public_part(name), "hidden": list(hidden) + answer_keys(check_job=True),
             "replaced": kit_answer_copies(),
             "nonce": _nonce(module), "verify_timeout": getattr(module, "VERIFY_TIMEOUT", None),
             "preload": _preload(module, code), "metered": bool(getattr(module, "METERED", False)),
@@ -75,14 +75,17 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
                        seconds=time.perf_counter() - t0, hints=hints)
 
 
-def answer_keys() -> list[str]:
-    """What a sandboxed learner job does not see: the kit's solutions, the case modules' files and
-    the instructor's keys (the job gets the public part of its exercise in its spec instead)."""
+def answer_keys(check_job: bool = False) -> list[str]:
+    """What a sandboxed learner does not see: the kit's solutions, its tests (whose fixtures hold right
+    answers to every exercise), the case modules' files and the instructor's keys (the job gets the public
+    part of its exercise in its spec instead); in a `check_job`, the benchmarks too (some call a right
+    answer), which a graded notebook's lessons run."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     # a kit run from its clone: git's history holds every case module and solution as they were
-    kit = [str(root / name) for name in ("solutions", ".git") if (root / name).exists()]
+    names = ("solutions", ".git", "tests") + (("benchmarks",) if check_job else ())
+    kit = [str(root / name) for name in names if (root / name).exists()]
     return kit + case_api.hidden_from_learners() + _compiled(kit_answer_copies())
 
 
