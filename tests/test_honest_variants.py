@@ -19,6 +19,11 @@ def test_ring_chunks_sent_with_their_index_are_one_chunk_each(no_strays):
     assert passed(result) and result.score == result.max_score, result
 
 
+def test_a_helper_memoised_with_lru_cache_goes_with_the_function(no_strays):
+    result = hpdl.check("ring_allreduce", H.ring_with_a_memoised_plan, ranks=[3], grade=True)
+    assert passed(result) and result.score == result.max_score, result
+
+
 def test_pipeline_tensors_pickled_by_lower_case_calls_are_not_read_as_a_forged_order(no_strays):
     """mpi4py pickles a torch tensor with ~400 bytes beside its values: the readings before each forward
     allow that much a message, never 3/4 of a micro-batch's activations (pipeline_step.PER_MESSAGE)."""
