@@ -419,6 +419,14 @@ def test_values_in_the_names_of_sockets_score_nothing(fn, no_strays):
     assert said and all("may open no socket of their own" in m for m in said), result  # and what to do
 
 
+def test_a_resume_without_horovod_scores_nothing(no_strays):
+    """The exercise is Horovod's resume: an optimizer of the learner's own that averages over mpi4py trained on
+    as the reference did (9/9). The optimizer returned must be one hvd.DistributedOptimizer made."""
+    result = hpdl.check("resume_horovod", E.resume_without_horovod, ranks=[1, 2])
+    no_points(result)
+    assert all("not Horovod's" in c.message and "hvd.DistributedOptimizer" in (c.hint or "") for c in result.cases)
+
+
 def test_a_parameter_server_step_taken_from_the_seeds_without_a_message_scores_nothing(no_strays):
     result = hpdl.check("ps_exchange", E.ps_from_the_seed, ranks=[2, 3])
     no_points(result)

@@ -24,6 +24,11 @@ def test_a_helper_memoised_with_lru_cache_goes_with_the_function(no_strays):
     assert passed(result) and result.score == result.max_score, result
 
 
+def test_a_resume_returning_a_numpy_epoch_in_a_list(no_strays):
+    result = hpdl.check("resume_horovod", H.resume_with_a_numpy_epoch, ranks=[2], grade=True)
+    assert passed(result) and result.score == result.max_score, result
+
+
 def test_pipeline_tensors_pickled_by_lower_case_calls_are_not_read_as_a_forged_order(no_strays):
     """mpi4py pickles a torch tensor with ~400 bytes beside its values: the readings before each forward
     allow that much a message, never 3/4 of a micro-batch's activations (pipeline_step.PER_MESSAGE)."""

@@ -21,6 +21,8 @@ chooses the message.
 """
 from __future__ import annotations
 
+import numbers
+
 from hpdl.checker.cases import Case, Wrong, nonce_seed
 from hpdl.checker.cases import _dp
 
@@ -138,16 +140,33 @@ def call(fn, comm, args):
         out = fn(comm, path, model)
     finally:
         _remove(path)
-    if not (isinstance(out, tuple) and len(out) == 2 and hasattr(out[0], "param_groups")
-            and isinstance(out[1], int) and not isinstance(out[1], bool)):
-        return {"error": f"returned {type(out).__name__}; expected a tuple (optimizer, next_epoch)"}
-    opt, epoch = out
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and hasattr(out[0], "param_groups")
+            and isinstance(out[1], numbers.Integral) and not isinstance(out[1], bool)):
+        what = (f"({type(out[0]).__name__}, {type(out[1]).__name__})" if isinstance(out, (tuple, list))
+                and len(out) == 2 else type(out).__name__)
+        return {"error": f"returned {what}; expected a tuple (optimizer, next_epoch): an optimizer and a whole number"}
+    opt, epoch = out[0], int(out[1])
+    if not _horovods(opt):
+        return {"error": f"returned a {type(opt).__name__} that is not Horovod's: its step() would average "
+                         "the gradients some other way than the exercise asks",
+                "hint": "wrap the optimizer in hvd.DistributedOptimizer(opt, "
+                        "named_parameters=model.named_parameters()) and return that."}
     resumed = {"params0": _dp.params(model), "momentum": _momentum(opt, model), "epoch": epoch,
                "lr": [float(g["lr"]) for g in opt.param_groups], "error": None}
     if not 0 <= epoch < 1000:
         return {**resumed, "params": None}
     train(model, opt, epoch, seed, hvd.size(), hvd.rank())
     return {**resumed, "params": _dp.params(model)}
+
+
+def _horovods(opt) -> bool:
+    """Whether `opt` is an optimizer hvd.DistributedOptimizer made: its class, made on the fly from the one it
+    wraps, carries the methods of Horovod's own (copied, not inherited)."""
+    from horovod.torch import optimizer as made
+
+    return any(type(opt).__dict__.get("synchronize") is kind.__dict__.get("synchronize")
+               for kind in (getattr(made, "_DistributedOptimizer", None),
+                            getattr(made, "_DistributedAdasumOptimizer", None)) if kind is not None)
 
 
 def reference(comm, state, seed):
@@ -176,7 +195,7 @@ def verify(case, ctx):
     mine = None if got.get("error") else _resume_problem(got, expected, ctx.size)
     everyone = ctx.comm.allgather((_flat(got.get("params0")), _flat(got.get("params")), mine))  # every rank, first
     if got.get("error"):
-        return Wrong(got["error"])
+        return Wrong(got["error"], hint=got.get("hint"))
     if not all(_same(everyone[0][0], other[0]) for other in everyone):
         return Wrong("right after resuming, the ranks hold different parameters",
                      hint="only rank 0 read the checkpoint: after it loads the model, send its parameters "
