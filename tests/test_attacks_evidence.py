@@ -419,6 +419,17 @@ def test_values_in_the_names_of_sockets_score_nothing(fn, no_strays):
     assert said and all("may open no socket of their own" in m for m in said), result  # and what to do
 
 
+@pytest.mark.parametrize("exercise, fn", [("zero1_step", E.zero1_on_this_rank_alone),
+                                          ("zero3_unit", E.zero3_on_this_rank_alone),
+                                          ("pipeline_step", E.pipeline_on_this_rank_alone)])
+def test_nothing_distributed_earns_nothing_on_one_rank(exercise, fn, no_strays):
+    """On one rank, code with nothing distributed in it is right: its cases still run, for no points (they
+    paid 6/24, 6/24 and 4/19, graded), as for the collectives by hand."""
+    result = hpdl.check(exercise, fn, ranks=[1, 2])
+    assert result.score == 0 < result.max_score, result
+    assert all(c.verdict == "PASS" for c in result.cases if c.ranks == 1), result
+
+
 def test_a_resume_without_horovod_scores_nothing(no_strays):
     """The exercise is Horovod's resume: an optimizer of the learner's own that averages over mpi4py trained on
     as the reference did (9/9). The optimizer returned must be one hvd.DistributedOptimizer made."""

@@ -52,7 +52,7 @@ import sys
 import numpy as np
 
 from hpdl.checker import hooks
-from hpdl.checker.cases import Case, Wrong, nonce_seed
+from hpdl.checker.cases import Case, Wrong, nonce_seed, one_rank_points
 
 SIGNATURE = "pipeline_step(comm, stage, batch, targets, m) -> float | None   # 1F1B; the loss on the last rank"
 RANKS = (1, 2, 3, 4)
@@ -69,23 +69,25 @@ FORBIDDEN = {name: "a pipeline stage exchanges activations and gradients with it
 
 def cases(size):
     slow = 1e6  # tiny stages: timing says nothing here
+    points = one_rank_points(size)  # on one rank, code with nothing distributed in it is right
     return [
         Case("8 layers, 12 rows in 4 micro-batches", {"layers": 8, "rows": 12, "micro": 4, "seed": 1},
-             slow_factor=slow),
+             slow_factor=slow, points=points),
         Case("4 layers, 10 rows in 4 micro-batches (3, 3, 2, 2)", {"layers": 4, "rows": 10, "micro": 4, "seed": 2},
-             slow_factor=slow),
+             slow_factor=slow, points=points),
         Case("6 layers, 6 rows in 4 micro-batches (2, 2, 1, 1)", {"layers": 6, "rows": 6, "micro": 4, "seed": 3},
-             slow_factor=slow),
-        Case("4 layers, 5 rows in 1 micro-batch", {"layers": 4, "rows": 5, "micro": 1, "seed": 4}, slow_factor=slow),
+             slow_factor=slow, points=points),
+        Case("4 layers, 5 rows in 1 micro-batch", {"layers": 4, "rows": 5, "micro": 1, "seed": 4}, slow_factor=slow,
+             points=points),
         # wide enough that the model outweighs the activations: a stage that took the other stages' layers
         # by a message hidden from the recorder sends more than its recorded sends account for (metered)
         # and held: the checker stops the last stage before its code runs and reads, outside the learner's
         # processes, how many micro-batches' activations each stage sends before a gradient could come back
         Case("8 layers of width 128, 16 rows in 4 micro-batches", {"layers": 8, "rows": 16, "micro": 4, "seed": 6,
                                                                   "width": 128, "hold": True, "pause": "alone"},
-             slow_factor=slow),
+             slow_factor=slow, points=points),
         Case("8 layers, 19 rows in 8 micro-batches", {"layers": 8, "rows": 19, "micro": 8, "seed": 5}, hidden=True,
-             slow_factor=slow),
+             slow_factor=slow, points=points),
     ]
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpdl.checker import hooks
-from hpdl.checker.cases import Case, Wrong, nonce_seed
+from hpdl.checker.cases import Case, Wrong, nonce_seed, one_rank_points
 from hpdl.checker.cases.column_parallel_linear import rows_of as shard_of  # tensor_split's cut
 
 SIGNATURE = "zero1_step(comm, params, grad, momentum, lr, beta) -> (params, momentum)"
@@ -34,14 +34,15 @@ METERED = True  # the bytes that reach each rank are counted by the kernel (mete
 
 def cases(size):
     slow = 1e6
+    points = one_rank_points(size)  # on one rank, code with nothing distributed in it is right
     return [
-        Case("n = 12", {"n": 12, "seed": 1}, slow_factor=slow),
-        Case("n = 10: not divisible by 3 or 4", {"n": 10, "seed": 2}, slow_factor=slow),
-        Case("n = 1001", {"n": 1001, "seed": 3}, slow_factor=slow),
-        Case("n = 3: fewer elements than ranks", {"n": 3, "seed": 4}, hidden=True, slow_factor=slow),
-        Case("n = 4099", {"n": 4099, "seed": 5}, hidden=True, slow_factor=slow),
+        Case("n = 12", {"n": 12, "seed": 1}, slow_factor=slow, points=points),
+        Case("n = 10: not divisible by 3 or 4", {"n": 10, "seed": 2}, slow_factor=slow, points=points),
+        Case("n = 1001", {"n": 1001, "seed": 3}, slow_factor=slow, points=points),
+        Case("n = 3: fewer elements than ranks", {"n": 3, "seed": 4}, hidden=True, slow_factor=slow, points=points),
+        Case("n = 4099", {"n": 4099, "seed": 5}, hidden=True, slow_factor=slow, points=points),
         Case(f"n = {LARGE}: what reaches a rank tells the algorithm", {"n": LARGE, "seed": 6}, hidden=True,
-             slow_factor=slow),
+             slow_factor=slow, points=points),
     ]
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpdl.checker import hooks
-from hpdl.checker.cases import Case, Wrong, nonce_seed
+from hpdl.checker.cases import Case, Wrong, nonce_seed, one_rank_points
 
 SIGNATURE = "zero3_unit(comm, shards, shapes, x) -> y"
 RANKS = (1, 2, 3, 4)
@@ -56,6 +56,7 @@ OUTSIDE_LAYERS = 10
 
 def cases(size):
     slow = 1e6
+    points = one_rank_points(size)  # on one rank, code with nothing distributed in it is right
     # layers of 4 MiB: what all ranks hold at once is also read outside their processes (METERED jobs, 2 ranks
     # on). In grading only: drawing and gathering 64 MiB adds about 1 s a rank count. The job's first case: its
     # count starts before the learner's code is unpacked, so no memory held from an earlier case (an arena)
@@ -63,15 +64,16 @@ def cases(size):
     big = [] if size < 2 else [
         Case("16 layers of 1024 × 1024, batch 2: memory counted by the system", {"widths": [1024] * 17, "batch": 2,
                                                                                 "seed": 5}, hidden=True,
-             slow_factor=slow)]
+             slow_factor=slow, points=points)]
     return big + [
-        Case("3 layers 8 → 6 → 5 → 4, batch 3", {"widths": [8, 6, 5, 4], "batch": 3, "seed": 1}, slow_factor=slow),
+        Case("3 layers 8 → 6 → 5 → 4, batch 3", {"widths": [8, 6, 5, 4], "batch": 3, "seed": 1}, slow_factor=slow,
+             points=points),
         Case("6 layers of 192 × 192, batch 4: memory measured", {"widths": [192] * 7, "batch": 4, "seed": 2},
-             slow_factor=slow),
+             slow_factor=slow, points=points),
         Case("2 layers 2 → 1 → 1: fewer values than ranks in a layer", {"widths": [2, 1, 1], "batch": 2, "seed": 3},
-             hidden=True, slow_factor=slow),
+             hidden=True, slow_factor=slow, points=points),
         Case("5 layers of 161 × 161, batch 2: memory measured", {"widths": [161] * 6, "batch": 2, "seed": 4},
-             hidden=True, slow_factor=slow),
+             hidden=True, slow_factor=slow, points=points),
     ]
 
 
