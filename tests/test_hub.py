@@ -428,6 +428,11 @@ def hub_runs_only_roots_files(hub: Hub, kit_venv: Path) -> None:
         if real.startswith(kit) or st.st_uid != 0 or (st.st_mode & 0o022 and not stat.S_ISVTX & st.st_mode):
             bad.append(f"{f} ({real}, uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
     assert len(files) > 1000 and not bad, f"the root hub runs files others can change: {bad[:20]}"
+    # its copy of the kit holds the answer keys (the case modules) and the kit's own answers: root's alone (a
+    # learner's check read a reference from it: 28/28)
+    answers = HUB_PREFIX / "kit" / "hpdl" / "checker" / "cases" / "ring_allreduce.py"
+    assert answers.exists() and stat.S_IMODE(os.stat(HUB_PREFIX / "kit").st_mode) == 0o700
+    assert subprocess.run([RUNUSER, "-u", "nobody", "--", "cat", str(answers)], capture_output=True).returncode != 0
     listening = {(c.laddr.ip, c.laddr.port) for p in family for c in p.net_connections("inet")
                  if c.status == psutil.CONN_LISTEN}
     assert not {ip for ip, _ in listening} & {"0.0.0.0", "::"}, listening

@@ -138,6 +138,9 @@ if [ ! -e "$PREFIX/etc/hub.env" ]; then  # the site's settings: written once, ne
 fi
 sed "s|@PREFIX@|$PREFIX|g" "$here/hpdl-hub.service" > "$PREFIX/etc/hpdl-hub.service"
 chown -R root:root "$PREFIX"
+# the hub's copy of the kit is the whole package, answer keys and the kit's own answers in it (hpdl/checker/cases,
+# hpdl/predict.py...): for the root hub alone, not for the learners whose notebooks run on this host
+chmod 0700 "$PREFIX/kit"
 chmod -R go-w "$PREFIX"
 
 # -- it works, and runs nothing but root's -----------------------------------------------------------
