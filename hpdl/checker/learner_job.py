@@ -209,7 +209,9 @@ class LearnerJob(RankJob):
         recording.install({**KIT_ANSWERS, **(spec.get("forbidden") or {})}, sized=bool(spec.get("metered")))
         refuse_kit_answers(KIT_ANSWERS)
         self.private = self.take_private_inputs() if spec.get("private") else None
-        set_up_sockets = self.set_up(funcs.get("set_up"), recording, connect=bool(spec.get("metered")))
+        if spec.get("metered") or funcs.get("set_up"):
+            self.connect_every_rank(recording)
+        set_up_sockets = self.set_up(funcs.get("set_up"), recording)
         calibrate = funcs.get("calibrate") if spec.get("metered") and spec.get("calibrate") else None
         # METERED (meter.py): a communicator per case made now, so their set-up traffic is not counted as
         # the learner's; then every rank waits until the checker has read the wire, before any learner's code
@@ -266,20 +268,21 @@ class LearnerJob(RankJob):
         except BaseException as exc:  # e.g. the learner's globals could not be rebuilt here
             return None, short(f"{type(exc).__name__}: {exc}")
 
-    def set_up(self, set_up, recording, connect: bool = False) -> list[int]:
+    def connect_every_rank(self, recording) -> None:
+        """A message to and from every rank: an MPI that connects lazily (Open MPI) connects now, not within a
+        case module's set_up() (counted as its) nor within a metered learner's code (which may bind no socket:
+        confine.no_new_endpoints)."""
+        with recording.paused():
+            for k in range(1, self.size):
+                self.world.sendrecv(None, (self.rank + k) % self.size, source=(self.rank - k) % self.size)
+
+    def set_up(self, set_up, recording) -> list[int]:
         """The case module's set_up(), if any (torch.distributed's process group, say), before any learner's
-        code and before the meter's first reading; the sockets it opened, which the meter counts apart.
-        With `connect` (or a set_up), every rank connected to every other first."""
-        if set_up is None and not connect:
+        code and before the meter's first reading; the sockets it opened, which the meter counts apart."""
+        if set_up is None:
             return []
         from hpdl.checker.meter import socket_inodes
 
-        with recording.paused():  # a message to and from every rank first: an MPI that connects lazily (Open
-            for k in range(1, self.size):  # MPI) would connect within set_up(), counted as its, or, metered,
-                # within the learner's code, which may bind no socket (confine.no_new_endpoints)
-                self.world.sendrecv(None, (self.rank + k) % self.size, source=(self.rank - k) % self.size)
-        if set_up is None:
-            return []
         before = socket_inodes("self")
         with recording.paused():
             set_up()
