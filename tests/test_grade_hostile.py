@@ -475,11 +475,11 @@ def _delegated_v1_cgroup(tmp: Path) -> list[str]:
         _, ctls, path = line.rstrip("\n").split(":", 2)
         for c in ctls.split(","):
             own[c] = path
+    roots = {ctl: Path("/sys/fs/cgroup") / ctl for ctl in ("memory", "pids")}
+    if any(ctl not in own or not (root / "cgroup.procs").exists() for ctl, root in roots.items()):
+        return []  # checked before any is made: none is left behind
     made = []
-    for ctl in ("memory", "pids"):
-        root = Path("/sys/fs/cgroup") / ctl
-        if ctl not in own or not (root / "cgroup.procs").exists():
-            return []
+    for ctl, root in roots.items():
         path = root / own[ctl].lstrip("/") / f"delegated-{tmp.name}"
         path.mkdir()
         for f in [path, *path.iterdir()]:

@@ -172,9 +172,9 @@ def _elements(obj, depth: int = 0) -> int:
     (a chunk's index, a step, a shape), not values: (i, chunk) moves one chunk."""
     if depth == 0 and isinstance(obj, (list, tuple, dict)) and len(obj) <= 2 * METADATA:
         items = list(obj.values() if isinstance(obj, dict) else obj)
-        small = [v for v in items if isinstance(v, int) and abs(v) < 2**16]
-        if small and len(small) <= METADATA and any(_is_array(v) for v in items):
-            return sum(_elements(v, 1) for v in items if not (isinstance(v, int) and abs(v) < 2**16))
+        small = sum(map(_is_metadata, items))
+        if 0 < small <= METADATA and any(_is_array(v) for v in items):
+            return sum(_elements(v, 1) for v in items if not _is_metadata(v))
     size = getattr(obj, "size", None)
     if isinstance(size, int):
         return size
@@ -194,6 +194,11 @@ def _elements(obj, depth: int = 0) -> int:
 
 
 METADATA = 4  # small whole numbers a message may carry beside its array uncounted (_elements): 16 bits each
+
+
+def _is_metadata(obj) -> bool:
+    """A small whole number (bool included): an index, a step, a shape's dimension."""
+    return isinstance(obj, int) and abs(obj) < 2**16
 
 
 def _is_array(obj) -> bool:

@@ -136,7 +136,9 @@ def _pickle(fn, funcs: list) -> bytes | None:
                 pass
 
 
+@functools.cache
 def _pickler_class():
+    """Made once, when first asked: cloudpickle is imported only where a function is packed."""
     import cloudpickle
 
     class Pickler(cloudpickle.CloudPickler):
