@@ -171,9 +171,10 @@ def test_killing_the_notebook_mid_check_leaves_no_ranks_behind(tmp_path, no_stra
         # the killed checker's folder (the check's inputs) stays until the next check removes it
         from hpdl import scratch
 
-        left = scratch.made_by(client.pid, "check")
-        assert len(left) == 1, left
+        left = scratch.made_by(client.pid, "check") + scratch.made_by(client.pid, "answers")
+        assert len(left) == 2, left  # and its copies of the kit's modules without their answers
         assert str(left[0]) in scratch.sweep("check") and not left[0].exists()
+        assert str(left[1]) in scratch.sweep("answers") and not left[1].exists()
     finally:
         if client.poll() is None:
             client.kill()

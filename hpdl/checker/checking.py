@@ -96,12 +96,12 @@ def kit_answer_copies() -> dict[str, str]:
     """{file of a kit module: a copy of it without its implementations of exercises (hooks.KIT_ANSWERS)},
     laid over the file in a learner's sandboxed check job, so no learner's code reads them (the job
     replaces the functions in the modules it imports; a module loaded again from its file under another
-    name held them whole). Their compiled copies are hidden (answer_keys). Made once per process."""
+    name held them whole). Their compiled copies are hidden (answer_keys). Made once per process, in a
+    scratch folder of kind "answers" that lives as long as the process."""
     import atexit
     import importlib.util
-    import shutil
-    import tempfile
 
+    from hpdl import safefiles, scratch
     from hpdl.checker import split
     from hpdl.checker.hooks import KIT_ANSWERS
 
@@ -111,8 +111,8 @@ def kit_answer_copies() -> dict[str, str]:
     for dotted in KIT_ANSWERS:
         module, _, name = dotted.rpartition(".")
         wanted.setdefault(module, set()).add(name)
-    folder = tempfile.mkdtemp(prefix="hpdl-kit-answers-")
-    atexit.register(shutil.rmtree, folder, True)
+    folder = scratch.make("answers")  # one a killed process left is removed by the next (scratch.sweep)
+    atexit.register(safefiles.remove_tree, str(folder))
     for module, names in sorted(wanted.items()):
         spec = importlib.util.find_spec(module)
         if spec is None or not spec.origin or not spec.origin.endswith(".py"):
