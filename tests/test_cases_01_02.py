@@ -253,6 +253,25 @@ def everyone_receives_first(comm, grads, params, lr):
     return new
 
 
+def the_worker_steps_alone(comm, grads, params, lr):
+    """Right values at 2 ranks, where the one worker's gradient is the average: but nothing came from the server."""
+    if comm.Get_rank() == 0:
+        buf = np.empty_like(params)
+        comm.Recv(buf, source=1)
+        return params - lr * buf
+    comm.Send(grads, dest=0)
+    return params - lr * grads
+
+
+def test_right_values_that_did_not_come_from_the_server_are_not_called_a_sum(no_strays):
+    """With one worker its sum is its average: no hint names a mistake in values that are right (a sum, or
+    "only rank 0 ends with the right result")."""
+    result = hpdl.check("ps_exchange", the_worker_steps_alone, ranks=[2])
+    assert not result.passed and {c.verdict for c in result.cases} == {"WRONG"}, result
+    assert all("new parameters" in c.message for c in result.cases), result
+    assert "summed" not in hints(result) and "only rank 0 ends with the right result" not in hints(result), result
+
+
 @pytest.mark.parametrize("bad, verdict, words", [
     (sums_instead_of_averaging, "WRONG", "you summed the gradients"),
     (averages_over_all_ranks, "WRONG", "average over the size - 1 workers"),

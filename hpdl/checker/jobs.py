@@ -864,7 +864,8 @@ class Runner:
                         key=lambda r: (ends[r].get("max_error") is not None, ends[r].get("max_error") or 0))
             w = ends[worst]
             hint = w.get("hint") or next((ends[r].get("hint") for r in by["wrong"] if ends[r].get("hint")), None)
-            if size > 1 and by["ok"] == [0] and by["wrong"] == list(range(1, size)):
+            forged = any(ends[r].get("forged") for r in by["wrong"])  # right values that came no other way
+            if size > 1 and by["ok"] == [0] and by["wrong"] == list(range(1, size)) and not forged:
                 hint = getattr(self.module, "HINT_ONLY_ROOT", None) or (
                     "only rank 0 ends with the right result; every rank must return it.")
             err = w.get("max_error")
@@ -872,7 +873,7 @@ class Runner:
             msg = f"Wrong on {rank_word(by['wrong'])}: {w.get('message')}.{largest}"
             if len(by["wrong"]) > 1 and w.get("message") != ends[by["wrong"][0]].get("message"):
                 msg = f"Wrong on {rank_word(by['wrong'])}; rank {worst}: {w.get('message')}.{largest}"
-            forged = (FORGED if any(ends[r].get("forged") for r in by["wrong"])
+            forged = (FORGED if forged
                       else TELLING if any(ends[r].get("telling") for r in by["wrong"]) else None)
             return self._result(planned, size, Verdict.WRONG, msg, hint=hint, wrong_ranks=by["wrong"],
                                 max_error=err, seconds=seconds, rejected=forged)
