@@ -138,7 +138,18 @@ def lars_decay_inside_the_norm(params, grads, lr, trust_coef=0.001, weight_decay
     return out
 
 
+def lars_in_place(params, grads, lr, trust_coef=0.001, weight_decay=0.0):
+    """Right new values, taken as an optimizer's step: the caller's parameters and gradients are overwritten."""
+    for w, g in zip(params, grads):
+        w_norm, g_norm = w.norm(), g.norm()
+        ratio = trust_coef * w_norm / (g_norm + weight_decay * w_norm) if w_norm > 0 and g_norm > 0 else 1.0
+        w.sub_(lr * ratio * (g + weight_decay * w))
+        g.zero_()
+    return params
+
+
 @pytest.mark.parametrize("bad, words", [
+    (lars_in_place, ["changed its inputs in place", "rather than w.sub_"]),  # 28/28: only the values were compared
     (lars_without_weight_decay, ["weight_decay is left out"]),  # 24/28: a decay of 5e-4 hid in the tolerance
     (lars_decay_inside_the_norm, ["not ‖g + weight_decay · w‖"]),  # 24/28 too
     (lars_without_trust_ratio, ["plain sgd", "trust ratio"]),

@@ -60,8 +60,18 @@ def inputs(case: Case, rank: int, size: int) -> tuple:
 
 
 def call(fn, comm, args):
+    """The step on this rank's layers; what it changed in place of its inputs, if anything, instead (the caller's
+    parameters and gradients are theirs: an optimizer's step is not this function's to take)."""
+    import torch
+
     params, grads, lr, trust, wd = args
-    return fn(params, grads, lr, trust, wd)
+    before = [t.clone() for t in (*params, *grads)]
+    new = fn(params, grads, lr, trust, wd)
+    changed = [i for i, (t, old) in enumerate(zip((*params, *grads), before)) if not torch.equal(t, old)]
+    if changed:
+        n = len(params)
+        return {"changed": [f"params[{i}]" if i < n else f"grads[{i - n}]" for i in changed]}
+    return new
 
 
 def reference(comm, params, grads, lr, trust_coef, weight_decay):
@@ -84,6 +94,11 @@ def verify(case: Case, ctx) -> Wrong | None:
     from hpdl.checker import hooks
 
     got = ctx.got
+    if isinstance(got, dict) and "changed" in got:
+        return Wrong(f"lars_step changed its inputs in place ({', '.join(map(str, got['changed'][:4]))}): it returns "
+                     "the new parameters and leaves params and grads as they were",
+                     hint="compute each new tensor, w - lr * ratio * (g + weight_decay * w), rather than w.sub_(...) "
+                          "or g.zero_().")
     if isinstance(got, (list, tuple)) and any(isinstance(t, torch.Tensor) and not torch.isfinite(t).all()
                                              for t in got):
         bad = [i for i, t in enumerate(got) if isinstance(t, torch.Tensor) and not torch.isfinite(t).all()]
