@@ -136,6 +136,30 @@ def file_as_list(table):
     return [{"up_to": u, "algorithm": a} for u, a in table]
 
 
+def _sized(table):
+    return {("avg_msg_size=any" if u is None else f"avg_msg_size<={u}"): _leaf(a) for u, a in table}
+
+
+def file_for_the_probes_op_only(table):
+    """The table for user-defined operations (the probe's), recursive doubling for MPI_SUM (a training's): 8/8."""
+    return _tree({"is_op_built_in=no": _sized(table), "is_op_built_in=yes": _leaf("recursive_doubling")})
+
+
+def file_for_the_probes_rank_count_only(table):
+    """The table at 3 and 4 ranks (the probe runs 4), the ring at any other count: 8/8."""
+    return _tree({"comm_size<3": _leaf("ring"), "comm_size<=4": _sized(table), "comm_size=any": _leaf("ring")})
+
+
+def file_asking_the_op_for_nothing(table):
+    """A test that changes nothing: the same table behind both answers."""
+    return _tree({"is_op_built_in=yes": _sized(table), "is_op_built_in=no": _sized(table)})
+
+
+def test_a_test_with_the_same_table_behind_every_answer_passes(no_strays):
+    result = hpdl.check("tuning_file", file_asking_the_op_for_nothing, ranks=[1])
+    assert passed(result), hints(result)
+
+
 def test_tuning_file_solution_passes_beyond_its_rank_counts(no_strays):
     result = hpdl.check("tuning_file", solution("tuning_file"), ranks=[3, 4], grade=True)
     assert passed(result), hints(result)
@@ -164,6 +188,8 @@ def test_files_made_beforehand_for_the_public_tables_fit_no_graded_case(no_stray
     (file_counts_elements, ["wrong algorithm"]),
     (file_short_names, ["unknown algorithm"]),
     (file_as_list, ["not a dict"]),
+    (file_for_the_probes_op_only, ["'is_op_built_in=no'", "MPI_SUM"]),
+    (file_for_the_probes_rank_count_only, ["'comm_size<3'", "whatever the call"]),
 ])
 def test_tuning_file_rejects(bad, words, no_strays):
     rejected(hpdl.check("tuning_file", bad, ranks=[1]), *words)

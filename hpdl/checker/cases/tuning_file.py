@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 
 from hpdl.checker.cases import Case, Wrong, nonce_seed
@@ -122,6 +123,13 @@ def verify(case, ctx):
     got = ctx.got if isinstance(ctx.got, dict) else {"error": f"the check got {type(ctx.got).__name__} back"}
     obj = got.get("json")
     (table,) = ctx.args  # the table asked (drawn with the nonce in grading)
+    test = _beyond_size(obj) if "error" not in got and isinstance(obj, dict) else None
+    if test is not None:  # the same on every rank: none goes on to the collective below
+        return Wrong(f"your file chooses allreduce's algorithm by {test!r} as well as by message size, with "
+                     "different algorithms behind it; the table says which algorithm runs for each size, whatever "
+                     "the call", hint="one level of 'avg_msg_size' tests under 'comm_type=intra', nothing else: "
+                                      "the check's probe is one kind of call, your gradients' all-reduces another "
+                                      "(MPI_SUM, built in), and each must run the table's algorithm.")
     ran = probe(table, obj) if ctx.rank == 0 and "error" not in got and isinstance(obj, dict) \
         else None
     ran = ctx.comm.bcast(ran, root=0)  # collective: every rank, before any return
@@ -137,6 +145,25 @@ def verify(case, ctx):
     n, want, algo = wrong[0]
     return Wrong(f"{len(wrong)} of {len(ran['probe'])} probes ran the wrong algorithm; e.g. at {n} B per rank "
                  f"the table says {want}, MPICH ran {algo}", hint=hint or _guess(table, ran))
+
+
+def _beyond_size(obj: dict) -> str | None:
+    """The first test in the learner's allreduce tree that picks by something other than the message size
+    (is_op_built_in, comm_size, is_sbuf_inplace...: MPICH knows many) with different branches behind it;
+    None where only avg_msg_size (and comm_type, intra or inter) decides. The probe makes one kind of call
+    at one rank count: a branch on anything else ran the table for the probe and something else for the
+    calls a training makes (helper-found: 8/8 with the table behind is_op_built_in=no)."""
+    def walk(node) -> str | None:
+        if not isinstance(node, dict) or any(str(k).replace(" ", "").startswith("algorithm=") for k in node):
+            return None
+        names = {re.split(r"[<=]", str(k).replace(" ", ""), maxsplit=1)[0] for k in node}
+        branches = {json.dumps(child, sort_keys=True) for child in node.values()}
+        if not names <= {"avg_msg_size", "comm_type"} and len(branches) > 1:
+            return next(str(k) for k in node if re.split(r"[<=]", str(k).replace(" ", ""), maxsplit=1)[0]
+                        not in ("avg_msg_size", "comm_type"))
+        return next((found for child in node.values() if (found := walk(child)) is not None), None)
+
+    return walk(obj.get("collective=allreduce"))
 
 
 def _guess(table, got) -> str:
