@@ -4,17 +4,20 @@
         # call step(batch) on every batch; return samples per second over the batches after
         # the first `warmup` ones (samples = len(batch[0]); the last batch may be smaller)
 
-The step here is a stand-in whose cost is known: it sleeps a fixed time per sample, and its
-first calls are slow, as a real first step is (allocations, kernel selection, caches). So
-the right answer is known in advance (1 / seconds per sample) to the checker, never to the
-learner's process: each check scales the cases' time per sample by a factor drawn from its
-nonce (0.4 to 10, so the listed values are not the answer), and the learner's step is a proxy
-that asks a helper process (oracle.py) to sleep, the only one that knows how long. The usual
-slips land far from it: timing the warm-up too, counting batches instead of samples, assuming every batch
-is as large as the first, inverting the ratio. Sleeps can only overrun, so a busy machine
-reads a little low; the accepted band is [0.5, 1.15] × the true rate. Which batches step() was called on
-is the helper's word too: it notes each call's size and signs the list with a key drawn from the nonce
-(oracle.signed); verify() reads that receipt, never a list the learner's process kept.
+The step here is a stand-in whose cost is known: it sleeps a fixed time per sample, its first
+calls are slow, as a real first step is (allocations, kernel selection, caches), and the timed
+ones vary, as real steps do: one takes 0.3 times its share, one 1.7 times (`paces`), so the
+fastest batch's rate, or the mean of the batches' rates, is not the run's. So the right answer
+is known in advance (all the timed samples over their seconds, `true_rate`) to the checker,
+never to the learner's process: each check scales the cases' time per sample by a factor drawn
+from its nonce (0.4 to 10, so the listed values are not the answer), and the learner's step is
+a proxy that asks a helper process (oracle.py) to sleep, the only one that knows how long. The
+usual slips land far from it: timing the warm-up too, counting batches instead of samples,
+assuming every batch is as large as the first, inverting the ratio, one fast batch for the
+whole run. Sleeps can only overrun, so a busy machine reads a little low; the accepted band is
+[0.5, 1.15] × the true rate. Which batches step() was called on is the helper's word too: it
+notes each call's size and signs the list with a key drawn from the nonce (oracle.signed);
+verify() reads that receipt, never a list the learner's process kept.
 
 Like train_step, this takes no communicator: `call()` hands the learner's function its inputs.
 """
@@ -49,17 +52,42 @@ def cases(size):
 
 
 class SleepyStep:
-    """step(batch): sleeps per_sample × len(batch[0]); each warm-up call also sleeps `first` s."""
+    """step(batch): sleeps per_sample × len(batch[0]) × the call's pace; each warm-up call also sleeps `first` s."""
 
-    def __init__(self, per_sample: float, first: float, warmup: int):
-        self.per_sample, self.first, self.warmup = per_sample, first, warmup
+    def __init__(self, per_sample: float, first: float, warmup: int, paces: list[float] = ()):
+        self.per_sample, self.first, self.warmup, self.paces = per_sample, first, warmup, list(paces)
         self.calls: list[int] = []
 
     def __call__(self, batch):
         n = len(batch[0])
-        extra = self.first if len(self.calls) < self.warmup else 0.0
+        i = len(self.calls)
+        extra = self.first if i < self.warmup else 0.0
         self.calls.append(n)
-        time.sleep(extra + self.per_sample * n)
+        time.sleep(extra + self.per_sample * n * pace(self.paces, i))
+
+
+def paces(params: dict) -> list[float]:
+    """How long each call takes against its share, in order: 1 for the warm-up calls; among the timed ones one
+    0.3, one 1.7 and the others 1, in an order drawn from the check's nonce (or the case's sizes, without one)."""
+    import random
+
+    warmup, timed = params["warmup"], len(params["sizes"]) - params["warmup"]
+    if timed < 2:
+        return [1.0] * len(params["sizes"])
+    order = [0.3, 1.7] + [1.0] * (timed - 2)
+    random.Random(f"{params.get('nonce', '')}:{params['sizes']}:pace").shuffle(order)
+    return [1.0] * warmup + order
+
+
+def pace(paces: list[float], i: int) -> float:
+    return paces[i] if 0 <= i < len(paces) else 1.0
+
+
+def true_rate(params: dict, stepped: list[int]) -> float:
+    """Samples per second over the timed calls, as the step was called (`stepped`: the batch sizes, in order)."""
+    timed, ps, pc = stepped[params["warmup"]:], per_sample(params), paces(params)
+    seconds = sum(ps * n * pace(pc, params["warmup"] + i) for i, n in enumerate(timed))
+    return sum(timed) / seconds if seconds > 0 else 0.0
 
 
 class RemoteStep:
@@ -95,7 +123,7 @@ def secrets(case, rank, size) -> dict:
     """What the helper beside the learner's rank knows (jobs.Runner.secrets)."""
     p = case.params
     return {"per_sample": per_sample(p), "first": p["first"], "warmup": p["warmup"], "sizes": [],
-            "key": oracle.key("throughput", p, case.name), "case": case.name, "closed": False}
+            "paces": paces(p), "key": oracle.key("throughput", p, case.name), "case": case.name, "closed": False}
 
 
 def serve(request: dict, known: dict) -> dict:
@@ -110,9 +138,10 @@ def serve(request: dict, known: dict) -> dict:
         raise ValueError(f"a batch of {n} samples")
     if s["closed"] or len(s["sizes"]) >= 1 << 12:
         raise ValueError("no more steps in this case")
-    extra = s["first"] if len(s["sizes"]) < s["warmup"] else 0.0
+    i = len(s["sizes"])
+    extra = s["first"] if i < s["warmup"] else 0.0
     s["sizes"].append(n)
-    time.sleep(extra + s["per_sample"] * n)
+    time.sleep(extra + s["per_sample"] * n * pace(s["paces"], i))
     return {}
 
 
@@ -124,9 +153,10 @@ def inputs(case, rank, size):
     """(step, batch sizes, warmup, as a generator?): `call()` turns the sizes into batches."""
     p = case.params
     if "nonce" not in p:  # the learner's side, or a check without a nonce (a stripped kit's public cases)
-        step = RemoteStep(case.name) if oracle.running() else SleepyStep(p["per_sample"], p["first"], p["warmup"])
+        step = RemoteStep(case.name) if oracle.running() else SleepyStep(p["per_sample"], p["first"], p["warmup"],
+                                                                          paces(p))
     else:
-        step = SleepyStep(per_sample(p), p["first"], p["warmup"])
+        step = SleepyStep(per_sample(p), p["first"], p["warmup"], paces(p))
     return step, p["sizes"], p["warmup"], p.get("generator", False)
 
 
@@ -139,8 +169,8 @@ def call(fn, comm, args):
 
 
 def reference(comm, step, sizes, warmup, as_generator):
-    # No need to time anything: the step's cost is set, so the right rate is known.
-    return {"rate": 1.0 / step.per_sample, "calls": list(sizes)}
+    # No need to time anything: the step's cost is set, so the right rate is known (true_rate, in verify)
+    return {"rate": None, "calls": list(sizes)}
 
 
 def _stepped(case, got) -> list | None:
@@ -156,7 +186,7 @@ def _stepped(case, got) -> list | None:
 
 def verify(case, ctx):
     got, expected = ctx.got, ctx.expected
-    rate, truth = got["rate"], expected["rate"]
+    rate, truth = got["rate"], true_rate(case.params, expected["calls"])
     calls = _stepped(case, got)
     if calls is None:
         return Wrong("the checker's record of the steps taken is missing or altered: call step(batch) on each "
@@ -175,22 +205,26 @@ def verify(case, ctx):
 
 def diagnose(case, ctx):
     p = case.params
-    rate, truth = ctx.got["rate"], ctx.expected["rate"]
+    sizes, w, cost, pc = p["sizes"], p["warmup"], per_sample(p), paces(p)
+    rate, truth = ctx.got["rate"], true_rate(p, sizes)
     if not isinstance(rate, numbers.Real) or rate <= 0:
         return None
-    sizes, w, cost = p["sizes"], p["warmup"], per_sample(p)
-    timed = sum(sizes[w:])
+    seconds = [cost * n * pace(pc, i) for i, n in enumerate(sizes)][w:]  # each timed call's
     if rate * truth < 1.0 or rate < 1e-2 * truth:
         return "that looks like seconds per sample: return samples / seconds."
     guesses = {
         "the warm-up batches were timed too: start the clock after the first `warmup` steps.":
-            sum(sizes) / (sum(sizes) * cost + w * p["first"]),
+            sum(sizes) / (sum(sizes[:w]) * cost + sum(seconds) + w * p["first"]),
         "the warm-up batches' samples were counted: count only the timed batches.":
-            sum(sizes) / (timed * cost),
+            sum(sizes) / sum(seconds),
         "that is batches per second: count samples, len(batch[0]) for each batch.":
-            (len(sizes) - w) / (timed * cost),
+            (len(sizes) - w) / sum(seconds),
         "every batch was counted as large as the first: count len(batch[0]) of each batch.":
-            sizes[0] * (len(sizes) - w) / (timed * cost),
+            sizes[0] * (len(sizes) - w) / sum(seconds),
+        "that is the fastest batch's rate: steps vary, so the run's throughput is all the timed samples over "
+        "all the timed seconds.": max(n / t for n, t in zip(sizes[w:], seconds)),
+        "that is the mean of the batches' rates, which a fast batch pulls up: divide all the timed samples by "
+        "all the timed seconds.": sum(n / t for n, t in zip(sizes[w:], seconds)) / len(seconds),
     }
     best = min(guesses, key=lambda k: abs(guesses[k] / rate - 1))
     if abs(guesses[best] / rate - 1) < 0.25 and abs(truth / rate - 1) > 0.15:
