@@ -61,6 +61,21 @@ def zero_grad_before_step(model, batch, loss_fn, optimizer):
     return loss.item()
 
 
+def a_loss_of_its_own(model, batch, loss_fn, optimizer):
+    """Right wherever loss_fn is plain cross-entropy (4/4 while every case handed that)."""
+    optimizer.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def test_a_step_that_ignores_the_loss_it_is_given_fails_where_that_loss_differs(no_strays):
+    result = hpdl.check("train_step", a_loss_of_its_own)
+    assert [c.name for c in result.cases if c.verdict == "WRONG"] == ["CNN, Adam, label smoothing"], result
+    assert "loss_fn you are given" in hints(result)
+
+
 @pytest.mark.parametrize("bad, words", [
     (no_zero_grad, "zero_grad() in every step"),
     (no_optimizer_step, "did not change"),

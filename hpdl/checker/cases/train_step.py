@@ -31,7 +31,9 @@ def cases(size):
     slow = 1e6  # a single step is fast whatever the learner writes; timing is not the point
     return [
         Case("MLP, SGD with momentum", {"model": "mlp", "optimizer": "sgd", "batch": 16}, slow_factor=slow),
-        Case("CNN, Adam", {"model": "cnn", "optimizer": "adam", "batch": 8}, slow_factor=slow),
+        # a loss other than plain cross-entropy: a step that ignores loss_fn shows (4/4 with one loss everywhere)
+        Case("CNN, Adam, label smoothing", {"model": "cnn", "optimizer": "adam", "batch": 8, "smoothing": 0.1},
+             slow_factor=slow),
         Case("one sample per batch", {"model": "mlp", "optimizer": "sgd", "batch": 1}, slow_factor=slow),
         Case("wide MLP, SGD", {"model": "mlp", "optimizer": "sgd", "batch": 32, "hidden": 64}, hidden=True,
              slow_factor=slow),
@@ -75,7 +77,7 @@ def build(p: dict, weights: list, batches: list) -> tuple:
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     tensors = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
-    return model, tensors, nn.CrossEntropyLoss(), optimizer
+    return model, tensors, nn.CrossEntropyLoss(label_smoothing=p.get("smoothing", 0.0)), optimizer
 
 
 def model_step(model, batch, loss_fn, optimizer) -> float:
@@ -118,13 +120,28 @@ def verify(case, ctx):
                               "and forces a device sync wherever it is printed.")
     for i, (g, e) in enumerate(zip(got["losses"], expected["losses"])):
         if not np.isclose(g, e, rtol=1e-5, atol=1e-6):
-            hint = "return the loss computed *before* optimizer.step(), on this batch." if i == 0 else None
+            hint = None if i else ("compute the loss with the loss_fn you are given (here it smooths the labels), "
+                                   "not a loss of your own." if _own_loss(case, ctx, g) else
+                                   "return the loss computed *before* optimizer.step(), on this batch.")
             return Wrong(f"step {i + 1} returned loss {g:.6g}; expected {e:.6g}", hint=hint, max_error=abs(g - e))
         w = hooks.compare(got["params"][i], expected["params"][i], what=f"after step {i + 1}, parameters",
                           rtol=1e-4, atol=1e-6)
         if w is not None:
             return w
     return None
+
+
+def _own_loss(case, ctx, loss: float) -> bool:
+    """Whether a first step's loss is plain cross-entropy where the case's loss_fn smooths the labels."""
+    if not case.params.get("smoothing"):
+        return False
+    import torch
+    import torch.nn.functional as F
+
+    model, batches, _, _ = build(*ctx.args)
+    with torch.no_grad():
+        plain = F.cross_entropy(model(batches[0][0]), batches[0][1]).item()
+    return bool(np.isclose(loss, plain, rtol=1e-5, atol=1e-6))
 
 
 def diagnose(case, ctx):
