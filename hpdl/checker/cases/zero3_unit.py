@@ -99,9 +99,12 @@ def inputs(case, rank, size):
 class _Held:
     """What the learner's function holds now, in bytes: the floating-point torch tensors made while it runs
     (each storage once, while any such tensor made on it lives: followed by weak references) plus what Python
-    and numpy have allocated since it started (tracemalloc). MPI's own buffers are not counted, nor are
-    integer and bool tensors: a layer's values are floats, and the index tensors a learner makes to count
-    each rank's share (torch.arange of a layer's size, int64) are twice a layer's bytes without being one."""
+    and numpy have allocated since it started (tracemalloc), taken at each sample (note). MPI's own buffers
+    are not counted, nor are integer and bool tensors and numpy arrays: a layer's values are floats, and the
+    index a learner makes to count each rank's share (torch.arange or np.arange of a layer's size, int64) is
+    twice a layer's bytes without being one. A numpy array is one the running code's variables hold (or a list
+    or tuple they hold), counted where the memory it views is its own and of integers: an integer view of a
+    layer's floats is the layer."""
 
     def __init__(self):
         import tracemalloc
@@ -122,6 +125,7 @@ class _Held:
     def note(self) -> None:
         import tracemalloc
 
+        ints = _integer_arrays()  # first: reading a frame's variables lets go of those it no longer holds
         storages = {}
         for ref in self.tensors:
             t = ref()
@@ -129,16 +133,49 @@ class _Held:
                 s = t.untyped_storage()
                 storages[s.data_ptr()] = s.nbytes()
         self.tensors = [ref for ref in self.tensors if ref() is not None]
-        python = tracemalloc.get_traced_memory()[0] - self.base
+        python = tracemalloc.get_traced_memory()[0] - self.base - ints
         self.peak = max(self.peak, sum(storages.values()) + python)
 
     def stop(self) -> int:
         import tracemalloc
 
         self.note()
-        numpy_peak = tracemalloc.get_traced_memory()[1] - self.base
         tracemalloc.stop()
-        return max(self.peak, numpy_peak)
+        return self.peak
+
+
+def _integer_arrays() -> int:
+    """Bytes of the integer and bool numpy arrays that the variables of the running frames hold (each array whose
+    memory is its own once, by itself or through a list or tuple of up to 1024 items). A function's variables
+    are read as a copy that Python keeps with its frame, holding what they held until read again (an index the
+    code has let go of, a layer it deleted): the copy is emptied once read, so this holds nothing."""
+    import inspect
+    import sys
+
+    owners: dict[int, int] = {}
+
+    def take(value) -> None:
+        if isinstance(value, np.ndarray):
+            owner = value
+            while isinstance(owner.base, np.ndarray):
+                owner = owner.base
+            if owner.base is None and owner.dtype.kind in "biu":
+                owners[id(owner)] = owner.nbytes
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        names = frame.f_locals
+        values = list(names.values())
+        if frame.f_code.co_flags & inspect.CO_OPTIMIZED:  # a function's copy; a module's are its globals
+            names.clear()
+        for value in values:
+            take(value)
+            if isinstance(value, (list, tuple)) and len(value) <= 1024:
+                for item in value:
+                    take(item)
+        frame = frame.f_back
+    del values
+    return sum(owners.values())
 
 
 class _Peak:
