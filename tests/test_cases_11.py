@@ -89,7 +89,11 @@ def zero1_no_allgather(comm, params, grad, momentum, lr, beta):
 
 
 def test_zero1_every_rank_updating_the_whole_model_rejected(no_strays):
-    rejected(hpdl.check("zero1_step", zero1_whole_model, ranks=[2]), "whole model", "reduce-scatter")
+    """Refused in every case, not only in the large one whose traffic tells it: a learner all-reducing where n
+    was small and reduce-scattering where it was large scored 18/18."""
+    result = hpdl.check("zero1_step", zero1_whole_model, ranks=[2])
+    rejected(result, "Rejected: comm.Allreduce", "reduce-scatter", "data parallelism's step")
+    assert all(c.verdict == "WRONG" for c in result.cases), result
 
 
 def test_zero1_shards_off_by_one_rejected(no_strays):

@@ -30,6 +30,12 @@ RANKS = (1, 2, 3, 4)
 TIMEOUT = 30.0  # the first case of a job pays for importing torch
 PRIVATE_INPUTS = True  # each rank gets its own gradient and shard as data: no rank can draw the others'
 METERED = True  # the bytes that reach each rank are counted by the kernel (meter.py): the others' shards need them
+# an all-reduce hands every rank the whole averaged gradient: data parallelism's step, whatever is done after it.
+# What reaches a rank tells it only in the large case; refused, it is refused in every case (where it scored 18/18
+# from a learner who all-reduced wherever n was small)
+FORBIDDEN = {name: "ZeRO-1 reduce-scatters the gradients, so each rank averages its own shard only (Reduce_scatter, "
+                   "or a Reduce per shard): an all-reduce is data parallelism's step"
+             for name in ("Allreduce", "allreduce", "Iallreduce", "Allreduce_init")}
 
 
 def cases(size):
