@@ -249,14 +249,30 @@ def test_column_parallel_uneven_split_dropping_columns_rejected(no_strays):
     assert not even, "a case where 3 ranks split the outputs evenly would not tell the two splits apart"
 
 
-def test_column_parallel_that_gathers_the_weight_is_rejected_by_the_bytes_it_receives(no_strays):
-    """Right values on every case; the kernel's count of the bytes reaching each rank gives it away
-    where the weight outweighs the activations (the layer with 512 outputs), and then no case counts:
-    the smaller ones passed (17/20) only because the weight's bytes hid among the activations'."""
+def tp_gathers_the_weight_but_in_the_largest_layer(comm, x, weight, bias, grad_y):
+    """Honest in the layer of 512 outputs only, once the one whose weight showed on the wire (15/15)."""
+    lo, hi = rows_of(comm.Get_rank(), comm.Get_size(), weight.shape[0])
+    if weight.shape[0] != 512:
+        w = torch.cat([torch.from_numpy(a) for a in comm.allgather(weight[lo:hi].numpy())])
+        b = torch.cat([torch.from_numpy(a) for a in comm.allgather(bias[lo:hi].numpy())])
+        return x @ w.T + b, grad_y @ w, (grad_y.T @ x)[lo:hi], grad_y.sum(0)[lo:hi]
+    w, b = weight[lo:hi], bias[lo:hi]
+    y = torch.cat([torch.from_numpy(a) for a in comm.allgather((x @ w.T + b).numpy())], dim=1)
+    grad_x = (grad_y[:, lo:hi] @ w).numpy().copy()
+    comm.Allreduce(MPI.IN_PLACE, grad_x)
+    return y, torch.from_numpy(grad_x), grad_y[:, lo:hi].T @ x, grad_y[:, lo:hi].sum(0)
+
+
+@pytest.mark.parametrize("fn", [tp_gathers_the_weight_first, tp_gathers_the_weight_but_in_the_largest_layer])
+def test_column_parallel_that_gathers_the_weight_is_rejected_by_the_bytes_it_receives(fn, no_strays):
+    """Right values on every case; the kernel's count of the bytes reaching each rank gives it away wherever
+    the weight outweighs the activations, which is every layer but the one with fewer outputs than ranks,
+    and then no case counts. Small layers hid the weight's bytes among the activations' (17/20), and then a
+    learner gathering the weight in all but the one large layer scored 15/15."""
     from hpdl.checker.jobs import TELLING
 
-    result = hpdl.check("column_parallel_linear", tp_gathers_the_weight_first, ranks=[2])
-    told = [c for c in result.cases if c.params["out"] == 512]
+    result = hpdl.check("column_parallel_linear", fn, ranks=[2])
+    told = [c for c in result.cases if c.params["out"] * c.params["fan_in"] >= cpl_case.TELLING_WEIGHT]
     assert result.score == 0 and {c.rejected for c in result.cases} == {TELLING}, result
     assert "received" in told[0].message and "weight" in (told[0].hint or ""), told[0]
 
