@@ -130,9 +130,10 @@ def compare(got: Any, expected: Any, *, what: str = "result", rtol: float | None
     flat = np.flatnonzero(bad.ravel())
     first = np.unravel_index(flat[0], e.shape)
     first_text = str(first[0]) if len(first) == 1 else str(tuple(int(i) for i in first))
+    digits = next((d for d in (6, 9, 12) if f"{gf[first]:.{d}g}" != f"{ef[first]:.{d}g}"), 17)  # a difference shown
     return Wrong(
         f"{what}: {flat.size} of {e.size} values wrong (first at index {first_text}: got "
-        f"{gf[first]:.6g}, expected {ef[first]:.6g})",
+        f"{gf[first]:.{digits}g}, expected {ef[first]:.{digits}g})",
         max_error=float(err.max()),
     )
 
