@@ -211,7 +211,7 @@ def test_a_stage_that_took_the_model_by_messages_hidden_from_the_recorder_scores
     (E.pipeline_gpipe_recorded_as_1f1b, "before any gradient could come back"),
     (E.pipeline_last_stage_never_held, "not the order it ran in"),  # the readings before forwards tell too
     (E.pipeline_gpipe_after_1f1b_warm_up, "had come back from stage"),
-    (E.pipeline_gpipe_after_warm_up_readings_put_off, "it had already sent stage"),
+    (E.pipeline_gpipe_after_warm_up_readings_put_off, "reading was not taken before that forward"),
 ])
 def test_a_stage_order_rewritten_in_its_hooks_shows_on_the_wire(fn, words, no_strays):
     """GPipe's order, its hooks' list rewritten to 1F1B's: with the last stage held still, stage 0 of 3
@@ -223,6 +223,16 @@ def test_a_stage_order_rewritten_in_its_hooks_shows_on_the_wire(fn, words, no_st
     result = hpdl.check("pipeline_step", fn, ranks=[3])
     no_points(result)
     assert {c.rejected for c in result.cases} == {FORGED} and any(words in c.message for c in result.cases), result
+
+
+def test_a_stage_order_rewritten_where_the_last_stage_is_not_held_shows_on_the_wire_too(no_strays):
+    """1F1B in the one case whose last stage is held, GPipe with its hooks' list rewritten in the others (18/18
+    while the wire was read before the forwards in that case alone): every case of more than one micro-batch
+    reads it now, and the readings put off to the end show too, in small micro-batches as in large."""
+    result = hpdl.check("pipeline_step", E.pipeline_gpipe_but_where_held, ranks=[3])
+    no_points(result)
+    small = [c for c in result.cases if "width" not in c.name and c.params["micro"] > 1]
+    assert small and all(c.rejected == FORGED and "had come back from stage" in c.message for c in small), result
 
 
 def test_a_stage_that_first_waits_for_the_held_last_stage_is_told_so(no_strays):
