@@ -263,6 +263,16 @@ def test_the_whole_model_held_at_once_is_counted_outside_the_learners_process_in
     assert {c.rejected for c in result.cases} == {FORGED} and any("memory cgroup" in c.message for c in result.cases)
 
 
+@pytest.mark.parametrize("fn, says", [(E.zero3_with_the_count_stopped, "stopped or started afresh"),
+                                      (E.zero3_in_mpi_memory, "never freed")])
+def test_the_memory_counted_in_the_learners_process_is_not_stopped_nor_bypassed_by_mpi_memory(fn, says, no_strays):
+    """The cases counted in the learner's process only (layers of 100-150 KiB): the count stopped and started
+    afresh scores nothing; memory from MPI.Alloc_mem is counted."""
+    result = hpdl.check("zero3_unit", fn, ranks=[2])
+    measured = [c for c in result.cases if "memory measured" in c.name]
+    assert measured and all(c.verdict == "WRONG" and says in c.message for c in measured), result
+
+
 def test_a_paused_recorder_does_not_hide_a_forbidden_collective(no_strays):
     no_points(hpdl.check("ring_allreduce", E.paused_recorder_allreduce, ranks=[2]))
 
@@ -514,7 +524,8 @@ def test_right_answers_pass(exercise, fn, ranks, no_strays):
 
 
 _MEMORY = ("in an inline check, the memory zero3_unit's function holds at once is followed in the learner's process "
-           "(tracemalloc, the tensors torch made): arrays it never sees hold every layer. Grading counts it outside")
+           "(tracemalloc, the tensors torch made, MPI.Alloc_mem): memory mapped apart holds every layer unseen. "
+           "Grading counts it outside, in its case of 4 MiB layers")
 
 
 # each gap: (exercise, attack, why it is not caught); what the grading report's header names (the case
