@@ -76,6 +76,15 @@ def test_recursive_doubling_power_of_two_only_code(no_strays):
     assert not any("chunk" in (c.hint or "") for c in bad.cases)
 
 
+def test_graded_recursive_doubling_folds_in_more_than_one_extra_rank(no_strays):
+    """Graded, 6 ranks too (GRADED_RANKS): at 3, the only count below 4 that is not a power of two, a star
+    (everyone to rank 0 and back) sends no more messages than the fold-in does, and scored 27/27."""
+    result = hpdl.check("recursive_doubling", C.star_beyond_powers_of_two, grade=True)
+    assert {c.ranks for c in result.cases} == {1, 2, 3, 4, 6}, result
+    assert {c.ranks for c in result.cases if c.verdict != "PASS"} == {6} and result.score < result.max_score, result
+    assert all("sent to 5 ranks" in c.message for c in result.cases if c.verdict != "PASS"), result
+
+
 def test_binomial_broadcast_typical_mistakes(no_strays):
     # the solution's full marks, roots 0, 2 and 3 at 4 ranks among its cases: solutions/03 in grade mode;
     # another right answer (relative ranks, pickle API) passes where the mistakes below fail

@@ -9,6 +9,7 @@ A case module defines
 
     SIGNATURE = "scale(comm, x: np.ndarray) -> np.ndarray"   # quoted in messages
     RANKS = (1, 2, 3, 4)           # rank counts checked by default (optional)
+    GRADED_RANKS = (6,)            # and in grading, these too (optional; larger jobs an inline check is spared)
     TIMEOUT = 5.0                  # seconds per case before it is a HANG (optional)
     FORBIDDEN = {"Allreduce": "build it from Send/Recv"}   # calls rejected (optional;
                                    # hooks.DATA_COLLECTIVES and hooks.REDUCTIONS are ready lists)

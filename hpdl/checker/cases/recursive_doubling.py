@@ -16,6 +16,10 @@ from hpdl.checker.cases._sums import (compare_sum, diagnose_sum, explain_sums, r
 
 SIGNATURE = "recursive_doubling(comm, x: np.ndarray) -> np.ndarray"
 RANKS = (1, 2, 3, 4)
+# and in grading, 6: the only count below it that is not a power of two is 3, whose fold-in is one pair, where a
+# star (everyone to rank 0 and back) sends as many messages, and a fold-in that pairs ranks wrongly for more than
+# one extra rank (partner = (vr ^ mask) + extra) is right: both scored 27/27
+GRADED_RANKS = (6,)
 TIMEOUT = 5.0
 PRIVATE_INPUTS = True  # each rank gets only its own inputs: the others' come by message or not at all
 METERED = True  # the bytes each rank sends are counted outside its process (meter.py), against the recorder
