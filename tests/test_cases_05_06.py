@@ -101,7 +101,17 @@ def test_a_table_of_the_public_shards_fits_no_graded_case():
     assert result.score == 0 and all(c.verdict == "WRONG" for c in result.cases), result
 
 
+def shards_by_torchs_sampler(comm, n, epoch, seed=0):
+    """The exercise's answer by calling the library it is about (12/12 once)."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(n), num_replicas=comm.Get_size(), rank=comm.Get_rank(), shuffle=True, seed=seed)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
 @pytest.mark.parametrize("bad, words", [
+    (shards_by_torchs_sampler, ["Rejected", "written by hand"]),
     (shards_rank_seeded, ["more than one rank", "same seed"]),
     (shards_ignore_epoch, ["same order", "set_epoch"]),
     (shards_unpadded, ["different numbers", "pad"]),

@@ -207,7 +207,8 @@ class LearnerJob(RankJob):
         module = load_public(spec["public"])
         funcs = strip_module(module)
         recording.install({**KIT_ANSWERS, **(spec.get("forbidden") or {})}, sized=bool(spec.get("metered")))
-        refuse_kit_answers(KIT_ANSWERS)
+        refuse_kit_answers({**KIT_ANSWERS, **{name: why for name, why in (spec.get("forbidden") or {}).items()
+                                              if "." in name}})  # a library's, named by a case module
         self.private = self.take_private_inputs() if spec.get("private") else None
         if spec.get("metered") or funcs.get("set_up"):
             self.connect_every_rank(recording)

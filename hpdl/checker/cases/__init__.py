@@ -12,7 +12,8 @@ A case module defines
     GRADED_RANKS = (6,)            # and in grading, these too (optional; larger jobs an inline check is spared)
     TIMEOUT = 5.0                  # seconds per case before it is a HANG (optional)
     FORBIDDEN = {"Allreduce": "build it from Send/Recv"}   # calls rejected (optional;
-                                   # hooks.DATA_COLLECTIVES and hooks.REDUCTIONS are ready lists)
+                                   # hooks.DATA_COLLECTIVES and hooks.REDUCTIONS are ready lists;
+                                   # a dotted name is a library's function or class, refused too)
 
     def cases(size) -> list[Case]            # the cases for `size` ranks (hidden=True: grading only)
     def inputs(case, rank, size) -> tuple    # this rank's arguments after `comm`
