@@ -361,7 +361,10 @@ apart = pytest.mark.skipif("not hpdl.checker.sandbox.ranks_apart()",  # asked wh
 
 @apart
 def test_a_rank_sees_no_other_ranks_files_nor_processes(no_strays):
-    """Each rank writes a file wherever it can, then looks for the other ranks' files and processes."""
+    """Each rank writes a file wherever it can and connects a UDP socket to an address naming it, then looks
+    for the other ranks' files, sockets and processes. (The ranks share a network namespace: its live tables
+    in /proc showed each rank's sockets to the others, an address spelling values with no byte on the wire;
+    a rank's /proc holds a copy of them made before MPI started.)"""
     import json
 
     result = hpdl.check("ring_allreduce", E.what_a_rank_sees, ranks=[3])
@@ -371,6 +374,7 @@ def test_a_rank_sees_no_other_ranks_files_nor_processes(no_strays):
     for rank in seen:  # the first rank to raise speaks for its case
         assert rank["wrote"] >= 2, rank  # its own /tmp and /dev/shm at least
         assert rank["others"] == 0 and rank["pid"] == 1 and rank["proc"] == ["1"] and rank["signalled"] == [], rank
+        assert rank["sockets"] == 0 and rank["tables"] >= 3, rank
         assert rank["userns"] == "Operation not permitted", rank  # the seccomp filter, installed once isolated
 
 

@@ -17,7 +17,9 @@ learner's code) is `isolate()`:
   /proc holds its own entry (as 1) and the machine-wide files only. The first process stays as the
   launcher's view of the rank: it waits, ends the rank if it is ended, and exits as the rank did.
 
-Still shared: the network namespace (TCP between ranks, counted by the meter). No memory is shared:
+Still shared: the network namespace (TCP between ranks, counted by the meter); its live tables in /proc
+(every rank's sockets and counters) are replaced in the rank's /proc by a copy made before MPI starts
+(_own_net). No memory is shared:
 an isolated job's ranks talk over TCP, metered or not, and Open MPI's PMIx client takes the job's data
 by message (meter.tcp_transport); Intel MPI's start-up needs a segment for all of a node's ranks, so
 its ranks each start as if on a node of their own (launchers.nodes_apart).
@@ -33,6 +35,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 32, 4096, 8192, 16384, 1 << 18
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x08000000, 0x10000000, 0x20000000
 TMP_BYTES = 256 << 20  # each of /tmp, /dev/shm, TMPDIR: a cap (tmpfs takes memory as it is written)
+NET_FILE_BYTES = 64 << 10  # the most of each of /proc/net's files a rank's copy holds
 PROC_FILES = ("cpuinfo", "meminfo", "stat", "loadavg", "uptime", "version", "filesystems", "mounts", "net", "sys",
               "driver")  # driver: the NVIDIA driver's files, which CUDA reads
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")  # MPICH and Intel MPI, Open MPI
@@ -168,12 +171,47 @@ def _own_proc(libc, pid: int) -> None:
         else:
             open(dst, "w").close()
         _mount(libc, src, dst, None, MS_BIND | MS_REC)
+    _own_net(libc, pid, os.path.join(stage, "1"))
     os.symlink("1", os.path.join(stage, "self"))
     os.symlink(f"1/task/{pid}", os.path.join(stage, "thread-self"))  # the main thread's (tasks keep the sandbox's ids)
     _mount(libc, None, stage, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
            "size=64k,mode=0755")
     _mount(libc, stage, "/proc", None, MS_MOVE)
     os.rmdir(stage)
+
+
+def _own_net(libc, pid: int, own: str) -> None:
+    """The network's files in this process's /proc entry (`own`, bound from the sandbox's /proc/`pid`) as they
+    are now, never again: the ranks share a network namespace, whose live tables show every rank's sockets
+    and counters (a UDP socket connected to an address that spells values, read in /proc/net/udp by another
+    rank, carries them with no byte on the wire). Each thread's entry shows its own: task/ holds only this
+    thread's, which no other thread has yet, with the same copy."""
+    src, copies = f"/proc/{pid}/net", {}
+    for name in os.listdir(src):
+        path = os.path.join(src, name)
+        if os.path.isfile(path):
+            try:
+                with open(path, "rb") as f:
+                    copies[name] = f.read(NET_FILE_BYTES)
+            except OSError:
+                copies[name] = b""
+        elif os.path.isdir(path):
+            copies[name] = None
+    net, task = os.path.join(own, "net"), os.path.join(own, "task")
+    _mount(libc, "tmpfs", net, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4m,mode=0555")
+    for name, data in copies.items():
+        if data is None:
+            os.mkdir(os.path.join(net, name))
+        else:
+            with open(os.path.join(net, name), "wb") as f:
+                f.write(data)
+    _mount(libc, None, net, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4m,mode=0555")
+    thread = os.path.join(task, str(pid))
+    _mount(libc, "tmpfs", task, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=0555")
+    os.mkdir(thread)
+    _mount(libc, None, task, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=0555")
+    _mount(libc, f"/proc/{pid}/task/{pid}", thread, None, MS_BIND | MS_REC)
+    _mount(libc, net, os.path.join(thread, "net"), None, MS_BIND)
 
 
 def _fresh_places() -> list[str]:
