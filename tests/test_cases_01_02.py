@@ -300,6 +300,35 @@ def the_worker_steps_alone(comm, grads, params, lr):
     return params - lr * grads
 
 
+def the_server_relays_the_gradients(comm, grads, params, lr):
+    """No parameter server: rank 0 passes every worker's gradient on to every worker, each steps alone."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if rank == 0:
+        got = []
+        for w in range(1, size):
+            buf = np.empty_like(params)
+            comm.Recv(buf, source=w)
+            got.append(buf)
+        for w in range(1, size):
+            for g in got:
+                comm.Send(g, dest=w)
+        return params - lr * sum(got) / (size - 1)
+    comm.Send(grads, dest=0)
+    total = np.zeros_like(params)
+    for _ in range(size - 1):
+        buf = np.empty_like(params)
+        comm.Recv(buf, source=0)
+        total += buf
+    return params - lr * total / (size - 1)
+
+
+def test_a_server_that_relays_the_gradients_is_no_parameter_server(no_strays):
+    """12/12 while only the bytes a rank needs at least were counted."""
+    result = hpdl.check("ps_exchange", the_server_relays_the_gradients, ranks=[3])
+    assert {c.verdict for c in result.cases if c.params["n"] > 1} == {"WRONG"}, result  # n=1: a header, or one value
+    assert "the new parameters are" in str(result) and "one vector" in hints(result), result
+
+
 def test_right_values_that_did_not_come_from_the_server_are_not_called_a_sum(no_strays):
     """With one worker its sum is its average: no hint names a mistake in values that are right (a sum, or
     "only rank 0 ends with the right result")."""
