@@ -110,6 +110,9 @@ def test_average_gradients_blank_and_summed(no_strays):
     blank = hpdl.check("average_gradients", C.average_blank, timeout=60)
     assert set(blank.verdicts.values()) == {"ERROR"} and blank.seconds < 60
 
+    gathered = hpdl.check("average_gradients", C.average_by_an_allgather, ranks=[2])  # 12/12 once
+    assert set(gathered.verdicts.values()) == {"WRONG"} and "an all-reduce" in gathered.cases[0].message
+
     summed = hpdl.check("average_gradients", C.average_summed, ranks=[1, 3])
     assert all(c.verdict == "PASS" for c in summed.find(ranks=1))  # one rank: the sum is the average
     three = summed.find(ranks=3)

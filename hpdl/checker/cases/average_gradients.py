@@ -18,6 +18,12 @@ RANKS = (1, 2, 3, 4)
 TIMEOUT = 5.0
 PRIVATE_INPUTS = True  # each rank gets its own gradients as data: no rank can draw the others'
 METERED = True  # the bytes that reach each rank are counted by the kernel (meter.py): an average needs them
+# the exercise is the all-reduce: every other collective that moves data is refused (an allgather of every rank's
+# gradients and a mean of them scored 12/12)
+_ALL_REDUCE = ("Allreduce", "allreduce", "Iallreduce", "Allreduce_init")
+FORBIDDEN = {name: "this exercise averages with an all-reduce (comm.Allreduce, then a division): each rank needs "
+                   "the sum, not every rank's gradients"
+             for name in hooks.DATA_COLLECTIVES if name not in _ALL_REDUCE}
 
 _SHAPES = {
     "small model": ([(4, 3), (3,), (2, 2, 2)], "float32"),
