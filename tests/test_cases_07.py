@@ -155,6 +155,16 @@ def file_asking_the_op_for_nothing(table):
     return _tree({"is_op_built_in=yes": _sized(table), "is_op_built_in=no": _sized(table)})
 
 
+def file_another_algorithm_far_beyond(table):
+    """The table up to 4× the last boundary (where the probes stopped), then the other algorithm: 8/8."""
+    low = max([u for u, _ in table if u is not None], default=0)
+    rows = {f"avg_msg_size<={u}": _leaf(a) for u, a in table if u is not None}
+    last = table[-1][1]
+    rows[f"avg_msg_size<={max(low * 4, 1024)}"] = _leaf(last)
+    rows["avg_msg_size=any"] = _leaf("recursive_doubling" if last == "ring" else "ring")
+    return _tree(rows)
+
+
 def file_with_bare_catch_alls(table):
     """MPICH's parser takes a bare "any" as the catch-all of a level, as it takes "...=any"."""
     rows = {("any" if u is None else f"avg_msg_size<={u}"): _leaf(a) for u, a in table}
@@ -199,6 +209,7 @@ def test_files_made_beforehand_for_the_public_tables_fit_no_graded_case(no_stray
     (file_as_list, ["not a dict"]),
     (file_for_the_probes_op_only, ["'is_op_built_in=no'", "MPI_SUM"]),
     (file_for_the_probes_rank_count_only, ["'comm_size<3'", "whatever the call"]),
+    (file_another_algorithm_far_beyond, ["wrong algorithm"]),
 ])
 def test_tuning_file_rejects(bad, words, no_strays):
     rejected(hpdl.check("tuning_file", bad, ranks=[1]), *words)

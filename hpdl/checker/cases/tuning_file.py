@@ -34,6 +34,9 @@ PROBE_RANKS = 4
 PROBE_TIMEOUT = 75.0  # s: MPICH's run on the checker's side
 VERIFY_TIMEOUT = PROBE_TIMEOUT + 20  # s: the checker's time for verify(), which runs it
 MAX_JSON = 1 << 20  # characters: MPICH reads the file on the checker's side
+# bytes per rank: the open-ended last row is probed this far too (probed up to 4× its start only, a file that
+# ran another algorithm from there on scored 8/8)
+LARGE_PROBE = 1 << 20
 
 
 def cases(size):
@@ -56,8 +59,8 @@ def probes(table) -> list[tuple[int, str]]:
     """
     out, low = [], 0
     for upto, name in table:
-        if upto is None:
-            out += [(max(low + 16, 64), name), (max(low * 4, 1024), name)]
+        if upto is None:  # and far beyond the last boundary, where a training's gradients are (MiB)
+            out += [(max(low + 16, 64), name), (max(low * 4, 1024), name), (max(low * 64, LARGE_PROBE), name)]
         else:
             out += [(upto, name), (max(64, (low + upto) // 32 * 16), name)] + ([(low + 16, name)] if low else [])
             low = upto
