@@ -335,8 +335,8 @@ def test_the_one_all_reduce_must_carry_every_gradient_value(fn, no_strays):
 
 
 def test_an_algorithm_a_large_case_tells_apart_scores_nothing(no_strays):
-    """Right values by another algorithm than the one asked: ZeRO-1 by data parallelism's all-reduce (a Reduce
-    and a Bcast: comm.Allreduce itself is refused in every case). The
+    """Right values by another algorithm than the one asked: ZeRO-1 by data parallelism's all-reduce (every
+    rank's whole gradient gathered: comm.Allreduce, a Bcast, a Reduce of the whole are refused in every case). The
     small cases hide the extra traffic in the wire's noise and passed (20/20); what reaches a rank in the
     large hidden case tells, and then no case counts (so too for a column-parallel layer whose weight is
     gathered, test_cases_10). Right answers whose traffic is what ZeRO-1 needs still pass

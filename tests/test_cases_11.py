@@ -21,7 +21,7 @@ from mpi4py import MPI
 import hpdl
 from hpdl.checker.cases import zero1_step as z1_case
 from hpdl.checker.cases import zero3_unit as z3_case
-from conftest import learner_copy, passed, rejected
+from conftest import hints, learner_copy, passed, rejected
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import sharding_variants as V  # noqa: E402  (right answers a check once failed)
@@ -46,6 +46,11 @@ def test_zero1_pickled_reduces_score_full_marks(no_strays):
     (1.5× ZeRO-1's traffic at 2 ranks, 1.8× at 4), but the other ranks not: an all-reduce, which that case
     is there to tell, loads every rank alike, so the bound holds for the least-loaded rank."""
     full_marks(hpdl.check("zero1_step", V.zero1_by_pickled_reduces, ranks=[2, 4], grade=True))
+
+
+def test_zero1_gathered_by_one_bcast_per_shard_scores_full_marks(no_strays):
+    """One Bcast per shard from its owner is an all-gather: a Bcast of no more than a shard stays allowed."""
+    full_marks(hpdl.check("zero1_step", V.zero1_gathered_by_bcasts, ranks=[2, 3], grade=True))
 
 
 def zero1_whole_model(comm, params, grad, momentum, lr, beta):
@@ -86,6 +91,46 @@ def zero1_no_allgather(comm, params, grad, momentum, lr, beta):
     lo = sum(sizes[:rank])
     new[lo:lo + sizes[rank]] = updated_shard(comm, params, grad, momentum, lr, beta, sizes)
     return new, momentum
+
+
+def zero1_reduce_and_bcast_where_small(comm, params, grad, momentum, lr, beta):
+    """Data parallelism's all-reduce as a Reduce to rank 0 and a Bcast wherever n is small (the wire tells it in the
+    large case only), then the shard updated and gathered: 18/18."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    sizes = [len(part) for part in torch.tensor_split(torch.arange(params.numel()), size)]
+    lo = sum(sizes[:rank])
+    total = torch.empty_like(grad)
+    comm.Reduce(grad.numpy(), total.numpy(), op=MPI.SUM, root=0)
+    comm.Bcast(total.numpy(), root=0)
+    m = momentum[lo:lo + sizes[rank]]
+    m.mul_(beta).add_(total[lo:lo + sizes[rank]] / size)
+    new = torch.empty_like(params)
+    comm.Allgatherv((params[lo:lo + sizes[rank]] - lr * m).contiguous().numpy(), [new.numpy(), sizes])
+    return new, momentum
+
+
+def zero1_whole_reduce_then_scatter(comm, params, grad, momentum, lr, beta):
+    """A Reduce of the whole gradient to rank 0, then Scatterv of its shards: rank 0 holds it all."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    sizes = [len(part) for part in torch.tensor_split(torch.arange(params.numel()), size)]
+    lo = sum(sizes[:rank])
+    total = torch.empty_like(grad)
+    comm.Reduce(grad.numpy(), total.numpy(), op=MPI.SUM, root=0)
+    g = torch.empty(sizes[rank])
+    comm.Scatterv([total.numpy(), sizes] if rank == 0 else None, g.numpy(), root=0)
+    m = momentum[lo:lo + sizes[rank]]
+    m.mul_(beta).add_(g / size)
+    new = torch.empty_like(params)
+    comm.Allgatherv((params[lo:lo + sizes[rank]] - lr * m).contiguous().numpy(), [new.numpy(), sizes])
+    return new, momentum
+
+
+@pytest.mark.parametrize("fn, words", [(zero1_reduce_and_bcast_where_small, "the whole gradient summed at one rank"),
+                                       (zero1_whole_reduce_then_scatter, "the whole gradient summed at one rank")])
+def test_zero1_the_whole_gradient_at_one_rank_is_refused_in_every_case(fn, words, no_strays):
+    result = hpdl.check("zero1_step", fn, ranks=[2, 3])
+    assert all(c.verdict == "WRONG" for c in result.cases if c.params["n"] >= 3 * c.ranks), result
+    assert words in str(result) + hints(result), result
 
 
 def test_zero1_every_rank_updating_the_whole_model_rejected(no_strays):

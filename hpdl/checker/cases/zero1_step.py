@@ -36,6 +36,10 @@ METERED = True  # the bytes that reach each rank are counted by the kernel (mete
 FORBIDDEN = {name: "ZeRO-1 reduce-scatters the gradients, so each rank averages its own shard only (Reduce_scatter, "
                    "or a Reduce per shard): an all-reduce is data parallelism's step"
              for name in ("Allreduce", "allreduce", "Iallreduce", "Allreduce_init")}
+# a Reduce or a Bcast of more than a shard is refused in verify (_whole): a Reduce to one rank and a Bcast of the
+# whole make an all-reduce too (18/18 where n was small); one Bcast per shard, from its owner, is an all-gather
+REDUCES = ("Reduce", "reduce", "Ireduce", "Reduce_init")
+BCASTS = ("Bcast", "bcast", "Ibcast", "Bcast_init")
 
 
 def cases(size):
@@ -133,8 +137,38 @@ def verify(case, ctx):
         if w is not None:
             return w
     lo, hi = shard_of(ctx.rank, p, n)
-    return (hooks.received_at_least(ctx, (n - (hi - lo)) * 4, "the other ranks' updated shards")
+    return (_whole_reduced(ctx, n)
+            or hooks.received_at_least(ctx, (n - (hi - lo)) * 4, "the other ranks' updated shards")
             or _another_algorithm(ctx, n, least))
+
+
+def _whole_reduced(ctx, n: int) -> Wrong | None:
+    """A Reduce of more than a shard (the recorder's count of its values, in every case): the whole gradient summed
+    at one rank, which ZeRO-1 never holds; and no more values in point-to-point messages than a reduce-scatter
+    and an all-gather by hand send (each (p-1) shards): an all-reduce by hand sends half as much again."""
+    p = ctx.size
+    shard = -(-n // p)  # the largest
+    for c in ctx.calls:
+        if c.name in REDUCES and isinstance(c.count, int) and c.count > shard:
+            return Wrong(f"rank {ctx.rank} reduced {c.count} values in one comm.{c.name}: the whole gradient summed at "
+                         f"one rank; ZeRO-1 reduces each shard (at most {shard} values here) to its owner",
+                         hint="Reduce_scatter (or one Reduce per shard, to the rank that owns it): no rank holds the "
+                              "whole averaged gradient.")
+        if c.name in BCASTS and isinstance(c.count, int) and c.count > shard:
+            return Wrong(f"rank {ctx.rank} took part in a comm.{c.name} of {c.count} values: ZeRO-1 broadcasts no more "
+                         f"than a shard (at most {shard} values here), from its owner",
+                         hint="every rank holds the same weights already, and a shard's averaged gradient goes to its "
+                              "owner only: a Reduce and a Bcast of the whole gradient make an all-reduce.")
+    sent = sum(sum(values) for values in hooks.values_sent(ctx).values())
+    if p > 1 and sent > 2 * (p - 1) * shard + METADATA * 4 * p:
+        return Wrong(f"rank {ctx.rank} sent {sent} values in point-to-point messages; a reduce-scatter and an "
+                     f"all-gather send {2 * (p - 1)} shards of at most {shard}",
+                     hint="ZeRO-1 reduce-scatters the gradients (each rank sums its own shard only), then all-gathers "
+                          "the updated weights: all-reducing the gradient first moves half as much again.")
+    return None
+
+
+METADATA = 16  # values a call may carry beside a shard: a shape, a length
 
 
 def _least_received(ctx) -> int | None:
@@ -158,7 +192,8 @@ def _another_algorithm(ctx, n: int, least: int | None) -> Wrong | None:
                                     "shard only), never all-reduces or gathers them whole: that is plain data "
                                     "parallelism's traffic, and its optimizer state on every rank. Send them in "
                                     "their own dtype (float32): reduce-scattered in float64 they move as many bytes "
-                                    "as an all-reduce.")
+                                    "as an all-reduce. And a torch slice sent by mpi4py's lower-case calls (pickled) "
+                                    "carries its whole buffer: send shard.clone(), or use the upper-case calls.")
     if w is not None:
         w.message += f" (and every rank received {least} bytes or more)"
         w.telling = True
