@@ -36,6 +36,12 @@ def test_pipeline_tensors_pickled_by_lower_case_calls_are_not_read_as_a_forged_o
     assert passed(result) and result.score == result.max_score, result
 
 
+def test_pipeline_activations_recomputed_by_hand(no_strays):
+    """A forward under no_grad, the stage again with autograd before its backward: 1F1B, as a checkpoint runs it."""
+    result = hpdl.check("pipeline_step", H.pipeline_recomputed_by_hand, ranks=[2, 3], grade=True)
+    assert passed(result) and result.score == result.max_score, result
+
+
 def test_a_ring_that_sends_float64_chunks_of_a_float32_vector_is_told_so(no_strays):
     result = hpdl.check("ring_allreduce", H.ring_summed_in_float64, ranks=[2])
     wrong = [c for c in result.cases if c.verdict == "WRONG"]

@@ -46,9 +46,6 @@ own schedule (hpdl.pipeline.one_f_one_b) is refused inside the check (hooks.KIT_
 """
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 
 from hpdl.checker import hooks
@@ -160,36 +157,26 @@ def _grads(module) -> list:
     return [None if q.grad is None else q.grad.detach().numpy().copy() for q in module.parameters()]
 
 
-def _in_checkpoint() -> bool:
-    """Called (at any depth) from torch.utils.checkpoint: a reentrant checkpoint runs its first forward
-    without autograd, and again, with it, inside backward."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(os.path.join("torch", "utils", "checkpoint.py")):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _watch(stage) -> tuple[list, object]:
+def _watch(stage) -> tuple[list, list, object]:
     """Record ("F", i) when the stage's last layer runs forward with autograd on, ("B", i) when
     autograd computes the gradient of that output: the stage's schedule as it really ran. A reentrant
     activation checkpoint (torch.utils.checkpoint, use_reentrant=True) runs the forward without autograd,
     then again inside backward: the first is the forward, the second only brings its gradient, for the
-    oldest such forward (1F1B's backwards run in its forwards' order)."""
+    oldest such forward (1F1B's backwards run in its forwards' order). So does recomputation by hand: a
+    forward under torch.no_grad(), then the stage run again with autograd, before its backward, for the
+    oldest such forward (3/18 once: the recomputations were read as the forwards). Returns the order, the
+    forwards whose gradients are still to come that way, and the hook."""
     import torch
 
     ops: list = []
-    pending: list[int] = []  # forwards run by a reentrant checkpoint, their gradients still to come
+    pending: list[int] = []  # forwards run without autograd (a checkpoint's, or by hand): gradients to come
 
     def forward_hook(module, args, out):
         grad = getattr(out, "requires_grad", False)
-        if torch._C._current_autograd_node() is not None:  # inside backward: a checkpoint recomputing
+        if torch._C._current_autograd_node() is not None or (grad and pending):  # recomputing one: its gradient
             if grad and pending:
                 i = pending.pop(0)
                 out.register_hook(lambda g, i=i: ops.append(("B", i)))
-            return
-        if not grad and not _in_checkpoint():
             return
         i = sum(1 for kind, _ in ops if kind == "F")
         ops.append(("F", i))
@@ -198,10 +185,10 @@ def _watch(stage) -> tuple[list, object]:
         else:
             pending.append(i)
 
-    return ops, stage[-1].register_forward_hook(forward_hook)
+    return ops, pending, stage[-1].register_forward_hook(forward_hook)
 
 
-def _read_before_forwards(stage, rank: int, p: int, m: int):
+def _read_before_forwards(stage, rank: int, p: int, m: int, pending: list):
     """Before each forward that 1F1B runs only after a gradient came back (stage s's forward j, for
     min(p-s-1, m) < j < m), this rank waits while the checker reads the wire (a case with "pause": "alone";
     a no-op elsewhere): by then the next stage's gradients of micro-batches 0..j-warm-1 have reached it,
@@ -212,8 +199,8 @@ def _read_before_forwards(stage, rank: int, p: int, m: int):
 
     warm, count = min(p - rank - 1, m), [0]
 
-    def before(module, args):  # a forward of the schedule: with autograd, or a reentrant checkpoint's first (_watch)
-        if torch._C._current_autograd_node() is None and (torch.is_grad_enabled() or _in_checkpoint()):
+    def before(module, args):  # a forward of the schedule, not a recomputation of one (_watch)
+        if torch._C._current_autograd_node() is None and not (torch.is_grad_enabled() and pending):
             j, count[0] = count[0], count[0] + 1
             if rank < p - 1 and warm < j < m:
                 read_wire_here(f"f{j}")
@@ -228,8 +215,8 @@ def call(fn, comm, args):
     layers, batch, targets, m = args
     stage = stage_module(layers, last=comm.Get_rank() == comm.Get_size() - 1)
     batch, targets = torch.as_tensor(batch), torch.as_tensor(targets)
-    ops, handle = _watch(stage)
-    reads = _read_before_forwards(stage, comm.Get_rank(), comm.Get_size(), m)
+    ops, pending, handle = _watch(stage)
+    reads = _read_before_forwards(stage, comm.Get_rank(), comm.Get_size(), m, pending)
     try:
         returned = fn(comm, stage, batch, targets, m)
     finally:
