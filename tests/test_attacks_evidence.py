@@ -310,14 +310,16 @@ def test_a_send_the_recorder_cannot_size_buys_no_room_on_the_wire(no_strays):
 
 @pytest.mark.parametrize("exercise, fn, ranks, words", [
     ("ring_allreduce", E.ring_whole_vector_in_a_dict, 3, "one chunk per message"),
+    ("ring_allreduce", E.ring_whole_vector_in_ints, 3, "the ring sends"),
     ("recursive_doubling", E.recursive_doubling_by_a_ring, 4, "with each partner once"),
     ("recursive_doubling", E.recursive_doubling_by_a_tree, 4, "one per round"),
 ])
 def test_the_message_pattern_is_told_by_the_values_moved(exercise, fn, ranks, words, no_strays):
     """The naive ring, its whole vector in a dict (one key: one element to the recorder's count of the
-    message); the naive ring where recursive doubling is asked (one partner, so never more than lg p);
-    a tree's reduce and broadcast (a partner too few on half its ranks). Values are counted per message
-    and per partner, from what each message moved (its bytes held against the wire's)."""
+    message), or in big Python ints (each one value, once); the naive ring where recursive doubling is
+    asked (one partner, so never more than lg p); a tree's reduce and broadcast (a partner too few on half
+    its ranks). Values are counted per message and per partner, from what each message moved (its bytes
+    held against the wire's)."""
     result = hpdl.check(exercise, fn, ranks=[ranks])
     assert result.score < result.max_score and all(c.verdict == "WRONG" for c in result.cases
                                                     if c.params["n"] >= ranks), result  # n < p: all the same

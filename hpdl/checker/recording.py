@@ -166,8 +166,9 @@ def _count(buf, pickled: bool = False) -> int | None:
 
 
 def _elements(obj, depth: int = 0) -> int:
-    """Values in a Python object: an array's or tensor's elements, a string's characters, the sum over
-    a container's items (to a depth of 8, its first 10**6 items), 1 for anything else; but beside an array
+    """Values in a Python object: an array's or tensor's elements, a string's characters, a whole number's
+    32-bit words (a vector packed into one big int is its values: a naive ring sent so scored 27/27), the sum
+    over a container's items (to a depth of 8, its first 10**6 items), 1 for anything else; but beside an array
     or a tensor in a message (a tuple, list or dict), up to METADATA small whole numbers are its metadata
     (a chunk's index, a step, a shape), not values: (i, chunk) moves one chunk."""
     if depth == 0 and isinstance(obj, (list, tuple, dict)) and len(obj) <= 2 * METADATA:
@@ -178,6 +179,8 @@ def _elements(obj, depth: int = 0) -> int:
     size = getattr(obj, "size", None)
     if isinstance(size, int):
         return size
+    if isinstance(obj, int) and not isinstance(obj, bool):  # a whole number of many bits holds many values
+        return max(1, -(-obj.bit_length() // 32))
     if isinstance(obj, (str, bytes, bytearray, memoryview)):
         return len(obj)
     numel = getattr(obj, "numel", None)
