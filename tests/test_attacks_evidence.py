@@ -337,15 +337,17 @@ def test_the_one_all_reduce_must_carry_every_gradient_value(fn, no_strays):
 
 
 def test_an_algorithm_a_large_case_tells_apart_scores_nothing(no_strays):
-    """Right values by another algorithm than the one asked: ZeRO-1 by data parallelism's all-reduce (every
-    rank's whole gradient gathered: comm.Allreduce, a Bcast, a Reduce of the whole are refused in every case). The
-    small cases hide the extra traffic in the wire's noise and passed (20/20); what reaches a rank in the
-    large hidden case tells, and then no case counts (so too for a column-parallel layer whose weight is
-    gathered, test_cases_10). Right answers whose traffic is what ZeRO-1 needs still pass
+    """Traffic that only the large hidden case can tell: ZeRO-1's reduce-scatter of a float64 copy moves as many
+    bytes as data parallelism's all-reduce (what the recorder counts, a shard's worth a call, is the same). The
+    small cases hide it in the wire's noise; the large case tells, and then no case counts, with a hint that
+    names the dtype (so too for a column-parallel layer whose weight is gathered, test_cases_10). An all-reduce
+    itself, a Reduce or a Bcast of the whole, a gather through one rank, are refused in every case by the
+    recorder's counts (test_cases_11). Right answers whose traffic is what ZeRO-1 needs still pass
     (test_right_answers_pass: p Reduces, then an all-gather)."""
-    result = hpdl.check("zero1_step", E.zero1_by_an_allreduce, ranks=[2], grade=True)
+    result = hpdl.check("zero1_step", E.zero1_reduce_scattered_in_float64, ranks=[2], grade=True)
     no_points(result)
     assert {c.rejected for c in result.cases} == {TELLING} and any("received" in c.message for c in result.cases)
+    assert any("float64" in (c.hint or "") for c in result.cases), result
 
 
 @pytest.fixture

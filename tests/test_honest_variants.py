@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 import hpdl
 from conftest import passed
 
@@ -39,6 +41,16 @@ def test_pipeline_tensors_pickled_by_lower_case_calls_are_not_read_as_a_forged_o
 def test_pipeline_activations_recomputed_by_hand(no_strays):
     """A forward under no_grad, the stage again with autograd before its backward: 1F1B, as a checkpoint runs it."""
     result = hpdl.check("pipeline_step", H.pipeline_recomputed_by_hand, ranks=[2, 3], grade=True)
+    assert passed(result) and result.score == result.max_score, result
+
+
+@pytest.mark.parametrize("exercise, fn, ranks", [
+    ("pipeline_step", H.pipeline_loss_again_without_autograd, [1, 2]),
+    ("zero1_step", H.zero1_shards_by_count_and_displacement, [2, 3]),
+    ("ps_exchange", H.ps_with_what_it_sends, [2, 3]),
+])
+def test_what_a_message_or_a_pass_carries_beside_the_work_is_not_counted_as_the_work(exercise, fn, ranks, no_strays):
+    result = hpdl.check(exercise, fn, ranks=ranks, grade=True)
     assert passed(result) and result.score == result.max_score, result
 
 

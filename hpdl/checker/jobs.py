@@ -865,9 +865,10 @@ class Runner:
             w = ends[worst]
             hint = w.get("hint") or next((ends[r].get("hint") for r in by["wrong"] if ends[r].get("hint")), None)
             forged = any(ends[r].get("forged") for r in by["wrong"])  # right values that came no other way
-            if size > 1 and by["ok"] == [0] and by["wrong"] == list(range(1, size)) and not forged:
-                hint = getattr(self.module, "HINT_ONLY_ROOT", None) or (
-                    "only rank 0 ends with the right result; every rank must return it.")
+            only_root = getattr(self.module, "HINT_ONLY_ROOT", "only rank 0 ends with the right result; every rank "
+                                                               "must return it.")  # None: not this exercise's
+            if size > 1 and by["ok"] == [0] and by["wrong"] == list(range(1, size)) and not forged and only_root:
+                hint = only_root
             err = w.get("max_error")
             largest = f" Largest error {err:.3g} (rank {worst})." if err is not None else ""
             msg = f"Wrong on {rank_word(by['wrong'])}: {w.get('message')}.{largest}"

@@ -154,6 +154,10 @@ def _count(buf, pickled: bool = False) -> int | None:
     or tuple summed; a whole vector wrapped in a dict is still its n elements, not the dict's one key."""
     if pickled:
         return _elements(buf)
+    if isinstance(buf, (list, tuple)) and len(buf) >= 3:  # [data, count, type], [data, (count, displ), type]
+        count = buf[1][0] if isinstance(buf[1], tuple) and len(buf[1]) == 2 else buf[1]
+        if isinstance(count, int) and not isinstance(count, bool):
+            return count
     if isinstance(buf, (list, tuple)) and buf:
         buf = buf[0]
     size = getattr(buf, "size", None)
@@ -196,12 +200,18 @@ def _elements(obj, depth: int = 0) -> int:
     return 1
 
 
-METADATA = 4  # small whole numbers a message may carry beside its array uncounted (_elements): 16 bits each
+METADATA = 4  # small whole numbers a message may carry beside its array uncounted (_elements): 32 bits each
+# (a shape's dimension may pass 2**16: a vector of 100000 sent with its shape)
 
 
 def _is_metadata(obj) -> bool:
-    """A small whole number (bool included): an index, a step, a shape's dimension."""
-    return isinstance(obj, int) and abs(obj) < 2**16
+    """A small whole number (bool and numpy's included): an index, a step, a shape's dimension; or a shape,
+    a tuple of up to 4 of them."""
+    import numbers
+
+    if isinstance(obj, tuple) and 0 < len(obj) <= 4:
+        return all(_is_metadata(v) for v in obj)
+    return isinstance(obj, numbers.Integral) and abs(int(obj)) < 2**32
 
 
 def _is_array(obj) -> bool:
@@ -235,6 +245,21 @@ def _nbytes(name: str, buf) -> int | None:
         return nbytes if isinstance(nbytes, int) else None
 
 
+#: a reduce-scatter is recorded twice: by its send buffer, and as "<name>:mine", by what this rank receives
+#: of it; an all-gather in place, by this rank's part of the receive buffer (zero1_step holds a rank's share of
+#: each against a shard)
+_SCATTERS_TO_EACH = ("Reduce_scatter", "Ireduce_scatter", "Reduce_scatter_block", "Ireduce_scatter_block",
+                     "Reduce_scatter_init", "Reduce_scatter_block_init")
+_GATHERS_IN_PLACE = ("Allgather", "Allgatherv", "Iallgather", "Iallgatherv", "Allgather_init")
+
+
+def _size(comm) -> int:
+    try:
+        return comm.Get_size()
+    except Exception:
+        return 1
+
+
 def _wrap(cls_name: str, name: str, base):
     dpos, spos = _P2P.get(name, (None, None))
 
@@ -243,11 +268,16 @@ def _wrap(cls_name: str, name: str, base):
             return base(self, *args, **kwargs)
         dest, source = _peer(args, kwargs, dpos, "dest"), _peer(args, kwargs, spos, "source")
         buf = args[0] if args else kwargs.get("buf", kwargs.get("obj", kwargs.get("sendbuf")))
-        if dest is None and args and _is_in_place(buf):  # a collective in place: its data is the receive buffer
+        in_place = dest is None and bool(args) and _is_in_place(buf)
+        if in_place:  # a collective in place: its data is the receive buffer
             buf = args[1] if len(args) > 1 else kwargs.get("recvbuf")
         count = _count(buf, pickled=name[0].islower()) if buf is not None else None
+        if in_place and name in _GATHERS_IN_PLACE and isinstance(count, int):  # this rank's part of the whole
+            count = -(-count // max(1, _size(self)))
         nbytes = _nbytes(name, buf) if dest is not None and recorder.sized else None
         recorder.note(name, *_in_world(self, dest, source), count, nbytes=nbytes)
+        if name in _SCATTERS_TO_EACH and not in_place and len(args) > 1 and not recorder.paused_now:
+            recorder.calls.append(Call(f"{name}:mine", None, None, _count(args[1]), None))  # what this rank gets
         peer = f" to rank {dest}" if dest is not None else ""
         peer += f" from rank {source}" if source is not None else ""
         recorder.current = f"comm.{name}(){peer}"

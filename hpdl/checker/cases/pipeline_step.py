@@ -57,6 +57,7 @@ PRIVATE_INPUTS = True  # each rank gets its own layers (and rank 0 the batch) as
 METERED = True  # the bytes each stage sends to each rank, counted by the kernel (meter.py), against its recording
 TIMEOUT = 30.0  # the first case of a job pays for importing torch
 WIDTH, CLASSES = 16, 10
+HINT_ONLY_ROOT = None  # ranks differ in what they return (the loss on the last, None elsewhere): the case's own hints
 SELF_REPORTED = ("when the first stage ran its backwards, as the hooks on its last layer record it: it sends no "
                  "gradient, so no other rank shows it (the later stages' order is read on the wire), and what it "
                  "holds meanwhile does not stand out of what MPI's and the allocator's buffers hold")
@@ -157,7 +158,7 @@ def _grads(module) -> list:
     return [None if q.grad is None else q.grad.detach().numpy().copy() for q in module.parameters()]
 
 
-def _watch(stage) -> tuple[list, list, object]:
+def _watch(stage, m: int) -> tuple[list, list, object]:
     """Record ("F", i) when the stage's last layer runs forward with autograd on, ("B", i) when
     autograd computes the gradient of that output: the stage's schedule as it really ran. A reentrant
     activation checkpoint (torch.utils.checkpoint, use_reentrant=True) runs the forward without autograd,
@@ -179,6 +180,8 @@ def _watch(stage) -> tuple[list, list, object]:
                 out.register_hook(lambda g, i=i: ops.append(("B", i)))
             return
         i = sum(1 for kind, _ in ops if kind == "F")
+        if not grad and i >= m:  # a pass without autograd once every micro-batch went forward: the loss, say
+            return
         ops.append(("F", i))
         if grad:
             out.register_hook(lambda g, i=i: ops.append(("B", i)))
@@ -215,7 +218,7 @@ def call(fn, comm, args):
     layers, batch, targets, m = args
     stage = stage_module(layers, last=comm.Get_rank() == comm.Get_size() - 1)
     batch, targets = torch.as_tensor(batch), torch.as_tensor(targets)
-    ops, pending, handle = _watch(stage)
+    ops, pending, handle = _watch(stage, m)
     reads = _read_before_forwards(stage, comm.Get_rank(), comm.Get_size(), m, pending)
     try:
         returned = fn(comm, stage, batch, targets, m)

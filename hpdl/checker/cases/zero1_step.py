@@ -40,6 +40,16 @@ FORBIDDEN = {name: "ZeRO-1 reduce-scatters the gradients, so each rank averages 
 # whole make an all-reduce too (18/18 where n was small); one Bcast per shard, from its owner, is an all-gather
 REDUCES = ("Reduce", "reduce", "Ireduce", "Reduce_init")
 BCASTS = ("Bcast", "bcast", "Ibcast", "Bcast_init")
+# and gathering or scattering through one rank (a parameter server's step: every gradient and the whole
+# optimizer state at rank 0) is refused outright; no ZeRO-1 step needs it (18/18 once)
+FORBIDDEN.update({name: "ZeRO-1 reduce-scatters the gradients and all-gathers the weights: no rank gathers the others' "
+                        "gradients or optimizer state, or scatters them"
+                  for name in hooks.COLLECTIVES if name.lower().lstrip("i").startswith(("gather", "scatter"))})
+# what a collective call carries (the recorder's count: its send buffer; a reduce-scatter's, what this rank
+# receives; an all-gather in place, this rank's part) is at most a shard, but for an all-to-all
+WHOLE_ALLOWED = ("Alltoall", "Alltoallv", "Alltoallw", "alltoall", "Ialltoall", "Ialltoallv", "Ialltoallw",
+                 "Alltoall_init", "Reduce_scatter", "Ireduce_scatter", "Reduce_scatter_block", "Ireduce_scatter_block",
+                 "Reduce_scatter_init", "Reduce_scatter_block_init")  # a reduce-scatter: by what a rank gets (:mine)
 
 
 def cases(size):
@@ -154,11 +164,19 @@ def _whole_reduced(ctx, n: int) -> Wrong | None:
                          f"one rank; ZeRO-1 reduces each shard (at most {shard} values here) to its owner",
                          hint="Reduce_scatter (or one Reduce per shard, to the rank that owns it): no rank holds the "
                               "whole averaged gradient.")
+        mine = c.name.endswith(":mine")  # what this rank received of a reduce-scatter (recording._SCATTERS_TO_EACH)
+        if (c.dest is None and (mine or c.name in hooks.COLLECTIVES) and c.name not in REDUCES + BCASTS + WHOLE_ALLOWED
+                and isinstance(c.count, int) and c.count > shard):
+            return Wrong(f"rank {ctx.rank} took part in a comm.{c.name} of {c.count} values: in ZeRO-1 each rank "
+                         f"contributes or receives no more than its shard (at most {shard} values here)",
+                         hint="Reduce_scatter with tensor_split's counts (each rank gets its own shard), then "
+                              "Allgatherv of the updated shards: nothing else moves whole vectors.")
         if c.name in BCASTS and isinstance(c.count, int) and c.count > shard:
             return Wrong(f"rank {ctx.rank} took part in a comm.{c.name} of {c.count} values: ZeRO-1 broadcasts no more "
                          f"than a shard (at most {shard} values here), from its owner",
-                         hint="every rank holds the same weights already, and a shard's averaged gradient goes to its "
-                              "owner only: a Reduce and a Bcast of the whole gradient make an all-reduce.")
+                         hint="every rank holds the same weights already: the all-gather moves each updated shard "
+                              "from its owner (Allgatherv, or one Bcast per shard); a Bcast of the whole vector moves "
+                              "what the others have (after a Reduce of the gradient, it makes an all-reduce).")
     sent = sum(sum(values) for values in hooks.values_sent(ctx).values())
     if p > 1 and sent > 2 * (p - 1) * shard + METADATA * 4 * p:
         return Wrong(f"rank {ctx.rank} sent {sent} values in point-to-point messages; a reduce-scatter and an "
