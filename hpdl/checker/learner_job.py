@@ -101,6 +101,11 @@ def refuse_kit_answers(answers: dict[str, str]) -> None:
             raise ForbiddenCall(_name, _reason)
 
         refuse.__name__ = refuse.__qualname__ = attr
+        original = getattr(module, attr, None)
+        if isinstance(original, type):  # a library's class: reachable as itself too (a base's __subclasses__())
+            for method in ("__init__", "__new__", "__iter__", "__len__", "set_epoch"):
+                if method in vars(original):
+                    setattr(original, method, refuse)
         setattr(module, attr, refuse)
         _KIT_MODULES.add(module_name)
 
