@@ -36,8 +36,8 @@ METERED = True  # the bytes that reach each rank are counted by the kernel (mete
 FORBIDDEN = {name: "ZeRO-1 reduce-scatters the gradients, so each rank averages its own shard only (Reduce_scatter, "
                    "or a Reduce per shard): an all-reduce is data parallelism's step"
              for name in ("Allreduce", "allreduce", "Iallreduce", "Allreduce_init")}
-# a Reduce or a Bcast of more than a shard is refused in verify (_whole): a Reduce to one rank and a Bcast of the
-# whole make an all-reduce too (18/18 where n was small); one Bcast per shard, from its owner, is an all-gather
+# a Reduce or a Bcast of more than a shard is WRONG in verify (_beyond_a_shard): a Reduce to one rank and a Bcast
+# of the whole make an all-reduce too (18/18 where n was small); one Bcast per shard, from its owner, is an all-gather
 REDUCES = ("Reduce", "reduce", "Ireduce", "Reduce_init")
 BCASTS = ("Bcast", "bcast", "Ibcast", "Bcast_init")
 # and gathering or scattering through one rank (a parameter server's step: every gradient and the whole
@@ -147,36 +147,51 @@ def verify(case, ctx):
         if w is not None:
             return w
     lo, hi = shard_of(ctx.rank, p, n)
-    return (_whole_reduced(ctx, n)
+    return (_beyond_a_shard(ctx, n)
             or hooks.received_at_least(ctx, (n - (hi - lo)) * 4, "the other ranks' updated shards")
             or _another_algorithm(ctx, n, least))
 
 
-def _whole_reduced(ctx, n: int) -> Wrong | None:
-    """A Reduce of more than a shard (the recorder's count of its values, in every case): the whole gradient summed
-    at one rank, which ZeRO-1 never holds; and no more values in point-to-point messages than a reduce-scatter
-    and an all-gather by hand send (each (p-1) shards): an all-reduce by hand sends half as much again."""
+# what each kind of collective call says when it carries more than a shard (the recorder's count): (message, hint)
+_BEYOND_A_SHARD = {
+    "reduce": ("reduced {count} values in one comm.{name}: the whole gradient summed at one rank; ZeRO-1 reduces each "
+               "shard (at most {shard} values here) to its owner",
+               "Reduce_scatter (or one Reduce per shard, to the rank that owns it): no rank holds the whole averaged "
+               "gradient."),
+    "bcast": ("took part in a comm.{name} of {count} values: ZeRO-1 broadcasts no more than a shard (at most {shard} "
+              "values here), from its owner",
+              "every rank holds the same weights already: the all-gather moves each updated shard from its owner "
+              "(Allgatherv, or one Bcast per shard); a Bcast of the whole vector moves what the others have (after a "
+              "Reduce of the gradient, it makes an all-reduce)."),
+    "other": ("took part in a comm.{name} of {count} values: in ZeRO-1 each rank contributes or receives no more than "
+              "its shard (at most {shard} values here)",
+              "Reduce_scatter with tensor_split's counts (each rank gets its own shard), then Allgatherv of the "
+              "updated shards: nothing else moves whole vectors."),
+}
+
+
+def _kind(name: str) -> str | None:
+    """Which rule of _BEYOND_A_SHARD a recorded call falls under; None: not held against a shard."""
+    if name in REDUCES:
+        return "reduce"
+    if name in BCASTS:
+        return "bcast"
+    mine = name.endswith(":mine")  # what this rank received of a reduce-scatter (recording._SCATTERS_TO_EACH)
+    return "other" if (mine or name in hooks.COLLECTIVES) and name not in WHOLE_ALLOWED else None
+
+
+def _beyond_a_shard(ctx, n: int) -> Wrong | None:
+    """In every case, by the recorder's counts: no collective call carries more than a shard of this rank's own
+    (a Reduce or a Bcast of the whole gradient: an all-reduce, or the whole at one rank); and no more values in
+    point-to-point messages than a reduce-scatter and an all-gather by hand send (each (p-1) shards): an
+    all-reduce by hand sends half as much again."""
     p = ctx.size
     shard = -(-n // p)  # the largest
     for c in ctx.calls:
-        if c.name in REDUCES and isinstance(c.count, int) and c.count > shard:
-            return Wrong(f"rank {ctx.rank} reduced {c.count} values in one comm.{c.name}: the whole gradient summed at "
-                         f"one rank; ZeRO-1 reduces each shard (at most {shard} values here) to its owner",
-                         hint="Reduce_scatter (or one Reduce per shard, to the rank that owns it): no rank holds the "
-                              "whole averaged gradient.")
-        mine = c.name.endswith(":mine")  # what this rank received of a reduce-scatter (recording._SCATTERS_TO_EACH)
-        if (c.dest is None and (mine or c.name in hooks.COLLECTIVES) and c.name not in REDUCES + BCASTS + WHOLE_ALLOWED
-                and isinstance(c.count, int) and c.count > shard):
-            return Wrong(f"rank {ctx.rank} took part in a comm.{c.name} of {c.count} values: in ZeRO-1 each rank "
-                         f"contributes or receives no more than its shard (at most {shard} values here)",
-                         hint="Reduce_scatter with tensor_split's counts (each rank gets its own shard), then "
-                              "Allgatherv of the updated shards: nothing else moves whole vectors.")
-        if c.name in BCASTS and isinstance(c.count, int) and c.count > shard:
-            return Wrong(f"rank {ctx.rank} took part in a comm.{c.name} of {c.count} values: ZeRO-1 broadcasts no more "
-                         f"than a shard (at most {shard} values here), from its owner",
-                         hint="every rank holds the same weights already: the all-gather moves each updated shard "
-                              "from its owner (Allgatherv, or one Bcast per shard); a Bcast of the whole vector moves "
-                              "what the others have (after a Reduce of the gradient, it makes an all-reduce).")
+        kind = _kind(c.name) if c.dest is None else None
+        if kind is not None and isinstance(c.count, int) and c.count > shard:
+            message, hint = _BEYOND_A_SHARD[kind]
+            return Wrong(f"rank {ctx.rank} " + message.format(count=c.count, name=c.name, shard=shard), hint=hint)
     sent = sum(sum(values) for values in hooks.values_sent(ctx).values())
     if p > 1 and sent > 2 * (p - 1) * shard + METADATA * 4 * p:
         return Wrong(f"rank {ctx.rank} sent {sent} values in point-to-point messages; a reduce-scatter and an "
