@@ -21,6 +21,7 @@ import ctypes
 import gc
 import itertools
 import importlib.abc
+import numbers
 import operator
 import os
 import sys
@@ -207,8 +208,6 @@ METADATA = 4  # small whole numbers a message may carry beside its array uncount
 def _is_metadata(obj) -> bool:
     """A small whole number (bool and numpy's included): an index, a step, a shape's dimension; or a shape,
     a tuple of up to 4 of them."""
-    import numbers
-
     if isinstance(obj, tuple) and 0 < len(obj) <= 4:
         return all(_is_metadata(v) for v in obj)
     return isinstance(obj, numbers.Integral) and abs(int(obj)) < 2**32
