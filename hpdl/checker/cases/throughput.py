@@ -83,11 +83,16 @@ def pace(paces: list[float], i: int) -> float:
     return paces[i] if 0 <= i < len(paces) else 1.0
 
 
+def timed_seconds(params: dict, stepped: list[int]) -> list[float]:
+    """The seconds each timed call takes (after the first `warmup`), called on these batch sizes in order."""
+    ps, pc, w = per_sample(params), paces(params), params["warmup"]
+    return [ps * n * pace(pc, i) for i, n in enumerate(stepped)][w:]
+
+
 def true_rate(params: dict, stepped: list[int]) -> float:
     """Samples per second over the timed calls, as the step was called (`stepped`: the batch sizes, in order)."""
-    timed, ps, pc = stepped[params["warmup"]:], per_sample(params), paces(params)
-    seconds = sum(ps * n * pace(pc, params["warmup"] + i) for i, n in enumerate(timed))
-    return sum(timed) / seconds if seconds > 0 else 0.0
+    seconds = sum(timed_seconds(params, stepped))
+    return sum(stepped[params["warmup"]:]) / seconds if seconds > 0 else 0.0
 
 
 class RemoteStep:
@@ -205,11 +210,11 @@ def verify(case, ctx):
 
 def diagnose(case, ctx):
     p = case.params
-    sizes, w, cost, pc = p["sizes"], p["warmup"], per_sample(p), paces(p)
+    sizes, w, cost = p["sizes"], p["warmup"], per_sample(p)
     rate, truth = ctx.got["rate"], true_rate(p, sizes)
     if not isinstance(rate, numbers.Real) or rate <= 0:
         return None
-    seconds = [cost * n * pace(pc, i) for i, n in enumerate(sizes)][w:]  # each timed call's
+    seconds = timed_seconds(p, sizes)
     if rate * truth < 1.0 or rate < 1e-2 * truth:
         return "that looks like seconds per sample: return samples / seconds."
     guesses = {

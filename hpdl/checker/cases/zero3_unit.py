@@ -294,14 +294,15 @@ def verify(case, ctx):
         return w
     layer = _layer_bytes(case)
     widths = case.params["widths"]
-    if layer >= MEASURED_FROM and ctx.size > 1 and got.get("tampered"):
+    measured = layer >= MEASURED_FROM and ctx.size > 1  # a case whose memory the learner's process counts
+    if measured and got.get("tampered"):
         return Wrong("the count of the memory your function held (tracemalloc, in your process) was stopped or "
                      "started afresh while it ran: what it held is unknown", forged=True)
-    if layer >= MEASURED_FROM and ctx.size > 1 and not got.get("samples"):
+    if measured and not got.get("samples"):
         return Wrong("the memory your function held could not be followed: it made no torch operation and no call "
                      "on the communicator it was given", hint="gather each layer with the comm your function is "
                                                               "given (comm.Allgatherv), not another communicator.")
-    if layer >= MEASURED_FROM and ctx.size > 1 and got["peak"] > LAYERS_AT_ONCE * layer:
+    if measured and got["peak"] > LAYERS_AT_ONCE * layer:
         return Wrong(f"rank {ctx.rank} held {got['peak'] / 2**10:.0f} KiB at once, {got['peak'] / layer:.1f} layers' "
                      f"worth ({layer / 2**10:.0f} KiB each, {len(widths) - 1} layers): the gathered layers were never "
                      "freed", hint="drop the gathered layer (del it, and the views W and b taken from it) before "
