@@ -184,8 +184,11 @@ def learner_copy(*functions):
 
 
 def passed(result) -> bool:
-    """Every case of a check's result passed."""
-    return all(c.verdict == "PASS" for c in result.cases)
+    """Every case of a check's result right: PASS, or SLOW (right, far slower than the reference: advisory, full
+    points), which a loaded machine's clock can give any case."""
+    from hpdl.checker.report import EARNS_POINTS
+
+    return all(c.verdict in EARNS_POINTS for c in result.cases)
 
 
 def hints(result) -> str:

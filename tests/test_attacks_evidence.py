@@ -186,6 +186,16 @@ def test_one_tiny_allreduce_during_backward_is_not_overlap(no_strays):
     assert several and all(c.verdict == "WRONG" and "while backward ran" in c.message for c in several), result
 
 
+@pytest.mark.parametrize("exercise, fn", [("overlap_allreduce", E.overlap_by_torchs_ddp),
+                                          ("allreduce_gradients", E.allreduce_gradients_coalesced)])
+def test_torchs_own_data_parallelism_doing_the_exercise_is_refused(exercise, fn, no_strays):
+    """DDP (8/8 with its bucket caps set to the exercise's: its hooks go through the recorded all-reduce) and
+    torch's coalesced all-reduce (8/8: one all-reduce of every value) do what the exercise asks."""
+    result = hpdl.check(exercise, fn, ranks=[2])
+    no_points(result)
+    assert all("not allowed here" in c.message for c in result.cases), result
+
+
 def test_reduce_and_bcast_per_tensor_count_as_all_reduces(no_strays):
     result = hpdl.check("allreduce_gradients", E.reduce_then_bcast_per_tensor, ranks=[2])
     assert all(c.verdict == "WRONG" and "all-reduces for" in c.message for c in result.cases), result
@@ -493,6 +503,15 @@ def test_where_ranks_do_not_talk_over_tcp_the_check_says_so_and_decides_on_the_r
     right = hpdl.check("ring_allreduce", E.ring_on_reversed_split, ranks=[2])
     all_points(right)
     assert any(ALONE in h for h in right.hints), right.hints
+
+
+def test_mpis_own_collective_unrecorded_under_a_recording_of_the_exercises_messages_scores_nothing(no_strays):
+    """MPI's broadcast is a binomial tree below 8 ranks (MPICH's): taken unrecorded from the recorder's
+    wrapper, under a recording rewritten as the tree's sends, the wire agreed with every case (18/18). In the
+    learner's job MPI's own broadcast now scatters and gathers around a ring (LIBRARY_ALGORITHMS)."""
+    result = hpdl.check("bcast_binomial", E.bcast_by_mpis_own_under_a_trees_recording, ranks=[2, 3])
+    no_points(result)
+    assert any(c.rejected == FORGED for c in result.cases), result
 
 
 def test_all_reduces_struck_from_the_recording_are_counted_on_the_wire(no_strays):

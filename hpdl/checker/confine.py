@@ -92,8 +92,8 @@ ENV_NAMES = frozenset({
     "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
     "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
     "MALLOC_MMAP_THRESHOLD_"})  # not TMPDIR: inside, the private /tmp. MALLOC_*: a check job's (jobs.MMAP_FROM)
-ENV_PREFIXES = (PREFIX, "LC_", "IPP_", "JUPYTER_", "MPI4PY_", "OMPI_", "PMIX_", "PRTE_", "MPICH_", "HYDRA_",
-                "I_MPI_", "FI_", "UCX_", "NCCL_", "KMP_", "TORCH_")
+ENV_PREFIXES = (PREFIX, "LC_", "IPP_", "JUPYTER_", "MPI4PY_", "OMPI_", "PMIX_", "PRTE_", "MPICH_", "MPIR_CVAR_",
+                "HYDRA_", "I_MPI_", "FI_", "UCX_", "NCCL_", "KMP_", "TORCH_")
 
 
 KEEP = "--keep-env="  # first argument: more names to keep (a check job that must run srun: SLURM_*)

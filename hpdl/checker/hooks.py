@@ -53,6 +53,14 @@ KIT_ANSWERS = {
     "hpdl.dp.throughput": _OWN,
     "hpdl.pipeline.one_f_one_b": _OWN + " (the 1F1B order of a stage's forwards and backwards is the exercise)",
 }
+#: torch's own data parallelism, which buckets the gradients, hooks backward and all-reduces for the learner
+#: (DistributedDataParallel, and the C++ Reducer under it that a learner could drive by hand): refused where an
+#: exercise asks for what it does (8/8 on overlap_allreduce, with DDP's bucket caps set to the exercise's)
+TORCH_DDP = {name: "this exercise asks you to write what torch's DistributedDataParallel does (its buckets, hooks "
+                   "and all-reduces): DDP and its Reducer are not available while your code is checked"
+             for name in ("torch.nn.parallel.DistributedDataParallel",
+                          "torch.nn.parallel.distributed.DistributedDataParallel",
+                          "torch._C._distributed_c10d.Reducer")}
 #: The allreduce family: what a hand-written allreduce must not call.
 REDUCTIONS = [n for n in COLLECTIVES if "educe" in n or n in ("Scan", "scan", "Exscan", "exscan", "Iscan", "Iexscan")]
 #: Every collective that moves data: what a point-to-point-only exercise must not call.

@@ -86,7 +86,7 @@ class Job:
         os.chmod(self.dir, 0o700)
         slack = verify_timeout(spec) if kind == "reference" else 30
         metered = kind == "learner" and spec.get("metered") and size > 1
-        wire_env, unmetered = meter.node_transport() if metered else (None, None)
+        wire_env, unmetered = meter.node_transport(spec.get("library_algorithms")) if metered else (None, None)
         self.spec = dict(spec, size=size, metered=wire_env is not None, client_pid=0 if sandboxed else os.getpid(),
                          lifetime=START_TIMEOUT + sum(p.timeout for p in todo) + slack * len(todo) + 30,
                          cases=[(p.index, p.case.to_dict()) for p in todo])

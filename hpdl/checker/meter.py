@@ -73,9 +73,10 @@ def tcp_transport() -> dict[str, str] | None:
     return None if env is None or which not in APART else {**env, **APART[which]}
 
 
-def node_transport() -> tuple[dict[str, str] | None, str | None]:
-    """This node's check jobs: the variables that put a learner job's ranks on TCP, or None and why
-    not (for a check's note and the grading report)."""
+def node_transport(library: dict[str, dict[str, str]] | None = None) -> tuple[dict[str, str] | None, str | None]:
+    """This node's check jobs: the variables that put a learner job's ranks on TCP (with this MPI's of
+    `library`, a case module's LIBRARY_ALGORITHMS), or None and why not (for a check's note and the
+    grading report)."""
     from hpdl.launchers.mpiexec import mpiexec_implementation, mpiexec_version
 
     try:
@@ -85,7 +86,7 @@ def node_transport() -> tuple[dict[str, str] | None, str | None]:
     env = transport_env(which, version)
     if env is None:
         return None, f"that needs ss and nsenter, and MPICH built with libfabric, Open MPI or Intel MPI; here {which}"
-    return env, None
+    return {**env, **(library or {}).get(which, {})}, None
 
 
 def unavailable() -> str | None:

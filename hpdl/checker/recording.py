@@ -359,14 +359,14 @@ def _patch_c10d(c10d) -> None:
 
         def fn(*args, _name=name, _rule=rule, _base=base, **kwargs):
             if not recorder.paused_now:
-                reason = recorder.forbidden.get(_rule)
+                reason = recorder.forbidden.get(f"torch.distributed.{_name}") or recorder.forbidden.get(_rule)
                 if reason:
                     recorder.rejected.append(f"torch.distributed.{_name}")
                     raise ForbiddenCall(f"torch.distributed.{_name}", reason)
                 recorder.calls.append(Call(_name, count=_numel(args, kwargs, _name)))
             return _base(*args, **kwargs)
 
-        fn.__name__, fn.__qualname__, fn.__wrapped__, fn._hpdl_recorded = name, name, base, True
+        fn.__name__, fn.__qualname__, fn._hpdl_recorded = name, name, True
         setattr(c10d, name, fn)
         dist = sys.modules.get("torch.distributed")
         if dist is not None and getattr(dist, name, None) is base:
@@ -383,7 +383,7 @@ def _patch_c10d(c10d) -> None:
 
             def pg(self, *args, _m=method, _rule=rule, _base=base, **kwargs):
                 if not recorder.paused_now:
-                    reason = recorder.forbidden.get(_rule)
+                    reason = recorder.forbidden.get(f"ProcessGroup.{_m}") or recorder.forbidden.get(_rule)
                     if reason:
                         recorder.rejected.append(f"ProcessGroup.{_m}")
                         raise ForbiddenCall(f"ProcessGroup.{_m}", reason)

@@ -43,6 +43,10 @@ and may define
                                              # to use: hooks.wire_agrees (the recorded calls account for
                                              # them, or no case of the check counts), received_at_least,
                                              # received_at_most
+    LIBRARY_ALGORITHMS = {"MPICH": {...}}     # METERED: per MPI, variables that make its own collective
+                                             # run an algorithm unlike the exercise's in the learner's job,
+                                             # so MPI's collective called unrecorded under a recording of
+                                             # the exercise's messages shows on the wire
     def set_up() -> None                     # run on each learner rank before any learner's code and
                                              # before the meter's first reading (torch.distributed's
                                              # process group): its sockets are counted apart

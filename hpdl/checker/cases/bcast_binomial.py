@@ -22,6 +22,14 @@ FORBIDDEN = {
           "MPI's collectives"
     for name in hooks.DATA_COLLECTIVES
 }
+# MPI's own broadcast is a binomial tree at these rank counts (MPICH's below 8 ranks): called unrecorded (its
+# method taken from the recorder's wrapper), under calls rewritten as a tree's, it sent what the tree sends to
+# each peer (18/18). In the learner's job it scatters, then gathers around a ring, where every rank sends
+LIBRARY_ALGORITHMS = {
+    "MPICH": {"MPIR_CVAR_BCAST_INTRA_ALGORITHM": "scatter_ring_allgather"},
+    "Open MPI": {"OMPI_MCA_coll_tuned_use_dynamic_rules": "1", "OMPI_MCA_coll_tuned_bcast_algorithm": "9"},
+    "Intel MPI": {"I_MPI_ADJUST_BCAST": "3"},
+}
 
 
 def cases(size: int) -> list[Case]:
