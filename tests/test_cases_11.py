@@ -170,7 +170,8 @@ def test_zero3_index_tensors_are_no_layers(no_strays):
 
 def test_zero3_numpy_index_arrays_are_no_layers(no_strays):
     """The same idiom in numpy (np.array_split of np.arange): numpy's memory was counted whole (6/15). Integer
-    arrays the code's variables hold are left out of it now; an integer view of a layer's floats is not."""
+    arrays the code's variables hold are left out of it now; an integer view of a layer's floats is not. And a
+    shard given to the learner, returned by an op as itself (.contiguous()), is no tensor made."""
     full_marks(hpdl.check("zero3_unit", V.zero3_numpy_index_kept, ranks=[2, 3], grade=True))
 
 

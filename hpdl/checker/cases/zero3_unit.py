@@ -106,10 +106,17 @@ class _Held:
     array is one the running code's variables hold (or a list or tuple they hold), counted where the memory
     it views is its own and of integers: an integer view of a layer's floats is the layer."""
 
-    def __init__(self):
+    def __init__(self, given=()):
         import tracemalloc
 
+        import torch
+
         self.tensors, self.peak, self.mpi, self.samples, self.tampered = [], 0, 0, 0, False
+        # the storages handed in (the shards, x): an op that returns its input (.contiguous(), .cpu() on a tensor
+        # that already is) made nothing, and a learner's code that grows one (resize_, set_) has moved it
+        self.given = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                      for a in given for t in (a if isinstance(a, (list, tuple)) else [a])
+                      if isinstance(t, torch.Tensor)}
         tracemalloc.start()
         self.base = tracemalloc.get_traced_memory()[0]
         self.sentinel = bytearray(64)  # traced from here: tracemalloc stopped, or started afresh, forgets it
@@ -135,7 +142,8 @@ class _Held:
             t = ref()
             if t is not None and (t.is_floating_point() or t.is_complex()):
                 s = t.untyped_storage()
-                storages[s.data_ptr()] = s.nbytes()
+                if s.nbytes() > self.given.get(s.data_ptr(), -1):
+                    storages[s.data_ptr()] = s.nbytes()
         self.tensors = [ref for ref in self.tensors if ref() is not None]
         python = tracemalloc.get_traced_memory()[0] - self.base - ints
         self.peak = max(self.peak, sum(storages.values()) + python + self.mpi)
@@ -236,7 +244,7 @@ def call(fn, comm, args):
     """Run the learner's function while following the peak of what it holds (see _Held)."""
     from torch.overrides import TorchFunctionMode
 
-    held = _Held()
+    held = _Held(given=args)
 
     class Sampling(TorchFunctionMode):
         def __torch_function__(self, func, types, fargs=(), kwargs=None):
