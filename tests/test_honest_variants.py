@@ -54,6 +54,11 @@ def test_what_a_message_or_a_pass_carries_beside_the_work_is_not_counted_as_the_
     assert passed(result) and result.score == result.max_score, result
 
 
+def test_a_column_parallel_layer_that_all_reduces_y_padded_in_float64(no_strays):
+    result = hpdl.check("column_parallel_linear", H.column_parallel_y_padded_in_float64, ranks=[3], grade=True)
+    assert passed(result) and result.score == result.max_score, result
+
+
 def test_a_ring_that_sends_float64_chunks_of_a_float32_vector_is_told_so(no_strays):
     result = hpdl.check("ring_allreduce", H.ring_summed_in_float64, ranks=[2])
     wrong = [c for c in result.cases if c.verdict == "WRONG"]

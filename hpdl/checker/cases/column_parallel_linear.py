@@ -157,12 +157,14 @@ def _atol(expected) -> float:
 
 
 def wire_budget(params: dict, size: int) -> int:
-    """Bytes a rank may receive in this case, with room: the other ranks' columns of y (float32, any
-    allgather, pickled or not), grad_x all-reduced by any algorithm (⌈lg p⌉ rounds of the whole), and
-    MPI's own messages. Gathering the weight instead moves (p-1)/p of out × fan_in floats."""
+    """Bytes a rank may receive in this case, with room: the other ranks' columns of y (any allgather,
+    pickled or not, or y zero-padded and all-reduced, in float64 too: 0/10 when it was held to float32),
+    grad_x all-reduced by any algorithm (⌈lg p⌉ rounds of the whole), and MPI's own messages. Gathering
+    the weight instead moves (p-1)/p of out × fan_in floats: still more in every case of TELLING_WEIGHT
+    (the least, Linear(48, 1024) on 2 ranks: 100 KB against 89 KB)."""
     batch, fan_in, out = params["batch"], params["fan_in"], params["out"]
     rounds = max(1, (size - 1).bit_length())
-    return 2 * batch * out * 4 + 4 * rounds * batch * fan_in * 4 + 4096 * (size - 1) + hooks.WIRE_SLACK
+    return 2 * batch * out * 8 + 4 * rounds * batch * fan_in * 4 + 4096 * (size - 1) + hooks.WIRE_SLACK
 
 
 def diagnose(case, ctx):
