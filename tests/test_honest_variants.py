@@ -59,6 +59,11 @@ def test_a_column_parallel_layer_that_all_reduces_y_padded_in_float64(no_strays)
     assert passed(result) and result.score == result.max_score, result
 
 
+def test_a_throughput_meter_counting_samples_by_the_inputs_shape(no_strays):
+    result = hpdl.check("throughput", H.throughput_counting_by_shape, grade=True)
+    assert passed(result) and result.score == result.max_score, result
+
+
 def test_a_ring_that_sends_float64_chunks_of_a_float32_vector_is_told_so(no_strays):
     result = hpdl.check("ring_allreduce", H.ring_summed_in_float64, ranks=[2])
     wrong = [c for c in result.cases if c.verdict == "WRONG"]

@@ -151,7 +151,11 @@ def serve(request: dict, known: dict) -> dict:
 
 
 def _batches(sizes):
-    return [(list(range(n)), [0] * n) for n in sizes]
+    """(inputs, targets) as the lesson's batches and a DataLoader's are: tensors whose first dimension counts
+    the samples, so len(), .shape[0] and .size(0) all do (Python lists failed a meter that read .shape[0]: 0/5)."""
+    import torch
+
+    return [(torch.zeros(n, 1), torch.zeros(n, dtype=torch.long)) for n in sizes]
 
 
 def inputs(case, rank, size):
