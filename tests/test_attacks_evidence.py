@@ -187,10 +187,12 @@ def test_one_tiny_allreduce_during_backward_is_not_overlap(no_strays):
 
 
 @pytest.mark.parametrize("exercise, fn", [("overlap_allreduce", E.overlap_by_torchs_ddp),
+                                          ("overlap_allreduce", E.overlap_by_torchs_fsdp),
                                           ("allreduce_gradients", E.allreduce_gradients_coalesced)])
 def test_torchs_own_data_parallelism_doing_the_exercise_is_refused(exercise, fn, no_strays):
-    """DDP (8/8 with its bucket caps set to the exercise's: its hooks go through the recorded all-reduce) and
-    torch's coalesced all-reduce (8/8: one all-reduce of every value) do what the exercise asks."""
+    """DDP (8/8 with its bucket caps set to the exercise's: its hooks go through the recorded all-reduce), FSDP
+    without sharding (a case) and torch's coalesced all-reduce (8/8: one all-reduce of every value) do what the
+    exercise asks."""
     result = hpdl.check(exercise, fn, ranks=[2])
     no_points(result)
     assert all("not allowed here" in c.message for c in result.cases), result

@@ -53,14 +53,18 @@ KIT_ANSWERS = {
     "hpdl.dp.throughput": _OWN,
     "hpdl.pipeline.one_f_one_b": _OWN + " (the 1F1B order of a stage's forwards and backwards is the exercise)",
 }
-#: torch's own data parallelism, which buckets the gradients, hooks backward and all-reduces for the learner
-#: (DistributedDataParallel, and the C++ Reducer under it that a learner could drive by hand): refused where an
-#: exercise asks for what it does (8/8 on overlap_allreduce, with DDP's bucket caps set to the exercise's)
-TORCH_DDP = {name: "this exercise asks you to write what torch's DistributedDataParallel does (its buckets, hooks "
-                   "and all-reduces): DDP and its Reducer are not available while your code is checked"
-             for name in ("torch.nn.parallel.DistributedDataParallel",
-                          "torch.nn.parallel.distributed.DistributedDataParallel",
-                          "torch._C._distributed_c10d.Reducer")}
+#: torch's own data parallelism, which hooks backward and all-reduces the gradients for the learner:
+#: DistributedDataParallel and the C++ Reducer under it (which a learner could drive by hand), and FSDP, whose
+#: NO_SHARD strategy is DDP by another road. Refused where an exercise asks for what they do (DDP: 8/8 on
+#: overlap_allreduce, its bucket caps set to the exercise's; FSDP wrapping each Linear passed its case of a
+#: bucket per tensor)
+TORCH_DATA_PARALLEL = {
+    name: "this exercise asks you to write what torch's data parallelism does (buckets, hooks, all-reduces): "
+          "DistributedDataParallel, its Reducer and FSDP are not available while your code is checked"
+    for name in ("torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel",
+                 "torch._C._distributed_c10d.Reducer", "torch.distributed.fsdp.FullyShardedDataParallel",
+                 "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
+                 "torch.distributed.fsdp.fully_shard")}
 #: The allreduce family: what a hand-written allreduce must not call.
 REDUCTIONS = [n for n in COLLECTIVES if "educe" in n or n in ("Scan", "scan", "Exscan", "exscan", "Iscan", "Iexscan")]
 #: Every collective that moves data: what a point-to-point-only exercise must not call.

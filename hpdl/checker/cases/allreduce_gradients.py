@@ -23,12 +23,12 @@ from hpdl.checker.cases import _dp
 
 SIGNATURE = "allreduce_gradients(comm, model) -> None   # p.grad := average over ranks, one all-reduce"
 # torch's coalesced all-reduce flattens, all-reduces once and unflattens: the exercise, done for the learner (8/8)
-FORBIDDEN = {**hooks.TORCH_DDP, **{name: "this exercise asks you to flatten the gradients into one buffer yourself, "
-                                         "all-reduce it once and copy the averages back: torch's coalesced all-reduce "
-                                         "does all three for you"
-                                   for name in ("torch.distributed.all_reduce_coalesced",
-                                                "torch.distributed.distributed_c10d.all_reduce_coalesced",
-                                                "ProcessGroup.allreduce_coalesced")}}
+_COALESCED = ("this exercise asks you to flatten the gradients into one buffer yourself, all-reduce it once and copy "
+              "the averages back: torch's coalesced all-reduce does all three for you")
+FORBIDDEN = {**hooks.TORCH_DATA_PARALLEL,
+             **{name: _COALESCED for name in ("torch.distributed.all_reduce_coalesced",
+                                              "torch.distributed.distributed_c10d.all_reduce_coalesced",
+                                              "ProcessGroup.allreduce_coalesced")}}
 RANKS = (1, 2, 3)
 TIMEOUT = 30.0  # the first case of a job pays for importing torch and joining the process group
 PRIVATE_INPUTS = True  # each rank gets its own batch as data: no rank can draw the others'

@@ -43,7 +43,7 @@ from hpdl.checker.cases import Case, Wrong, nonce_seed, one_rank_points
 from hpdl.checker.cases import _dp
 
 SIGNATURE = "overlap_allreduce(comm, model, bucket_mb) -> finish   # finish() after each backward"
-FORBIDDEN = hooks.TORCH_DDP  # DDP does the exercise (its bucket caps can be set to the exercise's)
+FORBIDDEN = hooks.TORCH_DATA_PARALLEL  # DDP does the exercise (its bucket caps can be set to the exercise's)
 RANKS = (1, 2, 3)
 TIMEOUT = 30.0
 PRIVATE_INPUTS = True  # each rank gets its own initial parameters and batches as data: no rank can draw the others'
