@@ -17,7 +17,10 @@ Classes of attack, each on real ranks (fixtures/evidence_attacks.py):
   budget and signs its count; verify() reads the signed count.
 - judging code in the learner's process: the tuning-file check ran MPICH through hpdl.tune from the
   learner's rank, where the learner can replace hpdl.tune's functions. MPICH now runs in verify().
-- the recorder in the learner's process (its pause flag, its list of calls): rewritable, so for the
+- the recorder in the learner's process (its pause flag, its list of calls): rewritable. It keeps a tally of
+  what it noted and of the kit's own pauses apart from its attributes, so an ordinary rewrite (a call removed
+  or appended, a pause set by hand) voids the check; the tally is in the learner's process too (the attacks
+  below that get past it first, _past_the_tally, test the wire behind it). So for the
   exercises built from messages (METERED; the pipeline stage too, whose other stages' layers could come
   by a collective hidden from the recorder) the ranks talk over TCP and the checker reads the kernel's
   byte counters of their connections (checker/meter.py); a rank whose bytes on the wire to any rank
@@ -514,6 +517,15 @@ def test_mpis_own_collective_unrecorded_under_a_recording_of_the_exercises_messa
     result = hpdl.check("bcast_binomial", E.bcast_by_mpis_own_under_a_trees_recording, ranks=[2, 3])
     no_points(result)
     assert any(c.rejected == FORGED for c in result.cases), result
+
+
+def test_a_recording_rewritten_where_the_wire_would_agree_scores_nothing(no_strays):
+    """MPICH's Gatherv and Scatterv send a parameter server's messages: called with the recording paused by hand,
+    under sends and receives appended to it, the wire agreed (12/12). The recorder keeps a tally of what it noted
+    and of the kit's own pauses apart from its attributes (recording._tally): the case's calls go out altered."""
+    result = hpdl.check("ps_exchange", E.ps_by_mpis_gather_and_scatter_under_a_forged_recording, ranks=[3])
+    no_points(result)
+    assert any("changed by code other than the checker's" in c.message for c in result.cases), result
 
 
 def test_all_reduces_struck_from_the_recording_are_counted_on_the_wire(no_strays):

@@ -369,7 +369,7 @@ class LearnerJob(RankJob):
                     "message": f"{shown}() is not allowed here: {recorder.forbidden.get(name, 'forbidden')}"}
         calls = [(c.name, c.dest, c.source, c.count, c.nbytes) for c in recorder.calls]
         try:
-            data = wire.pack({"got": got, "calls": calls})
+            data = wire.pack({"got": got, "calls": calls, "altered": not recorder.intact()})
         except Exception as exc:
             return {"status": "error", "exception": type(exc).__name__,
                     "message": short(f"what your function returned could not be sent back: {type(exc).__name__}: "

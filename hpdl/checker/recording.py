@@ -46,6 +46,42 @@ class ForbiddenCall(BaseException):
         self.name, self.reason = name, reason
 
 
+def _tally():
+    """What the recorder's own code noted, kept apart from the recorder's attributes: a digest of the calls it
+    appended and the depth of the pauses the kit's code made, per thread. Code that rewrites the recorder
+    (recorder.calls replaced, a call removed or made up and appended, recorder._paused set by hand) leaves
+    the two apart, and the case's calls go out marked as altered (no case of the check counts then). This is
+    evidence in the learner's process too: it stops the ordinary rewrites; the wire decides the rest."""
+    state = {"digest": hash(()), "altered": False}
+    depth = threading.local()
+
+    def add(calls: list, call) -> None:
+        calls.append(call)
+        state["digest"] = hash((state["digest"], tuple(call.__dict__.values())))
+
+    def clear() -> None:
+        state["digest"], state["altered"] = hash(()), False
+
+    def pause(step: int) -> None:
+        depth.n = getattr(depth, "n", 0) + step
+
+    def paused(claimed: int) -> bool:
+        if claimed != getattr(depth, "n", 0):
+            state["altered"] = True
+        return getattr(depth, "n", 0) > 0
+
+    def intact(calls: list) -> bool:
+        digest = hash(())
+        for call in calls:
+            digest = hash((digest, tuple(getattr(call, "__dict__", {"": call}).values())))
+        return not state["altered"] and digest == state["digest"]
+
+    return add, clear, pause, paused, intact
+
+
+_add, _clear, _pause, _paused_by_kit, _intact = _tally()
+
+
 class _Recorder:
     def __init__(self) -> None:
         self.calls: list[Call] = []
@@ -59,12 +95,21 @@ class _Recorder:
 
     def reset(self, forbidden: dict[str, str] | None = None) -> None:
         self.calls, self.rejected, self.current = [], [], None
+        _clear()
         if forbidden is not None:
             self.forbidden = dict(forbidden)
 
     @property
     def paused_now(self) -> bool:
-        return getattr(self._paused, "depth", 0) > 0
+        """Whether the kit's code paused the recording on this thread (a pause set by hand is not one)."""
+        return _paused_by_kit(getattr(self._paused, "depth", 0))
+
+    def add(self, call: Call) -> None:
+        _add(self.calls, call)
+
+    def intact(self) -> bool:
+        """Whether the calls and pauses are the recorder's own since reset() (see _tally)."""
+        return _intact(self.calls)
 
     def note(self, name: str, dest=None, source=None, count=None, kind: str = "mpi", nbytes=None) -> None:
         """Record one call, or refuse it (ForbiddenCall) when the exercise forbids it."""
@@ -75,23 +120,34 @@ class _Recorder:
         if reason:
             self.rejected.append(key)
             raise ForbiddenCall(key, reason)
-        self.calls.append(Call(key, dest, source, count, nbytes))
+        self.add(Call(key, dest, source, count, nbytes))
 
 
 recorder = _Recorder()
 
 
+def _kits_own(frame) -> bool:
+    """Whether `frame` runs the kit's code in a kit module's globals: a file name alone is any code compiled under
+    that name. (A case module's public part, served from source in a learner's job, has no file but its origin.)"""
+    g, kit = frame.f_globals, _KIT + os.sep
+    origin = g.get("__file__") or getattr(g.get("__spec__"), "origin", None) or ""
+    return (str(g.get("__name__", "")).startswith("hpdl.") or g.get("__name__") == "__main__") \
+        and os.path.abspath(frame.f_code.co_filename).startswith(kit) \
+        and (os.path.abspath(str(origin)).startswith(kit) or str(origin).startswith("<public part of hpdl."))
+
+
 @contextlib.contextmanager
 def paused():
     """Kit code in the learner's process (never the learner's own) running MPI unrecorded."""
-    caller = sys._getframe(2).f_code.co_filename
-    if not os.path.abspath(caller).startswith(_KIT + os.sep):
+    if not _kits_own(sys._getframe(2)):
         raise ForbiddenCall("paused", "only the checker may pause the recording")
     recorder._paused.depth = getattr(recorder._paused, "depth", 0) + 1
+    _pause(1)
     try:
         yield
     finally:
         recorder._paused.depth -= 1
+        _pause(-1)
 
 
 # -- MPI ---------------------------------------------------------------------------------------
@@ -276,7 +332,7 @@ def _wrap(cls_name: str, name: str, base):
         nbytes = _nbytes(name, buf) if dest is not None and recorder.sized else None
         recorder.note(name, *_in_world(self, dest, source), count, nbytes=nbytes)
         if name in _SCATTERS_TO_EACH and not in_place and len(args) > 1 and not recorder.paused_now:
-            recorder.calls.append(Call(f"{name}:mine", None, None, _count(args[1]), None))  # what this rank gets
+            recorder.add(Call(f"{name}:mine", None, None, _count(args[1]), None))  # what this rank gets
         peer = f" to rank {dest}" if dest is not None else ""
         peer += f" from rank {source}" if source is not None else ""
         recorder.current = f"comm.{name}(){peer}"
@@ -363,7 +419,7 @@ def _patch_c10d(c10d) -> None:
                 if reason:
                     recorder.rejected.append(f"torch.distributed.{_name}")
                     raise ForbiddenCall(f"torch.distributed.{_name}", reason)
-                recorder.calls.append(Call(_name, count=_numel(args, kwargs, _name)))
+                recorder.add(Call(_name, count=_numel(args, kwargs, _name)))
             return _base(*args, **kwargs)
 
         fn.__name__, fn.__qualname__, fn._hpdl_recorded = name, name, True

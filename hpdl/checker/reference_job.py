@@ -84,7 +84,7 @@ class ReferenceJob(RankJob):
                 raw = f.read()
             os.unlink(path)  # read once: the checker's disk holds one case's outputs at a time, not a check's
             data = wire.unpack(raw)
-            got = data["got"]
+            got, altered = data["got"], bool(data.get("altered"))
             calls = [_call(Call, c) for c in data["calls"]]
         except (OSError, KeyError, TypeError, ValueError, wire.NotPlainData) as exc:
             problem = f"what your function returned could not be read back: {short(exc, 200)}"
@@ -100,6 +100,7 @@ class ReferenceJob(RankJob):
         try:
             verify = getattr(module, "verify", None)
             wrong = (hooks.unseen_connections(ctx) if wire and wire.get("unseen")  # job-wide: no rank verifies
+                     else Wrong(ALTERED, forged=True) if altered
                      else verify(case, ctx) if verify else hooks.compare(got, expected))
         except Exception as exc:
             wrong = Wrong(f"the result could not be checked: {short(f'{type(exc).__name__}: {exc}')}")
@@ -119,6 +120,10 @@ class ReferenceJob(RankJob):
         result.update(status="wrong", message=wrong.message, hint=hint, max_error=wrong.max_error, forged=forged,
                       telling=bool(getattr(wrong, "telling", False)))
         return result
+
+
+ALTERED = ("the record of your MPI calls, kept in your process, was changed by code other than the checker's (a "
+           "call removed, added or rewritten, or the recording paused by hand)")
 
 
 def _call(Call, raw):
