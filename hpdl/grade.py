@@ -408,7 +408,7 @@ class Running:
     def __init__(self, sub: Submission, work: Path, out: Path, limit: float, hidden: list[str],
                  caps: "Caps | None" = None):
         from hpdl import sidejob
-        from hpdl.checker import confine, sandbox
+        from hpdl.checker import checking, confine, sandbox
         from hpdl.checker.grade_service import Service
 
         caps = caps or Caps()
@@ -434,8 +434,10 @@ class Running:
         outside = [f"{OWN_PIDS}={os.readlink('/proc/self/ns/pid')}"] if sub.sandboxed else []
         cmd = [sys.executable, "-m", "hpdl.grade", "--run-one", str(self.copy), str(self.executed_here),
                str(self.status), str(limit), *outside]
+        # the kit's own implementations of exercises, as in a check's job: read in the notebook and retyped as a
+        # cell, one passed its check as the learner's own (24/24)
         cmd = sandbox.wrap(cmd, writable=[str(work)], readonly=[str(self.service.answers)], hidden=hidden,
-                           cwd=str(work))
+                           cwd=str(work), replaced=checking.kit_answer_copies())
         self.limits = sandbox.Limits(cpu_seconds=int(limit * 2) + 60, processes=caps.tasks,
                                      memory_total=caps.memory)
         # Outside a sandbox a daemon can leave the process group: the job's marker finds it (sweep).
@@ -812,11 +814,10 @@ def learner_of(name: str) -> str:
 def planned_points(exercise: str) -> float:
     """All points of an exercise in grade mode: every case, hidden ones included, at its rank counts."""
     from hpdl.checker import cases
+    from hpdl.checker.checking import graded_sizes
 
     module = cases.load(exercise)
-    ranks = getattr(module, "RANKS", (1, 2, 3, 4))
-    ranks = (ranks,) if isinstance(ranks, int) else ranks
-    return float(sum(c.points for p in sorted({int(r) for r in ranks}) for c in module.cases(p)))
+    return float(sum(c.points for p in graded_sizes(module) for c in module.cases(p)))
 
 
 def write_reports(subs: list[Submission], out: Path, exercises: list[str] | None = None,

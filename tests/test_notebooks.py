@@ -73,6 +73,7 @@ def solution_earns_full_marks(notebook: str, r: dict) -> None:
     """A solution's check, run in grade mode: every case, hidden ones too, at every rank count the
     exercise names, passed; and the cases that make the exercise worth checking were among them."""
     from hpdl.checker import cases
+    from hpdl.grade import planned_points
 
     name = r["exercise"]
     assert r["passed"] and r["score"] == r["max_score"], (
@@ -80,6 +81,8 @@ def solution_earns_full_marks(notebook: str, r: dict) -> None:
     assert r["grade"] and r["hidden_not_run"] == 0, f"{notebook}: {name} was not checked as graded"
     module = cases.load(name)
     assert {c["ranks"] for c in r["cases"]} == set(module.RANKS) | set(getattr(module, "GRADED_RANKS", ())), name
+    # the grading report's maximum is what the graded check awards (it once left GRADED_RANKS out: 36 of 27)
+    assert planned_points(name) == r["max_score"], f"{notebook}: {name}: {planned_points(name)} != {r['max_score']}"
     assert MUST_INCLUDE.get(name, lambda cs: True)(r["cases"]), f"{notebook}: {name} ran {r['cases']}"
 
 

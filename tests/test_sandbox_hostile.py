@@ -350,7 +350,7 @@ def test_a_crash_under_the_limits_leaves_no_core_dump(tmp_path):
     resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))  # as in a shell with `ulimit -c unlimited`
     try:
         crash = ("import os, resource; print('core limit', resource.getrlimit(resource.RLIMIT_CORE)[0], "
-                 "flush=True); os.abort()")
+                 "'files', resource.getrlimit(resource.RLIMIT_NOFILE), flush=True); os.abort()")
         job = sidejob.SideJob([sys.executable, "-c", crash], timeout=60, cwd=tmp_path, limits=sandbox.Limits())
         try:
             job.wait()
@@ -359,6 +359,8 @@ def test_a_crash_under_the_limits_leaves_no_core_dump(tmp_path):
     finally:
         resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
     assert "core limit 0" in job.output_text() and job.returncode != 0, job.output_text()
+    # descriptors capped, the hard limit too (a disk measure reads each: DiskWatch)
+    assert "files (4096, 4096)" in job.output_text(), job.output_text()
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("core")]
 
 
@@ -431,6 +433,8 @@ for p in ({str(Path('/var/tmp'))!r} + "/*/.ssh/id_rsa", "/root/.ssh/id_rsa", "/h
             print("key refused", type(e).__name__)
 print("environment:", dict(os.environ))
 print("unshare -U:", subprocess.run(["unshare", "-U", "true"], capture_output=True).returncode)
+import inspect, hpdl.predict
+print("kit's answer read:", "t_comm" in inspect.getsource(hpdl.predict.predict_step_time))
 '''
 
 FORK_BOMB = '''import os, time
@@ -571,6 +575,7 @@ def test_a_hostile_batch_reads_nothing_of_the_grader_or_a_neighbour_and_stays_in
     assert "own folder's parent holds: [" in snoop and snoop.count("hpdl-home") <= 1
     assert KEY not in snoop and SECRET not in snoop and "MY_SITE_SECRET" not in snoop
     assert "unshare -U: 0" not in snoop and "unshare -U:" in snoop
+    assert "kit's answer read: False" in snoop, snoop  # its source, retyped as a cell, passed as the learner's own
     # a fork bomb stops at the task cap, or its forked kernels fill the memory cap and the
     # OOM killer ends its runner: either way it alone pays, after its check was graded
     if (out / "executed" / "fork_bomb.ipynb").exists():

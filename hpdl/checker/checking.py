@@ -35,9 +35,7 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
         raise HpdlError(f"This kit holds only the public checks of {name!r} (its answer keys were moved out): "
                         "grading needs them. Point the grader at the keys: `hpdl grade --keys DIR`, or set "
                         "HPDL_KEYS=DIR.")
-    sizes = _sizes(ranks, module)
-    if grading and ranks is None:  # rank counts a learner's inline check is spared (GRADED_RANKS: larger jobs)
-        sizes = sorted(set(sizes) | set(getattr(module, "GRADED_RANKS", ())))
+    sizes = graded_sizes(module) if grading and ranks is None else _sizes(ranks, module)
     stored = _sizes(None, module)
     if case_api.is_public_only(module) and not set(sizes) <= set(stored):
         raise HpdlError(f"This kit stores the answers of {name!r} at {stored} ranks only (its reference solution "
@@ -186,6 +184,12 @@ def _nonce(module) -> int | None:
     if not wanted or case_api.is_public_only(module):
         return None
     return secrets.randbits(62)
+
+
+def graded_sizes(module) -> list[int]:
+    """The rank counts grading runs an exercise at: its RANKS, and those a learner's inline check is spared
+    (GRADED_RANKS: larger jobs)."""
+    return sorted(set(_sizes(None, module)) | set(getattr(module, "GRADED_RANKS", ())))
 
 
 def _sizes(ranks, module) -> list[int]:

@@ -69,6 +69,7 @@ class Limits:
 
     cpu_seconds: int = 600
     memory_bytes: int = 8 * 2**30  # address space per process (torch reserves a lot of it)
+    open_files: int = 4096  # descriptors per process, hard limit too: a disk measure reads each (DiskWatch)
     processes: int = 1024  # tasks (threads count) in its cgroup; beyond the user's own under RLIMIT_NPROC
     file_bytes: int = field(default_factory=file_limit)  # any one file written (see file_limit)
     memory_total: int | None = field(default_factory=default_memory)  # all its processes together (cgroup)
@@ -109,11 +110,14 @@ class Limits:
         # hand it to the host's collector (core_pattern |systemd-coredump), outside every cap here
         for what, value in ((resource.RLIMIT_CPU, self.cpu_seconds), (resource.RLIMIT_AS, self.memory_bytes),
                             (resource.RLIMIT_NPROC, users + self.processes),
-                            (resource.RLIMIT_FSIZE, self.file_bytes), (resource.RLIMIT_CORE, 0)):
+                            (resource.RLIMIT_FSIZE, self.file_bytes), (resource.RLIMIT_CORE, 0),
+                            (resource.RLIMIT_NOFILE, self.open_files)):
             soft, hard = resource.getrlimit(what)
             value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+            # the descriptors' hard limit too: a soft one alone, the code raises again (to 20,000 a process)
+            top = value if hard == resource.RLIM_INFINITY or what == resource.RLIMIT_NOFILE else hard
             try:
-                resource.setrlimit(what, (value, value if hard == resource.RLIM_INFINITY else hard))
+                resource.setrlimit(what, (value, top))
             except (ValueError, OSError):
                 continue
 
@@ -451,6 +455,8 @@ class DiskWatch:
         self.folder, self.job, self.limit, self.entries, self.every = str(folder), job, limit, entries, every
         self._next = 0.0
         self.why: str | None = None
+        self._held: dict[int, int] = {}  # pid -> bytes of unlinked files it held open when last looked at
+        self._turn = 0  # where the next measure starts among the job's processes
 
     def pids(self) -> list[int]:
         """The job's processes: as its cgroup lists them where it has one, else its process tree."""
@@ -464,9 +470,30 @@ class DiskWatch:
         used = disk_usage(self.folder, self.entries)
         if used is None:
             self.why = f"it made more than {self.entries} files and folders in its folder"
-        elif used + _unlinked_open(self.folder, self.pids()) > self.limit:
+        elif used + self._unlinked() > self.limit:
             self.why = f"its files took more than {size_text(self.limit)} of disk (the cap on its folder)"
         return self.why
+
+    def _unlinked(self) -> int:
+        """Bytes of the unlinked files the job's processes hold open: each measure looks at processes in turn
+        until UNLINKED_FDS descriptors are seen, and counts the others as they were when last looked at."""
+        pids = sorted(self.pids())
+        alive = set(pids)
+        self._held = {pid: held for pid, held in self._held.items() if pid in alive}
+        budget, start = UNLINKED_FDS, self._turn
+        for k in range(len(pids)):
+            if budget <= 0:
+                break
+            pid = pids[(start + k) % len(pids)]
+            self._held[pid], seen = _unlinked_open(self.folder, [pid])
+            budget -= seen
+            self._turn = (start + k + 1) % len(pids)
+        return sum(self._held.values())
+
+
+# descriptors a disk measure looks at (DiskWatch): hundreds of processes each holding thousands (dup2 of
+# /dev/null: no memory) made each measure take seconds, on the loop that serves every submission's checks
+UNLINKED_FDS = 20_000
 
 
 def disk_usage(folder: str, max_entries: int) -> int | None:
@@ -501,20 +528,21 @@ def disk_usage(folder: str, max_entries: int) -> int | None:
     return total
 
 
-def _unlinked_open(folder: str, pids) -> int:
+def _unlinked_open(folder: str, pids) -> tuple[int, int]:
     """Bytes of the files `pids` hold open on `folder`'s file system whose names are gone (no
-    folder lists them, yet they take the disk until closed)."""
+    folder lists them, yet they take the disk until closed), and how many descriptors were looked at."""
     try:
         dev = os.stat(folder).st_dev
     except OSError:
-        return 0
+        return 0, 0
     seen: set[int] = set()
-    total = 0
+    total = looked = 0
     for pid in pids:
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:  # gone, or not ours to read
             continue
+        looked += len(fds)
         for fd in fds:
             try:
                 st = os.stat(f"/proc/{pid}/fd/{fd}")
@@ -523,7 +551,7 @@ def _unlinked_open(folder: str, pids) -> int:
             if st.st_dev == dev and st.st_nlink == 0 and st.st_ino not in seen and stat.S_ISREG(st.st_mode):
                 seen.add(st.st_ino)
                 total += st.st_blocks * 512
-    return total
+    return total, looked
 
 
 # other users' and the grader's own files: each replaced by an empty folder inside (the grader's
