@@ -53,11 +53,12 @@ def _tally():
     the two apart, and the case's calls go out marked as altered (no case of the check counts then). This is
     evidence in the learner's process too: it stops the ordinary rewrites; the wire decides the rest."""
     state = {"digest": hash(()), "altered": False}
-    depth = threading.local()
+    depth, lock = threading.local(), threading.Lock()
 
     def add(calls: list, call) -> None:
-        calls.append(call)
-        state["digest"] = hash((state["digest"], tuple(call.__dict__.values())))
+        with lock:  # calls from two threads land in the list in the order the digest takes them
+            calls.append(call)
+            state["digest"] = hash((state["digest"], tuple(call.__dict__.values())))
 
     def clear() -> None:
         state["digest"], state["altered"] = hash(()), False
