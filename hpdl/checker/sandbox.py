@@ -438,6 +438,9 @@ HIDDEN_BYTES = 2**20  # each empty folder laid over a private place
 DISK_BYTES = 2 * 2**30  # all files in the one writable folder of a submission or a check's job, together
 DISK_ENTRIES = 20_000  # files and folders in it: past this, over the cap whatever their size
 DISK_EVERY = 0.25  # s between two measures
+# descriptors a disk measure looks at (DiskWatch): hundreds of processes each holding thousands (dup2 of
+# /dev/null: no memory) made each measure take seconds, on the loop that serves every submission's checks
+UNLINKED_FDS = 20_000
 
 
 class DiskWatch:
@@ -490,10 +493,6 @@ class DiskWatch:
             self._turn = (start + k + 1) % len(pids)
         return sum(self._held.values())
 
-
-# descriptors a disk measure looks at (DiskWatch): hundreds of processes each holding thousands (dup2 of
-# /dev/null: no memory) made each measure take seconds, on the loop that serves every submission's checks
-UNLINKED_FDS = 20_000
 
 
 def disk_usage(folder: str, max_entries: int) -> int | None:
