@@ -528,6 +528,18 @@ def test_a_recording_rewritten_where_the_wire_would_agree_scores_nothing(no_stra
     assert any("changed by code other than the checker's" in c.message for c in result.cases), result
 
 
+def test_a_check_voided_by_a_rewritten_record_says_so_in_every_case():
+    """The cases a rewritten record voids name the rewrite, not only the network (the tally is no network)."""
+    from hpdl.checker.jobs import void_if_forged
+    from hpdl.checker.reference_job import ALTERED
+    from hpdl.checker.report import CaseResult
+
+    altered = CaseResult("ps_exchange", "n=10", 3, "WRONG", 0.0, 1.0, message=ALTERED, rejected=FORGED)
+    right = CaseResult("ps_exchange", "n=1", 3, "PASS", 1.0, 1.0)
+    void_if_forged({0: altered, 1: right})
+    assert right.points == 0 and "rewritten by your code" in right.message, right
+
+
 def test_all_reduces_struck_from_the_recording_are_counted_on_the_wire(no_strays):
     """One all-reduce per tensor, recorded as one: the messages between the ranks, counted by the kernel
     against one all-reduce of the same size before the learner's code, say how many ran; through MPI too,

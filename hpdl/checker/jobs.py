@@ -936,7 +936,7 @@ class Runner:
         return getattr(self.module, "SIGNATURE", f"{self.exercise}(comm, ...)")
 
 
-FORGED = "the recorded MPI calls (contradicted by the network)"
+FORGED = "the recorded MPI calls (contradicted by the network, or rewritten)"
 TELLING = "the algorithm (seen in a case large enough to tell)"
 
 
@@ -953,9 +953,9 @@ def void_if_forged(results: dict[int, CaseResult]) -> dict[int, CaseResult]:
     for r in results.values():
         if r.verdict.earns_points and r is not (forged or telling):
             r.verdict, r.points, r.rejected = Verdict.WRONG, 0.0, FORGED if forged else TELLING
-            r.message = (f"Not counted: on {forged.ranks} ranks, case {forged.name}, what the checker saw outside "
-                         "your processes (on the network, or in memory) contradicted what was recorded in them (see "
-                         "that case)." if forged else
+            r.message = (f"Not counted: on {forged.ranks} ranks, case {forged.name}, what was recorded in your "
+                         "processes was contradicted by what the checker saw outside them (on the network, or in "
+                         "memory), or was rewritten by your code (see that case)." if forged else
                          f"Not counted: on {telling.ranks} ranks, case {telling.name}, large enough to tell, shows "
                          "an algorithm other than the one asked (see that case); smaller cases cannot tell them apart.")
     return results
