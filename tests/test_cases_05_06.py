@@ -206,8 +206,10 @@ def test_allreduce_gradients_known_bad_rejected(bad, words):
 
 # -- 05, exercise 3: overlap_allreduce -----------------------------------------------------------
 
-def _overlap(broadcast=True, average=True, during_backward=True, bucketed=True, at_end=False):
-    """A family of learner versions of the exercise, each with one thing left out."""
+def _overlap(broadcast=True, average=True, during_backward=True, bucketed=True, at_end=False, forward=False,
+             past_cap=False):
+    """A family of learner versions of the exercise, each with one thing left out (or done its own way:
+    buckets filled from the first parameter, or each closed only once it is past the cap)."""
 
     def overlap_allreduce(comm, model, bucket_mb):
         size = comm.Get_size()
@@ -215,16 +217,21 @@ def _overlap(broadcast=True, average=True, during_backward=True, bucketed=True, 
             with torch.no_grad():
                 for p in model.parameters():
                     dist.broadcast(p, src=0)
-        params = list(reversed(list(model.parameters())))
+        params = list(model.parameters()) if forward else list(reversed(list(model.parameters())))
         buckets, current, used = [], [], 0
         for p in params:
             nbytes = p.numel() * p.element_size()
-            if bucketed and current and used + nbytes > bucket_mb * 2**20 or not bucketed and current:
+            if (bucketed and not past_cap and current and used + nbytes > bucket_mb * 2**20
+                    or not bucketed and current):
                 buckets.append(current)
                 current, used = [], 0
             current.append(p)
             used += nbytes
-        buckets.append(current)
+            if past_cap and used >= bucket_mb * 2**20:
+                buckets.append(current)
+                current, used = [], 0
+        if current:
+            buckets.append(current)
         home = {id(p): i for i, b in enumerate(buckets) for p in b}
         left, pending = [len(b) for b in buckets], []
 
@@ -269,6 +276,9 @@ def _overlap(broadcast=True, average=True, during_backward=True, bucketed=True, 
     (_overlap(during_backward=False), ["while backward ran"]),
     (_overlap(at_end=True), ["the buckets complete by then", "from the hook that completes it"]),
     (_overlap(bucketed=False), ["all-reduces in a step", "one flat buffer"]),
+    # both overlap, average right and launch no more all-reduces than buckets: 7/8 and 8/8 once
+    (_overlap(forward=True), ["buckets of ≤ 0.004 MiB carry", "reverse order"]),
+    (_overlap(past_cap=True), ["buckets of ≤ 0.004 MiB carry", "close a bucket before the tensor"]),
 ])
 def test_overlap_allreduce_known_bad_rejected(bad, words):
     rejected(hpdl.check("overlap_allreduce", bad, ranks=[2]), *words)

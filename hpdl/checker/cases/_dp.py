@@ -123,6 +123,30 @@ def launches() -> int:
     return counter.torch_calls + sum(1 for c in calls if c.name in MPI_REDUCES)
 
 
+ALLREDUCES = {"Allreduce", "allreduce", "Iallreduce", "Allreduce_init", "all_reduce"}  # one call, the whole sum
+
+
+def calls_so_far() -> int | None:
+    """How many calls the recorder has noted on this learner's rank (None outside a learner's check job)."""
+    import sys
+
+    recording = sys.modules.get("hpdl.checker.recording")
+    if recording is None or not recording.recorder.torch_hooked:
+        return None
+    return len(recording.recorder.calls)
+
+
+def reductions_since(start: int | None) -> list[tuple[str, int | None]] | None:
+    """Each reduction noted since call `start` (calls_so_far()), in order: its name and elements."""
+    import sys
+
+    recording = sys.modules.get("hpdl.checker.recording")
+    if start is None or recording is None:
+        return None
+    names = {*MPI_REDUCES, *TORCH_REDUCES}
+    return [(c.name, c.count) for c in recording.recorder.calls[start:] if c.name in names]
+
+
 def launched_elements(mpi: bool = True) -> int | None:
     """Elements all-reduced so far through torch.distributed, and MPI unless `mpi` is False (as recording.py
     noted them); None outside a learner's check job (the reference's own all-reduces are not recorded)."""

@@ -12,9 +12,11 @@ on different data per rank (zero_grad, backward, finish(), SGD step), counting a
 launched during backward and in total. Checked: parameters broadcast at the start; after
 every finish() the gradients are the average over ranks; parameters identical everywhere; all
 buckets but at most one all-reduced while backward ran (counted in values, not calls); no more
-all-reduces than buckets. Each rank's initial parameters and batches are drawn with the check's
-nonce, and the kernel counts what reaches each rank: gradients averaged through files the ranks
-share, behind a recording changed to show all-reduces during backward, score nothing.
+all-reduces than buckets, and the buckets those asked for (the sizes each all-reduce carried: buckets
+filled from the first parameter, or closed only once past the cap, are not). Each rank's initial
+parameters and batches are drawn with the check's nonce, and the kernel counts what reaches each rank:
+gradients averaged through files the ranks share, behind a recording changed to show all-reduces during
+backward, score nothing.
 
 When the all-reduces ran is read from the wire too, outside the learner's process ("pause" cases): in
 the second step every rank waits, while the checker reads the bytes each has received, at the step's
@@ -189,6 +191,7 @@ def _train(build, comm, model, bucket_mb, batches, cut=None, held=False) -> dict
         if hold:
             hold_here()
         start, elements, in_torch = _dp.launches(), _dp.launched_elements(), _dp.launched_elements(mpi=False)
+        mark = _dp.calls_so_far()
         F.cross_entropy(_forward(model, x, cut if read else None, hold), y).backward()
         during = _dp.launches() - start
         values = None if elements is None else _dp.launched_elements() - elements
@@ -197,7 +200,8 @@ def _train(build, comm, model, bucket_mb, batches, cut=None, held=False) -> dict
             read_wire_here("e")
         finish()
         out["steps"].append({"during": during, "total": _dp.launches() - start, "grads": _dp.grads(model),
-                             "values_during": values, "torch_during": torch_values})
+                             "values_during": values, "torch_during": torch_values,
+                             "reduced": _dp.reductions_since(mark)})
         opt.step()
         if read:
             read_wire_here("after")
@@ -225,6 +229,7 @@ def reference(comm, state, bucket_mb, batches, cut, held):
     out["buckets"] = len(buckets)
     out["gradient_values"] = sum(p.numel() for p in model.parameters())
     out["largest_bucket"] = max(sum(p.numel() for p in b) for b in buckets)
+    out["bucket_values"] = [sum(p.numel() for p in b) for b in buckets]
     if cut is not None:  # at the cut in backward: the gradients made by then, and the buckets they complete
         made = {id(p) for p in model[cut:].parameters()}
         out["made_at_cut"] = sum(p.numel() for p in model[cut:].parameters())
@@ -277,8 +282,31 @@ def verify(case, ctx):
         return Wrong(f"{most} all-reduces in a step where buckets of ≤ {case.params['bucket_mb']:g} MiB give {buckets}",
                      hint="pack the gradients of a bucket into one flat buffer (torch.cat) and all-reduce that once, "
                           "instead of one all-reduce per tensor.")
+    # the evidence first: a record the wire contradicts voids the check, whatever its buckets
     return _wire_in_backward(case, ctx) or _backward_waited(case, ctx) or hooks.received_for_allreduce(
-        ctx, STEPS * 4 * expected["gradient_values"], f"the average gradient of {STEPS} steps")
+        ctx, STEPS * 4 * expected["gradient_values"], f"the average gradient of {STEPS} steps") or \
+        _buckets_as_asked(case, got, expected)
+
+
+def _buckets_as_asked(case, got, expected) -> Wrong | None:
+    """The buckets' sizes, from what each all-reduce carried: those of buckets_of() (one all-reduce more, of
+    anything, is let be). Buckets filled from the first parameter, or closed only once past the cap, all-reduce
+    the right sums too, and overlap, but are not the buckets asked for. Decided where every reduction was one
+    all-reduce of a known size (not a reduce-scatter and all-gather, which carry a bucket in two parts)."""
+    want = sorted(expected["bucket_values"])
+    for i, step in enumerate(got["steps"]):
+        sent = step.get("reduced")
+        if not sent or any(name not in _dp.ALLREDUCES or not isinstance(n, int) for name, n in sent):
+            continue
+        counts = sorted(n for _, n in sent)
+        if counts == want or any(counts[:j] + counts[j + 1:] == want for j in range(len(counts))):
+            continue
+        return Wrong(f"in step {i + 1} the all-reduces carried {', '.join(map(str, counts))} gradient values; "
+                     f"buckets of ≤ {case.params['bucket_mb']:g} MiB carry {', '.join(map(str, want))}",
+                     hint="walk the parameters in reverse order (reversed(list(model.parameters()))), as backward "
+                          "makes their gradients, and close a bucket before the tensor that would take it past "
+                          "bucket_mb (a tensor larger than that gets a bucket of its own).")
+    return None
 
 
 def _backward_waited(case, ctx) -> Wrong | None:
