@@ -54,6 +54,15 @@ def test_what_a_message_or_a_pass_carries_beside_the_work_is_not_counted_as_the_
     assert passed(result) and result.score == result.max_score, result
 
 
+@pytest.mark.parametrize("exercise, fn", [
+    ("ps_exchange", H.ps_in_bytearrays),  # 0/12: "the server sent worker 1 8 values; the new parameters are 1"
+    ("ring_allreduce", H.ring_in_uint8_views),  # 25 of 27 cases WRONG: "a message of 200008 values"
+])
+def test_a_buffer_viewed_as_bytes_is_counted_in_values_not_bytes(exercise, fn, no_strays):
+    result = hpdl.check(exercise, fn, ranks=[3], grade=True)
+    assert passed(result) and result.score == result.max_score, result
+
+
 def test_a_column_parallel_layer_that_all_reduces_y_padded_in_float64(no_strays):
     result = hpdl.check("column_parallel_linear", H.column_parallel_y_padded_in_float64, ranks=[3], grade=True)
     assert passed(result) and result.score == result.max_score, result

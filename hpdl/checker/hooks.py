@@ -284,9 +284,20 @@ def values_sent(ctx) -> dict[int, list[int]]:
     for c in ctx.calls:
         if c.dest is None or c.dest == ctx.rank:
             continue
-        data = (c.nbytes or 0) - (PICKLE_SLACK if c.name[:1].islower() else 0)
-        out.setdefault(int(c.dest), []).append(max(c.count or 0, data // item))
+        typed = typed_values(c, item)
+        data = (c.nbytes or 0) - PICKLE_SLACK
+        out.setdefault(int(c.dest), []).append(typed if typed is not None else max(c.count or 0, data // item))
     return out
+
+
+def typed_values(c, item: int) -> int | None:
+    """The values of `item` bytes each that a typed message (mpi4py's uppercase calls: a buffer) carries, from
+    its bytes: the same chunk viewed as bytes or uint8 (a bytearray, .view(np.uint8)) counts as many elements
+    as it has bytes, 4 or 8 times its values, and failed right code. None for a pickled object (lowercase
+    calls), whose bytes are a pickle's, or where the bytes are unknown."""
+    if c.name[:1].isupper() and isinstance(c.nbytes, int) and c.nbytes > 0:
+        return c.nbytes // item
+    return None
 
 
 def sends(calls) -> list[int]:

@@ -85,8 +85,10 @@ def _one_vector_each_way(ctx):
     scored 12/12. The recorder counts the values in each message; the kernel, what reached a worker."""
     n = ctx.expected.size
     if ctx.rank == 0:
-        for worker in range(1, ctx.size):  # the recorder's count of values (a list of floats: n; its bytes: more)
-            values = [c.count for c in ctx.calls if c.dest == worker and isinstance(c.count, int)]
+        item = ctx.expected.itemsize  # a buffer's values by its bytes; a pickled list of floats's by its count
+        for worker in range(1, ctx.size):  # (n: its bytes are more)
+            values = [hooks.typed_values(c, item) or c.count for c in ctx.calls if c.dest == worker]
+            values = [v for v in values if isinstance(v, int)]
             if sum(values) > n + METADATA * (len(values) - 1):  # a shape or a length first, say
                 return Wrong(f"the server sent worker {worker} {sum(values)} values; the new parameters are {n}",
                              hint="the server averages the gradients and takes the step itself, then sends each "
