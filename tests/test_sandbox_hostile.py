@@ -297,7 +297,7 @@ def test_one_total_cap_holds_processes_spread_over_many():
             "print('held 512 MiB', flush=True)\n")
     job = sidejob.SideJob([sys.executable, "-c", bomb], timeout=60, limits=limits)
     try:
-        assert limits.applied() == {"memory": 256 * 2**20, "tasks": 40}
+        assert limits.applied() | {"cpu": None} == {"memory": 256 * 2**20, "tasks": 40, "cpu": None}
         job.wait()
     finally:
         job.end(now=True)
@@ -305,6 +305,76 @@ def test_one_total_cap_holds_processes_spread_over_many():
     forked = int(text.split("forked ")[1].split()[0])
     assert forked < 40, text
     assert "held 512 MiB" not in text and job.returncode != 0, text  # killed at the memory cap
+
+
+SPREAD = """import os, sys, time
+kids = []
+for _ in range(12):
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()  # a session of its own: the kernel's autogroup would give it a share of its own
+        time.sleep(30)
+        os._exit(0)
+    kids.append(pid)
+print(*kids, flush=True)
+time.sleep(30)
+"""
+
+
+def _cpu_cgroup(pid: int) -> str:
+    for line in open(f"/proc/{pid}/cgroup"):
+        _, ctls, path = line.rstrip("\n").split(":", 2)
+        if "cpu" in ctls.split(",") or ctls == "":
+            return path
+    return ""
+
+
+def test_a_submission_of_many_processes_weighs_on_the_cpu_as_one(tmp_path):
+    """A neighbour's hundred busy children, each in a session of its own, slowed an honest notebook graded
+    beside it about tenfold: the kernel weighed each session (autogroup) as much as the honest one. Each
+    sandboxed job's processes now sit in one cgroup of the cpu controller, whatever sessions they make, with
+    the same weight as every other job's, and a job inside a check's shares the check's weight."""
+    sandbox = _sandbox()
+    probe = sandbox.Cgroup.make(64, 2**30)
+    if probe is None:
+        pytest.skip("no writable cgroup here")
+    probe.remove()
+    if not any(SHARE_CTL in opts for _, _, opts in sandbox._mounts()) and not os.path.exists(
+            "/sys/fs/cgroup/cgroup.controllers"):
+        pytest.skip("no cpu controller on this host")
+    from hpdl import sidejob
+
+    check = sandbox.Cgroup.make(200, 2**30)
+    limits = sandbox.Limits(processes=40, memory_total=2**30)
+    inner = sandbox.Limits(processes=40, memory_total=2**30, within=check)
+    jobs = [sidejob.SideJob([sys.executable, "-c", SPREAD], timeout=60, limits=lim) for lim in (limits, inner)]
+    try:
+        kids = [[int(p) for p in _first_line(job).split()] for job in jobs]
+        assert limits.applied()["cpu"] == inner.applied()["cpu"] == check.share() is not None
+        for job, lim, own in zip(jobs, (limits, inner), kids):
+            where = {_cpu_cgroup(p) for p in own + [job.proc.pid]}
+            assert len(where) == 1 and lim.cgroup.dirs["cpu"].endswith(where.pop()), lim.cgroup.dirs
+        assert inner.cgroup.dirs["cpu"].startswith(check.dirs["cpu"] + os.sep)
+        assert _cpu_cgroup(os.getpid()) != _cpu_cgroup(kids[0][0])
+    finally:
+        for job in jobs:
+            job.end(now=True)
+        check.remove()
+
+
+def _first_line(job, timeout: float = 30.0) -> str:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = job.output_text()
+        if "\n" in text:
+            return text.split("\n")[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no line from the job in {timeout:g} s: {job.output_text()!r}")
+
+
+SHARE_CTL = "cpu"
 
 
 def test_jobs_each_under_their_own_cap_are_held_together_by_their_checks(tmp_path):
@@ -560,12 +630,13 @@ def test_a_hostile_batch_reads_nothing_of_the_grader_or_a_neighbour_and_stays_in
     assert full > 0
     for name in ("a_honest.ipynb", "snoop.ipynb", "fork_bomb.ipynb", "memory_bomb.ipynb"):
         assert rows[name]["score"] == full, rows[name]  # each one's own check, graded right
-        assert rows[name]["limits"] == {"memory": MEMORY, "tasks": TASKS}, rows[name]
+        assert rows[name]["limits"] == {"memory": MEMORY, "tasks": TASKS, "cpu": data["sandbox_limits"]["cpu_weight"]}
     assert rows["a_honest.ipynb"]["status"] == "ok"
     # the header says once which sandbox ran and each limit, read back from the kernel
     limits = data["sandbox_limits"]
     assert limits["memory_total_bytes"] == MEMORY and limits["tasks_total"] == TASKS and not limits["missing"]
     assert limits["seccomp"] and "refused" in limits["nested_user_namespaces"]
+    assert limits["cpu_weight"] and "CPU: one share for all its processes together (cgroup weight " in data["sandbox"]
     assert "1.5 GiB" in data["sandbox"] and "1.5 GiB" in (out / "index.html").read_text()
     assert limits["messages_counted"] and "counted by the kernel" in data["sandbox"]  # checker/meter.py
     assert "zero3_unit" in limits["self_reported"] and "zero3_unit: the memory held" in data["sandbox"]

@@ -98,7 +98,7 @@ class Limits:
 
     def applied(self) -> dict[str, int | None]:
         """The total caps as the kernel holds them (read back from the cgroup; None: no cap)."""
-        return self.cgroup.read_back() if self.cgroup is not None else {"memory": None, "tasks": None}
+        return self.cgroup.read_back() if self.cgroup is not None else dict(UNCAPPED)
 
     def apply(self) -> None:
         """In the child, before exec: set the limits (lowering only; never raising a hard limit)."""
@@ -140,6 +140,11 @@ class Cgroup:
         dirs = (within.nested(name, want) if within is not None else {}) or _v2_dirs(name, want) or _v1_dirs(name, want)
         return cls(dirs) if dirs else None
 
+    def share(self) -> int | None:
+        """Its weight on the CPU, one for all its processes together (cpu.weight, v2; cpu.shares, v1), where
+        the cpu controller is its; None: its processes each compete alone."""
+        return self._number("cpu", ("cpu.weight", "cpu.shares"))
+
     def nested(self, name: str, want: dict[str, int | None]) -> dict[str, str]:
         """Folders of a cgroup `name` inside this one, for the controllers this one has: in cgroup v2 one
         folder (this one's controllers handed down to it first), in v1 one in each hierarchy."""
@@ -148,7 +153,7 @@ class Cgroup:
                      if c in self.dirs and want.get(c) is not None}
             try:
                 with open(os.path.join(self.path, "cgroup.subtree_control"), "w") as f:
-                    f.write(" ".join(f"+{c}" for c in self.dirs))
+                    f.write(" ".join(f"+{c}" for c in self.dirs))  # the cpu controller too, where it has it
             except OSError as exc:
                 log.debug("cgroup v2 at %s: %s", self.path, exc)
                 return {}
@@ -176,10 +181,11 @@ class Cgroup:
                 f.write(str(os.getpid()))
 
     def read_back(self) -> dict[str, int | None]:
-        """What the kernel holds: {"memory": bytes, "tasks": n}, None where not capped."""
+        """What the kernel holds: {"memory": bytes, "tasks": n, "cpu": its one weight}, None where not capped."""
         tasks = self._number("pids", ("pids.max",))
         memory = self._number("memory", ("memory.max", "memory.limit_in_bytes"))  # v2, v1
-        return {key: n if n is not None and n < 2**62 else None for key, n in (("memory", memory), ("tasks", tasks))}
+        caps = {key: n if n is not None and n < 2**62 else None for key, n in (("memory", memory), ("tasks", tasks))}
+        return {**caps, "cpu": self.share()}
 
     def pids(self) -> list[int]:
         """Its processes now (host pids), as the kernel lists them: cheaper than walking the process tree."""
@@ -279,6 +285,11 @@ def _remove_dir(path: str) -> bool:
 
 PidsCgroup = Cgroup  # the name it had when it capped tasks only
 CGROUP_PREFIX = "hpdl-"  # then the pid of the process that made it: hpdl-<pid>-<random>
+# the controller that gives each cgroup of ours one weight on the CPU, however many processes it holds in however
+# many sessions: a neighbour's hundred busy children, each in a session of its own (which defeats the kernel's
+# autogroup), slowed an honest notebook about tenfold; in a cgroup of their own they count as one
+SHARE = "cpu"
+UNCAPPED = {"memory": None, "tasks": None, "cpu": None}
 _unremoved: set[str] = set()  # our cgroups whose removal failed: retried by sweep_cgroups()
 _OLD_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # where an older kit made its pids cgroups
 
@@ -305,7 +316,7 @@ def _cgroup_parents() -> list[str]:
     """The folders `Cgroup.make` makes its cgroups in: this process's own cgroup in each hierarchy."""
     own, out = _own_cgroups(), []
     for point, kind, opts in _mounts():
-        ctl = "" if kind == "cgroup2" else next((c for c in ("pids", "memory") if c in opts), None)
+        ctl = "" if kind == "cgroup2" else next((c for c in ("pids", "memory", SHARE) if c in opts), None)
         if ctl is not None and ctl in own:
             out.append(os.path.join(point, own[ctl].lstrip("/")))
     return out
@@ -392,6 +403,7 @@ def _v2_dirs(name: str, want: dict[str, int | None]) -> dict[str, str]:
         except OSError as exc:
             log.debug("cgroup v2 at %s: %s", parent, exc)
             continue
+        ctls += _v2_share(parent, have)
         files = {"pids.max": str(want["pids"])}
         if want["memory"] is not None:
             files.update({"memory.max": str(want["memory"]), "memory.swap.max": "0"})
@@ -400,6 +412,20 @@ def _v2_dirs(name: str, want: dict[str, int | None]) -> dict[str, str]:
         if path:
             return {c: path for c in ctls}
     return {}
+
+
+def _v2_share(parent: str, have: list[str]) -> list[str]:
+    """["cpu"] where the cpu controller could be handed down from `parent` (its cgroups then each get one
+    weight on the CPU), else []: the caps on tasks and memory hold without it."""
+    if SHARE not in have:
+        return []
+    try:
+        with open(os.path.join(parent, "cgroup.subtree_control"), "w") as f:
+            f.write(f"+{SHARE}")
+    except OSError as exc:  # e.g. a real-time process in the cgroup
+        log.debug("no cpu controller under %s: %s", parent, exc)
+        return []
+    return [SHARE]
 
 
 def _v1_dirs(name: str, want: dict[str, int | None]) -> dict[str, str]:
@@ -416,7 +442,17 @@ def _v1_dirs(name: str, want: dict[str, int | None]) -> dict[str, str]:
                 if path:
                     dirs[ctl] = path
                     break
-    return dirs
+    return {**dirs, **_v1_share(name, own)} if dirs else {}
+
+
+def _v1_share(name: str, own: dict[str, str]) -> dict[str, str]:
+    """A folder of the same name in the cpu hierarchy, where this process's cgroup there is writable: one
+    weight on the CPU for all the job's processes together. {} where not (the caps hold without it)."""
+    for point, kind, opts in _mounts():
+        if kind == "cgroup" and SHARE in opts and SHARE in own:
+            path = _make_dir(os.path.join(point, own[SHARE].lstrip("/")), name, {})
+            return {SHARE: path} if path else {}
+    return {}
 
 
 def _tasks_of_this_user() -> int:
@@ -886,7 +922,7 @@ def status(limits: "Limits | None" = None) -> dict:
     from the kernel through `limits`, when given)."""
     exe = bwrap()
     feats = features(exe) if exe else frozenset()
-    caps = limits.applied() if limits is not None else {"memory": None, "tasks": None}
+    caps = limits.applied() if limits is not None else dict(UNCAPPED)
     per = limits or Limits()
     covered = host_covered() if exe else Covered()
     return {
@@ -901,7 +937,7 @@ def status(limits: "Limits | None" = None) -> dict:
         "host_covered": len(covered.files) + len(covered.folders) if exe and _covering else None,
         "host_look_complete": covered.complete,
         "check_ranks": "each in a view of its own" if ranks_apart() else "sharing the job's files",
-        "memory_total_bytes": caps["memory"], "tasks_total": caps["tasks"],
+        "memory_total_bytes": caps["memory"], "tasks_total": caps["tasks"], "cpu_weight": caps.get("cpu"),
         "memory_per_process_bytes": per.memory_bytes, "cpu_seconds_per_process": per.cpu_seconds,
         "file_bytes": per.file_bytes, "disk_bytes": DISK_BYTES, "disk_entries": DISK_ENTRIES, "missing": missing(),
     }
@@ -937,7 +973,7 @@ def describe(st: dict | None = None) -> str:
     parts = [head, f"seccomp: {st['seccomp'] or 'none'}", f"environment: {st['environment']}",
              f"a check's ranks: {st.get('check_ranks', 'sharing the job files')} (files, /tmp, /dev/shm, processes)",
              f"total memory {size_text(st['memory_total_bytes'])}, total tasks {st['tasks_total'] or 'uncapped'} "
-             "(cgroup, read back)",
+             "(cgroup, read back)", _cpu_text(st.get("cpu_weight")),
              f"per process: address space {size_text(st['memory_per_process_bytes'])}, "
              f"CPU {st['cpu_seconds_per_process']} s, files {size_text(st['file_bytes'])}, no core dumps",
              f"its folder on disk: {size_text(st['disk_bytes'])} and {st['disk_entries']} files in all "
@@ -945,6 +981,13 @@ def describe(st: dict | None = None) -> str:
     if st["bubblewrap"] is not None and st["missing"]:
         parts.append(f"missing: {'; '.join(st['missing'])}")
     return "; ".join(parts)
+
+
+def _cpu_text(weight: int | None) -> str:
+    if weight is None:
+        return ("CPU: no share of its own (no cpu controller in the cgroup given to the grader): a submission "
+                "of many processes slows the others graded beside it")
+    return f"CPU: one share for all its processes together (cgroup weight {weight}, as each other submission's)"
 
 
 def _covered_text(st: dict) -> str:
