@@ -63,6 +63,11 @@ def test_a_buffer_viewed_as_bytes_is_counted_in_values_not_bytes(exercise, fn, n
     assert passed(result) and result.score == result.max_score, result
 
 
+def test_an_all_reduce_through_the_process_groups_own_method_is_seen(no_strays):
+    result = hpdl.check("allreduce_gradients", H.allreduce_gradients_through_the_process_group, ranks=[2], grade=True)
+    assert passed(result) and result.score == result.max_score, result
+
+
 def test_a_column_parallel_layer_that_all_reduces_y_padded_in_float64(no_strays):
     result = hpdl.check("column_parallel_linear", H.column_parallel_y_padded_in_float64, ranks=[3], grade=True)
     assert passed(result) and result.score == result.max_score, result

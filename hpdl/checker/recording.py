@@ -408,6 +408,14 @@ def _numel(args, kwargs, name: str = "") -> int | None:
     return sum(int(n()) for n in numels) if numels and all(callable(n) for n in numels) else None
 
 
+#: a ProcessGroup method (dist.group.WORLD.allreduce([t])) recorded as the function it does the work of
+_PG_AS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced", "broadcast": "broadcast",
+          "allgather": "all_gather", "reduce": "reduce", "reduce_scatter": "reduce_scatter", "alltoall": "all_to_all",
+          "alltoall_base": "all_to_all_single", "gather": "gather", "scatter": "scatter",
+          "_allgather_base": "_all_gather_base", "_reduce_scatter_base": "_reduce_scatter_base"}
+_in_function = threading.local()  # depth of torch.distributed functions under way: their own ProcessGroup call
+
+
 def _patch_c10d(c10d) -> None:
     for name, rule in TORCH_COLLECTIVES.items():
         base = getattr(c10d, name, None)
@@ -421,7 +429,11 @@ def _patch_c10d(c10d) -> None:
                     recorder.rejected.append(f"torch.distributed.{_name}")
                     raise ForbiddenCall(f"torch.distributed.{_name}", reason)
                 recorder.add(Call(_name, count=_numel(args, kwargs, _name)))
-            return _base(*args, **kwargs)
+            _in_function.depth = getattr(_in_function, "depth", 0) + 1
+            try:
+                return _base(*args, **kwargs)
+            finally:
+                _in_function.depth -= 1
 
         fn.__name__, fn.__qualname__, fn._hpdl_recorded = name, name, True
         setattr(c10d, name, fn)
@@ -444,6 +456,10 @@ def _patch_c10d(c10d) -> None:
                     if reason:
                         recorder.rejected.append(f"ProcessGroup.{_m}")
                         raise ForbiddenCall(f"ProcessGroup.{_m}", reason)
+                    if not getattr(_in_function, "depth", 0):  # called by the learner, not by dist.all_reduce
+                        # (unrecorded, an all-reduce by this route failed right code: "no all-reduce was seen")
+                        name = _PG_AS.get(_m, _m)
+                        recorder.add(Call(name, count=_numel(args, kwargs, name)))
                 return _base(self, *args, **kwargs)
 
             pg._hpdl_recorded = True
