@@ -77,12 +77,30 @@ def test_recursive_doubling_power_of_two_only_code(no_strays):
 
 
 def test_graded_recursive_doubling_folds_in_more_than_one_extra_rank(no_strays):
-    """Graded, 6 ranks too (GRADED_RANKS): at 3, the only count below 4 that is not a power of two, a star
+    """Graded, 7 ranks too (GRADED_RANKS): at 3, the only count below 4 that is not a power of two, a star
     (everyone to rank 0 and back) sends no more messages than the fold-in does, and scored 27/27."""
     result = hpdl.check("recursive_doubling", C.star_beyond_powers_of_two, grade=True)
-    assert {c.ranks for c in result.cases} == {1, 2, 3, 4, 6}, result
-    assert {c.ranks for c in result.cases if c.verdict != "PASS"} == {6} and result.score < result.max_score, result
-    assert all("sent to 5 ranks" in c.message for c in result.cases if c.verdict != "PASS"), result
+    assert {c.ranks for c in result.cases} == {1, 2, 3, 4, 7}, result
+    assert {c.ranks for c in result.cases if c.verdict != "PASS"} == {7} and result.score < result.max_score, result
+    assert all("sent to 6 ranks" in c.message for c in result.cases if c.verdict != "PASS"), result
+
+
+def test_recursive_doublings_look_alikes_are_wrong(no_strays):
+    """Dissemination (send to r + 2^k, receive from r - 2^k) sums right for powers of two; p' taken as p & (p - 1)
+    is right at 3 and 6 ranks: graded, 7 tells it. Both scored full marks."""
+    spread = hpdl.check("recursive_doubling", C.recursive_doubling_disseminating, ranks=[4])
+    assert {c.verdict for c in spread.cases} == {"WRONG"} and "half of a swap" in spread.cases[0].message, spread
+    cleared = hpdl.check("recursive_doubling", C.recursive_doubling_lowest_bit_cleared, grade=True)
+    assert {c.ranks for c in cleared.cases if c.verdict != "PASS"} == {7}, cleared
+
+
+def test_binomial_broadcasts_that_take_more_rounds(no_strays):
+    """The nearest child first takes 3 rounds at 4 ranks; a binary heap's tree, graded at 8 ranks too, 4."""
+    nearest = hpdl.check("bcast_binomial", C.bcast_smallest_subtree_first, ranks=[4])
+    assert any(c.verdict == "WRONG" and "3 rounds" in c.message for c in nearest.cases), nearest
+    heap = hpdl.check("bcast_binomial", C.bcast_binary_heap, grade=True)
+    assert {c.ranks for c in heap.cases if c.verdict != "PASS"} == {8}, heap
+    assert all("4 rounds" in c.message for c in heap.cases if c.verdict == "WRONG"), heap
 
 
 def test_binomial_broadcast_typical_mistakes(no_strays):

@@ -14,6 +14,9 @@ from hpdl.checker.cases import Case, Wrong, one_rank_points
 
 SIGNATURE = "bcast_binomial(comm, x: np.ndarray | None, root: int) -> np.ndarray"
 RANKS = (1, 2, 3, 4)
+# and in grading, 8: up to 4 ranks a binary heap's tree (children 2v+1, 2v+2) is one of the binomial trees, and
+# scored 18/18; at 8 it takes 4 rounds
+GRADED_RANKS = (8,)
 TIMEOUT = 5.0
 PRIVATE_INPUTS = True  # each rank gets only its own inputs: the others' come by message or not at all
 METERED = True  # the bytes each rank sends are counted outside its process (meter.py), against the recorder
@@ -97,8 +100,8 @@ def verify(case, ctx):
         return Wrong(f"the messages form a tree that needs {rounds} rounds; a binomial tree needs ⌈lg p⌉ = "
                      f"{_lg(ctx.size)} with {ctx.size} ranks (a chain or a linear broadcast is slower)",
                      hint="rank v (counted from the root) receives once from v minus its lowest set bit, then "
-                          "sends to v + 2^k for the smaller powers of two: the number of ranks holding the data "
-                          "doubles every round.")
+                          "sends to v + 2^k for the smaller powers of two, the largest first: the number of ranks "
+                          "holding the data doubles every round.")
     return None
 
 

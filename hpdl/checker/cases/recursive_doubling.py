@@ -16,10 +16,11 @@ from hpdl.checker.cases._sums import (compare_sum, diagnose_sum, explain_sums, r
 
 SIGNATURE = "recursive_doubling(comm, x: np.ndarray) -> np.ndarray"
 RANKS = (1, 2, 3, 4)
-# and in grading, 6: the only count below it that is not a power of two is 3, whose fold-in is one pair, where a
+# and in grading, 7: the only count below it that is not a power of two is 3, whose fold-in is one pair, where a
 # star (everyone to rank 0 and back) sends as many messages, and a fold-in that pairs ranks wrongly for more than
-# one extra rank (partner = (vr ^ mask) + extra) is right: both scored 27/27
-GRADED_RANKS = (6,)
+# one extra rank (partner = (vr ^ mask) + extra) is right: both scored 27/27. At 6 (two extra ranks) p' taken as
+# p & (p - 1) is still 4, right: it scored 27/27 too; at 7 it is 6
+GRADED_RANKS = (7,)
 TIMEOUT = 5.0
 PRIVATE_INPUTS = True  # each rank gets only its own inputs: the others' come by message or not at all
 METERED = True  # the bytes each rank sends are counted outside its process (meter.py), against the recorder
@@ -91,6 +92,15 @@ def exchanges(ctx, p2: int):
                          hint="one Sendrecv per round, with partner r ^ 2**k in round k: passing the vector around "
                               "a ring sends it to the same rank p-1 times. Send the vector in x's own dtype: a "
                               "float64 copy of a float32 vector moves twice its bytes.")
+    receives = [c for c in ctx.calls if "recv" in c.name.lower() or "probe" in c.name.lower()]
+    received = {c.source for c in receives}
+    named = all(isinstance(c.source, int) and 0 <= c.source < ctx.size for c in receives)  # no wildcard source
+    if named and set(per) - {r} != received - {r}:
+        return Wrong(f"rank {r} sent to rank(s) {sorted(set(per) - {r})} and received from {sorted(received - {r})}; "
+                     "in recursive doubling every message is half of a swap: a rank receives from each partner it "
+                     "sends to",
+                     hint="Sendrecv with the same partner both ways, r ^ 2**k in round k: sending to r + 2**k and "
+                          "receiving from r - 2**k sums right for powers of two, but is another algorithm.")
     rounds = p2.bit_length() - 1
     if ctx.size == p2 and len(per) != rounds:
         return Wrong(f"rank {r} sent to {len(per)} rank(s) {sorted(per)}; with {ctx.size} ranks (a power of two) "
