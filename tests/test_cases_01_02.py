@@ -70,6 +70,21 @@ def a_loss_of_its_own(model, batch, loss_fn, optimizer):
     return loss.item()
 
 
+def evaluates_while_training(model, batch, loss_fn, optimizer):
+    """model.eval() first: right where no layer minds the mode (4/4 while no case's model had one)."""
+    model.eval()
+    optimizer.zero_grad()
+    loss = loss_fn(model(batch[0]), batch[1])
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def test_a_step_in_evaluation_mode_fails_where_a_layer_minds_the_mode(no_strays):
+    result = hpdl.check("train_step", evaluates_while_training)
+    assert [c.name for c in result.cases if c.verdict == "WRONG"] == ["CNN, Adam, label smoothing"], result
+
+
 def test_a_step_that_ignores_the_loss_it_is_given_fails_where_that_loss_differs(no_strays):
     result = hpdl.check("train_step", a_loss_of_its_own)
     assert [c.name for c in result.cases if c.verdict == "WRONG"] == ["CNN, Adam, label smoothing"], result
@@ -124,14 +139,20 @@ def times_the_warmup(step, batches, warmup=1):
     return samples / (time.perf_counter() - start)
 
 
-def batches_per_second(step, batches, warmup=1):
+def _after_warmup(step, batches, warmup) -> tuple[list, float]:
+    """Every batch stepped; the timed ones and their seconds, as a right meter times them."""
     batches = list(batches)
     for batch in batches[:warmup]:
         step(batch)
     start = time.perf_counter()
     for batch in batches[warmup:]:
         step(batch)
-    return (len(batches) - warmup) / (time.perf_counter() - start)
+    return batches[warmup:], time.perf_counter() - start
+
+
+def batches_per_second(step, batches, warmup=1):
+    timed, seconds = _after_warmup(step, batches, warmup)
+    return len(timed) / seconds
 
 
 def first_batch_size_for_all(step, batches, warmup=1):
@@ -204,6 +225,38 @@ def clock_started_a_step_late(step, batches, warmup=1):
     return samples / (time.perf_counter() - start)
 
 
+def first_timed_samples_left_out(step, batches, warmup=1):
+    """`i > warmup` for `i >= warmup`: the first timed step's time kept, its samples not (5/5 once)."""
+    start, samples = None, 0
+    for i, batch in enumerate(batches):
+        if i == warmup:
+            start = time.perf_counter()
+        step(batch)
+        if i > warmup:
+            samples += len(batch[0])
+    return samples / (time.perf_counter() - start)
+
+
+def last_step_untimed(step, batches, warmup=1):
+    """The clock read at the top of each step: the last one's samples counted, its time not (5/5 once)."""
+    start = last = None
+    samples = 0
+    for i, batch in enumerate(batches):
+        now = time.perf_counter()
+        if i == warmup:
+            start = now
+        if i >= warmup:
+            samples, last = samples + len(batch[0]), now
+        step(batch)
+    return samples / (last - start)
+
+
+def counts_values_not_samples(step, batches, warmup=1):
+    """batch[0].numel(): right while a sample was one value (5/5 once)."""
+    timed, seconds = _after_warmup(step, batches, warmup)
+    return sum(b[0].numel() for b in timed) / seconds
+
+
 def median_of_batch_rates(step, batches, warmup=1):
     """5/5 when the steps' paces were one 0.3, one 1.7 and the rest 1 (the median was the run's)."""
     import statistics
@@ -232,6 +285,9 @@ def needs_a_list(step, batches, warmup=1):
     (mean_of_batch_rates, "the mean of the batches' rates"),
     (median_of_batch_rates, "the median of the batches' rates"),
     (clock_started_a_step_late, "measured"),  # the same as the fastest: most steps alike
+    (first_timed_samples_left_out, "measured"),
+    (last_step_untimed, "measured"),
+    (counts_values_not_samples, "measured"),
 ], ids=lambda v: getattr(v, "__name__", "hint"))
 def test_throughput_rejects(bad, words, no_strays):
     result = hpdl.check("throughput", bad)

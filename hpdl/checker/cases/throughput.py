@@ -47,6 +47,13 @@ def cases(size):
                                                  "first": 0.3}, slow_factor=slow),
         Case("batches from a generator", {"sizes": [24] * 5, "warmup": 1, "per_sample": 0.0008, "first": 0.3,
                                           "generator": True}, slow_factor=slow),
+        # the first timed step carries most samples: left out of the count (i > warmup for i >= warmup), 0.07×
+        Case("a large first batch after warm-up", {"sizes": [16, 300, 8, 8, 8], "warmup": 1, "per_sample": 0.0005,
+                                                   "first": 0.2}, slow_factor=slow),
+        # the last carries most: its time left out of the clock (read at the top of each step), 8×; or every
+        # batch counted as large as the last, 3.6×
+        Case("a large last batch", {"sizes": [16, 16, 16, 16, 400], "warmup": 1, "per_sample": 0.0005,
+                                    "first": 0.2}, slow_factor=slow),
         Case("warmup=2, uneven", {"sizes": [40, 40, 40, 40, 13], "warmup": 2, "per_sample": 0.0005, "first": 0.2},
              hidden=True, slow_factor=slow),
     ]
@@ -155,7 +162,8 @@ def _batches(sizes):
     the samples, so len(), .shape[0] and .size(0) all do (Python lists failed a meter that read .shape[0]: 0/5)."""
     import torch
 
-    return [(torch.zeros(n, 1), torch.zeros(n, dtype=torch.long)) for n in sizes]
+    # two values a sample: a meter counting batch[0].numel() reads twice the rate (with one it scored 5/5)
+    return [(torch.zeros(n, 2), torch.zeros(n, dtype=torch.long)) for n in sizes]
 
 
 def inputs(case, rank, size):
