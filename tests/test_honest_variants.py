@@ -63,6 +63,11 @@ def test_a_buffer_viewed_as_bytes_is_counted_in_values_not_bytes(exercise, fn, n
     assert passed(result) and result.score == result.max_score, result
 
 
+def test_a_vector_sent_as_a_pickled_list_is_counted_in_values(no_strays):
+    result = hpdl.check("recursive_doubling", H.recursive_doubling_of_python_lists, ranks=[2], grade=True)
+    assert passed(result) and result.score == result.max_score, result
+
+
 def test_an_all_reduce_through_the_process_groups_own_method_is_seen(no_strays):
     result = hpdl.check("allreduce_gradients", H.allreduce_gradients_through_the_process_group, ranks=[2], grade=True)
     assert passed(result) and result.score == result.max_score, result
