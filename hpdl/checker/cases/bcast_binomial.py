@@ -1,9 +1,11 @@
 """Checks for bcast_binomial(comm, x, root) -> the root's array, on every rank.
 
 A binomial tree: counted from the root, rank v receives once from v minus its lowest set bit,
-then sends to v + 2^k for the smaller powers of two; the root sends at most ⌈lg p⌉ messages,
-and the broadcast takes ⌈lg p⌉ rounds. Non-root ranks get x=None: they learn the array from
-the message (comm.send/recv carry whole objects).
+then sends to v + 2^k for the smaller powers of two, the largest first; the root sends at most
+⌈lg p⌉ messages, and the broadcast takes ⌈lg p⌉ rounds, counted along the tree the messages form
+in the order each rank sent them (graded at 8 ranks too, where a binary heap's tree is not one).
+Non-root ranks get x=None: they learn the array from the message (comm.send/recv carry whole
+objects).
 """
 from __future__ import annotations
 

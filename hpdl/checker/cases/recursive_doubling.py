@@ -1,9 +1,10 @@
 """Checks for recursive_doubling(comm, x) -> the elementwise sum of x over all ranks, on every rank.
 
 In round k each rank swaps its partial sum with the rank whose number differs in bit k, so
-lg p rounds suffice when p is a power of two. For other p the standard fold-in: the first
-2·(p − p') ranks pair up (p' the largest power of two ≤ p), one of each pair hands its data
-to the other and sits out, and gets the result back at the end.
+lg p rounds suffice when p is a power of two: every message is half of a swap (a rank receives
+from each rank it sends to; sending on to r + 2^k and receiving from r − 2^k is another algorithm).
+For other p the standard fold-in: the first 2·(p − p') ranks pair up (p' the largest power of two
+≤ p), one of each pair hands its data to the other and sits out, and gets the result back at the end.
 """
 from __future__ import annotations
 
