@@ -339,7 +339,7 @@ def test_a_submission_of_many_processes_weighs_on_the_cpu_as_one(tmp_path):
     if probe is None:
         pytest.skip("no writable cgroup here")
     probe.remove()
-    if not any(SHARE_CTL in opts for _, _, opts in sandbox._mounts()) and not os.path.exists(
+    if not any(sandbox.SHARE in opts for _, _, opts in sandbox._mounts()) and not os.path.exists(
             "/sys/fs/cgroup/cgroup.controllers"):
         pytest.skip("no cpu controller on this host")
     from hpdl import sidejob
@@ -373,8 +373,6 @@ def _first_line(job, timeout: float = 30.0) -> str:
         time.sleep(0.1)
     raise AssertionError(f"no line from the job in {timeout:g} s: {job.output_text()!r}")
 
-
-SHARE_CTL = "cpu"
 
 
 def test_jobs_each_under_their_own_cap_are_held_together_by_their_checks(tmp_path):
