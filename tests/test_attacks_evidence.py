@@ -327,6 +327,7 @@ def test_a_send_the_recorder_cannot_size_buys_no_room_on_the_wire(no_strays):
     ("ring_allreduce", E.ring_whole_vector_in_a_dict, 3, "one chunk per message"),
     ("ring_allreduce", E.ring_whole_vector_in_ints, 3, "the ring sends"),
     ("recursive_doubling", E.recursive_doubling_by_a_ring, 4, "with each partner once"),
+    ("recursive_doubling", E.recursive_doubling_by_a_ring, 3, "with each partner once"),  # not "at the fold-in"
     ("recursive_doubling", E.recursive_doubling_by_a_tree, 4, "one per round"),
 ])
 def test_the_message_pattern_is_told_by_the_values_moved(exercise, fn, ranks, words, no_strays):
@@ -339,6 +340,14 @@ def test_the_message_pattern_is_told_by_the_values_moved(exercise, fn, ranks, wo
     assert result.score < result.max_score and all(c.verdict == "WRONG" for c in result.cases
                                                     if c.params["n"] >= ranks), result  # n < p: all the same
     assert all(words in c.message for c in result.cases if c.params["n"] >= 4 * ranks), result
+
+
+def test_a_swap_at_the_fold_in_is_told_by_its_second_vector(no_strays):
+    """The sums are right, but the rank that sits out was sent its partner's vector as well as the sum: the
+    message says so (it said the ring's and the dtype's before, which it is neither)."""
+    result = hpdl.check("recursive_doubling", E.recursive_doubling_swapping_at_the_fold_in, ranks=[3])
+    twice = [c for c in result.cases if c.params["n"] > 16]  # below, two vectors fit in one and its metadata
+    assert twice and all(c.verdict == "WRONG" and "twice" in c.message and "fold-in" in c.hint for c in twice), result
 
 
 @pytest.mark.parametrize("fn", [E.gradients_gathered_beside_a_tiny_allreduce,

@@ -85,16 +85,24 @@ def exchanges(ctx, p2: int):
     you like: values counted, not messages); with p a power of two, a partner in each of the lg p rounds.
     A ring passes the vector to one neighbour p-1 times; a tree's leaves send to one rank only."""
     r, n = ctx.rank, int(ctx.case.params["n"])
-    per = {peer: sum(values) for peer, values in sorted(hooks.values_sent(ctx).items())}
+    sent = hooks.values_sent(ctx)
+    per = {peer: sum(values) for peer, values in sorted(sent.items())}
+    receives = [c for c in ctx.calls if "recv" in c.name.lower() or "probe" in c.name.lower()]
+    received = {c.source for c in receives}
     for peer, values in per.items():
+        twice = n + METADATA < values <= 2 * (n + METADATA) and max(sent[peer]) <= n + METADATA  # (not a float64 copy)
+        if twice and ctx.size != p2 and peer in received:  # a swap at the fold-in (a ring at 3 sends on, not back)
+            return Wrong(f"rank {r} sent {values} values (of x's dtype, {ctx.expected.dtype}) to rank {peer}: the "
+                         f"vector ({n} values) twice; recursive doubling sends each partner the vector once",
+                         hint="at the fold-in, the rank that sits out hands its vector over (Send) and gets the sum "
+                              "back at the end (Recv): swapping vectors there (Sendrecv) sends it one it never "
+                              "uses.")
         if values > n + METADATA:
             return Wrong(f"rank {r} sent {values} values (of x's dtype, {ctx.expected.dtype}) to rank {peer}; "
                          f"recursive doubling swaps the vector ({n} values) with each partner once",
                          hint="one Sendrecv per round, with partner r ^ 2**k in round k: passing the vector around "
                               "a ring sends it to the same rank p-1 times. Send the vector in x's own dtype: a "
                               "float64 copy of a float32 vector moves twice its bytes.")
-    receives = [c for c in ctx.calls if "recv" in c.name.lower() or "probe" in c.name.lower()]
-    received = {c.source for c in receives}
     named = all(isinstance(c.source, int) and 0 <= c.source < ctx.size for c in receives)  # no wildcard source
     if named and set(per) - {r} != received - {r}:
         return Wrong(f"rank {r} sent to rank(s) {sorted(set(per) - {r})} and received from {sorted(received - {r})}; "
