@@ -82,6 +82,8 @@ QUICK = [
     ("weak_scaling.py", ["--framework", "horovod", "--batch-size", "4", "--image-size", "32", "--steps", "2",
                          "--rounds", "1"], 2, rf"^2 ranks, horovod, each:\s+{NUMBER} images/s"),
     ("check_inline.py", ["--repeats", "1"], None, rf"^goal 5 s: 4-rank check now {NUMBER} s"),
+    ("apart_latency.py", ["--ranks", "2", "--iters", "50", "--rounds", "1"], None,
+     rf"^as a check runs, one Sendrecv is {NUMBER}x faster"),
     ("neighbour_cpu.py", ["--hogs", "4", "--work", "200000", "--rounds", "1"], None,
      rf"^slowdown beside the hog: {NUMBER}x with one cpu weight per submission, {NUMBER}x without"),
     ("check_forkserver.py", ["--repeats", "1", "--ranks", "2"], None,

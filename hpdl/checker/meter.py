@@ -34,8 +34,10 @@ OVER_TCP = {
 # and, for ranks that share no memory (isolate.py): Open MPI's PMIx client then takes the job's data by
 # message, not from its server's shared-memory segment. Intel MPI's start-up maps one segment for a
 # node's ranks whatever the fabric (MPIDU_Init_shm_init): its ranks each start on a node of their own
-# (launchers.nodes_apart, runner.job_launch)
-APART = {"MPICH": {}, "Open MPI": {"PMIX_MCA_gds": "hash"}, "Intel MPI": {}}
+# (launchers.nodes_apart, runner.job_launch), where a rank alone on its node polls without pause: with more
+# ranks than cores the spinning ranks kept the core from the one whose message had come (13.5 ms a Sendrecv of
+# 256 values at 4 ranks on 2 cores, 0.05 ms in wait mode: benchmarks/apart_latency.py)
+APART = {"MPICH": {}, "Open MPI": {"PMIX_MCA_gds": "hash"}, "Intel MPI": {"I_MPI_WAIT_MODE": "1"}}
 SS_TIMEOUT = 10.0  # s
 # readings again, SETTLE_SECONDS apart, while the kernel counts connections no listing showed yet: one being
 # made when the ranks stopped (SYN sent, or not yet accepted) shows a moment later; one closed never does
