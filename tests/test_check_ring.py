@@ -83,6 +83,17 @@ def test_wrong_chunk_boundaries_are_wrong_only_for_uneven_lengths(no_strays):
     assert any("divides evenly" in h for h in result.hints)
 
 
+def test_a_rank_that_returns_with_its_sends_unfinished_is_wrong_naming_the_line(no_strays):
+    """Isend's requests never waited on: MPI copies a small message at once, so the sums come out right, but
+    until a request completes MPI may still read its buffer (a pipeline written so scored 18/18 and was wrong
+    at 512 KB). A rank must not return with a request open; where it was made is named."""
+    result = hpdl.check("ring_allreduce", L.ring_sends_never_waited, ranks=[2])
+    assert result.score == 0 and result.cases, result
+    for c in result.cases:
+        assert c.verdict == "WRONG" and "not finished (comm.Isend() to rank 1 ×2)" in c.message, c
+        assert c.line["line"] == line_of("# NEVER WAITED"), c
+
+
 def test_result_left_on_rank_0_only_is_wrong_naming_the_other_ranks(no_strays):
     result = hpdl.check("ring_allreduce", L.ring_root_only, ranks=[2, 4])
     for c in result.cases:

@@ -367,6 +367,9 @@ class LearnerJob(RankJob):
             shown = name if "." in name else f"comm.{name}"
             return {"status": "forbidden", "name": name,
                     "message": f"{shown}() is not allowed here: {recorder.forbidden.get(name, 'forbidden')}"}
+        unfinished = recorder.unfinished()
+        if unfinished:
+            return self.unfinished(unfinished)
         calls = [(c.name, c.dest, c.source, c.count, c.nbytes) for c in recorder.calls]
         try:
             data = wire.pack({"got": got, "calls": calls, "altered": not recorder.intact()})
@@ -379,6 +382,22 @@ class LearnerJob(RankJob):
             f.write(data)
         os.replace(out + ".tmp", out)
         return {"status": "ok", "seconds": seconds, "bytes": len(data)}
+
+    def unfinished(self, unfinished: list) -> dict:
+        """A rank that returned with requests still open: refused, whatever its results (recording.unfinished)."""
+        counts: dict[str, int] = {}
+        for call, _ in unfinished:
+            counts[call] = counts.get(call, 0) + 1
+        listed = ", ".join(f"{call} ×{k}" if k > 1 else call for call, k in counts.items())
+        file, line, name = unfinished[0][1]
+        where = learner_where([traceback.FrameSummary(file, line, name)], self.files)
+        return {"status": "forbidden", "name": "an unfinished request",
+                "message": f"rank {self.rank} returned with {len(unfinished)} non-blocking "
+                           f"call{'s' if len(unfinished) > 1 else ''} not finished "
+                           f"({listed}): complete each request (req.Wait(), or MPI.Request.Waitall(requests)) "
+                           "before its buffer is used again and before the function returns. Until then MPI may "
+                           "still be reading the send buffer or filling the receive one: small messages are "
+                           "copied at once, so the results can look right; large ones are not", "where": where}
 
     def rebind(self, fn, comm) -> None:
         """A function written under %%px may use the engines' own names (rank, world_size,
