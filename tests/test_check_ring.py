@@ -94,6 +94,18 @@ def test_a_rank_that_returns_with_its_sends_unfinished_is_wrong_naming_the_line(
         assert c.line["line"] == line_of("# NEVER WAITED"), c
 
 
+def test_a_send_buffer_changed_before_its_send_completed_is_wrong_naming_the_line(no_strays):
+    """One staging buffer for every Isend, the requests waited on at the end: here each message is copied at
+    the call and the sums come out right, but MPI may read a send buffer until its request completes (a
+    pipeline written so scored 18/18). The buffer's bytes when the send completes are held against its
+    bytes when it began."""
+    result = hpdl.check("ring_allreduce", L.ring_send_buffer_reused, ranks=[3])
+    assert result.score == 0 and result.cases, result
+    for c in result.cases:
+        assert c.verdict == "WRONG" and "changed the buffer of comm.Isend() to rank" in c.message, c
+        assert c.line["line"] == line_of("staging[:n], dest"), c
+
+
 def test_result_left_on_rank_0_only_is_wrong_naming_the_other_ranks(no_strays):
     result = hpdl.check("ring_allreduce", L.ring_root_only, ranks=[2, 4])
     for c in result.cases:

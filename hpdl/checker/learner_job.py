@@ -367,9 +367,9 @@ class LearnerJob(RankJob):
             shown = name if "." in name else f"comm.{name}"
             return {"status": "forbidden", "name": name,
                     "message": f"{shown}() is not allowed here: {recorder.forbidden.get(name, 'forbidden')}"}
-        unfinished = recorder.unfinished()
-        if unfinished:
-            return self.unfinished(unfinished)
+        refused = self.unfinished(recorder.unfinished()) or self.overwritten(recorder.overwritten)
+        if refused:
+            return refused
         calls = [(c.name, c.dest, c.source, c.count, c.nbytes) for c in recorder.calls]
         try:
             data = wire.pack({"got": got, "calls": calls, "altered": not recorder.intact()})
@@ -383,8 +383,10 @@ class LearnerJob(RankJob):
         os.replace(out + ".tmp", out)
         return {"status": "ok", "seconds": seconds, "bytes": len(data)}
 
-    def unfinished(self, unfinished: list) -> dict:
+    def unfinished(self, unfinished: list) -> dict | None:
         """A rank that returned with requests still open: refused, whatever its results (recording.unfinished)."""
+        if not unfinished:
+            return None
         counts: dict[str, int] = {}
         for call, _ in unfinished:
             counts[call] = counts.get(call, 0) + 1
@@ -398,6 +400,20 @@ class LearnerJob(RankJob):
                            "before its buffer is used again and before the function returns. Until then MPI may "
                            "still be reading the send buffer or filling the receive one: small messages are "
                            "copied at once, so the results can look right; large ones are not", "where": where}
+
+    def overwritten(self, overwritten: list) -> dict | None:
+        """A rank that changed a send's buffer before the send completed (recording._Recorder.settle)."""
+        if not overwritten:
+            return None
+        call, (file, line, name) = overwritten[0]
+        where = learner_where([traceback.FrameSummary(file, line, name)], self.files)
+        more = f" (and {len(overwritten) - 1} more)" if len(overwritten) > 1 else ""
+        return {"status": "forbidden", "name": "a send buffer changed in flight",
+                "message": f"rank {self.rank} changed the buffer of {call}{more} before its request completed: MPI "
+                           "may read a send buffer at any time until then, so the receiver can get the new values "
+                           "instead. Here small messages are copied at once and the results can look right; keep "
+                           "one buffer per message in flight, or wait for the send before reusing its buffer",
+                "where": where}
 
     def rebind(self, fn, comm) -> None:
         """A function written under %%px may use the engines' own names (rank, world_size,

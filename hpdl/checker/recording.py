@@ -93,10 +93,13 @@ class _Recorder:
         self.sized = False  # note each send's bytes (METERED checks compare them with the wire)
         self.torch_hooked = False
         self.started: list[tuple[str, Any, Any]] = []  # (call, its request, the learner's line): non-blocking calls
+        self.sending: list[tuple[Any, Any, int, str, Any]] = []  # a send in flight: request, buffer, checksum, ...
+        self.overwritten: list[tuple[str, Any]] = []  # (call, line): a send whose buffer changed before it completed
         self._paused = threading.local()
 
     def reset(self, forbidden: dict[str, str] | None = None) -> None:
         self.calls, self.rejected, self.current, self.started = [], [], None, []
+        self.sending, self.overwritten = [], []
         _clear()
         if forbidden is not None:
             self.forbidden = dict(forbidden)
@@ -115,6 +118,21 @@ class _Recorder:
         can look right; with large ones it reads the send buffer or fills the receive one until the request
         completes (a pipeline that never waited on its Isends scored 18/18, and was wrong at 512 KB)."""
         return [(call, where) for call, request, where in self.started if request]
+
+    def settle(self) -> None:
+        """Each send whose request has just completed: its buffer must hold what it held when the send began.
+        MPI may read a send buffer at any time until then; over TCP or below the eager limit it copies at the
+        call, so a buffer reused for the next message looks harmless here and corrupts messages elsewhere."""
+        if not self.sending:
+            return
+        still = []
+        for entry in self.sending:
+            request, view, checksum, call, where = entry
+            if request:
+                still.append(entry)
+            elif _checksum(view) != checksum:
+                self.overwritten.append((call, where))
+        self.sending = still
 
     def intact(self) -> bool:
         """Whether the calls and pauses are the recorder's own since reset() (see _tally)."""
@@ -324,6 +342,62 @@ def _size(comm) -> int:
         return 1
 
 
+_SENDS_IN_FLIGHT = ("Isend", "Issend", "Ibsend", "Irsend")  # a buffer MPI may read until the request completes
+_COMPLETIONS = ("Wait", "Test", "Free", "Waitall", "Testall", "Waitany", "Testany", "Waitsome", "Testsome",
+                "wait", "test", "waitall", "testall", "waitany", "testany", "waitsome", "testsome")
+
+
+def _send_view(buf):
+    """The bytes a send reads: its array's (or [array, type]'s), a CPU tensor's; None where not a plain buffer."""
+    data = buf[0] if isinstance(buf, (list, tuple)) and buf else buf
+    try:
+        return memoryview(data).cast("B")
+    except (TypeError, ValueError):
+        numpy = getattr(data, "numpy", None)
+        try:
+            return memoryview(numpy()).cast("B") if callable(numpy) else None
+        except Exception:
+            return None
+
+
+def _checksum(view) -> int:
+    import zlib
+
+    return zlib.crc32(view)
+
+
+def _patch_requests() -> None:
+    """After any call that can complete a request (Wait, Waitall, Test, ...), the sends it completed are
+    settled (_Recorder.settle)."""
+    from mpi4py import MPI
+
+    d = _type_dict(MPI.Request)
+    for name in _COMPLETIONS:
+        raw = d.get(name)
+        if raw is None or getattr(raw, "_hpdl_recorded", False):
+            continue
+        if isinstance(raw, classmethod):
+            bound = getattr(MPI.Request, name)
+
+            def done(cls, *args, _raw=bound, **kwargs):
+                try:
+                    return _raw(*args, **kwargs)
+                finally:
+                    if not recorder.paused_now:
+                        recorder.settle()
+            wrapped = classmethod(done)
+        else:
+            def wrapped(self, *args, _raw=raw, **kwargs):
+                try:
+                    return _raw(self, *args, **kwargs)
+                finally:
+                    if not recorder.paused_now:
+                        recorder.settle()
+        (wrapped.__func__ if isinstance(wrapped, classmethod) else wrapped)._hpdl_recorded = True
+        d[name] = wrapped
+    ctypes.pythonapi.PyType_Modified(ctypes.py_object(MPI.Request))
+
+
 def _open_request(result) -> bool:
     """A request a learner must complete: not a persistent one (Send_init's stays allocated after Wait)."""
     from mpi4py import MPI
@@ -362,7 +436,11 @@ def _wrap(cls_name: str, name: str, base):
         finally:
             recorder.current = None
         if nonblocking and _open_request(result):
-            recorder.started.append((f"comm.{name}(){peer}", result, _caller(sys._getframe(1))))
+            where = _caller(sys._getframe(1))
+            recorder.started.append((f"comm.{name}(){peer}", result, where))
+            view = _send_view(buf) if name in _SENDS_IN_FLIGHT else None
+            if view is not None:
+                recorder.sending.append((result, view, _checksum(view), f"comm.{name}(){peer}", where))
         return result
 
     method.__name__ = name
@@ -387,6 +465,7 @@ def _patch_mpi(forbid_windows: bool) -> None:
         for name in names & set(d):
             d[name] = _wrap(cls_name, name, d[name])
         ctypes.pythonapi.PyType_Modified(ctypes.py_object(cls))
+    _patch_requests()
     if forbid_windows:
         d = _type_dict(MPI.Win)
         for name in ONE_SIDED:
