@@ -67,6 +67,16 @@ def shards_in_blocks(comm, n, epoch, seed=0):
     return (order + order[: per * size - n])[rank * per:(rank + 1) * per]
 
 
+def shards_by_the_global_generator(comm, n, epoch, seed=0):
+    """DistributedSampler's very list, drawn after torch.manual_seed(seed + epoch): the training's dropout and
+    augmentation then repeat every epoch (the sampler's own generator leaves them alone)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    torch.manual_seed(seed + epoch)
+    order = torch.randperm(n).tolist()
+    total = math.ceil(n / size) * size
+    return (order + order[: total - n])[rank:total:size]
+
+
 def shards_rotated(comm, n, epoch, seed=0):
     """No shuffle: range(n) rotated by an offset from seed and epoch, dealt; every collision check passes."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -129,6 +139,7 @@ def shards_by_torchs_sampler_found_as_a_subclass(comm, n, epoch, seed=0):
     (shards_unshuffled, ["not shuffled"]),
     (shards_in_blocks, ["DistributedSampler", "spread over the whole shuffle"]),
     (shards_rotated, ["DistributedSampler", "torch.randperm"]),
+    (shards_by_the_global_generator, ["global random state", "generator of its own"]),
 ])
 def test_shard_indices_known_bad_rejected(bad, words):
     rejected(hpdl.check("shard_indices", bad, ranks=[3]), *words)

@@ -66,10 +66,18 @@ def _as_list(x):
 
 
 def call(fn, comm, args):
+    import torch
+
     n, seed = args
     out = []
     for epoch, s in [(e, seed) for e in EPOCHS] + [(0, seed + OTHER_SEED)]:
+        state = torch.random.get_rng_state()
         got = fn(comm, n, epoch, s)
+        if not torch.equal(state, torch.random.get_rng_state()):  # torch.manual_seed(seed + epoch) scored 12/12
+            return {"error": f"epoch {epoch}: the function changed torch's global random state (torch.manual_seed, "
+                             "or a draw without a generator): a sampler must leave the training's random numbers "
+                             "alone (its dropout, its augmentation), or every epoch repeats them. Draw from a "
+                             "generator of its own: torch.Generator().manual_seed(seed + epoch)"}
         if got is None:
             return {"error": f"epoch {epoch}: the function returned None; return this rank's list of indices"}
         try:
