@@ -29,16 +29,17 @@ def solution(name: str):
 
 # -- (a) choose_algorithm -------------------------------------------------------------------------
 
-def _costs(n, p, a, b, g, *, ring_bw=2.0, gamma=True, fold=True, lg_of_p=False):
+def _costs(n, p, a, b, g, *, ring_bw=2.0, gamma=True, fold=True, lg_of_p=False, ring_reduces=None):
     g = g if gamma else 0.0
     if p <= 1:
         return {"recursive_doubling": 0.0}
     p2 = p if lg_of_p else 1 << (p.bit_length() - 1)
+    ring_reduces = (p - 1) / p if ring_reduces is None else ring_reduces(p, p2)
     lg = math.log2(p2)
     extra = 2 * (a + n * b) + n * g if fold and p != p2 else 0.0
     return {"recursive_doubling": lg * (a + n * b + n * g) + extra,
             "reduce_scatter_allgather": 2 * lg * a + 2 * (p2 - 1) / p2 * n * b + (p2 - 1) / p2 * n * g + extra,
-            "ring": 2 * (p - 1) * a + ring_bw * (p - 1) / p * n * b + (p - 1) / p * n * g}
+            "ring": 2 * (p - 1) * a + ring_bw * (p - 1) / p * n * b + ring_reduces * n * g}
 
 
 def choose_fixed_threshold(nbytes, p, alpha, beta, gamma):
@@ -57,6 +58,18 @@ def choose_without_gamma(nbytes, p, alpha, beta, gamma):
 
 def choose_without_fold_in(nbytes, p, alpha, beta, gamma):
     c = _costs(nbytes, p, alpha, beta, gamma, fold=False, lg_of_p=True)
+    return min(c, key=c.get)
+
+
+def choose_ring_reducing_everything(nbytes, p, alpha, beta, gamma):
+    """The ring's γ term nγ, not (p−1)/p·nγ: crossovers move 0.1–3 % (8/8 with points at ±3 % alone)."""
+    c = _costs(nbytes, p, alpha, beta, gamma, ring_reduces=lambda p, p2: 1.0)
+    return min(c, key=c.get)
+
+
+def choose_ring_reducing_as_p2(nbytes, p, alpha, beta, gamma):
+    """The ring's γ term with p' (the other formulas' power of two) for p."""
+    c = _costs(nbytes, p, alpha, beta, gamma, ring_reduces=lambda p, p2: (p2 - 1) / p2)
     return min(c, key=c.get)
 
 
@@ -98,6 +111,8 @@ def test_a_table_of_the_public_answers_fits_no_graded_case(no_strays):
     (choose_without_gamma, ["not the cheapest"]),
     (choose_without_fold_in, ["not the cheapest", "fold-in"]),
     (choose_returns_number, ["expected one of"]),
+    (choose_ring_reducing_everything, ["not the cheapest"]),
+    (choose_ring_reducing_as_p2, ["not the cheapest"]),
 ])
 def test_choose_algorithm_rejects(bad, words, no_strays):
     rejected(hpdl.check("choose_algorithm", bad, ranks=[2]), *words)
