@@ -409,7 +409,7 @@ def finalize_singleton_mpi() -> bool:
         return False
 
 
-def orphaned_shared_memory(min_age: float = 60.0) -> set[str]:
+def orphaned_shared_memory(min_age: float = 60.0, since: float | None = None) -> set[str]:
     """Our MPI segments in /dev/shm that no process maps any more and that are older than
     `min_age` seconds: what a kernel killed before MPI_Finalize left behind (a restart that
     waited too long sends SIGTERM, then SIGKILL), or a rank killed outside the kit.
@@ -418,7 +418,8 @@ def orphaned_shared_memory(min_age: float = 60.0) -> set[str]:
     MPI by itself, or after a hash for a job; neither says whether a rank still uses it, but a
     live user has it mapped. Only our own processes can map our files (MPIs make them 0600).
     Open MPI 5 leaves one behind even after a clean exit of a process that started MPI by itself.
-    The age spares a segment in the microseconds between its creation and its first mapping."""
+    The age spares a segment in the microseconds between its creation and its first mapping.
+    `since` (a time.time()): only segments made or changed since then (a side job's that crashed)."""
     try:
         names = [e for e in os.scandir(SHM_DIR) if e.name.startswith(SEGMENT_PREFIXES)]
     except OSError:
@@ -430,7 +431,7 @@ def orphaned_shared_memory(min_age: float = 60.0) -> set[str]:
             st = e.stat(follow_symlinks=False)
         except OSError:
             continue
-        if st.st_uid == uid and now - st.st_mtime >= min_age:
+        if st.st_uid == uid and now - st.st_mtime >= min_age and (since is None or st.st_mtime >= since):
             candidates.add(e.path)
     if not candidates:
         return set()

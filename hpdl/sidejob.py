@@ -95,6 +95,7 @@ class SideJob:
         child_env = dict(os.environ if env is None else env)
         child_env[MARKER] = self.marker
         preexec: Callable[[], None] | None = self.limits.apply if self.limits is not None else None
+        self.began = time.time()  # wall clock: a segment made since then is this job's, or a newer one's
         try:
             self.proc = subprocess.Popen(self.cmd, stdout=self._out, stderr=self._err or subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=child_env, cwd=cwd,
@@ -190,6 +191,10 @@ class SideJob:
             _live.discard(self)
             if self._named:
                 self._out.close()
+            if self.shared_memory and self.returncode != 0:  # a rank that stopped before MPI_Finalize (MPICH's
+                # assertion) may have left a segment made after the last look: one made since the job began
+                # that no process maps any more
+                self.segments |= procs.orphaned_shared_memory(min_age=0.0, since=self.began - 1)
             if self.shared_memory:
                 for path in procs.remove_shared_memory(self.segments):
                     log.info("removed %s, left by a side job that did not end by itself", path)

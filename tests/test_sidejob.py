@@ -123,6 +123,22 @@ def test_an_mpi_job_killed_mid_run_leaves_no_rank_and_no_shared_memory(no_strays
         assert job.returncode == -9 and not [p for p in ranks if procs.pid_alive(p)]
 
 
+def test_an_mpi_job_that_aborts_before_the_first_look_leaves_no_shared_memory(no_strays):
+    """MPICH stopping on an assertion (a tuning file with no rule for a call) ends the ranks before
+    MPI_Finalize, so their segment stays; made and left between two of the supervisor's looks at what the
+    ranks map, it was left in /dev/shm. Ended with an error, the job's leftovers are found by their age."""
+    program = _py("""
+        import os
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Barrier()
+        os.abort()
+    """)
+    before = set(os.listdir(procs.SHM_DIR))
+    done = sidejob.run([*launchers.side_job_command(2), *program], 60, env=sidejob.job_env())
+    assert done.returncode != 0 and not done.timed_out, done
+    assert not {f for f in os.listdir(procs.SHM_DIR) if f.startswith(procs.SEGMENT_PREFIXES)} - before
+
+
 @pytest.mark.parametrize("ended_by", ["its limit", "an interrupt"])
 def test_a_lessons_job_ends_with_its_emulated_nodes_and_says_so(ended_by, no_strays):
     """hpdl.run_job, as lesson 06 runs a job on emulated nodes: at the limit the learner reads what
