@@ -147,6 +147,12 @@ def file_short_names(table):
                   for u, a in table})
 
 
+def file_without_inter(table):
+    """Only the intra branch: right for every probe of one group's ranks (8/8), but MPICH finds no rule for an
+    allreduce between two groups (an inter-communicator) and stops."""
+    return {"collective=allreduce": {"comm_type=intra": _sized(table)}}
+
+
 def file_as_list(table):
     return [{"up_to": u, "algorithm": a} for u, a in table]
 
@@ -222,6 +228,7 @@ def test_files_made_beforehand_for_the_public_tables_fit_no_graded_case(no_stray
     (file_counts_elements, ["wrong algorithm"]),
     (file_short_names, ["unknown algorithm"]),
     (file_as_list, ["not a dict"]),
+    (file_without_inter, ["MPICH did not run", "Assertion failed", "'comm_type=inter'"]),
     (file_for_the_probes_op_only, ["'is_op_built_in=no'", "MPI_SUM"]),
     (file_for_the_probes_rank_count_only, ["'comm_size<3'", "whatever the call"]),
     (file_another_algorithm_far_beyond, ["wrong algorithm"]),

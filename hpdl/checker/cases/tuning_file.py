@@ -139,7 +139,7 @@ def verify(case, ctx):
     problems = tune.problems(obj) if isinstance(obj, dict) else [f"returned {type(obj).__name__}, not a dict"]
     hint = "; ".join(problems) or None
     if got.get("error") or (ran or {}).get("error"):
-        return Wrong((got.get("error") or ran["error"])[-600:], hint=hint)
+        return Wrong(_first_words(got.get("error") or ran["error"]), hint=hint)
     if ran is None:
         return Wrong(hint) if hint and ctx.rank == 0 else None
     wrong = [(n, want, algo) for n, want, algo in ran["probe"] if want not in algo.split("|")]
@@ -148,6 +148,12 @@ def verify(case, ctx):
     n, want, algo = wrong[0]
     return Wrong(f"{len(wrong)} of {len(ran['probe'])} probes ran the wrong algorithm; e.g. at {n} B per rank "
                  f"the table says {want}, MPICH ran {algo}", hint=hint or _guess(table, ran))
+
+
+def _first_words(text: str) -> str:
+    """An error's first lines, without the backtrace MPICH prints when it stops (lines of library paths)."""
+    lines = [line for line in str(text).splitlines() if line.strip() and not line.lstrip().startswith(("/", "["))]
+    return " ".join(lines[:3])[:600]
 
 
 def _beyond_size(obj: dict) -> str | None:
