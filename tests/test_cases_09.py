@@ -117,6 +117,15 @@ def lars_zero_layer_stuck(params, grads, lr, trust_coef=0.001, weight_decay=0.0)
     return out
 
 
+def lars_guarding_the_denominator(params, grads, lr, trust_coef=0.001, weight_decay=0.0):
+    out = []
+    for w, g in zip(params, grads):
+        denominator = g.norm() + weight_decay * w.norm()
+        ratio = trust_coef * w.norm() / denominator if w.norm() > 0 and denominator > 0 else 1.0  # ‖g‖ = 0: wd
+        out.append(w - lr * ratio * (g + weight_decay * w))
+    return out
+
+
 def lars_one_ratio(params, grads, lr, trust_coef=0.001, weight_decay=0.0):
     w_all = torch.sqrt(sum(w.norm() ** 2 for w in params))
     g_all = torch.sqrt(sum(g.norm() ** 2 for g in grads))
@@ -191,6 +200,7 @@ def lars_in_place(params, grads, lr, trust_coef=0.001, weight_decay=0.0):
     (lars_without_trust_ratio, ["plain sgd", "trust ratio"]),
     (lars_dividing_by_zero, ["nan", "ratio of 1"]),
     (lars_zero_layer_stuck, ["never moves"]),
+    (lars_guarding_the_denominator, ["gradient is zero", "not the denominator"]),  # 24/28: a hidden case alone
     (lars_one_ratio, ["per layer"]),
 ])
 def test_lars_step_known_bad_rejected(bad, words):

@@ -35,6 +35,10 @@ def cases(size: int) -> list[Case]:
                                           "zero_w": [1], "seed": 4}),
         Case("a zero gradient (‖g‖ = 0)", {"shapes": [[8, 8], [8]], "lr": 0.5, "trust": 0.01, "wd": 0.0,
                                           "zero_g": [0], "seed": 5}),
+        # and with weight decay: a guard on the denominator instead of on ‖g‖ gave it trust / wd (100 here), and
+        # only a hidden case had one (24/28)
+        Case("a zero gradient with weight decay", {"shapes": [[8, 8], [8]], "lr": 0.5, "trust": 0.01, "wd": 1e-4,
+                                                   "zero_g": [0], "seed": 8}),
         Case("zero weights and zero gradient", {"shapes": [[6, 4], [6], [3, 6]], "lr": 0.5, "trust": 0.01,
                                                 "wd": 1e-4, "zero_w": [1], "zero_g": [1], "seed": 6}),
         Case("hidden: float64, many layers", {"shapes": [[5, 5]] * 6 + [[5]] * 3, "lr": 3.0, "trust": 0.005,
@@ -122,12 +126,19 @@ def _why(ctx) -> str | None:
     got = ctx.got
     if not isinstance(got, (list, tuple)) or len(got) != len(params):
         return None
-    norm = torch.linalg.vector_norm
 
     def close(candidate):
         return all(torch.allclose(torch.as_tensor(a, dtype=b.dtype), b, rtol=1e-4, atol=1e-6)
                    for a, b in zip(got, candidate))
 
+    return next((why for candidate, why in _slips(params, grads, lr, trust, wd) if close(candidate)), None)
+
+
+def _slips(params, grads, lr, trust, wd) -> list[tuple[list, str]]:
+    """Each known slip's step on these inputs, with what to say when a learner's matches it (first match)."""
+    import torch
+
+    norm = torch.linalg.vector_norm
     sgd = [w - lr * (g + wd * w) for w, g in zip(params, grads)]
     w_all = torch.sqrt(sum(norm(w) ** 2 for w in params))
     g_all = torch.sqrt(sum(norm(g) ** 2 for g in grads))
@@ -140,20 +151,24 @@ def _why(ctx) -> str | None:
         combined.append(w - lr * r * d)
     undecayed = [w - lr * (trust * norm(w) / norm(g) if norm(w) > 0 and norm(g) > 0 else 1.0) * g
                  for w, g in zip(params, grads)]
-    stuck = []
+    guarded, stuck = [], []
     for w, g in zip(params, grads):
-        r = trust * norm(w) / (norm(g) + wd * norm(w)) if norm(g) + wd * norm(w) > 0 else 1.0
-        stuck.append(w - lr * r * (g + wd * w))
-    if close(sgd):
-        return "that is plain SGD: scale each layer's step by its trust ratio trust_coef · ‖w‖ / (‖g‖ + wd · ‖w‖)."
-    if close(one_ratio):
-        return "one ratio for the whole model: LARS computes a ratio per layer (per tensor), from that layer's norms."
-    if close(combined):
-        return "the denominator is ‖g‖ + weight_decay · ‖w‖ (You et al.), not ‖g + weight_decay · w‖."
-    if wd and close(undecayed):
-        return ("weight_decay is left out: it is in the step, g + weight_decay · w, and in the ratio's denominator, "
-                "‖g‖ + weight_decay · ‖w‖.")
-    if close(stuck):
-        return ("a layer of zeros gets a ratio of 0 and never moves (biases start at zero): when ‖w‖ or ‖g‖ is 0 "
-                "use a ratio of 1.")
-    return None
+        d = norm(g) + wd * norm(w)
+        guarded.append(w - lr * (trust * norm(w) / d if norm(w) > 0 and d > 0 else 1.0) * (g + wd * w))
+        stuck.append(w - lr * (trust * norm(w) / d if d > 0 else 1.0) * (g + wd * w))
+    decayed_still = wd and any(norm(g) == 0 and norm(w) > 0 for w, g in zip(params, grads))
+    return [
+        (sgd, "that is plain SGD: scale each layer's step by its trust ratio trust_coef · ‖w‖ / (‖g‖ + wd · ‖w‖)."),
+        (one_ratio, "one ratio for the whole model: LARS computes a ratio per layer (per tensor), from that layer's "
+                    "norms."),
+        *([(undecayed, "weight_decay is left out: it is in the step, g + weight_decay · w, and in the ratio's "
+                       "denominator, ‖g‖ + weight_decay · ‖w‖.")] if wd else []),
+        # a guard on the denominator: a zero gradient with weight decay took trust / weight_decay (24/28); before
+        # `combined`, which gives the same there
+        *([(guarded, "a layer whose gradient is zero takes a ratio of 1, as one of zeros does: with weight decay "
+                     "the formula gives trust_coef / weight_decay there, a step far too long. Test ‖w‖ and ‖g‖, "
+                     "not the denominator.")] if decayed_still else []),
+        (combined, "the denominator is ‖g‖ + weight_decay · ‖w‖ (You et al.), not ‖g + weight_decay · w‖."),
+        (stuck, "a layer of zeros gets a ratio of 0 and never moves (biases start at zero): when ‖w‖ or ‖g‖ is 0 "
+                "use a ratio of 1."),
+    ]
