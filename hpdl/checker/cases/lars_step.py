@@ -8,10 +8,11 @@
 
 Each rank draws its own layers (so 1–4 ranks check 1–4 times as many), among them the layers
 that break naive code: a layer of zeros (a bias at initialisation: ‖w‖ = 0), a layer whose
-gradient is zero, and both. Known slips and what they produce here: no trust ratio (plain SGD),
-one ratio for the whole model instead of one per layer, ‖g + wd·w‖ in the denominator, weight
-decay left out (a decay large enough to show: wd·‖w‖ half of ‖g‖ in one case), and
-dividing by a zero norm (NaN, or a layer that never moves).
+gradient is zero (with and without weight decay), and both. Known slips and what they produce
+here: no trust ratio (plain SGD), one ratio for the whole model instead of one per layer,
+‖g + wd·w‖ in the denominator, weight decay left out (a decay large enough to show: wd·‖w‖ half
+of ‖g‖ in one case), dividing by a zero norm (NaN, or a layer that never moves), and a guard on
+the denominator instead of on ‖g‖ (a zero gradient with weight decay then takes trust / wd).
 """
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ run different numbers of steps and DDP waits forever for the missing one); no in
 ranks except the few repeated to pad (DistributedSampler) — or none dropped except the tail
 (drop_last); the same answer when asked twice; shuffled; a different order every epoch (what
 set_epoch does) and for another seed; and then DistributedSampler's own list, as the exercise asks.
+Each call must leave torch's global random state as it found it: DistributedSampler draws from a
+generator of its own, and a sampler that reseeds the global one repeats the training's dropout and
+augmentation every epoch.
 """
 from __future__ import annotations
 
