@@ -83,27 +83,21 @@ def test_wrong_chunk_boundaries_are_wrong_only_for_uneven_lengths(no_strays):
     assert any("divides evenly" in h for h in result.hints)
 
 
-def test_a_rank_that_returns_with_its_sends_unfinished_is_wrong_naming_the_line(no_strays):
-    """Isend's requests never waited on: MPI copies a small message at once, so the sums come out right, but
-    until a request completes MPI may still read its buffer (a pipeline written so scored 18/18 and was wrong
-    at 512 KB). A rank must not return with a request open; where it was made is named."""
-    result = hpdl.check("ring_allreduce", L.ring_sends_never_waited, ranks=[2])
+@pytest.mark.parametrize("fn, ranks, says, marker", [
+    (L.ring_sends_never_waited, 2, "not finished (comm.Isend() to rank 1 ×2)", "# NEVER WAITED"),
+    (L.ring_send_buffer_reused, 3, "changed the buffer of comm.Isend() to rank", "staging[:n], dest"),
+])
+def test_a_send_not_seen_through_is_wrong_naming_the_line(fn, ranks, says, marker, no_strays):
+    """Isends never waited on, and one staging buffer for every Isend with the requests waited on at the end:
+    here MPI copies each message at the call and the sums come out right (a pipeline written either way
+    scored 18/18), but until a request completes MPI may still read its buffer. A rank must not return
+    with a request open, and a send's buffer must hold, when the send completes, what it held when it
+    began; the line that made the send is named."""
+    result = hpdl.check("ring_allreduce", fn, ranks=[ranks])
     assert result.score == 0 and result.cases, result
     for c in result.cases:
-        assert c.verdict == "WRONG" and "not finished (comm.Isend() to rank 1 ×2)" in c.message, c
-        assert c.line["line"] == line_of("# NEVER WAITED"), c
-
-
-def test_a_send_buffer_changed_before_its_send_completed_is_wrong_naming_the_line(no_strays):
-    """One staging buffer for every Isend, the requests waited on at the end: here each message is copied at
-    the call and the sums come out right, but MPI may read a send buffer until its request completes (a
-    pipeline written so scored 18/18). The buffer's bytes when the send completes are held against its
-    bytes when it began."""
-    result = hpdl.check("ring_allreduce", L.ring_send_buffer_reused, ranks=[3])
-    assert result.score == 0 and result.cases, result
-    for c in result.cases:
-        assert c.verdict == "WRONG" and "changed the buffer of comm.Isend() to rank" in c.message, c
-        assert c.line["line"] == line_of("staging[:n], dest"), c
+        assert c.verdict == "WRONG" and says in c.message, c
+        assert c.line["line"] == line_of(marker), c
 
 
 def test_result_left_on_rank_0_only_is_wrong_naming_the_other_ranks(no_strays):
