@@ -366,6 +366,19 @@ def _checksum(view) -> int:
     return zlib.crc32(view)
 
 
+def _settling(raw):
+    """`raw`, a call that can complete requests, followed by settling the sends it completed."""
+    def call(*args, **kwargs):
+        try:
+            return raw(*args, **kwargs)
+        finally:
+            if not recorder.paused_now:
+                recorder.settle()
+
+    call._hpdl_recorded = True
+    return call
+
+
 def _patch_requests() -> None:
     """After any call that can complete a request (Wait, Waitall, Test, ...), the sends it completed are
     settled (_Recorder.settle)."""
@@ -374,27 +387,9 @@ def _patch_requests() -> None:
     d = _type_dict(MPI.Request)
     for name in _COMPLETIONS:
         raw = d.get(name)
-        if raw is None or getattr(raw, "_hpdl_recorded", False):
+        if raw is None or getattr(getattr(raw, "__func__", raw), "_hpdl_recorded", False):
             continue
-        if isinstance(raw, classmethod):
-            bound = getattr(MPI.Request, name)
-
-            def done(cls, *args, _raw=bound, **kwargs):
-                try:
-                    return _raw(*args, **kwargs)
-                finally:
-                    if not recorder.paused_now:
-                        recorder.settle()
-            wrapped = classmethod(done)
-        else:
-            def wrapped(self, *args, _raw=raw, **kwargs):
-                try:
-                    return _raw(self, *args, **kwargs)
-                finally:
-                    if not recorder.paused_now:
-                        recorder.settle()
-        (wrapped.__func__ if isinstance(wrapped, classmethod) else wrapped)._hpdl_recorded = True
-        d[name] = wrapped
+        d[name] = classmethod(_settling(raw.__func__)) if isinstance(raw, classmethod) else _settling(raw)
     ctypes.pythonapi.PyType_Modified(ctypes.py_object(MPI.Request))
 
 
