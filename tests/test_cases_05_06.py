@@ -174,6 +174,18 @@ def grads_not_written_back(comm, model):
     _flat_average(comm, model)
 
 
+def grads_async_never_waited(comm, model):
+    """async_op=True and no work.wait(): the copy back races the all-reduce (once told "use comm.Get_size()")."""
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, async_op=True)
+    flat /= comm.Get_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def grads_over_mpi(comm, model):
     grads = [p.grad for p in model.parameters()]
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -210,6 +222,7 @@ def test_allreduce_gradients_over_mpi_is_also_right():
     (grads_summed, ["summed, not averaged"]),
     (grads_per_tensor, ["all-reduces for", "one flat buffer"]),
     (grads_not_written_back, ["own gradients"]),
+    (grads_async_never_waited, ["not finished (dist.all_reduce(async_op=True))", "work.wait()"]),
 ])
 def test_allreduce_gradients_known_bad_rejected(bad, words):
     rejected(hpdl.check("allreduce_gradients", bad, ranks=[2]), *words)

@@ -86,6 +86,8 @@ def test_wrong_chunk_boundaries_are_wrong_only_for_uneven_lengths(no_strays):
 @pytest.mark.parametrize("fn, ranks, says, marker", [
     (L.ring_sends_never_waited, 2, "not finished (comm.Isend() to rank 1 ×2)", "# NEVER WAITED"),
     (L.ring_send_buffer_reused, 3, "changed the buffer of comm.Isend() to rank", "staging[:n], dest"),
+    (L.ring_persistent_sends_never_waited, 3, "changed the buffer of comm.Send_init() to rank", "# STARTED, NEVER"),
+    (L.ring_isendrecv_buffer_changed, 3, "changed the buffer of comm.Isendrecv() to rank", "# ISENDRECV"),
 ])
 def test_a_send_not_seen_through_is_wrong_naming_the_line(fn, ranks, says, marker, no_strays):
     """Isends never waited on, and one staging buffer for every Isend with the requests waited on at the end:
@@ -98,6 +100,17 @@ def test_a_send_not_seen_through_is_wrong_naming_the_line(fn, ranks, says, marke
     for c in result.cases:
         assert c.verdict == "WRONG" and says in c.message, c
         assert c.line["line"] == line_of(marker), c
+
+
+def test_a_persistent_pair_restarted_every_step_is_counted_each_start(no_strays):
+    """Each start of a persistent request sends its message again: recorded once at Send_init only, a pair
+    restarted every step read as traffic the recording hid, and voided the check (0/27). Its padded messages
+    are longer than the ring's chunks where n does not divide evenly, and only there."""
+    result = hpdl.check("ring_allreduce", L.ring_persistent_pair_restarted, ranks=[3])
+    assert not any("Not counted" in c.message for c in result.cases), result
+    for c in result.cases:
+        assert c.verdict == "PASS" or c.params["uneven"] and "at most" in c.message, c
+    assert any(c.verdict == "PASS" for c in result.cases if c.params["uneven"] is False), result
 
 
 def test_result_left_on_rank_0_only_is_wrong_naming_the_other_ranks(no_strays):

@@ -367,6 +367,7 @@ class LearnerJob(RankJob):
             shown = name if "." in name else f"comm.{name}"
             return {"status": "forbidden", "name": name,
                     "message": f"{shown}() is not allowed here: {recorder.forbidden.get(name, 'forbidden')}"}
+        recorder.settle()  # the sends that completed unwaited (a persistent one's start) are compared too
         refused = self.unfinished(recorder.unfinished()) or self.overwritten(recorder.overwritten)
         if refused:
             return refused
@@ -396,10 +397,11 @@ class LearnerJob(RankJob):
         return {"status": "forbidden", "name": "an unfinished request",
                 "message": f"rank {self.rank} returned with {len(unfinished)} non-blocking "
                            f"call{'s' if len(unfinished) > 1 else ''} not finished "
-                           f"({listed}): complete each request (req.Wait(), or MPI.Request.Waitall(requests)) "
-                           "before its buffer is used again and before the function returns. Until then MPI may "
-                           "still be reading the send buffer or filling the receive one: small messages are "
-                           "copied at once, so the results can look right; large ones are not", "where": where}
+                           f"({listed}): complete each request (req.Wait(), or MPI.Request.Waitall(requests); a "
+                           "torch.distributed work: work.wait()) before its buffer is used again and before the "
+                           "function returns. Until then MPI or torch.distributed may still be reading the send "
+                           "buffer or filling the receive one: small messages are copied at once, so the results "
+                           "can look right; large ones are not", "where": where}
 
     def overwritten(self, overwritten: list) -> dict | None:
         """A rank that changed a send's buffer before the send completed (recording._Recorder.settle)."""

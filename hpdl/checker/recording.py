@@ -95,11 +95,13 @@ class _Recorder:
         self.started: list[tuple[str, Any, Any]] = []  # (call, its request, the learner's line): non-blocking calls
         self.sending: list[tuple[Any, Any, int, str, Any]] = []  # a send in flight: request, buffer, checksum, ...
         self.overwritten: list[tuple[str, Any]] = []  # (call, line): a send whose buffer changed before it completed
+        self.waited: dict[int, Any] = {}  # id of a torch.distributed work the learner waited on: None, or its future
+        self.persistent: dict[int, dict] = {}  # a persistent request's handle: its call, label, send view, starts
         self._paused = threading.local()
 
     def reset(self, forbidden: dict[str, str] | None = None) -> None:
         self.calls, self.rejected, self.current, self.started = [], [], None, []
-        self.sending, self.overwritten = [], []
+        self.sending, self.overwritten, self.waited, self.persistent = [], [], {}, {}
         _clear()
         if forbidden is not None:
             self.forbidden = dict(forbidden)
@@ -116,8 +118,10 @@ class _Recorder:
         """The non-blocking calls (Isend, Irecv, Iallreduce, ...) whose request is still open: neither waited
         on, tested to completion nor freed. With small messages MPI copies the data at once and the results
         can look right; with large ones it reads the send buffer or fills the receive one until the request
-        completes (a pipeline that never waited on its Isends scored 18/18, and was wrong at 512 KB)."""
-        return [(call, where) for call, request, where in self.started if request]
+        completes (a pipeline that never waited on its Isends scored 18/18, and was wrong at 512 KB). A
+        torch.distributed work (async_op=True) likewise, until waited on: an all-reduce read before its
+        wait() gave averages that were off, and the hint blamed the division."""
+        return [(call, where) for call, request, where in self.started if _still_open(request)]
 
     def settle(self) -> None:
         """Each send whose request has just completed: its buffer must hold what it held when the send began.
@@ -128,7 +132,7 @@ class _Recorder:
         still = []
         for entry in self.sending:
             request, view, checksum, call, where = entry
-            if request:
+            if _mpi_open(request):
                 still.append(entry)
             elif _checksum(view) != checksum:
                 self.overwritten.append((call, where))
@@ -138,16 +142,18 @@ class _Recorder:
         """Whether the calls and pauses are the recorder's own since reset() (see _tally)."""
         return _intact(self.calls)
 
-    def note(self, name: str, dest=None, source=None, count=None, kind: str = "mpi", nbytes=None) -> None:
+    def note(self, name: str, dest=None, source=None, count=None, kind: str = "mpi", nbytes=None) -> Call | None:
         """Record one call, or refuse it (ForbiddenCall) when the exercise forbids it."""
         if self.paused_now:
-            return
+            return None
         key = name if kind == "mpi" else f"{kind}.{name}"
         reason = self.forbidden.get(key) or self.forbidden.get(name if kind == "mpi" else "")
         if reason:
             self.rejected.append(key)
             raise ForbiddenCall(key, reason)
-        self.add(Call(key, dest, source, count, nbytes))
+        call = Call(key, dest, source, count, nbytes)
+        self.add(call)
+        return call
 
 
 recorder = _Recorder()
@@ -342,14 +348,36 @@ def _size(comm) -> int:
         return 1
 
 
-_SENDS_IN_FLIGHT = ("Isend", "Issend", "Ibsend", "Irsend")  # a buffer MPI may read until the request completes
+# a buffer MPI may read until the request completes (Isendrecv_replace's is rewritten by design)
+_SENDS_IN_FLIGHT = ("Isend", "Issend", "Ibsend", "Irsend", "Isendrecv")
+_SEND_INITS = ("Send_init", "Ssend_init", "Bsend_init", "Rsend_init")
 _COMPLETIONS = ("Wait", "Test", "Free", "Waitall", "Testall", "Waitany", "Testany", "Waitsome", "Testsome",
                 "wait", "test", "waitall", "testall", "waitany", "testany", "waitsome", "testsome")
 
 
 def _send_view(buf):
-    """The bytes a send reads: its array's (or [array, type]'s), a CPU tensor's; None where not a plain buffer."""
-    data = buf[0] if isinstance(buf, (list, tuple)) and buf else buf
+    """The bytes a send reads: its array's (or a CPU tensor's), only the part a message spec names
+    ([data, count], [data, (count, displ), type], [data, count, displ, type]); None where not a plain buffer
+    or where a derived datatype picks the bytes (a chunk sent from x while another chunk of x is received)."""
+    data, spec = (buf[0], list(buf[1:])) if isinstance(buf, (list, tuple)) and buf else (buf, [])
+    whole = _bytes_of(data)
+    if whole is None or not spec:
+        return whole
+    from mpi4py import MPI
+
+    dtype = spec.pop() if isinstance(spec[-1], MPI.Datatype) else None
+    if dtype is not None and not dtype.is_predefined:
+        return None
+    if len(spec) == 1 and isinstance(spec[0], (tuple, list)):
+        spec = list(spec[0])
+    if not spec or len(spec) > 2 or not all(isinstance(v, int) for v in spec):
+        return whole if not spec else None
+    count, displ = spec[0], spec[1] if len(spec) > 1 else 0
+    extent = dtype.Get_extent()[1] if dtype is not None else _itemsize(data)
+    return whole[displ * extent:(displ + count) * extent] if extent else None
+
+
+def _bytes_of(data):
     try:
         return memoryview(data).cast("B")
     except (TypeError, ValueError):
@@ -358,6 +386,13 @@ def _send_view(buf):
             return memoryview(numpy()).cast("B") if callable(numpy) else None
         except Exception:
             return None
+
+
+def _itemsize(data) -> int:
+    try:
+        return memoryview(data).itemsize
+    except (TypeError, ValueError):
+        return int(getattr(data, "element_size", lambda: 0)())
 
 
 def _checksum(view) -> int:
@@ -400,6 +435,78 @@ def _open_request(result) -> bool:
     return isinstance(result, MPI.Request) and not isinstance(result, MPI.Prequest) and bool(result)
 
 
+def _still_open(request) -> bool:
+    """An MPI request not yet completed, or a torch.distributed work neither waited on nor with its future done
+    (a future can be done a moment before its work says it is completed)."""
+    if type(request) not in _WORK_DONE:
+        return _mpi_open(request)
+    if id(request) not in recorder.waited:
+        return True
+    future = recorder.waited[id(request)]
+    return future is not None and not future.done()
+
+
+def _mpi_open(request) -> bool:
+    """A request not null; a persistent one: started and not complete (it stays allocated after its Wait)."""
+    from mpi4py import MPI
+
+    if isinstance(request, MPI.Prequest):
+        return bool(request) and not request.Get_status()
+    return bool(request)
+
+
+def _started_persistent(request, frame) -> None:
+    """A start of a persistent request moves its message again: the first start is the message its _init call
+    recorded, each later one is recorded anew (a pair restarted every step was read as traffic the recording
+    hid: 0/27). Each start is a request to complete, its send buffer checksummed as an Isend's."""
+    entry = recorder.persistent.get(getattr(request, "handle", None))
+    if entry is None:
+        return
+    if entry["starts"] and entry["call"] is not None:
+        c = entry["call"]
+        recorder.add(Call(c.name, c.dest, c.source, c.count, c.nbytes))
+    entry["starts"] += 1
+    where = _caller(frame)
+    recorder.started.append((entry["label"], request, where))
+    if entry["view"] is not None:
+        recorder.sending.append((request, entry["view"], _checksum(entry["view"]), entry["label"], where))
+
+
+def _persistent(name: str, request, buf, noted, label: str) -> None:
+    """A persistent request made (Send_init, Recv_init, ...): what each of its starts moves (_started_persistent)."""
+    if getattr(request, "handle", None) is not None and not recorder.paused_now:
+        view = _send_view(buf) if name in _SEND_INITS else None
+        recorder.persistent[request.handle] = {"call": noted, "label": label, "view": view, "starts": 0}
+
+
+def _patch_starts() -> None:
+    """Prequest.Start and Prequest.Startall note each start (_started_persistent)."""
+    from mpi4py import MPI
+
+    d = _type_dict(MPI.Prequest)
+    start, startall = d.get("Start"), d.get("Startall")
+    if start is not None and not getattr(start, "_hpdl_recorded", False):
+        def Start(self, _base=start):
+            result = _base(self)
+            if not recorder.paused_now:
+                _started_persistent(self, sys._getframe(1))
+            return result
+
+        Start._hpdl_recorded = True
+        d["Start"] = Start
+    if isinstance(startall, classmethod) and not getattr(startall.__func__, "_hpdl_recorded", False):
+        def Startall(cls, requests, _base=startall.__func__):
+            result = _base(cls, requests)
+            if not recorder.paused_now:
+                for request in requests:
+                    _started_persistent(request, sys._getframe(1))
+            return result
+
+        Startall._hpdl_recorded = True
+        d["Startall"] = classmethod(Startall)
+    ctypes.pythonapi.PyType_Modified(ctypes.py_object(MPI.Prequest))
+
+
 def _caller(frame) -> tuple[str, int, str]:
     return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
 
@@ -420,7 +527,7 @@ def _wrap(cls_name: str, name: str, base):
         if in_place and name in _GATHERS_IN_PLACE and isinstance(count, int):  # this rank's part of the whole
             count = -(-count // max(1, _size(self)))
         nbytes = _nbytes(name, buf) if dest is not None and recorder.sized else None
-        recorder.note(name, *_in_world(self, dest, source), count, nbytes=nbytes)
+        noted = recorder.note(name, *_in_world(self, dest, source), count, nbytes=nbytes)
         if name in _SCATTERS_TO_EACH and not in_place and len(args) > 1 and not recorder.paused_now:
             recorder.add(Call(f"{name}:mine", None, None, _count(args[1]), None))  # what this rank gets
         peer = f" to rank {dest}" if dest is not None else ""
@@ -430,6 +537,8 @@ def _wrap(cls_name: str, name: str, base):
             result = base(self, *args, **kwargs)
         finally:
             recorder.current = None
+        if name.endswith("_init"):
+            _persistent(name, result, buf, noted, f"comm.{name}(){peer}")
         if nonblocking and _open_request(result):
             where = _caller(sys._getframe(1))
             recorder.started.append((f"comm.{name}(){peer}", result, where))
@@ -461,6 +570,7 @@ def _patch_mpi(forbid_windows: bool) -> None:
             d[name] = _wrap(cls_name, name, d[name])
         ctypes.pythonapi.PyType_Modified(ctypes.py_object(cls))
     _patch_requests()
+    _patch_starts()
     if forbid_windows:
         d = _type_dict(MPI.Win)
         for name in ONE_SIDED:
@@ -513,26 +623,80 @@ _PG_AS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesce
 _in_function = threading.local()  # depth of torch.distributed functions under way: their own ProcessGroup call
 
 
+#: Work methods that see a torch.distributed work through (is_completed: when it answers True)
+_WORK_COMPLETIONS = ("wait", "synchronize", "block_current_stream", "get_future", "get_future_result", "is_completed")
+_WORK_DONE: set[type] = set()  # each Work type whose completions are marked
+_WORK: list[type] = []  # torch.distributed's Work, once imported
+
+
+def _started_work(call: str, work, frame) -> None:
+    """An asynchronous torch.distributed call's work, to be waited on before the learner's function returns."""
+    if not (_WORK and isinstance(work, _WORK[0])):
+        return
+    _patch_works(type(work))  # a backend's own subclass too: its wait() must be seen
+    if type(work) in _WORK_DONE:
+        recorder.waited.pop(id(work), None)  # an id a freed work had
+        recorder.started.append((call, work, _caller(frame)))
+
+
+def _patch_works(cls) -> None:
+    """Mark each work of `cls` the learner waits on (or takes the future of, or is told is complete)."""
+    if cls in _WORK_DONE:
+        return
+    for name in _WORK_COMPLETIONS:
+        base = getattr(cls, name, None)
+        if base is None or getattr(base, "_hpdl_recorded", False):
+            continue
+
+        def method(self, *args, _base=base, _name=name, **kwargs):
+            result = _base(self, *args, **kwargs)
+            if _name != "is_completed" or result:
+                recorder.waited[id(self)] = result if _name == "get_future" else None
+            return result
+
+        method.__name__, method._hpdl_recorded = name, True
+        try:
+            setattr(cls, name, method)
+        except (TypeError, AttributeError):
+            return  # not marked: its works are not held open either
+    _WORK_DONE.add(cls)
+
+
+def _recorded_function(name: str, rule: str, base):
+    """torch.distributed's `name`, recorded (or refused) as the MPI call it does the work of; its work, if
+    asynchronous, to be waited on."""
+    def fn(*args, **kwargs):
+        recording = not recorder.paused_now
+        if recording:
+            reason = recorder.forbidden.get(f"torch.distributed.{name}") or recorder.forbidden.get(rule)
+            if reason:
+                recorder.rejected.append(f"torch.distributed.{name}")
+                raise ForbiddenCall(f"torch.distributed.{name}", reason)
+            recorder.add(Call(name, count=_numel(args, kwargs, name)))
+        _in_function.depth = getattr(_in_function, "depth", 0) + 1
+        try:
+            result = base(*args, **kwargs)
+        finally:
+            _in_function.depth -= 1
+        if recording:
+            _started_work(f"dist.{name}(async_op=True)", result, sys._getframe(1))
+        return result
+
+    fn.__name__, fn.__qualname__, fn._hpdl_recorded = name, name, True
+    return fn
+
+
 def _patch_c10d(c10d) -> None:
+    work = getattr(c10d, "Work", None)
+    if work is not None and not _WORK:
+        _WORK.append(work)
+        _patch_works(work)
     for name, rule in TORCH_COLLECTIVES.items():
         base = getattr(c10d, name, None)
         if base is None or getattr(base, "_hpdl_recorded", False):
             continue
 
-        def fn(*args, _name=name, _rule=rule, _base=base, **kwargs):
-            if not recorder.paused_now:
-                reason = recorder.forbidden.get(f"torch.distributed.{_name}") or recorder.forbidden.get(_rule)
-                if reason:
-                    recorder.rejected.append(f"torch.distributed.{_name}")
-                    raise ForbiddenCall(f"torch.distributed.{_name}", reason)
-                recorder.add(Call(_name, count=_numel(args, kwargs, _name)))
-            _in_function.depth = getattr(_in_function, "depth", 0) + 1
-            try:
-                return _base(*args, **kwargs)
-            finally:
-                _in_function.depth -= 1
-
-        fn.__name__, fn.__qualname__, fn._hpdl_recorded = name, name, True
+        fn = _recorded_function(name, rule, base)
         setattr(c10d, name, fn)
         dist = sys.modules.get("torch.distributed")
         if dist is not None and getattr(dist, name, None) is base:
@@ -548,6 +712,7 @@ def _patch_c10d(c10d) -> None:
                     "reduce": "Reduce"}.get(method, "Allgather")
 
             def pg(self, *args, _m=method, _rule=rule, _base=base, **kwargs):
+                learners = not recorder.paused_now and not getattr(_in_function, "depth", 0)
                 if not recorder.paused_now:
                     reason = recorder.forbidden.get(f"ProcessGroup.{_m}") or recorder.forbidden.get(_rule)
                     if reason:
@@ -557,7 +722,10 @@ def _patch_c10d(c10d) -> None:
                         # (unrecorded, an all-reduce by this route failed right code: "no all-reduce was seen")
                         name = _PG_AS.get(_m, _m)
                         recorder.add(Call(name, count=_numel(args, kwargs, name)))
-                return _base(self, *args, **kwargs)
+                result = _base(self, *args, **kwargs)
+                if learners:
+                    _started_work(f"ProcessGroup.{_m}()", result, sys._getframe(1))
+                return result
 
             pg._hpdl_recorded = True
             try:
