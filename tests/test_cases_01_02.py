@@ -80,6 +80,53 @@ def evaluates_while_training(model, batch, loss_fn, optimizer):
     return loss.item()
 
 
+def loss_again_before_training(model, batch, loss_fn, optimizer):
+    """The loss before the update from a forward of its own under no_grad, then the training pass: BatchNorm's
+    running statistics move twice a step while the parameters come out right (4/4 once)."""
+    with torch.no_grad():
+        before = loss_fn(model(batch[0]), batch[1]).item()
+    optimizer.zero_grad()
+    loss_fn(model(batch[0]), batch[1]).backward()
+    optimizer.step()
+    return before
+
+
+def loss_in_evaluation_mode(model, batch, loss_fn, optimizer):
+    """The loss read in evaluation mode, then a right training step (3/4, told "before optimizer.step()")."""
+    model.eval()
+    with torch.no_grad():
+        before = loss_fn(model(batch[0]), batch[1]).item()
+    model.train()
+    optimizer.zero_grad()
+    loss_fn(model(batch[0]), batch[1]).backward()
+    optimizer.step()
+    return before
+
+
+def evaluation_mode_left_behind(model, batch, loss_fn, optimizer):
+    """model.eval() after the update: the next steps train in evaluation mode (3/4, told to call zero_grad)."""
+    optimizer.zero_grad()
+    loss = loss_fn(model(batch[0]), batch[1])
+    loss.backward()
+    optimizer.step()
+    model.eval()
+    return loss.item()
+
+
+@pytest.mark.parametrize("slip, says", [
+    (loss_again_before_training, "forward once per step"),
+    (loss_in_evaluation_mode, "computed in evaluation mode"),
+    (evaluation_mode_left_behind, "left the model in evaluation mode"),
+], ids=lambda v: getattr(v, "__name__", "says"))
+def test_a_step_that_minds_the_mode_wrongly_fails_both_batch_norm_cases_and_is_told(slip, says, no_strays):
+    """Each is right on a model with no layer that minds the mode; both models with batch norm show it, one hidden."""
+    result = hpdl.check("train_step", slip, grade=True)
+    wrong = [c for c in result.cases if c.verdict == "WRONG"]
+    assert [c.name for c in wrong] == ["CNN, Adam, label smoothing", "wide MLP with batch norm, SGD"], result
+    assert all(says in (c.hint or "") for c in wrong), result
+    assert result.score == result.max_score // 2, result
+
+
 def test_a_step_in_evaluation_mode_fails_where_a_layer_minds_the_mode(no_strays):
     result = hpdl.check("train_step", evaluates_while_training)
     assert [c.name for c in result.cases if c.verdict == "WRONG"] == ["CNN, Adam, label smoothing"], result

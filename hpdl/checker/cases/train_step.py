@@ -35,8 +35,9 @@ def cases(size):
         Case("CNN, Adam, label smoothing", {"model": "cnn", "optimizer": "adam", "batch": 8, "smoothing": 0.1},
              slow_factor=slow),
         Case("one sample per batch", {"model": "mlp", "optimizer": "sgd", "batch": 1}, slow_factor=slow),
-        Case("wide MLP, SGD", {"model": "mlp", "optimizer": "sgd", "batch": 32, "hidden": 64}, hidden=True,
-             slow_factor=slow),
+        # batch norm here too: a step that minds the mode, or runs forward twice, fails two cases, not one (3/4)
+        Case("wide MLP with batch norm, SGD", {"model": "mlp", "optimizer": "sgd", "batch": 32, "hidden": 64,
+                                                "norm": True}, hidden=True, slow_factor=slow),
     ]
 
 
@@ -63,7 +64,8 @@ def _model(p: dict):
         return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
                              nn.Linear(4 * 64, 10))
     width = p.get("hidden", 32)
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
+    norm = [nn.BatchNorm1d(width)] if p.get("norm") else []
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, width), *norm, nn.ReLU(), nn.Linear(width, 10))
 
 
 def build(p: dict, weights: list, batches: list) -> tuple:
@@ -94,12 +96,16 @@ def model_step(model, batch, loss_fn, optimizer) -> float:
 
 
 def _run(step, model, batches, loss_fn, optimizer) -> dict:
-    losses, params = [], []
+    """Each step's loss, and after it the parameters, the buffers (BatchNorm's running statistics and count)
+    and whether the model is still in training mode."""
+    losses, params, buffers, training = [], [], [], []
     model.train()
     for batch in batches:
         losses.append(step(model, batch, loss_fn, optimizer))
         params.append([q.detach().numpy().copy() for q in model.parameters()])
-    return {"losses": losses, "params": params}
+        buffers.append([b.detach().numpy().reshape(-1).copy() for b in model.buffers()])  # a count is 0-d
+        training.append(bool(model.training))
+    return {"losses": losses, "params": params, "buffers": buffers, "training": training}
 
 
 def call(fn, comm, args):
@@ -125,13 +131,33 @@ def verify(case, ctx):
         if not np.isclose(g, e, rtol=1e-5, atol=1e-6):
             hint = None if i else ("compute the loss with the loss_fn you are given (here it smooths the labels), "
                                    "not a loss of your own." if _own_loss(case, ctx, g) else
+                                   _IN_EVAL if _eval_loss(case, ctx, g) else
                                    "return the loss computed *before* optimizer.step(), on this batch.")
             return Wrong(f"step {i + 1} returned loss {g:.6g}; expected {e:.6g}", hint=hint, max_error=abs(g - e))
         w = hooks.compare(got["params"][i], expected["params"][i], what=f"after step {i + 1}, parameters",
-                          rtol=1e-4, atol=1e-6)
+                          rtol=1e-4, atol=1e-6) or _buffers(i, got, expected)
         if w is not None:
             return w
     return None
+
+
+_TWICE = ("run the model forward once per step, in training mode: each such pass updates BatchNorm's running "
+          "statistics, which evaluation uses; for the loss before the update, return the loss of the pass you "
+          "take backward through (loss.item()).")
+
+
+def _buffers(i: int, got: dict, expected: dict) -> Wrong | None:
+    """BatchNorm's running mean, variance and count after step i: a second forward pass (a loss recomputed under
+    no_grad) moves them again while the parameters come out right (4/4 before they were compared)."""
+    g, e = got.get("buffers"), expected["buffers"]
+    if not e[i]:
+        return None
+    w = hooks.compare(g[i] if isinstance(g, list) and len(g) > i else g, e[i],
+                      what=f"after step {i + 1}, BatchNorm's running statistics", rtol=1e-4, atol=1e-6)
+    if w is not None and not w.hint:
+        left_in_eval = not all(got.get("training", [True])[:i])  # the step ran in evaluation mode: BN kept still
+        w.hint = _LEFT_IN_EVAL if left_in_eval else _TWICE
+    return w
 
 
 def _own_loss(case, ctx, loss: float) -> bool:
@@ -147,8 +173,30 @@ def _own_loss(case, ctx, loss: float) -> bool:
     return bool(np.isclose(loss, plain, rtol=1e-5, atol=1e-6))
 
 
+_LEFT_IN_EVAL = ("your step left the model in evaluation mode (model.eval()), so the next step trained in it: "
+                 "batch norm then normalises by its running statistics, not the batch's, and keeps them still. "
+                 "Leave the mode as you found it (model.train() is set before the first step).")
+_IN_EVAL = ("the loss returned was computed in evaluation mode (model.eval()), where batch norm uses its running "
+            "statistics: return the loss of the training pass you take backward through.")
+
+
+def _eval_loss(case, ctx, loss) -> bool:
+    """Whether a first step's loss is the model's loss in evaluation mode, where a layer minds the mode."""
+    import torch
+
+    model, batches, loss_fn, _ = build(*ctx.args)
+    if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return False
+    model.eval()
+    with torch.no_grad():
+        plain = loss_fn(model(batches[0][0]), batches[0][1]).item()
+    return isinstance(loss, numbers.Real) and bool(np.isclose(loss, plain, rtol=1e-5, atol=1e-6))
+
+
 def diagnose(case, ctx):
     got, expected = ctx.got, ctx.expected
+    if not all(got.get("training", [True])):
+        return _LEFT_IN_EVAL
     before = ctx.args[1]  # the first weights
     if all(np.array_equal(a, b) for a, b in zip(got["params"][0], before)):
         return ("the parameters did not change: call optimizer.step() after loss.backward(), "
