@@ -321,6 +321,36 @@ def needs_a_list(step, batches, warmup=1):
     return sum(len(b[0]) for b in batches[warmup:]) / (time.perf_counter() - start) + 0 * n
 
 
+def last_step_left_out(step, batches, warmup=1):
+    """The clock read at the top of each step, and the last step's samples left out with its time (6/7 once)."""
+    starts, sizes = [], []
+    for batch in batches:
+        starts.append(time.perf_counter())
+        step(batch)
+        sizes.append(len(batch[0]))
+    return sum(sizes[warmup:-1]) / (starts[-1] - starts[warmup])
+
+
+def mean_seconds_per_sample(step, batches, warmup=1):
+    """The timed batches' seconds per sample averaged, each batch alike whatever its size, inverted (6/7 once)."""
+    per = []
+    for i, batch in enumerate(batches):
+        start = time.perf_counter()
+        step(batch)
+        if i >= warmup:
+            per.append((time.perf_counter() - start) / len(batch[0]))
+    return len(per) / sum(per)
+
+
+@pytest.mark.parametrize("slip, most", [(last_step_left_out, 4), (mean_seconds_per_sample, 5)],
+                         ids=["last_step_left_out", "mean_seconds_per_sample"])
+def test_a_slow_last_step_tells_the_slips_it_hides_in_more_cases_than_one(slip, most, no_strays):
+    """The slow step first and, from four timed ones on, last as well (throughput.paces): both slips read high
+    wherever the last timed step carries much of the time, not only where the last batch is large."""
+    result = hpdl.check("throughput", slip, grade=True)
+    assert result.score <= most, result
+
+
 @pytest.mark.parametrize("bad, words", [
     (times_the_warmup, "start the clock after"),
     (batches_per_second, "batches per second"),
