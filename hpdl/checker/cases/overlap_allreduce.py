@@ -71,8 +71,9 @@ def cases(size):
              **kw),
         Case("5-layer MLP, buckets of 25 MiB (one bucket)", {"bucket_mb": 25.0, "seed": 2}, **kw),
         Case("5-layer MLP, buckets of 1e-6 MiB (one tensor each)", {"bucket_mb": 1e-6, "seed": 3, **read}, **kw),
-        # its first bucket is complete only when backward reaches the second Linear (model[3]): read there
-        Case("5-layer MLP, buckets of 0.01 MiB", {"bucket_mb": 0.01, "seed": 4, **read, "cut": 3, **held},
+        # its first bucket is complete only when backward reaches the second Linear (model[3]): read there. A cap
+        # read as MB (0.0054e6 bytes, not 0.0054 × 2**20) cuts other buckets here, and nowhere in the cases above
+        Case("5-layer MLP, buckets of 0.0054 MiB", {"bucket_mb": 0.0054, "seed": 4, **read, "cut": 3, **held},
              hidden=True, **kw),
     ]
 
@@ -400,5 +401,11 @@ def diagnose(case, ctx):
                 "(pending work, gradients still to come) for the next step.")
     if any(s["total"] == 0 for s in got["steps"]):
         return "a step launched no all-reduce: are the hooks registered on the model's parameters?"
+    right = [_dp.close([g], [e], rtol=1e-5, atol=1e-6) is None for g, e in zip(first_got, first_expected)]
+    if any(right) and not all(right):
+        left = [i for i, ok in enumerate(right) if not ok]
+        return (f"after step 1, {len(left)} of the {len(right)} gradient tensors (model.parameters()[i] for i in "
+                f"{left}) are not the average while the others are: put every parameter in a bucket, the last, "
+                "partial bucket too, and make sure each bucket's all-reduce is launched and waited for.")
     return ("wait for each all-reduce before reading its buffer, then copy the averaged slices back into p.grad "
             "(the flat buffer from torch.cat is a copy, not a view).")
