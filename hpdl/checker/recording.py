@@ -438,7 +438,7 @@ def _open_request(result) -> bool:
 def _still_open(request) -> bool:
     """An MPI request not yet completed, or a torch.distributed work neither waited on nor with its future done
     (a future can be done a moment before its work says it is completed)."""
-    if type(request) not in _WORK_DONE:
+    if type(request) not in _MARKED_WORKS:
         return _mpi_open(request)
     if id(request) not in recorder.waited:
         return True
@@ -625,7 +625,7 @@ _in_function = threading.local()  # depth of torch.distributed functions under w
 
 #: Work methods that see a torch.distributed work through (is_completed: when it answers True)
 _WORK_COMPLETIONS = ("wait", "synchronize", "block_current_stream", "get_future", "get_future_result", "is_completed")
-_WORK_DONE: set[type] = set()  # each Work type whose completions are marked
+_MARKED_WORKS: set[type] = set()  # each Work type whose completions are marked
 _WORK: list[type] = []  # torch.distributed's Work, once imported
 
 
@@ -634,14 +634,14 @@ def _started_work(call: str, work, frame) -> None:
     if not (_WORK and isinstance(work, _WORK[0])):
         return
     _patch_works(type(work))  # a backend's own subclass too: its wait() must be seen
-    if type(work) in _WORK_DONE:
+    if type(work) in _MARKED_WORKS:
         recorder.waited.pop(id(work), None)  # an id a freed work had
         recorder.started.append((call, work, _caller(frame)))
 
 
 def _patch_works(cls) -> None:
     """Mark each work of `cls` the learner waits on (or takes the future of, or is told is complete)."""
-    if cls in _WORK_DONE:
+    if cls in _MARKED_WORKS:
         return
     for name in _WORK_COMPLETIONS:
         base = getattr(cls, name, None)
@@ -659,7 +659,7 @@ def _patch_works(cls) -> None:
             setattr(cls, name, method)
         except (TypeError, AttributeError):
             return  # not marked: its works are not held open either
-    _WORK_DONE.add(cls)
+    _MARKED_WORKS.add(cls)
 
 
 def _recorded_function(name: str, rule: str, base):
@@ -712,13 +712,14 @@ def _patch_c10d(c10d) -> None:
                     "reduce": "Reduce"}.get(method, "Allgather")
 
             def pg(self, *args, _m=method, _rule=rule, _base=base, **kwargs):
+                # called by the learner, not by dist.all_reduce
                 learners = not recorder.paused_now and not getattr(_in_function, "depth", 0)
                 if not recorder.paused_now:
                     reason = recorder.forbidden.get(f"ProcessGroup.{_m}") or recorder.forbidden.get(_rule)
                     if reason:
                         recorder.rejected.append(f"ProcessGroup.{_m}")
                         raise ForbiddenCall(f"ProcessGroup.{_m}", reason)
-                    if not getattr(_in_function, "depth", 0):  # called by the learner, not by dist.all_reduce
+                    if learners:
                         # (unrecorded, an all-reduce by this route failed right code: "no all-reduce was seen")
                         name = _PG_AS.get(_m, _m)
                         recorder.add(Call(name, count=_numel(args, kwargs, name)))
