@@ -147,6 +147,26 @@ def test_zero1_shards_off_by_one_rejected(no_strays):
     assert any(c.params["n"] % 3 for c in result.cases), "no case where 3 ranks split the values unevenly"
 
 
+def zero1_momentum_gathered_too(comm, params, grad, momentum, lr, beta):
+    """The right step, with the momentum all-gathered and returned whole: ZeRO-1's sharded state kept full. The
+    entries outside a rank's shard, NaN in the reference, were never compared (hooks.compare read NaN as any)."""
+    p, r, n = comm.Get_size(), comm.Get_rank(), params.numel()
+    counts = [len(c) for c in torch.arange(n).tensor_split(p)]
+    lo = sum(counts[:r])
+    g = torch.empty(counts[r])
+    comm.Reduce_scatter(grad.numpy(), g.numpy(), recvcounts=counts, op=MPI.SUM)
+    m = beta * momentum[lo:lo + counts[r]] + g / p
+    new, whole = torch.empty_like(params), torch.empty_like(momentum)
+    comm.Allgatherv((params[lo:lo + counts[r]] - lr * m).numpy(), [new.numpy(), counts])
+    comm.Allgatherv(m.contiguous().numpy(), [whole.numpy(), counts])
+    return new, whole
+
+
+def test_zero1_momentum_kept_whole_is_wrong_and_told(no_strays):
+    result = hpdl.check("zero1_step", zero1_momentum_gathered_too, ranks=[2])
+    rejected(result, "momentum", "expected nan", "leave the other entries as they came")
+
+
 def test_zero1_missing_allgather_rejected(no_strays):
     rejected(hpdl.check("zero1_step", zero1_no_allgather, ranks=[2]), "all-gather")
 

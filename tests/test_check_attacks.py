@@ -77,6 +77,19 @@ def test_every_route_to_a_library_collective_is_refused_at_run_time(attack, call
         assert "not allowed" in c.message and "point-to-point" in c.message
 
 
+def test_every_collective_mpi4py_offers_is_one_the_recorder_knows():
+    """An exercise refuses or counts collectives by the names in hooks.COLLECTIVES: one left out goes unseen
+    (Allgatherv_init of every rank's gradients, then a mean, scored 12/12 where Allgather is refused)."""
+    from mpi4py import MPI
+
+    from hpdl.checker import hooks
+
+    stems = ("gather", "scatter", "reduce", "bcast", "alltoall", "barrier", "scan")
+    offered = {name for cls in (MPI.Comm, MPI.Intracomm, MPI.Intercomm, MPI.Topocomm) for name in vars(cls)
+               if not name.startswith("_") and any(stem in name.lower() for stem in stems)}
+    assert len(offered) > 60 and offered <= set(hooks.COLLECTIVES), sorted(offered - set(hooks.COLLECTIVES))
+
+
 def test_harmless_local_reductions_and_dead_code_are_not_rejected(no_strays):
     result = hpdl.check("ring_allreduce", A.harmless_numpy_reduce, ranks=[2, 3])
     assert result.passed and result.score == result.max_score, result

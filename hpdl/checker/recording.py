@@ -190,6 +190,7 @@ _P2P = {
     "Send": (1, None), "Ssend": (1, None), "Bsend": (1, None), "Rsend": (1, None),
     "Isend": (1, None), "Issend": (1, None), "Ibsend": (1, None), "Irsend": (1, None),
     "Send_init": (1, None), "Ssend_init": (1, None), "Bsend_init": (1, None), "Rsend_init": (1, None),
+    "Psend_init": (2, None), "Precv_init": (None, 2),  # partitioned: (buf, partitions, dest or source, ...)
     "send": (1, None), "ssend": (1, None), "bsend": (1, None), "isend": (1, None), "issend": (1, None),
     "Recv": (None, 1), "Irecv": (None, 1), "Recv_init": (None, 1), "recv": (None, 1), "irecv": (None, 1),
     "Probe": (None, 0), "Iprobe": (None, 0), "Mprobe": (None, 0), "Improbe": (None, 0),
@@ -338,7 +339,7 @@ def _nbytes(name: str, buf) -> int | None:
 #: each against a shard)
 _SCATTERS_TO_EACH = ("Reduce_scatter", "Ireduce_scatter", "Reduce_scatter_block", "Ireduce_scatter_block",
                      "Reduce_scatter_init", "Reduce_scatter_block_init")
-_GATHERS_IN_PLACE = ("Allgather", "Allgatherv", "Iallgather", "Iallgatherv", "Allgather_init")
+_GATHERS_IN_PLACE = ("Allgather", "Allgatherv", "Iallgather", "Iallgatherv", "Allgather_init", "Allgatherv_init")
 
 
 def _size(comm) -> int:
@@ -350,7 +351,7 @@ def _size(comm) -> int:
 
 # a buffer MPI may read until the request completes (Isendrecv_replace's is rewritten by design)
 _SENDS_IN_FLIGHT = ("Isend", "Issend", "Ibsend", "Irsend", "Isendrecv")
-_SEND_INITS = ("Send_init", "Ssend_init", "Bsend_init", "Rsend_init")
+_SEND_INITS = ("Send_init", "Ssend_init", "Bsend_init", "Rsend_init", "Psend_init")
 _COMPLETIONS = ("Wait", "Test", "Free", "Waitall", "Testall", "Waitany", "Testany", "Waitsome", "Testsome",
                 "wait", "test", "waitall", "testall", "waitany", "testany", "waitsome", "testsome")
 
@@ -623,8 +624,9 @@ _PG_AS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesce
 _in_function = threading.local()  # depth of torch.distributed functions under way: their own ProcessGroup call
 
 
-#: Work methods that see a torch.distributed work through (is_completed: when it answers True)
-_WORK_COMPLETIONS = ("wait", "synchronize", "block_current_stream", "get_future", "get_future_result", "is_completed")
+#: Work methods that see a torch.distributed work through (is_completed: when it answers True). Not synchronize()
+#: nor block_current_stream(): on gloo neither waits (a buffer read after synchronize() was not yet summed)
+_WORK_COMPLETIONS = ("wait", "get_future", "get_future_result", "is_completed")
 _MARKED_WORKS: set[type] = set()  # each Work type whose completions are marked
 _WORK: list[type] = []  # torch.distributed's Work, once imported
 

@@ -237,18 +237,23 @@ def diagnose(case, ctx):
     got = ctx.got
     if not isinstance(got, (list, tuple)) or len(got) != 2:
         return "return two tensors: the whole updated params and the momentum buffer."
-    params, _ = (hooks._as_array(g) for g in got)
+    params, momentum = (hooks._as_array(g) for g in got)
     n, p, r = case.params["n"], ctx.size, ctx.rank
     lo, hi = shard_of(r, p, n)
     if params is None or params.shape != (n,):
         return f"params must be the whole model: {n} values."
+    if momentum is not None and momentum.shape == (n,) and not np.isnan(np.delete(momentum, range(lo, hi))).all():
+        return (f"the momentum outside your shard (elements {lo}..{hi - 1}) is not this rank's: ZeRO-1 keeps each "
+                "rank's shard of the optimizer state only, so leave the other entries as they came (NaN) and gather "
+                "the weights, not the momentum.")
     if np.isnan(params).any():
         if any(c.name in ("Allreduce", "allreduce") for c in ctx.calls):
             return ("NaN in the weights: every rank updated the whole model, with momentum it does not hold (NaN). "
                     "In ZeRO-1 a rank updates only its shard — reduce-scatter the gradients, not all-reduce.")
         return (f"NaN in the weights: you used momentum entries this rank does not hold. Rank {r} of {p} holds "
                 f"elements {lo}..{hi - 1} of {n} (torch.tensor_split(torch.arange(n), p)[rank]: the first n % p ranks "
-                "get one more) — an even split (n // p each, the rest on the last rank) is off by one.")
+                "get one more) — an even split (n // p each, the rest on the last rank) is off by one, and "
+                "torch.chunk's (⌈n/p⌉ each, fewer on the last) cuts elsewhere.")
     start = ctx.args[0].numpy()
     others = np.ones(n, dtype=bool)
     others[lo:hi] = False
