@@ -492,6 +492,31 @@ def test_right_values_that_did_not_come_from_the_server_are_not_called_a_sum(no_
     assert "summed" not in hints(result) and "only rank 0 ends with the right result" not in hints(result), result
 
 
+def receives_into_float64(comm, grads, params, lr):
+    """Receive buffers from np.zeros(n): float64 whatever was sent (9/12 once: one float32 case, no hint)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if rank == 0:
+        total, buf = np.zeros(len(params)), np.zeros(len(params))
+        for w in range(1, size):
+            comm.Recv(buf, source=w)
+            total += buf
+        new = params - lr * total / (size - 1)
+        for w in range(1, size):
+            comm.Send(new, dest=w)
+        return new
+    comm.Send(grads, dest=0)
+    new = np.zeros(len(params))
+    comm.Recv(new, source=0)
+    return new
+
+
+def test_ps_exchange_receive_buffers_of_another_dtype_fail_both_float32_cases(no_strays):
+    result = hpdl.check("ps_exchange", receives_into_float64, ranks=[3], grade=True)
+    wrong = [c for c in result.cases if c.verdict != "PASS"]
+    assert [c.name for c in wrong] == ["n=10, float32", "n=1000, float32"], result
+    assert all("np.empty_like(params)" in (c.hint or "") for c in wrong), result
+
+
 @pytest.mark.parametrize("bad, verdict, words", [
     (sums_instead_of_averaging, "WRONG", "you summed the gradients"),
     (averages_over_all_ranks, "WRONG", "average over the size - 1 workers"),

@@ -77,6 +77,14 @@ def stage_equal_weights(comm, stage, batch, targets, m):
     return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: 1 / m)
 
 
+def stage_loss_everywhere(comm, stage, batch, targets, m):
+    """Right 1F1B, returning 0.0 where the statement says None: a driver that finds the loss stage by
+    `loss is not None` logs zeros (18/18 once: only the last stage's return was read)."""
+    order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
+    loss = run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch))
+    return 0.0 if loss is None else loss
+
+
 def stage_chunk(comm, stage, batch, targets, m):
     """1F1B over batch.chunk(m): fewer than m micro-batches, or other sizes, when m does not divide B."""
     parts = batch.chunk(m)
@@ -152,6 +160,7 @@ def stage_kit_schedule(comm, stage, batch, targets, m):
     (stage_unscaled, 2, ["4 times the single device", "share of the batch"]),
     (stage_equal_weights, 2, ["weighted 1/4", "rows / B"]),
     (stage_chunk, 2, ["tensor_split"]),
+    (stage_loss_everywhere, 3, ["rank 0 returned a float", "every other stage returns None"]),
     (stage_forward_only_comm, 2, ["backward never reached"]),
     (stage_whole_batch, 2, ["one per micro-batch"]),
 ])
@@ -201,6 +210,21 @@ def tp_even_split(comm, x, weight, bias, grad_y):
     grad_x = (g @ w).contiguous()
     comm.Allreduce(MPI.IN_PLACE, grad_x.numpy(), op=MPI.SUM)
     return y, grad_x, g.T @ x, g.sum(0)
+
+
+def tp_grad_x_averaged(comm, x, weight, bias, grad_y):
+    """grad_x all-reduced, then divided by p: data parallelism's habit, where the parts are not copies (no hint)."""
+    lo, hi = rows_of(comm.Get_rank(), comm.Get_size(), weight.shape[0])
+    w, b = weight[lo:hi], bias[lo:hi]
+    y = torch.cat([torch.from_numpy(p) for p in comm.allgather((x @ w.T + b).numpy())], dim=1)
+    g = grad_y[:, lo:hi]
+    grad_x = (g @ w).contiguous()
+    comm.Allreduce(MPI.IN_PLACE, grad_x.numpy(), op=MPI.SUM)
+    return y, grad_x / comm.Get_size(), g.T @ x, g.sum(0)
+
+
+def test_column_parallel_grad_x_averaged_is_told_to_keep_the_sum(no_strays):
+    rejected(hpdl.check("column_parallel_linear", tp_grad_x_averaged, ranks=[2]), "grad_x", "keep the sum")
 
 
 def tp_whole_layer_here(comm, x, weight, bias, grad_y):

@@ -142,6 +142,11 @@ def test_average_gradients_blank_and_summed(no_strays):
     wrong = [c for c in rounded.cases if c.verdict == "WRONG"]
     assert wrong and all("float32 precision" in (c.hint or "") for c in wrong), rounded
     assert rounded.score == rounded.max_score / 2, rounded
+    # one flat buffer in the first gradient's dtype: float32 where the hidden case's list starts (12/12 once)
+    first = hpdl.check("average_gradients", C.average_in_the_first_gradients_dtype, ranks=[2], grade=True)
+    wrong = [c for c in first.cases if c.verdict == "WRONG"]
+    assert [c.name for c in wrong] == ["12 gradients, float32 and float64"], first
+    assert "float32 precision" in (wrong[0].hint or ""), first
 
 
 # -- generic hooks, through test exercises of our own ----------------------------------------

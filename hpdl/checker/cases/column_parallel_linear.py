@@ -177,7 +177,8 @@ def diagnose(case, ctx):
     if any(a is not None and np.isnan(a).any() for a in arrays):
         return (f"NaN in your results: you used rows of the weight this rank does not hold. Rank {r} of {p} holds rows "
                 f"{lo}..{hi - 1} of {out} (torch.tensor_split(torch.arange(out), p)[rank]: the first out % p ranks get "
-                f"one more) — an even split (out // p each) drops the last out % p rows.")
+                f"one more) — an even split (out // p each) drops the last out % p rows, and torch.chunk's (⌈out/p⌉ "
+                f"each, fewer on the last) cuts them elsewhere.")
     y, grad_x = arrays[0], arrays[1]
     if y is not None and y.ndim == 2 and y.shape[1] < out:
         return (f"y has {y.shape[1]} of {out} columns: the split dropped some. With {out} outputs on {p} ranks the "
@@ -189,4 +190,7 @@ def diagnose(case, ctx):
             return ("grad_x is only this rank's part, grad_y[:, rows] @ weight[rows]: x feeds every rank's rows, "
                     "so its gradient is the SUM of all ranks' parts — all-reduce it (Megatron's f: identity forward, "
                     "all-reduce backward).")
+        if p > 1 and np.allclose(grad_x * p, expected[1], rtol=1e-4, atol=1e-5):
+            return ("grad_x is the all-reduced sum divided by the number of ranks: here the ranks' parts are pieces "
+                    "of one gradient, not copies of it to average (as data parallelism's are), so keep the sum.")
     return None
