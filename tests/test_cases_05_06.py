@@ -231,7 +231,7 @@ def test_allreduce_gradients_known_bad_rejected(bad, words):
 # -- 05, exercise 3: overlap_allreduce -----------------------------------------------------------
 
 def _overlap(broadcast=True, average=True, during_backward=True, bucketed=True, at_end=False, forward=False,
-             past_cap=False, cap_unit=2**20, last_bucket=True):
+             past_cap=False, cap_unit=2**20, last_bucket=True, tensor_hook=False):
     """A family of learner versions of the exercise, each with one thing left out (or done its own way:
     buckets filled from the first parameter, or each closed only once it is past the cap)."""
 
@@ -274,7 +274,10 @@ def _overlap(broadcast=True, average=True, during_backward=True, bucketed=True, 
                 launch(i)
 
         for p in model.parameters():
-            p.register_post_accumulate_grad_hook(ready)
+            if tensor_hook:  # runs before the gradient is stored in p.grad
+                p.register_hook(lambda grad, p=p: ready(p))
+            else:
+                p.register_post_accumulate_grad_hook(ready)
 
         def finish():
             if not during_backward:
@@ -307,6 +310,8 @@ def _overlap(broadcast=True, average=True, during_backward=True, bucketed=True, 
     (_overlap(past_cap=True), ["buckets of ≤ 0.004 MiB carry", "close a bucket before the tensor"]),
     # the last, partial bucket left out: the first Linear's weight never averaged (told to wait and copy back, once)
     (_overlap(last_bucket=False), ["for i in [0]) are not the average", "the last, partial bucket too"]),
+    # a tensor hook reads p.grad before it is stored: an AttributeError, once with no word of why
+    (_overlap(tensor_hook=True), ["register_post_accumulate_grad_hook"]),
 ])
 def test_overlap_allreduce_known_bad_rejected(bad, words):
     rejected(hpdl.check("overlap_allreduce", bad, ranks=[2]), *words)

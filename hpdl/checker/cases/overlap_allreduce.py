@@ -409,3 +409,14 @@ def diagnose(case, ctx):
                 "partial bucket too, and make sure each bucket's all-reduce is launched and waited for.")
     return ("wait for each all-reduce before reading its buffer, then copy the averaged slices back into p.grad "
             "(the flat buffer from torch.cat is a copy, not a view).")
+
+
+def explain(results) -> str | None:
+    """p.grad read in a tensor hook: p.register_hook runs before the gradient is stored, so p.grad is None (or
+    last step's) there; the error alone said nothing of why."""
+    if any(getattr(r, "verdict", None) == "ERROR" and "'NoneType' object has no attribute" in (r.message or "")
+           for r in results):
+        return ("p.grad was None in your hook: a tensor hook (p.register_hook) runs before the gradient is stored "
+                "in p.grad. Register p.register_post_accumulate_grad_hook(hook): it is called with p once p.grad "
+                "holds this backward's gradient.")
+    return None
