@@ -250,6 +250,38 @@ def test_zero3_layers_never_freed_rejected(bad, no_strays):
     assert right, "the small case (memory not measured) should pass: the output itself is right"
 
 
+def zero3_prefetched_into_the_buffer_in_use(comm, shards, shapes, x):
+    """The next layer prefetched (Iallgatherv) into the one buffer the current layer still reads: the hint blamed
+    the order of the shards."""
+    size = comm.Get_size()
+    big = max(o * i + o for o, i in shapes)
+    buf = torch.empty(big)
+
+    def counts(n):
+        base, extra = divmod(n, size)
+        return [base + (1 if r < extra else 0) for r in range(size)]
+
+    n0 = shapes[0][0] * shapes[0][1] + shapes[0][0]
+    req = comm.Iallgatherv(shards[0].numpy(), [buf[:n0].numpy(), counts(n0)])
+    for k, (out, inp) in enumerate(shapes):
+        req.Wait()
+        n = out * inp + out
+        if k + 1 < len(shapes):
+            o2, i2 = shapes[k + 1]
+            n2 = o2 * i2 + o2
+            req = comm.Iallgatherv(shards[k + 1].numpy(), [buf[:n2].numpy(), counts(n2)])
+            req.Wait()  # waited at once: the buffer holds the next layer before this one is computed
+        flat = buf[:n]
+        x = torch.tanh(x @ flat[:out * inp].view(out, inp).T + flat[out * inp:])
+    return x
+
+
+def test_zero3_prefetch_into_the_buffer_in_use_is_told_to_keep_one_buffer_a_layer(no_strays):
+    result = hpdl.check("zero3_unit", zero3_prefetched_into_the_buffer_in_use, ranks=[2])
+    rejected(result, "a buffer of its own")
+    assert "rank order" not in hints(result), result
+
+
 def test_zero3_shards_in_the_wrong_order_rejected(no_strays):
     rejected(hpdl.check("zero3_unit", zero3_reversed_ranks, ranks=[2]), "rank order")
 

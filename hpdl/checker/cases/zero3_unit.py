@@ -359,6 +359,10 @@ def diagnose(case, ctx):
         return "return the last layer's output, a (batch, out) tensor."
     if np.isnan(y).any():
         return "NaN in the output: the gathered buffer was used before every shard arrived in it."
+    if any(c.name.lower().startswith(("iallgather", "allgather_init", "allgatherv_init")) for c in ctx.calls):
+        return ("with a prefetch, each layer in flight needs a buffer of its own: the next layer's gather writes "
+                "into its buffer from the moment it starts, so one buffer shared with the layer still computing "
+                "mixes the two layers' values. Wait for a gather before reading its buffer.")
     return ("the output differs from the layers run on one device: gather the layers in order (layer 0 first), and "
             "place the shards in rank order — rank r's shard is torch.tensor_split(flat, p)[r], so Allgatherv with "
             "every rank's count rebuilds W (out × in, row by row) followed by b.")
