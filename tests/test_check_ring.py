@@ -102,6 +102,16 @@ def test_a_send_not_seen_through_is_wrong_naming_the_line(fn, ranks, says, marke
         assert c.line["line"] == line_of(marker), c
 
 
+def test_a_send_freed_in_flight_is_held_to_its_buffer(no_strays):
+    """Isend(...).Free() with the staging buffer refilled next step (27/27 once): where the send had not
+    completed when it was freed, as the large case's chunks cannot have, the buffer must hold until the
+    destination answers or the function returns; small messages, complete at once, may reuse it."""
+    result = hpdl.check("ring_allreduce", L.ring_sends_freed_in_flight, ranks=[3])
+    large = [c for c in result.cases if c.params["n"] == 100_003]
+    assert large and all(c.verdict == "WRONG" and "changed the buffer of comm.Isend()" in c.message
+                         and c.line["line"] == line_of("# FREED") for c in large), result
+
+
 def test_a_persistent_pair_restarted_every_step_is_counted_each_start(no_strays):
     """Each start of a persistent request sends its message again: recorded once at Send_init only, a pair
     restarted every step read as traffic the recording hid, and voided the check (0/27). Its padded messages

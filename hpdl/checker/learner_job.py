@@ -367,8 +367,7 @@ class LearnerJob(RankJob):
             shown = name if "." in name else f"comm.{name}"
             return {"status": "forbidden", "name": name,
                     "message": f"{shown}() is not allowed here: {recorder.forbidden.get(name, 'forbidden')}"}
-        recorder.settle()  # the sends that completed unwaited (a persistent one's start) are compared too
-        refused = self.unfinished(recorder.unfinished()) or self.overwritten(recorder.overwritten)
+        refused = self.unfinished(recorder.unfinished()) or self.overwritten(recorder.overwritten_at_return())
         if refused:
             return refused
         calls = [(c.name, c.dest, c.source, c.count, c.nbytes) for c in recorder.calls]

@@ -97,11 +97,15 @@ class _Recorder:
         self.overwritten: list[tuple[str, Any]] = []  # (call, line): a send whose buffer changed before it completed
         self.waited: dict[int, Any] = {}  # id of a torch.distributed work the learner waited on: None, or its future
         self.persistent: dict[int, dict] = {}  # a persistent request's handle: its call, label, send view, starts
+        self.dests: dict[int, Any] = {}  # id of a send's request: the rank it sends to (world numbering)
+        self.freed: list[tuple[Any, Any, int, str, Any]] = []  # a send freed in flight: dest, buffer, checksum, ...
+        self.receiving: list[tuple[Any, Any]] = []  # a non-blocking receive in flight: its request, its source
         self._paused = threading.local()
 
     def reset(self, forbidden: dict[str, str] | None = None) -> None:
         self.calls, self.rejected, self.current, self.started = [], [], None, []
         self.sending, self.overwritten, self.waited, self.persistent = [], [], {}, {}
+        self.dests, self.freed, self.receiving = {}, [], []
         _clear()
         if forbidden is not None:
             self.forbidden = dict(forbidden)
@@ -126,7 +130,13 @@ class _Recorder:
     def settle(self) -> None:
         """Each send whose request has just completed: its buffer must hold what it held when the send began.
         MPI may read a send buffer at any time until then; over TCP or below the eager limit it copies at the
-        call, so a buffer reused for the next message looks harmless here and corrupts messages elsewhere."""
+        call, so a buffer reused for the next message looks harmless here and corrupts messages elsewhere.
+        Each non-blocking receive just completed tells that its source's message arrived (heard_from)."""
+        if self.receiving:
+            arrived = [source for request, source in self.receiving if not _mpi_open(request)]
+            self.receiving = [(request, source) for request, source in self.receiving if _mpi_open(request)]
+            for source in arrived:
+                self.heard_from(source)
         if not self.sending:
             return
         still = []
@@ -137,6 +147,33 @@ class _Recorder:
             elif _checksum(view) != checksum:
                 self.overwritten.append((call, where))
         self.sending = still
+
+    def free_in_flight(self, request) -> None:
+        """A send's request freed before it completed: MPI goes on reading its buffer, and nothing will say when
+        it stops (Isend().Free() with the buffer refilled next step scored 27/27). Its buffer must hold until a
+        message from the rank it went to arrives (an acknowledgement), or until the function returns."""
+        for entry in self.sending:
+            if entry[0] is request and not request.Get_status():
+                self.freed.append((self.dests.get(id(request)), *entry[1:]))
+
+    def heard_from(self, source=None) -> None:
+        """A message from `source` arrived (None or a wildcard: from anyone, or the function returned): the sends
+        freed in flight to it are seen through, and their buffers compared."""
+        keep = []
+        for entry in self.freed:
+            dest, view, checksum, call, where = entry
+            if source is not None and source >= 0 and dest != source:
+                keep.append(entry)
+            elif _checksum(view) != checksum:
+                self.overwritten.append((call, where))
+        self.freed = keep
+
+    def overwritten_at_return(self) -> list[tuple[str, Any]]:
+        """The sends whose buffer changed in flight, once the sends that completed unwaited (a persistent one's
+        start) and those freed in flight are compared too."""
+        self.settle()
+        self.heard_from(None)
+        return self.overwritten
 
     def intact(self) -> bool:
         """Whether the calls and pauses are the recorder's own since reset() (see _tally)."""
@@ -351,6 +388,8 @@ def _size(comm) -> int:
 
 # a buffer MPI may read until the request completes (Isendrecv_replace's is rewritten by design)
 _SENDS_IN_FLIGHT = ("Isend", "Issend", "Ibsend", "Irsend", "Isendrecv")
+_BLOCKING_RECEIVES = ("Recv", "recv", "Sendrecv", "sendrecv", "Sendrecv_replace")
+_RECEIVES_IN_FLIGHT = ("Irecv", "irecv", "Isendrecv", "Isendrecv_replace")
 _SEND_INITS = ("Send_init", "Ssend_init", "Bsend_init", "Rsend_init", "Psend_init")
 _COMPLETIONS = ("Wait", "Test", "Free", "Waitall", "Testall", "Waitany", "Testany", "Waitsome", "Testsome",
                 "wait", "test", "waitall", "testall", "waitany", "testany", "waitsome", "testsome")
@@ -415,6 +454,19 @@ def _settling(raw):
     return call
 
 
+def _freeing(raw):
+    """`raw`, Request.Free: a send freed before it completed is held to its buffer still (free_in_flight)."""
+    settling = _settling(raw)
+
+    def call(self, *args, **kwargs):
+        if not recorder.paused_now:
+            recorder.free_in_flight(self)
+        return settling(self, *args, **kwargs)
+
+    call._hpdl_recorded = True
+    return call
+
+
 def _patch_requests() -> None:
     """After any call that can complete a request (Wait, Waitall, Test, ...), the sends it completed are
     settled (_Recorder.settle)."""
@@ -425,7 +477,10 @@ def _patch_requests() -> None:
         raw = d.get(name)
         if raw is None or getattr(getattr(raw, "__func__", raw), "_hpdl_recorded", False):
             continue
-        d[name] = classmethod(_settling(raw.__func__)) if isinstance(raw, classmethod) else _settling(raw)
+        if isinstance(raw, classmethod):
+            d[name] = classmethod(_settling(raw.__func__))
+        else:
+            d[name] = _freeing(raw) if name in ("Free", "free") else _settling(raw)
     ctypes.pythonapi.PyType_Modified(ctypes.py_object(MPI.Request))
 
 
@@ -546,6 +601,11 @@ def _wrap(cls_name: str, name: str, base):
             view = _send_view(buf) if name in _SENDS_IN_FLIGHT else None
             if view is not None:
                 recorder.sending.append((result, view, _checksum(view), f"comm.{name}(){peer}", where))
+                recorder.dests[id(result)] = getattr(noted, "dest", None)
+        if name in _BLOCKING_RECEIVES and noted is not None:
+            recorder.heard_from(noted.source)
+        elif name in _RECEIVES_IN_FLIGHT and noted is not None and _open_request(result):
+            recorder.receiving.append((result, noted.source))
         return result
 
     method.__name__ = name
