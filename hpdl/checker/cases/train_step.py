@@ -160,17 +160,23 @@ def _buffers(i: int, got: dict, expected: dict) -> Wrong | None:
     return w
 
 
-def _own_loss(case, ctx, loss: float) -> bool:
-    """Whether a first step's loss is plain cross-entropy where the case's loss_fn smooths the labels."""
-    if not case.params.get("smoothing"):
-        return False
+def _first_loss(ctx, evaluate: bool = False, plain: bool = False) -> float:
+    """The first batch's loss on the first weights, as two slips compute it: in evaluation mode, or with plain
+    cross-entropy in place of the loss_fn handed in."""
     import torch
     import torch.nn.functional as F
 
-    model, batches, _, _ = build(*ctx.args)
+    model, batches, loss_fn, _ = build(*ctx.args)
+    model.train(not evaluate)
     with torch.no_grad():
-        plain = F.cross_entropy(model(batches[0][0]), batches[0][1]).item()
-    return bool(np.isclose(loss, plain, rtol=1e-5, atol=1e-6))
+        out = model(batches[0][0])
+        return float((F.cross_entropy if plain else loss_fn)(out, batches[0][1]))
+
+
+def _own_loss(case, ctx, loss: float) -> bool:
+    """Whether a first step's loss is plain cross-entropy where the case's loss_fn smooths the labels."""
+    return bool(case.params.get("smoothing")) and bool(np.isclose(loss, _first_loss(ctx, plain=True), rtol=1e-5,
+                                                                  atol=1e-6))
 
 
 _LEFT_IN_EVAL = ("your step left the model in evaluation mode (model.eval()), so the next step trained in it: "
@@ -182,15 +188,9 @@ _IN_EVAL = ("the loss returned was computed in evaluation mode (model.eval()), w
 
 def _eval_loss(case, ctx, loss) -> bool:
     """Whether a first step's loss is the model's loss in evaluation mode, where a layer minds the mode."""
-    import torch
-
-    model, batches, loss_fn, _ = build(*ctx.args)
-    if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        return False
-    model.eval()
-    with torch.no_grad():
-        plain = loss_fn(model(batches[0][0]), batches[0][1]).item()
-    return isinstance(loss, numbers.Real) and bool(np.isclose(loss, plain, rtol=1e-5, atol=1e-6))
+    minds = case.params["model"] == "cnn" or case.params.get("norm")  # the models with batch norm (_model)
+    return bool(minds) and isinstance(loss, numbers.Real) and bool(
+        np.isclose(loss, _first_loss(ctx, evaluate=True), rtol=1e-5, atol=1e-6))
 
 
 def diagnose(case, ctx):
