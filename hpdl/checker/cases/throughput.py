@@ -76,19 +76,14 @@ class SleepyStep:
 
 def paces(params: dict) -> list[float]:
     """How long each call takes against its share, in order: 1 for the warm-up calls; of the k timed ones the
-    first (k + 1) / 2, the others 0.5, but from four timed ones on, the last is slow as well. Most steps fast and
-    one or two slow: the fastest batch's rate, the mean and the median of the batches' rates all read about
-    twice the run's (with one 0.3, one 1.7 and the others 1, the median was the run's: 5/5). The slow one first:
-    a clock started one step late reads high (it passed when that step was a fast one). The slow one last: a
-    clock read at the top of each step, which leaves the last step out, reads high (6/7 when only a large last
-    batch told it), and so does the mean of the batches' seconds per sample where sizes differ."""
+    first (k + 1) / 2, the others 0.5 (their mean 1). Most steps fast and one slow: the fastest batch's rate, the
+    mean and the median of the batches' rates all read about twice the run's (with one 0.3, one 1.7 and the
+    others 1, the median was the run's: 5/5); and the slow one first, a clock started one step late, or the
+    first timed step's samples left out, reads twice the run's too (it passed when that step was a fast one)."""
     warmup, timed = params["warmup"], len(params["sizes"]) - params["warmup"]
     if timed < 2:
         return [1.0] * len(params["sizes"])
-    slow = (timed + 1) / 2
-    if timed < 4:
-        return [1.0] * warmup + [slow] + [0.5] * (timed - 1)
-    return [1.0] * warmup + [slow] + [0.5] * (timed - 2) + [slow]
+    return [1.0] * warmup + [(timed + 1) / 2] + [0.5] * (timed - 1)
 
 
 def pace(paces: list[float], i: int) -> float:
