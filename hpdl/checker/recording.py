@@ -530,7 +530,7 @@ def _started_persistent(request, frame) -> None:
 
 def _persistent(name: str, request, buf, noted, label: str) -> None:
     """A persistent request made (Send_init, Recv_init, ...): what each of its starts moves (_started_persistent)."""
-    if getattr(request, "handle", None) is not None and not recorder.paused_now:
+    if getattr(request, "handle", None) is not None:  # (the wrapped call returned early while paused)
         view = _send_view(buf) if name in _SEND_INITS else None
         recorder.persistent[request.handle] = {"call": noted, "label": label, "view": view, "starts": 0}
 
