@@ -40,6 +40,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 from hpdl import procs
 
@@ -147,6 +148,8 @@ class Server:
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
         self.ranks: dict[int, socket.socket] = {}  # rank pid -> its stand-in's connection
+        self.began = time.time()  # wall clock, as /dev/shm files' times
+        self.killed: set[str] | None = None  # the /dev/shm files of the ranks it killed, once it killed one
         self.job = os.posix_spawnp(command[0], command, os.environ)
         self.returncode: int | None = None
         for sig in FORWARDED:  # as a launcher does: what the server is sent, its job is sent
@@ -163,14 +166,28 @@ class Server:
                 elif key.data == "wake":
                     os.read(self.wake_r, 512)
                 else:  # a stand-in sends nothing after its request: this is its end, and its rank's
-                    procs.pass_on(key.data, signal.SIGKILL)
+                    self.end_ranks([key.data])
                     self.selector.unregister(key.fileobj)
             self.reap()
-        for pid in self.ranks:
-            procs.pass_on(pid, signal.SIGKILL)
+        self.end_ranks(list(self.ranks))
         while self.ranks:
             self.reap(block=True)
+        if self.killed is not None:
+            procs.remove_shared_memory(self.killed | procs.orphaned_shared_memory(min_age=0.0, since=self.began))
         return None
+
+    def end_ranks(self, pids: list[int]) -> None:
+        """Kill these ranks, noting the /dev/shm files they map, to remove when the server ends: a rank
+        killed inside MPI_Init, between making MPICH's file and its removal once every rank has mapped
+        it, leaves it in RAM (a killed check left one). Stopped first, so none makes one after the look;
+        one opened but not yet mapped is found at the end as made since the server began, mapped by none."""
+        if not pids:
+            return
+        for pid in pids:
+            procs.pass_on(pid, signal.SIGSTOP)
+        self.killed = (self.killed or set()) | procs.shared_memory_of(pids)
+        for pid in pids:
+            procs.pass_on(pid, signal.SIGKILL)
 
     def accept(self) -> dict | None:
         conn, _ = self.listener.accept()

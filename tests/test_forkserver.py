@@ -328,6 +328,33 @@ def test_a_check_killed_leaves_no_shared_server_behind(tmp_path, no_strays):
         client.wait()
 
 
+def test_ranks_a_server_ends_leave_no_shared_memory(tmp_path, no_strays):
+    """A server whose job ends (its owner gone: a check's client killed) kills the ranks it still has.
+    A rank killed inside MPI_Init, between making MPICH's /dev/shm file and the removal once all ranks
+    have mapped it, left the file in RAM (a full run's no_strays found one after a killed check)."""
+    owner = subprocess.Popen(["sleep", "600"])
+    sock = str(tmp_path / "fork.sock")
+    server = forkserver.serve_command(sock, ["preloaded_marker"], forkserver.until_gone(owner.pid))
+    try:
+        with sidejob.SideJob(server, env=_env(), timeout=60, shared_memory=False) as job:
+            _wait_for(lambda: [sock] if os.path.exists(sock) else [], 1, job)
+            rank = sidejob.SideJob(forkserver.rank_command(sock, "forked_sleeper", "r0", "segment"), env=_env(),
+                                   timeout=60, shared_memory=False)
+            with rank:
+                said = _wait_for(lambda: _lines(rank, "name"), 1, rank)["r0"]
+                assert os.path.exists(said["segment"])
+                owner.kill()
+                owner.wait()
+                deadline = time.monotonic() + 20
+                while job.running() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert not job.running() and not psutil.pid_exists(said["pid"]), job.output_text()
+    finally:
+        owner.kill()
+        owner.wait()
+    assert not os.path.exists(said["segment"]), "left in /dev/shm by a rank its server killed"
+
+
 def test_help_and_a_missing_command_are_said_plainly():
     cli = [sys.executable, "-m", "hpdl.forkserver", "serve"]
     shown = subprocess.run([*cli, "--help"], capture_output=True, text=True)
