@@ -152,8 +152,13 @@ class Server:
         self.killed: set[str] | None = None  # the /dev/shm files of the ranks it killed, once it killed one
         self.job = os.posix_spawnp(command[0], command, os.environ)
         self.returncode: int | None = None
+        self.told = False  # sent a signal (passed on to its job)
         for sig in FORWARDED:  # as a launcher does: what the server is sent, its job is sent
-            signal.signal(sig, lambda number, _frame: procs.pass_on(self.job, number))
+            signal.signal(sig, self.pass_on)
+
+    def pass_on(self, number: int, _frame) -> None:
+        self.told = True
+        procs.pass_on(self.job, number)
 
     def serve(self) -> dict | None:
         """Until the job ends (returns None), or, in a fork, the request it is to run."""
@@ -172,7 +177,7 @@ class Server:
         self.end_ranks(list(self.ranks))
         while self.ranks:
             self.reap(block=True)
-        if self.killed is not None:
+        if self.killed is not None or self.told:  # ranks that a signal ended may have left theirs too
             procs.remove_shared_memory(self.killed | procs.orphaned_shared_memory(min_age=0.0, since=self.began))
         return None
 
@@ -379,6 +384,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("serve: no job command after --")
     import importlib
 
+    # its starter gone with no chance to end it (killed): end as when told to — the job, then the ranks,
+    # then their /dev/shm files — not at once, as a side job's first process would (procs.die_with)
+    procs.die_with(os.getppid(), signal.SIGTERM)
     server = Server(ns.socket, command)  # listening first: the launcher starts while we import
     for name in ns.preload:
         importlib.import_module(name)

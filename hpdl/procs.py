@@ -22,6 +22,7 @@ grader), and by a check job's fork server (`pass_on`); it imports only the stand
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable
 
 log = logging.getLogger(__name__)
+_LIBC = ctypes.CDLL(None, use_errno=True)  # made before any fork: die_with runs in a child before exec
 
 SHM_DIR = "/dev/shm"
 # MPI's files there: MPICH's, and Open MPI's shared-memory transport (sm; vader before Open MPI 5)
@@ -288,6 +290,20 @@ def end_group_now(proc: subprocess.Popen) -> None:
         log.debug("killpg(%s): %s", proc.pid, exc)
 
 
+def die_with(parent: int, sig: int = signal.SIGKILL) -> None:
+    """Be sent `sig` when the thread that started this process ends (Linux's PR_SET_PDEATHSIG; it
+    holds across exec): called in a child between fork and exec, or by a process that would rather
+    clean up first (SIGTERM). Why: a process killed with no chance to end its side jobs (SIGKILL, the
+    OOM killer, a kernel restarted) left them running for good — an MPI job in its own session, a
+    check's ranks waiting for a checker that was gone. `parent`: the starter's pid, read before the
+    fork; if it is already gone, exit at once (nobody would send the signal)."""
+    prctl = getattr(_LIBC, "prctl", None)
+    if prctl is not None:
+        prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(70)
+
+
 def signal_engines(client, targets, sig: int | str = signal.SIGINT) -> None:
     """Ask ipyparallel to deliver `sig` to engines (each engine's nanny signals its own process)."""
     client.send_signal(sig, targets=targets, block=True)
@@ -465,7 +481,7 @@ def remove_shared_memory(paths: Iterable[str]) -> list[str]:
 
 __all__ = [
     "Proc", "record", "is_same", "is_alive", "pid_alive", "boot_id", "start_time",
-    "end", "end_popen", "end_group_now", "signal_engines", "signal_process",
+    "end", "end_popen", "end_group_now", "die_with", "signal_engines", "signal_process",
     "shared_memory_of", "singleton_shared_memory", "orphaned_shared_memory",
     "remove_orphaned_shared_memory", "remove_shared_memory", "exit_finalized",
 ]

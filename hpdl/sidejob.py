@@ -21,6 +21,7 @@ running case into a HANG. Signals go through hpdl.procs, the one module that sen
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import subprocess
@@ -28,7 +29,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from typing import IO, Callable, Mapping, Sequence
+from typing import IO, Mapping, Sequence
 
 from hpdl import procs, settings
 
@@ -59,6 +60,14 @@ class Finished:
     @property
     def stderr(self) -> str:
         return self.errors
+
+
+def _child_setup(starter: int, limits) -> None:
+    """In the job's first process before exec: it ends with the thread that started it, even one
+    killed with no chance to end it (procs.die_with); then the sandbox's limits, if any."""
+    procs.die_with(starter)
+    if limits is not None:
+        limits.apply()
 
 
 class SideJob:
@@ -94,7 +103,7 @@ class SideJob:
         self._err: IO[bytes] | None = tempfile.TemporaryFile() if errors_apart else None
         child_env = dict(os.environ if env is None else env)
         child_env[MARKER] = self.marker
-        preexec: Callable[[], None] | None = self.limits.apply if self.limits is not None else None
+        preexec = functools.partial(_child_setup, os.getpid(), self.limits)
         self.began = time.time()  # wall clock: a segment made since then is this job's, or a newer one's
         try:
             self.proc = subprocess.Popen(self.cmd, stdout=self._out, stderr=self._err or subprocess.STDOUT,

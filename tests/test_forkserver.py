@@ -305,7 +305,8 @@ def _serves(proc: psutil.Process) -> bool:
 def test_a_check_killed_leaves_no_shared_server_behind(tmp_path, no_strays):
     """The reference jobs' shared server ends with the process that started it: a kernel killed mid-check
     (SIGKILL, or SIGTERM with Python's default handler: no finally runs) left the server, and torch in it,
-    running for good."""
+    running for good. So do the learner's jobs: killed while their ranks ran, their sandbox (or their
+    mpiexec) stayed, its ranks waiting for a client that was gone, for good."""
     import signal
 
     script = tmp_path / "client.py"
@@ -313,19 +314,30 @@ def test_a_check_killed_leaves_no_shared_server_behind(tmp_path, no_strays):
                       "hpdl.check('allreduce_gradients', allreduce_gradients, ranks=[2, 3], timeout=120)\n")
     client = subprocess.Popen([sys.executable, str(script)])
     try:
-        servers: list = []
-        deadline = time.time() + 60
-        while time.time() < deadline and not servers:
-            servers = [p for p in psutil.Process(client.pid).children() if _serves(p)]
+        tree: list = []
+        deadline = time.time() + 90
+        while time.time() < deadline and not (any(_serves(p) for p in tree) and any(_learner_rank(p) for p in tree)):
+            tree = psutil.Process(client.pid).children(recursive=True)
             time.sleep(0.2)
-        assert servers, "no shared fork server started"
+        assert any(_serves(p) for p in tree), "no shared fork server started"
+        assert any(_learner_rank(p) for p in tree), "no learner rank started"
         client.send_signal(signal.SIGKILL)
         client.wait()
-        gone, alive = psutil.wait_procs(servers, timeout=15)
-        assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
+        gone, alive = psutil.wait_procs(tree, timeout=15)
+        assert not alive, f"left behind: {[p.cmdline()[:6] for p in alive if p.is_running()]}"
     finally:
         client.kill()
         client.wait()
+
+
+def _learner_rank(proc: psutil.Process) -> bool:
+    """A learner job's rank (a fork of its own server, running hpdl.checker.learner_job)."""
+    try:
+        cmd = proc.cmdline()
+        return cmd[1:4] == ["-m", "hpdl.forkserver", "serve"] and "learner_job" in " ".join(cmd) \
+            and psutil.Process(proc.ppid()).cmdline()[1:4] == cmd[1:4]
+    except (psutil.Error, IndexError):
+        return False
 
 
 def test_ranks_a_server_ends_leave_no_shared_memory(tmp_path, no_strays):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 import textwrap
 import time
@@ -137,6 +138,53 @@ def test_an_mpi_job_that_aborts_before_the_first_look_leaves_no_shared_memory(no
     done = sidejob.run([*launchers.side_job_command(2), *program], 60, env=sidejob.job_env())
     assert done.returncode != 0 and not done.timed_out, done
     assert not {f for f in os.listdir(procs.SHM_DIR) if f.startswith(procs.SEGMENT_PREFIXES)} - before
+
+
+def test_side_jobs_end_with_the_process_that_started_them(no_strays, tmp_path):
+    """A process killed with no chance to end its jobs (SIGKILL: a kernel restarted, the OOM killer)
+    left them for good: a check's sandboxed learner job, its ranks waiting for a checker that was gone,
+    ran on (seen 10 minutes on, in its sandbox); an MPI job started in its own session, likewise."""
+    import signal
+
+    from hpdl.checker import sandbox
+
+    starter = tmp_path / "starter.py"
+    starter.write_text(textwrap.dedent("""
+        import sys, time
+        from hpdl import launchers, sidejob
+        from hpdl.checker import sandbox
+        program = [sys.executable, "-c", "from mpi4py import MPI; MPI.COMM_WORLD.Barrier(); print('up', flush=True); "
+                   "import time; time.sleep(600)"]
+        jobs = [sidejob.SideJob([*launchers.side_job_command(2), *program], env=sidejob.job_env(), timeout=600),
+                sidejob.SideJob(sandbox.wrap(["sleep", "600"]), timeout=600, shared_memory=False)]
+        while jobs[0].output_text().count("up") < 2:
+            time.sleep(0.1)
+        print("started", flush=True)
+        time.sleep(600)
+    """))
+    shm_before = {str(f) for f in Path(procs.SHM_DIR).glob("mpich_shm_*")}
+    parent = subprocess.Popen([sys.executable, str(starter)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 30
+        tree = psutil.Process(parent.pid).children(recursive=True)
+        while not any(p.name() == "sleep" for p in tree):
+            assert time.monotonic() < deadline, [p.name() for p in tree]
+            time.sleep(0.1)
+            tree = psutil.Process(parent.pid).children(recursive=True)
+        assert sum("Barrier" in " ".join(p.cmdline()) for p in tree) >= 2
+        assert sandbox.bwrap() is None or any(p.name() == "bwrap" for p in tree)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        gone, alive = psutil.wait_procs(tree, timeout=15)
+        assert not alive, f"left behind: {[p.name() for p in alive]}"
+    finally:
+        parent.kill()
+        parent.wait()
+    # the killed ranks' MPICH file: nobody was left to remove it; the next hpdl.start or hpdl cleanup does
+    left = {str(f) for f in Path(procs.SHM_DIR).glob("mpich_shm_*")} - shm_before
+    assert left <= procs.orphaned_shared_memory(min_age=0.0)
+    procs.remove_shared_memory(left)
 
 
 @pytest.mark.parametrize("ended_by", ["its limit", "an interrupt"])
