@@ -157,6 +157,11 @@ def _slips(params, grads, lr, trust, wd) -> list[tuple[list, str]]:
         d = norm(g) + wd * norm(w)
         guarded.append(w - lr * (trust * norm(w) / d if norm(w) > 0 and d > 0 else 1.0) * (g + wd * w))
         stuck.append(w - lr * (trust * norm(w) / d if d > 0 else 1.0) * (g + wd * w))
+    ratios = [trust * norm(w) / (norm(g) + wd * norm(w)) if norm(w) > 0 and norm(g) > 0 else 1.0
+              for w, g in zip(params, grads)]
+    decoupled = [w - lr * r * g - lr * wd * w for (w, g), r in zip(zip(params, grads), ratios)]
+    plain_ratio = [w - lr * (trust * norm(w) / norm(g) if norm(w) > 0 and norm(g) > 0 else 1.0) * (g + wd * w)
+                   for w, g in zip(params, grads)]
     decayed_still = wd and any(norm(g) == 0 and norm(w) > 0 for w, g in zip(params, grads))
     return [
         (sgd, "that is plain SGD: scale each layer's step by its trust ratio trust_coef · ‖w‖ / (‖g‖ + wd · ‖w‖)."),
@@ -169,6 +174,10 @@ def _slips(params, grads, lr, trust, wd) -> list[tuple[list, str]]:
         *([(guarded, "a layer whose gradient is zero takes a ratio of 1, as one of zeros does: with weight decay "
                      "the formula gives trust_coef / weight_decay there, a step far too long. Test ‖w‖ and ‖g‖, "
                      "not the denominator.")] if decayed_still else []),
+        *([(decoupled, "the weight decay is scaled by the ratio too: the step is lr · ratio · (g + weight_decay · w), "
+                       "not lr · ratio · g plus a decay of its own."),
+           (plain_ratio, "weight_decay belongs in the ratio's denominator as well: ‖g‖ + weight_decay · ‖w‖, not "
+                         "‖g‖ alone.")] if wd else []),
         (combined, "the denominator is ‖g‖ + weight_decay · ‖w‖ (You et al.), not ‖g + weight_decay · w‖."),
         (stuck, "a layer of zeros gets a ratio of 0 and never moves (biases start at zero): when ‖w‖ or ‖g‖ is 0 "
                 "use a ratio of 1."),
