@@ -63,9 +63,10 @@ class Finished:
 
 
 def _child_setup(starter: int, limits) -> None:
-    """In the job's first process before exec: it ends with the thread that started it, even one
-    killed with no chance to end it (procs.die_with); then the sandbox's limits, if any."""
-    procs.die_with(starter)
+    """In the job's first process before exec: it ends with the thread that started it (`starter`, its
+    pid; 0: not), even one killed with no chance to end it (procs.die_with); then the sandbox's limits."""
+    if starter:
+        procs.die_with(starter)
     if limits is not None:
         limits.apply()
 
@@ -85,12 +86,15 @@ class SideJob:
         daemon that left the tree and the process group; for untrusted code outside a sandbox).
     errors_apart: stderr to a temporary file of its own (`error_text`), for a probe whose stdout
         is parsed; otherwise it goes with stdout.
+    ends_with_starter: SIGKILLed when the thread that started it ends (procs.die_with), even one killed
+        with no chance to end it. False for a job whose processes watch their starter themselves and
+        clean up as they go (a check's ranks outside a sandbox remove their MPI shared memory first).
     """
 
     def __init__(self, cmd: Sequence[str], *, output: str | os.PathLike | None = None,
                  env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
                  timeout: float | None = None, limits=None, shared_memory: bool = True, sweep: bool = False,
-                 errors_apart: bool = False):
+                 errors_apart: bool = False, ends_with_starter: bool = True):
         self.cmd = [str(c) for c in cmd]
         self.marker = uuid.uuid4().hex
         self.shared_memory, self.sweep = shared_memory, sweep
@@ -103,7 +107,7 @@ class SideJob:
         self._err: IO[bytes] | None = tempfile.TemporaryFile() if errors_apart else None
         child_env = dict(os.environ if env is None else env)
         child_env[MARKER] = self.marker
-        preexec = functools.partial(_child_setup, os.getpid(), self.limits)
+        preexec = functools.partial(_child_setup, os.getpid() if ends_with_starter else 0, self.limits)
         self.began = time.time()  # wall clock: a segment made since then is this job's, or a newer one's
         try:
             self.proc = subprocess.Popen(self.cmd, stdout=self._out, stderr=self._err or subprocess.STDOUT,
