@@ -21,6 +21,7 @@ WRITTEN_OTHERWISE = [
     ("ring_allreduce", H.ring_chunks_with_their_index, [3]),
     ("ring_allreduce", H.ring_with_a_memoised_plan, [3]),  # a helper memoised with lru_cache goes with the function
     ("ring_allreduce", H.ring_by_count_and_displacement, [3]),  # only the part of x a send names is checksummed
+    ("ring_allreduce", H.ring_waiting_on_copies_of_its_requests, [3]),  # "not finished": the copies were waited on
     ("recursive_doubling", H.recursive_doubling_freed_then_acknowledged, [2, 3]),  # the reply acknowledges
     ("resume_horovod", H.resume_with_a_numpy_epoch, [2]),  # a numpy epoch in a list
     # mpi4py pickles a torch tensor with ~400 bytes beside its values: the readings before each forward allow that

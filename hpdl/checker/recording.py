@@ -100,12 +100,13 @@ class _Recorder:
         self.dests: dict[int, Any] = {}  # id of a send's request: the rank it sends to (world numbering)
         self.freed: list[tuple[Any, Any, int, str, Any]] = []  # a send freed in flight: dest, buffer, checksum, ...
         self.receiving: list[tuple[Any, Any]] = []  # a non-blocking receive in flight: its request, its source
+        self.completed: set[int] = set()  # handles of requests completed, maybe through a copy of their object
         self._paused = threading.local()
 
     def reset(self, forbidden: dict[str, str] | None = None) -> None:
         self.calls, self.rejected, self.current, self.started = [], [], None, []
         self.sending, self.overwritten, self.waited, self.persistent = [], [], {}, {}
-        self.dests, self.freed, self.receiving = {}, [], []
+        self.dests, self.freed, self.receiving, self.completed = {}, [], [], set()
         _clear()
         if forbidden is not None:
             self.forbidden = dict(forbidden)
@@ -153,7 +154,7 @@ class _Recorder:
         it stops (Isend().Free() with the buffer refilled next step scored 27/27). Its buffer must hold until a
         message from the rank it went to arrives (an acknowledgement), or until the function returns."""
         for entry in self.sending:
-            if entry[0] is request and not request.Get_status():
+            if (entry[0] is request or entry[0].handle == request.handle) and not request.Get_status():
                 self.freed.append((self.dests.get(id(request)), *entry[1:]))
 
     def heard_from(self, source=None) -> None:
@@ -442,16 +443,33 @@ def _checksum(view) -> int:
 
 
 def _settling(raw):
-    """`raw`, a call that can complete requests, followed by settling the sends it completed."""
+    """`raw`, a call that can complete requests, followed by settling the sends it completed. The handles it
+    completed are noted: a request completed through a copy of its object (MPI.Request(r), another handle
+    object for the same request) leaves the original holding its handle, and it was read as never finished."""
     def call(*args, **kwargs):
+        before = _handles(args)
         try:
             return raw(*args, **kwargs)
         finally:
             if not recorder.paused_now:
+                recorder.completed.update(handle for request, handle in before if not request)
                 recorder.settle()
 
     call._hpdl_recorded = True
     return call
+
+
+def _handles(args) -> list[tuple[Any, int]]:
+    """The MPI requests among a completion call's arguments (the request itself, or a list of them), each with
+    its handle before the call."""
+    from mpi4py import MPI
+
+    found = []
+    for arg in args[:2]:
+        for request in (arg if isinstance(arg, (list, tuple)) else [arg]):
+            if isinstance(request, MPI.Request) and not isinstance(request, MPI.Prequest) and request:
+                found.append((request, request.handle))
+    return found
 
 
 def _freeing(raw):
@@ -508,7 +526,7 @@ def _mpi_open(request) -> bool:
 
     if isinstance(request, MPI.Prequest):
         return bool(request) and not request.Get_status()
-    return bool(request)
+    return bool(request) and request.handle not in recorder.completed
 
 
 def _started_persistent(request, frame) -> None:
@@ -596,6 +614,7 @@ def _wrap(cls_name: str, name: str, base):
         if name.endswith("_init"):
             _persistent(name, result, buf, noted, f"comm.{name}(){peer}")
         if nonblocking and _open_request(result):
+            recorder.completed.discard(result.handle)  # a handle MPI gives again is a new request, open
             where = _caller(sys._getframe(1))
             recorder.started.append((f"comm.{name}(){peer}", result, where))
             view = _send_view(buf) if name in _SENDS_IN_FLIGHT else None
