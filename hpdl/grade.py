@@ -12,8 +12,9 @@ The submission's kernel decides nothing: each hpdl.check() in it hands the learn
 to this process (checker/grade_service.py), which runs the check in grade mode (the exercise's
 own rank counts, time limits and hidden cases) and keeps the result. Points per exercise come
 from the case modules; the exercises scored are those named with --exercises, else those called
-(in code, not comments) by the notebooks of at least half of the learners (a learner: a folder of
-the submissions folder, or a notebook directly in it).
+(in code, not comments) by the notebooks of most learners, and by half of them where the exercise
+is of the same lesson (a learner: a folder of the submissions folder, or a notebook directly in it).
+The reports go to a folder outside the submissions (refused inside), written under fresh names.
 
 Every submission ends with a status and a reason (ok, timeout, kernel died, runner failed,
 not a notebook, ...). Results are appended to OUT/results.jsonl as each submission finishes and
@@ -550,13 +551,10 @@ def _tail(path: Path, lines: int = 5) -> str:
 
 
 def _write_private(path: Path, data: bytes | str) -> None:
-    """Write a file readable by its owner only, atomically (a reader never sees half of it)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.encode("utf-8", "backslashreplace") if isinstance(data, str) else data)  # a lone surrogate too
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    """Write a file readable by its owner only, atomically (a reader never sees half of it), never through a
+    link: a fresh name of its own, renamed over `path` (safefiles.replace_atomically)."""
+    safefiles.replace_atomically(os.fspath(path), data.encode("utf-8", "backslashreplace")  # a lone surrogate too
+                                 if isinstance(data, str) else data)
 
 
 def _previous(out: Path) -> dict[tuple[str, str], dict]:
@@ -577,7 +575,7 @@ def _previous(out: Path) -> dict[tuple[str, str], dict]:
 
 def _append(out: Path, sub: Submission) -> None:
     path = out / "results.jsonl"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)  # a link: refused
     with os.fdopen(fd, "a") as f:
         f.write(json.dumps(sub.to_dict(), default=str) + "\n")
 
@@ -700,6 +698,7 @@ def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress
           allow_root: bool = False) -> list[Submission]:
     from hpdl.checker import sandbox
 
+    _refuse_out_inside(folder, out)
     why = refusals(no_sandbox, allow_root)
     if why:
         raise HpdlError("\n".join(why))
@@ -708,6 +707,16 @@ def grade(folder: Path, out: Path, limit: float = 600.0, jobs: int = 1, progress
         return _batch(folder, out, limit, jobs, progress, exercises, caps or Caps(), no_sandbox)
     finally:
         sandbox.cover_the_host(False)
+
+
+def _refuse_out_inside(folder: Path, out: Path) -> None:
+    """The reports never go inside the submissions: there a learner's folder can stand where they are written
+    (`cd submissions && hpdl grade .` put ./report there, and a learner's report/ with a link in it had the
+    grader write grades.csv over the instructor's ~/.bashrc)."""
+    top, where = Path(os.path.realpath(folder)), Path(os.path.realpath(out))
+    if where == top or top in where.parents:
+        raise HpdlError(f"--out {out} is inside the submissions folder {folder}: a learner's files could stand "
+                        "where the reports are written. Choose a folder outside it, e.g. --out ../report.")
 
 
 def _batch(folder: Path, out: Path, limit: float, jobs: int, progress: bool, exercises: list[str] | None,
@@ -791,9 +800,12 @@ def _done(out: Path, subs: list[Submission], sub: Submission, exercises, bar, he
 
 def scored_exercises(subs: list[Submission], exercises: list[str] | None = None) -> dict[str, float]:
     """Exercise -> points it is worth, from its case module (never from a submission): those
-    named, else those called in the notebooks of at least half of the learners. A learner is a folder
-    of the submissions folder (or a notebook directly in it), whatever the notebooks it holds: one
-    learner's many notebooks are one vote, never enough to drop or add an exercise for the class."""
+    named, else those called in the notebooks of more than half of the learners, and those of exactly
+    half that belong to a lesson of one of those (lessons_of_exercises). A learner is a folder of the
+    submissions folder (or a notebook directly in it), whatever the notebooks it holds: one learner's
+    many notebooks are one vote. Why the lesson: of two learners, one calling another lesson's check
+    (dead code would do) added it to both scores; one who skipped an exercise must not drop it either.
+    Where no exercise has a majority (two learners, nothing in common), half the learners suffice."""
     if exercises is None:
         called: dict[str, set[str]] = {}
         for s in subs:
@@ -802,8 +814,28 @@ def scored_exercises(subs: list[Submission], exercises: list[str] | None = None)
         for names in called.values():
             for ex in names:
                 counts[ex] = counts.get(ex, 0) + 1
-        exercises = sorted(ex for ex, n in counts.items() if 2 * n >= len(called))
+        most = {ex for ex, n in counts.items() if 2 * n > len(called)}
+        half = {ex for ex, n in counts.items() if 2 * n == len(called)}
+        if most:
+            lesson = lessons_of_exercises()
+            theirs = {lesson.get(ex) for ex in most} - {None}
+            half = {ex for ex in half if lesson.get(ex) in theirs}
+        exercises = sorted(most | half)
     return {ex: planned_points(ex) for ex in exercises}
+
+
+def lessons_of_exercises() -> dict[str, str]:
+    """Exercise -> the lesson whose notebook checks it: the kit's own exercises/ notebooks, generated from
+    its lessons (never a submission's); {} where the kit has none."""
+    found: dict[str, str] = {}
+    for path in sorted((Path(__file__).resolve().parents[1] / "exercises").glob("*.ipynb")):
+        try:
+            data = safefiles.read_bounded(path, MAX_NOTEBOOK_BYTES)
+        except OSError:
+            continue
+        for ex in _called_checks(data):
+            found.setdefault(ex, path.stem)
+    return found
 
 
 def learner_of(name: str) -> str:
@@ -976,8 +1008,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds each notebook may run (default 600)")
     ap.add_argument("--jobs", type=int, default=1, help="notebooks run at once (default 1; each may start MPI ranks)")
     ap.add_argument("--exercises", default=None,
-                    help="comma-separated exercises to score (default: those the notebooks of at least half "
-                         "the learners call; a learner is a folder, or a notebook directly in SUBMISSIONS)")
+                    help="comma-separated exercises to score (default: those the notebooks of most learners "
+                         "call, and of half of them where the lesson is the same; a learner is a folder, or a "
+                         "notebook directly in SUBMISSIONS)")
     ap.add_argument("--memory", default="4G", help="total memory of one submission, all its processes together "
                                                    "(default 4G; the check it runs is capped by --check-memory)")
     ap.add_argument("--check-memory", default=None,

@@ -491,3 +491,35 @@ def test_a_check_named_in_a_comment_or_a_string_is_not_a_call():
         'hpdl.check("ring_allreduce", other)')]
     nb.cells.append(nbformat.v4.new_markdown_cell('hpdl.check("train_step", f)'))
     assert grade._called_checks(nbformat.writes(nb).encode()) == ["ring_allreduce", "average_gradients"]
+
+
+def test_reports_go_neither_inside_the_submissions_folder_nor_through_a_link(tmp_path):
+    """`cd submissions && hpdl grade .` put the reports (./report) inside the submissions: a learner's folder
+    named report/ with a link .grades.csv.tmp -> the instructor's ~/.bashrc had the grader write grades.csv
+    there, the learner's file name ("x$(touch …).ipynb") in it as a row that a shell then ran."""
+    subs = tmp_path / "subs"
+    (subs / "report").mkdir(parents=True)
+    for out in (subs / "report", subs, subs / "a" / "b"):
+        with pytest.raises(HpdlError, match="inside the submissions folder"):
+            grade.grade(subs, out)
+    out, victim = tmp_path / "out", tmp_path / "bashrc"
+    out.mkdir()
+    victim.write_text("mine\n")
+    (out / ".grades.csv.tmp").symlink_to(victim)
+    (out / "results.jsonl").symlink_to(victim)
+    grade._write_private(out / "grades.csv", "submission,score\n")
+    with pytest.raises(OSError):
+        grade._append(out, grade.Submission("alice.ipynb", Path("x")))
+    assert victim.read_text() == "mine\n" and (out / "grades.csv").read_text() == "submission,score\n"
+
+
+def test_half_the_learners_add_no_exercise_of_another_lesson():
+    """Of two learners, one who called a check of another lesson (dead code: `if False: check("ring_allreduce",
+    None)`) added it to both scores (36/63 for a full solution). An exercise only half call is scored where the
+    lesson a majority works on holds it: one learner who skipped it does not drop it for the class."""
+    sub = grade.Submission
+    alice = sub("alice/03.ipynb", Path("x"), exercises=["bcast_binomial", "average_gradients"])
+    mallory = sub("mallory/03.ipynb", Path("x"), exercises=["bcast_binomial", "average_gradients", "ring_allreduce"])
+    assert set(grade.scored_exercises([alice, mallory])) == {"bcast_binomial", "average_gradients"}
+    bob = sub("bob/03.ipynb", Path("x"), exercises=["bcast_binomial"])  # skipped one of the lesson's two
+    assert set(grade.scored_exercises([alice, bob])) == {"bcast_binomial", "average_gradients"}
