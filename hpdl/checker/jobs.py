@@ -118,10 +118,7 @@ class Job:
         # the reference ranks read what the learner's returned: capped too, so no output can make them take
         # the host's memory (where they are forks of the check's server, they are in its cgroup instead)
         self.limits = limits = job_limits([size], [todo], group) if kind == "learner" or server is None else None
-        # a sandbox has its own /dev/shm and PID namespace, gone with it (so it ends with this thread, even
-        # one killed: nothing else would end it); outside one, the learner's processes are swept by the job's
-        # marker too (a daemon that left the process group), and the ranks, which watch this process, remove
-        # their MPI shared memory before they leave (rank_job), which a kill with it would prevent
+        # a sandbox (own /dev/shm, PIDs) dies with us; outside, ranks watch us and free their MPI memory (rank_job)
         self.side = sidejob.SideJob(cmd, output=os.path.join(self.dir, "output.txt"), env=env, limits=limits,
                                     shared_memory=not sandboxed, sweep=kind == "learner" and not sandboxed,
                                     ends_with_starter=kind == "learner" and sandboxed)
