@@ -717,6 +717,10 @@ def _refuse_out_inside(folder: Path, out: Path) -> None:
     if where == top or top in where.parents:
         raise HpdlError(f"--out {out} is inside the submissions folder {folder}: a learner's files could stand "
                         "where the reports are written. Choose a folder outside it, e.g. --out ../report.")
+    kept = Path(out) / "results.jsonl"  # an earlier run's, appended to: never through a link, never a FIFO
+    if kept.is_symlink() or (os.path.lexists(kept) and not kept.is_file()):
+        raise HpdlError(f"{kept} is not a regular file (a link?): the grader appends to it. Remove it, or choose "
+                        "another --out.")
 
 
 def _batch(folder: Path, out: Path, limit: float, jobs: int, progress: bool, exercises: list[str] | None,

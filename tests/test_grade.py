@@ -510,6 +510,8 @@ def test_reports_go_neither_inside_the_submissions_folder_nor_through_a_link(tmp
     grade._write_private(out / "grades.csv", "submission,score\n")
     with pytest.raises(OSError):
         grade._append(out, grade.Submission("alice.ipynb", Path("x")))
+    with pytest.raises(HpdlError, match="results.jsonl is not a regular file"):  # said before any grading
+        grade.grade(subs, out)
     assert victim.read_text() == "mine\n" and (out / "grades.csv").read_text() == "submission,score\n"
 
 
