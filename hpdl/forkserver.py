@@ -178,7 +178,8 @@ class Server:
         while self.ranks:
             self.reap(block=True)
         if self.killed is not None or self.told:  # ranks that a signal ended may have left theirs too
-            procs.remove_shared_memory(self.killed | procs.orphaned_shared_memory(min_age=0.0, since=self.began))
+            left = procs.orphaned_shared_memory(min_age=0.0, since=self.began)
+            procs.remove_shared_memory((self.killed or set()) | left)
         return None
 
     def end_ranks(self, pids: list[int]) -> None:

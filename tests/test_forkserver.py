@@ -367,6 +367,21 @@ def test_ranks_a_server_ends_leave_no_shared_memory(tmp_path, no_strays):
     assert not os.path.exists(said["segment"]), "left in /dev/shm by a rank its server killed"
 
 
+def test_a_server_told_to_end_with_no_rank_left_ends_as_its_job_did(tmp_path, no_strays):
+    """SIGTERM goes to the job; the job gone and no rank to end, the server exits with its code, plainly."""
+    import signal
+
+    sock = str(tmp_path / "fork.sock")
+    with sidejob.SideJob(forkserver.serve_command(sock, [], ["sleep", "600"]), env=_env(), timeout=60) as job:
+        _wait_for(lambda: [sock] if os.path.exists(sock) else [], 1, job)
+        os.kill(job.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while job.running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not job.running()
+    assert job.returncode == 128 + signal.SIGTERM and "Traceback" not in job.output_text(), job.output_text()
+
+
 def test_help_and_a_missing_command_are_said_plainly():
     cli = [sys.executable, "-m", "hpdl.forkserver", "serve"]
     shown = subprocess.run([*cli, "--help"], capture_output=True, text=True)
