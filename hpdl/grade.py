@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import hashlib
 import html
 import json
@@ -809,7 +810,8 @@ def scored_exercises(subs: list[Submission], exercises: list[str] | None = None)
     submissions folder (or a notebook directly in it), whatever the notebooks it holds: one learner's
     many notebooks are one vote. Why the lesson: of two learners, one calling another lesson's check
     (dead code would do) added it to both scores; one who skipped an exercise must not drop it either.
-    Where no exercise has a majority (two learners, nothing in common), half the learners suffice."""
+    Where no exercise has a majority (two learners, nothing in common), or the kit has no exercises/ notebooks to
+    tell the lessons, half the learners suffice."""
     if exercises is None:
         called: dict[str, set[str]] = {}
         for s in subs:
@@ -820,14 +822,15 @@ def scored_exercises(subs: list[Submission], exercises: list[str] | None = None)
                 counts[ex] = counts.get(ex, 0) + 1
         most = {ex for ex, n in counts.items() if 2 * n > len(called)}
         half = {ex for ex, n in counts.items() if 2 * n == len(called)}
-        if most:
-            lesson = lessons_of_exercises()
+        lesson = lessons_of_exercises()
+        if most and lesson:  # a kit without its exercises/ notebooks: half the learners, as before
             theirs = {lesson.get(ex) for ex in most} - {None}
             half = {ex for ex in half if lesson.get(ex) in theirs}
         exercises = sorted(most | half)
     return {ex: planned_points(ex) for ex in exercises}
 
 
+@functools.lru_cache(maxsize=1)
 def lessons_of_exercises() -> dict[str, str]:
     """Exercise -> the lesson whose notebook checks it: the kit's own exercises/ notebooks, generated from
     its lessons (never a submission's); {} where the kit has none."""
