@@ -579,3 +579,27 @@ def test_a_disk_measure_reads_a_bounded_number_of_descriptors(tmp_path, monkeypa
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_request_of_millions_of_objects_is_refused_before_it_is_built():
+    """64 MiB of {"sources": [{}, {}, …]} dropped into a submission's inbox: 22 million objects built, then copied,
+    in the grader's own process (8 GB and a core for minutes, outside every cap, on past the submission's time
+    limit; the next, honest submission timed out at 24/36). Refused from its shape; an honest request's text,
+    4 MiB of source with its files' lines, is read as before."""
+    import tracemalloc
+
+    from hpdl.checker import grade_service
+
+    hostile = b'{"exercise": "bcast_binomial", "code": {"sources": [' + b"{}, " * 3_000_000 + b"{}]}}"
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match="lists and objects"):
+            grade_service._parse_request(hostile)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20, peak
+    source = "def f(comm, x):\n    return {'a': [x, x]}, \"q\\\\\"\n" * 80_000  # about 4 MiB
+    honest = {"exercise": "ring_allreduce", "code": {"source": source, "sources": [{"name": "f", "source": source}],
+                                                      "lines": {"f.py": source.splitlines() + [""] * 20_000}}}
+    assert grade_service._parse_request(json.dumps(honest).encode()) == honest

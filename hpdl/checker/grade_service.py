@@ -37,6 +37,9 @@ MAX_ANSWER_BYTES = 64 * 2**20
 ANSWERS = "answers"  # under the inbox: the grader's answers, read-only inside the sandbox
 REQUEST_NAME = re.compile(r"req-([A-Za-z0-9_-]{1,64})\.json")
 MAX_LISTED = 10_000  # entries of the inbox looked at per poll
+MAX_ITEMS = 1_000_000  # values in a request's lists and objects, strings aside (its files' lines, its sources)
+MAX_CONTAINERS = 20_000  # lists and objects in a request
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
 # -- the kernel's side ---------------------------------------------------------------------------
@@ -75,6 +78,19 @@ def request(name: str, code: dict):
 
 # -- the grader's side -----------------------------------------------------------------------------
 
+def _parse_request(raw: bytes):
+    """A request's JSON, its shape counted before anything is built. Why: 64 MiB of `{"sources": [{}, {}, …]}`
+    (22 million objects) had the grader's own process, outside every cap, take 8 GB and a core for minutes,
+    on past the submission's time limit, and the next submission timed out. What a request carries is text,
+    bounded by its bytes; its lists and objects are few (a function's sources, its files' lines)."""
+    bare = _JSON_STRING.sub(b'""', raw)  # the structure alone: every string emptied
+    items, containers = bare.count(b","), bare.count(b"{") + bare.count(b"[")
+    if items > MAX_ITEMS or containers > MAX_CONTAINERS:
+        raise ValueError(f"a request of {containers} lists and objects and {items} values "
+                         f"(at most {MAX_CONTAINERS} and {MAX_ITEMS})")
+    return json.loads(raw)
+
+
 def _code_from(raw) -> dict:
     """The packed function as the kernel sent it, with every field's type checked."""
     if not isinstance(raw, dict):
@@ -87,7 +103,7 @@ def _code_from(raw) -> dict:
     code["from_engines"] = bool(raw.get("from_engines"))
     code["source"] = str(raw["source"]) if isinstance(raw.get("source"), str) else None
     lines = raw.get("lines") if isinstance(raw.get("lines"), dict) else {}
-    code["lines"] = {str(k): [str(x) for x in v][:100_000] for k, v in lines.items() if isinstance(v, list)}
+    code["lines"] = {str(k): [str(x) for x in v[:100_000]] for k, v in lines.items() if isinstance(v, list)}
     sources = raw.get("sources") if isinstance(raw.get("sources"), list) else []
     code["sources"] = [{"name": str(s.get("name", "")), "firstline": int(s.get("firstline") or 1),
                         "source": str(s.get("source", ""))} for s in sources if isinstance(s, dict)]
@@ -175,7 +191,7 @@ class Service:
 
         try:
             raw = safefiles.read_bounded(f"req-{rid}.json", MAX_REQUEST_BYTES, dir_fd=self.inbox_fd)
-            req = json.loads(raw)
+            req = _parse_request(raw)
             name = req.get("exercise") if isinstance(req, dict) else None
             if not isinstance(name, str) or name not in cases.known():
                 raise ValueError(f"no exercise named {name!r}")
