@@ -277,3 +277,14 @@ def solution_function(notebook: str, name: str):
             exec(compile(cell.source, filename, "exec"), namespace)
             return namespace[name]
     raise LookupError(f"no cell defines {name} in {notebook}")
+
+
+def kill_then_nothing_left(proc: subprocess.Popen, tree: list, timeout: float = 15.0) -> None:
+    """SIGKILL `proc` (no finally, no atexit runs in it) and assert that every process of `tree`, what it had
+    started, ends within `timeout` s all the same."""
+    import signal
+
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    _, alive = psutil.wait_procs(tree, timeout=timeout)
+    assert not alive, f"left behind: {[' '.join(p.cmdline()[:6]) for p in alive if p.is_running()]}"

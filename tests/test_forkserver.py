@@ -20,6 +20,7 @@ import pytest
 
 from hpdl import forkserver, launchers, settings, sidejob
 from hpdl.checker import runner
+from conftest import kill_then_nothing_left
 
 FIXTURES = Path(__file__).parent / "fixtures"
 pytestmark = pytest.mark.timeout(180)
@@ -307,7 +308,6 @@ def test_a_check_killed_leaves_no_shared_server_behind(tmp_path, no_strays):
     (SIGKILL, or SIGTERM with Python's default handler: no finally runs) left the server, and torch in it,
     running for good. So do the learner's jobs: killed while their ranks ran, their sandbox (or their
     mpiexec) stayed, its ranks waiting for a client that was gone, for good."""
-    import signal
 
     script = tmp_path / "client.py"
     script.write_text("import time\nimport hpdl\n\n\ndef allreduce_gradients(comm, model):\n    time.sleep(60)\n\n\n"
@@ -321,10 +321,7 @@ def test_a_check_killed_leaves_no_shared_server_behind(tmp_path, no_strays):
             time.sleep(0.2)
         assert any(_serves(p) for p in tree), "no shared fork server started"
         assert any(_learner_rank(p) for p in tree), "no learner rank started"
-        client.send_signal(signal.SIGKILL)
-        client.wait()
-        gone, alive = psutil.wait_procs(tree, timeout=15)
-        assert not alive, f"left behind: {[p.cmdline()[:6] for p in alive if p.is_running()]}"
+        kill_then_nothing_left(client, tree)
     finally:
         client.kill()
         client.wait()

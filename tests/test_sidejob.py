@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 import hpdl
+from conftest import kill_then_nothing_left
 from hpdl import launchers, procs, sidejob
 
 PKG = Path(__file__).resolve().parents[1] / "hpdl"
@@ -144,7 +145,6 @@ def test_side_jobs_end_with_the_process_that_started_them(no_strays, tmp_path):
     """A process killed with no chance to end its jobs (SIGKILL: a kernel restarted, the OOM killer)
     left them for good: a check's sandboxed learner job, its ranks waiting for a checker that was gone,
     ran on (seen 10 minutes on, in its sandbox); an MPI job started in its own session, likewise."""
-    import signal
 
     from hpdl.checker import sandbox
 
@@ -174,10 +174,7 @@ def test_side_jobs_end_with_the_process_that_started_them(no_strays, tmp_path):
             tree = psutil.Process(parent.pid).children(recursive=True)
         assert sum("Barrier" in " ".join(p.cmdline()) for p in tree) >= 2
         assert sandbox.bwrap() is None or any(p.name() == "bwrap" for p in tree)
-        parent.send_signal(signal.SIGKILL)
-        parent.wait()
-        gone, alive = psutil.wait_procs(tree, timeout=15)
-        assert not alive, f"left behind: {[p.name() for p in alive]}"
+        kill_then_nothing_left(parent, tree)
     finally:
         parent.kill()
         parent.wait()
