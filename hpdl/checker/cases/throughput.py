@@ -17,7 +17,9 @@ assuming every batch is as large as the first, inverting the ratio, one fast bat
 whole run. Sleeps can only overrun, so a busy machine reads a little low; the accepted band is
 [0.5, 1.15] × the true rate. Which batches step() was called on is the helper's word too: it
 notes each call's size and signs the list with a key drawn from the nonce (oracle.signed);
-verify() reads that receipt, never a list the learner's process kept.
+verify() reads that receipt, never a list the learner's process kept. The receipt also says how long
+each step really slept: a busy machine's sleeps overrun, the short ones most, so the hint for a wrong
+meter (which slip it looks like) is worked out from the steps as they ran, not as they were planned.
 
 Like train_step, this takes no communicator: `call()` hands the learner's function its inputs.
 """
@@ -134,17 +136,17 @@ def per_sample(params: dict) -> float:
 def secrets(case, rank, size) -> dict:
     """What the helper beside the learner's rank knows (jobs.Runner.secrets)."""
     p = case.params
-    return {"per_sample": per_sample(p), "first": p["first"], "warmup": p["warmup"], "sizes": [],
+    return {"per_sample": per_sample(p), "first": p["first"], "warmup": p["warmup"], "sizes": [], "seconds": [],
             "paces": paces(p), "key": oracle.key("throughput", p, case.name), "case": case.name, "closed": False}
 
 
 def serve(request: dict, known: dict) -> dict:
     """In the helper: sleep for one step of `n` samples of a case (its warm-up calls are slow), noting its
-    size; or the signed list of the sizes stepped (the receipt), after which it steps no more."""
+    size and how long it took; or the signed lists of both (the receipt), after which it steps no more."""
     s = known[str(request["case"])]
     if request.get("receipt"):
         s["closed"] = True
-        return oracle.signed({"case": s["case"], "sizes": s["sizes"]}, s["key"])
+        return oracle.signed({"case": s["case"], "sizes": s["sizes"], "seconds": s["seconds"]}, s["key"])
     n = int(request["n"])
     if not 0 <= n <= 1 << 20:
         raise ValueError(f"a batch of {n} samples")
@@ -153,7 +155,9 @@ def serve(request: dict, known: dict) -> dict:
     i = len(s["sizes"])
     extra = s["first"] if i < s["warmup"] else 0.0
     s["sizes"].append(n)
+    t0 = time.perf_counter()
     time.sleep(extra + s["per_sample"] * n * pace(s["paces"], i))
+    s["seconds"].append(time.perf_counter() - t0)
     return {}
 
 
@@ -190,15 +194,32 @@ def reference(comm, step, sizes, warmup, as_generator):
     return {"rate": None, "calls": list(sizes)}
 
 
+def _receipt(case, got) -> dict | None:
+    """The helper's signed receipt's body, where the check has a nonce (the checker's side of a real check) or
+    the learner's step had a helper; None: missing or altered."""
+    secret = oracle.key("throughput", case.params, case.name) if "nonce" in case.params else None
+    body = oracle.receipt_body(got.get("receipt"), secret)
+    ok = body is not None and body.get("case") == case.name and isinstance(body.get("sizes"), list)
+    return body if ok else None
+
+
 def _stepped(case, got) -> list | None:
     """The sizes of the batches step() was called on: the helper's signed word where the check has a nonce (the
     checker's side of a real check); else, in a check without one, the list the step kept. None: altered."""
     if "nonce" not in case.params and got.get("receipt") is None:
         return got.get("calls")
-    secret = oracle.key("throughput", case.params, case.name) if "nonce" in case.params else None
-    body = oracle.receipt_body(got.get("receipt"), secret)
-    ok = body is not None and body.get("case") == case.name and isinstance(body.get("sizes"), list)
-    return body["sizes"] if ok else None
+    body = _receipt(case, got)
+    return body["sizes"] if body is not None else None
+
+
+def step_seconds(case, got, planned: list[float]) -> list[float]:
+    """How long each step took, as the helper measured it (its receipt); as planned where it has no word on it."""
+    body = _receipt(case, got) if got.get("receipt") is not None else None
+    ran = body.get("seconds") if body is not None else None
+    if not isinstance(ran, list) or len(ran) != len(planned) \
+            or not all(isinstance(t, numbers.Real) and t > 0 for t in ran):
+        return planned
+    return [float(t) for t in ran]
 
 
 def verify(case, ctx):
@@ -222,16 +243,19 @@ def verify(case, ctx):
 
 def diagnose(case, ctx):
     p = case.params
-    sizes, w, cost = p["sizes"], p["warmup"], per_sample(p)
-    rate, truth = ctx.got["rate"], true_rate(p, sizes)
+    sizes, w, rate = p["sizes"], p["warmup"], ctx.got["rate"]
     if not isinstance(rate, numbers.Real) or rate <= 0:
         return None
-    seconds = timed_seconds(p, sizes)
+    cost, pc = per_sample(p), paces(p)
+    planned = [cost * n * pace(pc, i) + (p["first"] if i < w else 0.0) for i, n in enumerate(sizes)]
+    ran = step_seconds(case, ctx.got, planned)  # each step as it ran: a busy machine's sleeps overrun
+    seconds, warm = ran[w:], sum(ran[:w])
+    truth = sum(sizes[w:]) / sum(seconds)
     if rate * truth < 1.0 or rate < 1e-2 * truth:
         return "that looks like seconds per sample: return samples / seconds."
     guesses = {
         "the warm-up batches were timed too: start the clock after the first `warmup` steps.":
-            sum(sizes) / (sum(sizes[:w]) * cost + sum(seconds) + w * p["first"]),
+            sum(sizes) / (warm + sum(seconds)),
         "the warm-up batches' samples were counted: count only the timed batches.":
             sum(sizes) / sum(seconds),
         "that is batches per second: count samples, len(batch[0]) for each batch.":
