@@ -118,8 +118,10 @@ def find_submissions(folder: Path) -> list[Submission]:
 def _text_of_name(name: str) -> str:
     """A file name as text: bytes that are not UTF-8 (an archive unpacked from another system's
     encoding, or a learner's choice) written out as \\xNN. Python keeps them as lone surrogates,
-    which no report can encode: one such name ended the whole batch."""
-    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    which no report can encode: one such name ended the whole batch. A backslash of the name's own is
+    doubled first, so two names never read alike: a notebook named `a\\xe9.ipynb` beside one whose
+    name holds the byte 0xe9 were one row, one learner and one executed notebook, the second's."""
+    return name.replace("\\", "\\\\").encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _candidates(folder: Path) -> list[tuple[Path, str]]:

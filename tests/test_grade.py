@@ -446,6 +446,18 @@ def test_a_folder_nested_a_thousand_deep_is_refused_not_the_end_of_the_batch(tmp
     safefiles.remove_tree(subs / "d")  # pytest's own cleanup recurses once per level
 
 
+def test_a_name_that_is_not_utf8_never_reads_as_another_learners(tmp_path):
+    """The byte 0xe9 is written out as \\xe9; a learner's own backslash is doubled, so a notebook named
+    `a\\xe9.ipynb` stays a row, a learner and an executed notebook of its own (they were merged)."""
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    (subs / os.fsdecode(b"a\xe9.ipynb")).write_text("[1]")
+    (subs / "a\\xe9.ipynb").write_text("[2]")
+    names = sorted(s.name for s in grade.find_submissions(subs))
+    assert names == ["a\\\\xe9.ipynb", "a\\xe9.ipynb"]
+    assert len({grade.learner_of(n) for n in names}) == 2
+
+
 def test_more_submissions_at_once_than_the_ram_holds_are_refused_with_what_fits(tmp_path):
     """--jobs N whose submissions and checks, at their caps, would hold more than the machine's RAM: refused
     before anything runs, naming the numbers and the --jobs that fits (the OOM killer would otherwise choose
