@@ -603,3 +603,22 @@ def test_a_request_of_millions_of_objects_is_refused_before_it_is_built():
     honest = {"exercise": "ring_allreduce", "code": {"source": source, "sources": [{"name": "f", "source": source}],
                                                       "lines": {"f.py": source.splitlines() + [""] * 20_000}}}
     assert grade_service._parse_request(json.dumps(honest).encode()) == honest
+
+
+def test_a_flood_of_check_requests_is_answered_a_bounded_number_of_times(tmp_path):
+    """A notebook past its MAX_REQUESTS checks is told so for MAX_REQUESTS more; then its inbox is not read. Each
+    request file in a flood was answered by a file written from the grader's own loop, 10,000 a poll for as long
+    as the notebook ran (and each id kept)."""
+    from hpdl.checker import grade_service
+
+    service = grade_service.Service(tmp_path / "inbox", hidden=[])
+    service.closing = True  # none of the queued ones is started: this is about the flood alone
+    for i in range(10 * grade_service.MAX_REQUESTS):
+        (tmp_path / "inbox" / f"req-{i:05d}.json").write_text("{}")
+    service.poll()
+    service.poll()
+    answers = os.listdir(tmp_path / "inbox" / grade_service.ANSWERS)
+    assert len(answers) == grade_service.MAX_REQUESTS and len(service.seen) == 2 * grade_service.MAX_REQUESTS
+    assert "not run" in (tmp_path / "inbox" / grade_service.ANSWERS / sorted(answers)[0]).read_text()
+    assert any("were not read" in p for p in service.problems)
+    service.finish(wait=0)

@@ -161,12 +161,21 @@ class Service:
         return sorted(found)
 
     def poll(self) -> None:
+        """Queue the new requests. Past MAX_REQUESTS, each is answered "not run" up to MAX_REQUESTS more, and
+        then the inbox is no longer read: 10,000 request files a poll, each answered by a file written from the
+        grader's own loop (which keeps every submission's clock), and each id kept, for as long as the
+        notebook ran, was the grader's time, disk and memory, spent at a submission's bidding."""
+        if len(self.seen) >= 2 * MAX_REQUESTS:
+            return
         for rid in self._requests():
             if rid in self.seen:
                 continue
             self.seen.add(rid)
             if len(self.seen) > MAX_REQUESTS:
                 self._answer(rid, {"error": f"more than {MAX_REQUESTS} checks from one notebook; not run"})
+                if len(self.seen) >= 2 * MAX_REQUESTS:
+                    self._problem(f"more than {2 * MAX_REQUESTS} check requests: the rest were not read")
+                    break
                 continue
             with self.lock:
                 self.queue.append(rid)
