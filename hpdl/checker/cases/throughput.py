@@ -18,8 +18,9 @@ whole run. Sleeps can only overrun, so a busy machine reads a little low; the ac
 [0.5, 1.15] × the true rate. Which batches step() was called on is the helper's word too: it
 notes each call's size and signs the list with a key drawn from the nonce (oracle.signed);
 verify() reads that receipt, never a list the learner's process kept. The receipt also says how long
-each step really slept: a busy machine's sleeps overrun, the short ones most, so the hint for a wrong
-meter (which slip it looks like) is worked out from the steps as they ran, not as they were planned.
+each step really took, from its request to the next one's (the receipt's, for the last): a busy
+machine's sleeps overrun and its messages wait, the short steps' most, so the hint for a wrong meter
+(which slip it looks like) is worked out from the steps as they ran, not as they were planned.
 
 Like train_step, this takes no communicator: `call()` hands the learner's function its inputs.
 """
@@ -136,17 +137,20 @@ def per_sample(params: dict) -> float:
 def secrets(case, rank, size) -> dict:
     """What the helper beside the learner's rank knows (jobs.Runner.secrets)."""
     p = case.params
-    return {"per_sample": per_sample(p), "first": p["first"], "warmup": p["warmup"], "sizes": [], "seconds": [],
+    return {"per_sample": per_sample(p), "first": p["first"], "warmup": p["warmup"], "sizes": [], "asked": [],
             "paces": paces(p), "key": oracle.key("throughput", p, case.name), "case": case.name, "closed": False}
 
 
 def serve(request: dict, known: dict) -> dict:
     """In the helper: sleep for one step of `n` samples of a case (its warm-up calls are slow), noting its
-    size and how long it took; or the signed lists of both (the receipt), after which it steps no more."""
+    size and when it was asked; or the signed lists of the sizes and the steps' seconds (the receipt), after
+    which it steps no more."""
     s = known[str(request["case"])]
+    now = time.perf_counter()
     if request.get("receipt"):
         s["closed"] = True
-        return oracle.signed({"case": s["case"], "sizes": s["sizes"], "seconds": s["seconds"]}, s["key"])
+        seconds = [b - a for a, b in zip(s["asked"], s["asked"][1:] + [now])]  # each step, as the learner saw it
+        return oracle.signed({"case": s["case"], "sizes": s["sizes"], "seconds": seconds}, s["key"])
     n = int(request["n"])
     if not 0 <= n <= 1 << 20:
         raise ValueError(f"a batch of {n} samples")
@@ -155,9 +159,8 @@ def serve(request: dict, known: dict) -> dict:
     i = len(s["sizes"])
     extra = s["first"] if i < s["warmup"] else 0.0
     s["sizes"].append(n)
-    t0 = time.perf_counter()
+    s["asked"].append(now)
     time.sleep(extra + s["per_sample"] * n * pace(s["paces"], i))
-    s["seconds"].append(time.perf_counter() - t0)
     return {}
 
 
