@@ -165,9 +165,7 @@ class Service:
         then the inbox is no longer read: 10,000 request files a poll, each answered by a file written from the
         grader's own loop (which keeps every submission's clock), and each id kept, for as long as the
         notebook ran, was the grader's time, disk and memory, spent at a submission's bidding."""
-        if len(self.seen) >= 2 * MAX_REQUESTS:
-            return
-        for rid in self._requests():
+        for rid in self._requests() if len(self.seen) < 2 * MAX_REQUESTS else ():
             if rid in self.seen:
                 continue
             self.seen.add(rid)
