@@ -622,3 +622,29 @@ def test_a_flood_of_check_requests_is_answered_a_bounded_number_of_times(tmp_pat
     assert "not run" in (tmp_path / "inbox" / grade_service.ANSWERS / sorted(answers)[0]).read_text()
     assert any("were not read" in p for p in service.problems)
     service.finish(wait=0)
+
+
+@pytest.mark.timeout(120)
+def test_a_request_of_escaped_quotes_is_read_in_linear_time_and_memory():
+    """A string that never closes, of 1 MiB of \\" (escaped quotes): the regular expression that emptied a request's
+    strings started again at each one, holding Python's lock (the grader's loop, every submission's clock) for
+    about an hour at 1 MiB (this test's timeout catches it); 64 MiB of newlines in one string took it 3.8 GB.
+    Refused now in a few passes over the bytes, the memory a few copies of them at most."""
+    import tracemalloc
+
+    from hpdl.checker import grade_service
+
+    hostile = [b'{"exercise": "train_step", "x": "' + b'\\"' * (1 << 19),
+               b'{"exercise": "train_step", "code": {"source": "' + b"\n" * (8 << 20) + b'"}}',
+               b'["' + b'", "' * (grade_service.MAX_STRINGS + 1) + b'"]']
+    for raw in hostile:
+        tracemalloc.start()
+        try:
+            with pytest.raises(ValueError):
+                grade_service._parse_request(raw)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 3 * len(raw) + 2**20, (len(raw), peak)
+    nested = json.dumps({"source": 'a = "[{,}]" + \'\\\\"\'\n' * 50_000, "list": [[1, 2]] * 100}).encode()
+    assert grade_service._parse_request(nested)["list"] == [[1, 2]] * 100  # brackets in strings are not counted
