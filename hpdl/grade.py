@@ -813,17 +813,19 @@ def scored_exercises(subs: list[Submission], exercises: list[str] | None = None)
     many notebooks are one vote. Why the lesson: of two learners, one calling another lesson's check
     (dead code would do) added it to both scores; one who skipped an exercise must not drop it either.
     Where no exercise has a majority (two learners, nothing in common), or the kit has no exercises/ notebooks to
-    tell the lessons, half the learners suffice."""
+    tell the lessons, half the learners suffice. A learner whose notebooks call no check has no vote: three
+    files of junk (not notebooks, dead links) beside two learners' full solutions left nothing scored, 0/0."""
     if exercises is None:
         called: dict[str, set[str]] = {}
         for s in subs:
             called.setdefault(learner_of(s.name), set()).update(s.exercises)
+        voters = [names for names in called.values() if names]  # junk files, links, blank notebooks: no vote
         counts: dict[str, int] = {}
-        for names in called.values():
+        for names in voters:
             for ex in names:
                 counts[ex] = counts.get(ex, 0) + 1
-        most = {ex for ex, n in counts.items() if 2 * n > len(called)}
-        half = {ex for ex, n in counts.items() if 2 * n == len(called)}
+        most = {ex for ex, n in counts.items() if 2 * n > len(voters)}
+        half = {ex for ex, n in counts.items() if 2 * n == len(voters)}
         lesson = lessons_of_exercises()
         if most and lesson:  # a kit without its exercises/ notebooks: half the learners, as before
             theirs = {lesson.get(ex) for ex in most} - {None}

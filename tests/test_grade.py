@@ -491,6 +491,10 @@ def test_one_learners_many_notebooks_are_one_vote_on_what_is_scored():
     flat = [sub(f"{who}.ipynb", Path("x"), exercises=["bcast_binomial"]) for who in ("dan", "eve")]
     assert set(grade.scored_exercises(flat + [sub("fay.ipynb", Path("x"), exercises=["ring_allreduce"])])) == \
         {"bcast_binomial"}
+    # files that are not notebooks, a dead link, a blank notebook: no vote (three of them left nothing scored)
+    junk = [sub(f"j{k}.ipynb", Path("x"), status="not a notebook") for k in range(3)] + \
+        [sub("l.ipynb", Path("x"), status="refused"), sub("blank.ipynb", Path("x"), status="ok")]
+    assert set(grade.scored_exercises(honest + junk)) == {"bcast_binomial", "average_gradients"}
 
 
 def test_a_check_named_in_a_comment_or_a_string_is_not_a_call():
