@@ -115,6 +115,21 @@ def find_submissions(folder: Path) -> list[Submission]:
     return subs
 
 
+def graded_bytes(sub: Submission) -> bytes:
+    """The notebook's bytes as they are now, which are what is graded; its fingerprint and the checks it calls are
+    taken from them again where it changed since it was listed. The file was read once at listing, for those, and
+    again minutes later to run it: a notebook replaced in between was graded, and its grade kept on a resumed
+    batch, under the fingerprint of the first one (a trivial notebook resumed at 36/36)."""
+    from hpdl.checker.cases import known
+
+    data = safefiles.read_bounded(sub.path, MAX_NOTEBOOK_BYTES)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sub.digest:
+        exercises = set(known())
+        sub.digest, sub.exercises = digest, [ex for ex in _called_checks(data) if ex in exercises]
+    return data
+
+
 def _text_of_name(name: str) -> str:
     """A file name as text: bytes that are not UTF-8 (an archive unpacked from another system's
     encoding, or a learner's choice) written out as \\xNN. Python keeps them as lone surrogates,
@@ -421,7 +436,7 @@ class Running:
         self.home = work / "hpdl-home"
         self.home.mkdir()
         self.copy = work / Path(sub.name).name
-        safefiles.create_exclusive(self.copy, safefiles.read_bounded(sub.path, MAX_NOTEBOOK_BYTES))
+        safefiles.create_exclusive(self.copy, graded_bytes(sub))
         self.status = work / "status.json"
         self.executed_here = work / "executed.ipynb"
         self.executed = out / "executed" / sub.name

@@ -458,6 +458,22 @@ def test_a_name_that_is_not_utf8_never_reads_as_another_learners(tmp_path):
     assert len({grade.learner_of(n) for n in names}) == 2
 
 
+def test_what_is_graded_is_what_the_grade_is_kept_under(tmp_path):
+    """A notebook replaced between the listing (its fingerprint) and its turn: the bytes run are the ones whose
+    fingerprint and checks the grade is kept under, so a resumed batch grades the file again once it changes
+    back (the first fingerprint's 36/36 was kept for a trivial notebook)."""
+    import hashlib
+
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    (subs / "late.ipynb").write_text('{"cells": [], "nbformat": 4}')
+    sub, = grade.find_submissions(subs)
+    solved = '{"cells": [{"cell_type": "code", "source": "hpdl.check(\'ring_allreduce\', f)"}], "nbformat": 4}'
+    (subs / "late.ipynb").write_text(solved)
+    assert grade.graded_bytes(sub) == solved.encode()
+    assert sub.digest == hashlib.sha256(solved.encode()).hexdigest() and sub.exercises == ["ring_allreduce"]
+
+
 def test_more_submissions_at_once_than_the_ram_holds_are_refused_with_what_fits(tmp_path):
     """--jobs N whose submissions and checks, at their caps, would hold more than the machine's RAM: refused
     before anything runs, naming the numbers and the --jobs that fits (the OOM killer would otherwise choose
