@@ -112,6 +112,23 @@ def find_submissions(folder: Path) -> list[Submission]:
         subs.append(sub)
     if not subs:
         raise HpdlError(f"No notebooks (*.ipynb) in {folder}.")
+    return _alike_written_out(subs)
+
+
+def _alike_written_out(subs: list[Submission]) -> list[Submission]:
+    """Names that read alike (the same once Unicode-normalised: `josé` typed as one character or as e and a
+    combining accent) with every character beyond ASCII written out as \\uNNNN: each showed as `josé.ipynb` in
+    every report, one 36/36 and one 0/36, so a learner could put a row under another's name."""
+    import unicodedata
+
+    seen: dict[str, int] = {}
+    for s in subs:
+        key = unicodedata.normalize("NFKC", s.name)
+        seen[key] = seen.get(key, 0) + 1
+    for s in subs:
+        if seen[unicodedata.normalize("NFKC", s.name)] > 1:
+            s.name = "".join(c if ord(c) < 128 else f"\\u{ord(c):04x}" if ord(c) < 65536 else f"\\U{ord(c):08x}"
+                             for c in s.name)
     return subs
 
 

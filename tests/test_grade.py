@@ -446,9 +446,10 @@ def test_a_folder_nested_a_thousand_deep_is_refused_not_the_end_of_the_batch(tmp
     safefiles.remove_tree(subs / "d")  # pytest's own cleanup recurses once per level
 
 
-def test_a_name_that_is_not_utf8_never_reads_as_another_learners(tmp_path):
+def test_no_two_names_read_alike_in_the_reports(tmp_path):
     """The byte 0xe9 is written out as \\xe9; a learner's own backslash is doubled, so a notebook named
-    `a\\xe9.ipynb` stays a row, a learner and an executed notebook of its own (they were merged)."""
+    `a\\xe9.ipynb` stays a row, a learner and an executed notebook of its own (they were merged). Two names the
+    same once Unicode-normalised (josé, in one character or two) showed as one name in every report."""
     subs = tmp_path / "subs"
     subs.mkdir()
     (subs / os.fsdecode(b"a\xe9.ipynb")).write_text("[1]")
@@ -456,6 +457,11 @@ def test_a_name_that_is_not_utf8_never_reads_as_another_learners(tmp_path):
     names = sorted(s.name for s in grade.find_submissions(subs))
     assert names == ["a\\\\xe9.ipynb", "a\\xe9.ipynb"]
     assert len({grade.learner_of(n) for n in names}) == 2
+    # names that read alike once Unicode-normalised are written out, so each row shows whose it is
+    for name in ("jos\u00e9.ipynb", "jose\u0301.ipynb", "zo\u00eb.ipynb"):
+        (subs / name).write_text("[3]")
+    names = {s.name for s in grade.find_submissions(subs)}
+    assert {"jos\\u00e9.ipynb", "jose\\u0301.ipynb", "zo\u00eb.ipynb"} <= names
 
 
 def test_what_is_graded_is_what_the_grade_is_kept_under(tmp_path):
