@@ -848,22 +848,28 @@ def scored_exercises(subs: list[Submission], exercises: list[str] | None = None)
     tell the lessons, half the learners suffice. A learner whose notebooks call no check has no vote: three
     files of junk (not notebooks, dead links) beside two learners' full solutions left nothing scored, 0/0."""
     if exercises is None:
-        called: dict[str, set[str]] = {}
-        for s in subs:
-            called.setdefault(learner_of(s.name), set()).update(s.exercises)
-        voters = [names for names in called.values() if names]  # junk files, links, blank notebooks: no vote
-        counts: dict[str, int] = {}
-        for names in voters:
-            for ex in names:
-                counts[ex] = counts.get(ex, 0) + 1
-        most = {ex for ex, n in counts.items() if 2 * n > len(voters)}
-        half = {ex for ex, n in counts.items() if 2 * n == len(voters)}
+        counts, voters = exercise_votes(subs)
+        most = {ex for ex, n in counts.items() if 2 * n > voters}
+        half = {ex for ex, n in counts.items() if 2 * n == voters}
         lesson = lessons_of_exercises()
         if most and lesson:  # a kit without its exercises/ notebooks: half the learners, as before
             theirs = {lesson.get(ex) for ex in most} - {None}
             half = {ex for ex in half if lesson.get(ex) in theirs}
         exercises = sorted(most | half)
     return {ex: planned_points(ex) for ex in exercises}
+
+
+def exercise_votes(subs: list[Submission]) -> tuple[dict[str, int], int]:
+    """(exercise -> how many learners' notebooks call it, how many learners call any): one learner, one vote."""
+    called: dict[str, set[str]] = {}
+    for s in subs:
+        called.setdefault(learner_of(s.name), set()).update(s.exercises)
+    voters = [names for names in called.values() if names]  # junk files, links, blank notebooks: no vote
+    counts: dict[str, int] = {}
+    for names in voters:
+        for ex in names:
+            counts[ex] = counts.get(ex, 0) + 1
+    return counts, len(voters)
 
 
 @functools.lru_cache(maxsize=1)
@@ -1119,6 +1125,11 @@ def main(argv: list[str]) -> int:
     total = sum(worth.values())
     for s in subs:
         print(f"  {_printable(s.name):<40} {s.status:<14} {s.score(worth):g} / {total:g}")
+    if wanted is None:  # what the notebooks call decided it: a class's junk or a learner's many notebooks can sway it
+        counts, voters = exercise_votes(subs)
+        print("hpdl grade: scored " + (", ".join(f"{ex} (called by {counts.get(ex, 0)} of {voters} learners)"
+                                                for ex in worth) or "nothing")
+              + ": chosen by what the notebooks call; name them with --exercises to decide")
     print(f"hpdl grade: {len(subs)} submissions; reports in {args.out}/ "
           "(grades.csv, cases.csv, grades.json, index.html)")
     return 0

@@ -106,7 +106,10 @@ def test_batch_grades_every_submission_despite_hangs_and_crashes(submissions, tm
     page = (out / "index.html").read_text()
     assert "dana/deadlock.ipynb" in page and "HANG" in page
     assert (out / "executed" / "dana" / "deadlock.ipynb").exists()
-    assert "ada.ipynb" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    # the instructor sees what the notebooks' calls chose, and how to choose instead
+    assert "ada.ipynb" in printed and "fixture_ring (called by 4 of 4 learners)" in printed
+    assert "--exercises" in printed
 
 
 # -- submissions written to cheat or to break the grader ------------------------------------------
