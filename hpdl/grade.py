@@ -860,10 +860,14 @@ def scored_exercises(subs: list[Submission], exercises: list[str] | None = None)
 
 
 def exercise_votes(subs: list[Submission]) -> tuple[dict[str, int], int]:
-    """(exercise -> how many learners' notebooks call it, how many learners call any): one learner, one vote."""
+    """(exercise -> how many learners' notebooks call it, how many learners call any): one learner, one vote. A
+    notebook that ran to its end calls what it asked the grader to check, of the calls in its source: a call in
+    dead code (`if False: hpdl.check(...)`) is no vote, so three such notebooks beside two learners no longer
+    swapped the class's exercises for theirs (both full solutions scored 0/4)."""
     called: dict[str, set[str]] = {}
     for s in subs:
-        called.setdefault(learner_of(s.name), set()).update(s.exercises)
+        ran = set(s.exercises) & set(s.checks) if s.status == "ok" else set(s.exercises)
+        called.setdefault(learner_of(s.name), set()).update(ran)
     voters = [names for names in called.values() if names]  # junk files, links, blank notebooks: no vote
     counts: dict[str, int] = {}
     for names in voters:

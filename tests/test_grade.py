@@ -520,6 +520,13 @@ def test_one_learners_many_notebooks_are_one_vote_on_what_is_scored():
     junk = [sub(f"j{k}.ipynb", Path("x"), status="not a notebook") for k in range(3)] + \
         [sub("l.ipynb", Path("x"), status="refused"), sub("blank.ipynb", Path("x"), status="ok")]
     assert set(grade.scored_exercises(honest + junk)) == {"bcast_binomial", "average_gradients"}
+    # notebooks that ran to their end vote with the checks they asked for: calls in dead code are none
+    ran = {ex: {"score": 1.0} for ex in ("bcast_binomial", "average_gradients")}
+    two = [sub(f"{who}.ipynb", Path("x"), exercises=list(ran), status="ok", checks=ran) for who in ("ann", "ben")]
+    dead = [sub(f"zz{k}.ipynb", Path("x"), exercises=["train_step"], status="ok") for k in range(3)]
+    assert set(grade.scored_exercises(two + dead)) == set(ran)
+    timed_out = [sub(f"zz{k}.ipynb", Path("x"), exercises=["train_step"], status="timeout") for k in range(3)]
+    assert set(grade.scored_exercises(two + timed_out)) == {"train_step"}  # never reached: its source is its word
 
 
 def test_a_check_named_in_a_comment_or_a_string_is_not_a_call():
