@@ -212,8 +212,9 @@ class Service:
             module = cases.load(name)
             result = check_code(name, module, code, grading=True, progress=False, hidden=self.hidden,
                                 stop=self.stop, memory=self.memory)
-        except Stopped:
+        except Stopped:  # answered all the same: every request the grader took up gets its answer
             self._problem(f"the check of {name} under way when the notebook ended was stopped (no result)")
+            self._answer(rid, {"error": "the notebook ended while this check ran; it was stopped (no result)"})
             return
         except Exception as exc:  # a malformed request is the submission's problem, recorded
             self._problem(f"check request refused: {type(exc).__name__}: {str(exc)[:200]}")
