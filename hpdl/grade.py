@@ -103,8 +103,7 @@ def find_submissions(folder: Path) -> list[Submission]:
         except OSError as exc:
             subs.append(Submission(name, path, status="unreadable", detail=str(exc)))
             continue
-        called = [ex for ex in _called_checks(data) if ex in exercises]
-        sub = Submission(name, path, hashlib.sha256(data).hexdigest(), exercises=called)
+        sub = Submission(name, path, hashlib.sha256(data).hexdigest(), exercises=_known_checks(data, exercises))
         if len(data) > MAX_NOTEBOOK_BYTES:
             sub.status, sub.detail = "too large", f"more than {MAX_NOTEBOOK_BYTES // 2**20} MiB"
         elif _cells(data) is None:
@@ -137,13 +136,10 @@ def graded_bytes(sub: Submission) -> bytes:
     taken from them again where it changed since it was listed. The file was read once at listing, for those, and
     again minutes later to run it: a notebook replaced in between was graded, and its grade kept on a resumed
     batch, under the fingerprint of the first one (a trivial notebook resumed at 36/36)."""
-    from hpdl.checker.cases import known
-
     data = safefiles.read_bounded(sub.path, MAX_NOTEBOOK_BYTES)
     digest = hashlib.sha256(data).hexdigest()
     if digest != sub.digest:
-        exercises = set(known())
-        sub.digest, sub.exercises = digest, [ex for ex in _called_checks(data) if ex in exercises]
+        sub.digest, sub.exercises = digest, _known_checks(data)
     return data
 
 
@@ -203,6 +199,15 @@ def _text(src) -> str:
     if isinstance(src, list):
         return "".join(s for s in src if isinstance(s, str))
     return src if isinstance(src, str) else ""
+
+
+def _known_checks(data: bytes, exercises: set[str] | None = None) -> list[str]:
+    """The exercises of the kit (`exercises`, else its case modules) that a notebook calls a check of."""
+    if exercises is None:
+        from hpdl.checker.cases import known
+
+        exercises = set(known())
+    return [ex for ex in _called_checks(data) if ex in exercises]
 
 
 def _called_checks(data: bytes) -> list[str]:
