@@ -119,13 +119,12 @@ def _alike_written_out(subs: list[Submission]) -> list[Submission]:
     combining accent) with every character beyond ASCII written out as \\uNNNN: each showed as `josé.ipynb` in
     every report, one 36/36 and one 0/36, so a learner could put a row under another's name."""
     import unicodedata
+    from collections import Counter
 
-    seen: dict[str, int] = {}
-    for s in subs:
-        key = unicodedata.normalize("NFKC", s.name)
-        seen[key] = seen.get(key, 0) + 1
-    for s in subs:
-        if seen[unicodedata.normalize("NFKC", s.name)] > 1:
+    keys = [unicodedata.normalize("NFKC", s.name) for s in subs]
+    seen = Counter(keys)
+    for s, key in zip(subs, keys):
+        if seen[key] > 1:
             s.name = "".join(c if ord(c) < 128 else f"\\u{ord(c):04x}" if ord(c) < 65536 else f"\\U{ord(c):08x}"
                              for c in s.name)
     return subs

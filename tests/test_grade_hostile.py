@@ -327,7 +327,8 @@ def test_one_submissions_check_requests_run_one_at_a_time(tmp_path, monkeypatch,
     for rid in rids:
         (tmp_path / "late" / f"req-{rid}.json").write_text(request)
     late.poll()
-    while late.queue == rids:  # the first taken up (the race the full suite once lost: it went unanswered)
+    taken = time.monotonic() + 30
+    while late.queue == rids and time.monotonic() < taken:  # the first taken up (the race the suite once lost)
         time.sleep(0.01)
     late.finish()
     answers = [json.loads((late.answers / f"resp-{r}.json").read_text()) for r in rids]

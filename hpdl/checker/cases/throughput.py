@@ -217,7 +217,7 @@ def _stepped(case, got) -> list | None:
 
 def step_seconds(case, got, planned: list[float]) -> list[float]:
     """How long each step took, as the helper measured it (its receipt); as planned where it has no word on it."""
-    body = _receipt(case, got) if got.get("receipt") is not None else None
+    body = _receipt(case, got)
     ran = body.get("seconds") if body is not None else None
     if not isinstance(ran, list) or len(ran) != len(planned) \
             or not all(isinstance(t, numbers.Real) and t > 0 for t in ran):
