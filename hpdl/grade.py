@@ -339,15 +339,25 @@ def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: flo
 def _flood_stopping(base: type) -> type:
     """nbclient's client, counting what the notebook sends: a cell that sends over FLOOD_BYTES is
     interrupted (it ends with KeyboardInterrupt, the next cells run), and its kernel killed if that cell
-    still runs FLOOD_GRACE s later (the interrupt caught). Past FLOOD_BYTES in all, only errors are kept.
-    `flood` says what was done."""
+    still sends output FLOOD_GRACE s after the interrupt (the interrupt caught). That is read from when the
+    kernel sent it, not when it arrived: on a busy machine the runner reads a flood seconds late, and what
+    was sent before the interrupt must not kill a kernel that obeyed it. Past FLOOD_BYTES in all, only
+    errors are kept. `flood` says what was done."""
+    import datetime
     import signal
-    import threading
+    import time
 
     from hpdl import procs
 
+    def sent_at(msg: dict) -> float:
+        """When the kernel sent a message (its header's date); when it arrived if it has none."""
+        date = (msg.get("header") or {}).get("date") if isinstance(msg.get("header"), dict) else None
+        if isinstance(date, datetime.datetime) and date.tzinfo is not None:
+            return date.timestamp()
+        return time.time()
+
     class FloodStopping(base):
-        sent, flood, running = 0, "", None
+        sent, flood, running, interrupted = 0, "", None, None  # interrupted: (cell, when)
 
         async def async_execute_cell(self, cell, cell_index, *args, **kwargs):
             self.running, self.cell_sent = cell_index, 0
@@ -363,10 +373,13 @@ def _flood_stopping(base: type) -> type:
                 self.cell_sent += size
                 if self.cell_sent > FLOOD_BYTES and self.cell_sent - size <= FLOOD_BYTES:  # once per cell
                     self.flood = f"cell {cell_index} interrupted"
+                    self.interrupted = (cell_index, time.time())
                     self._signal(signal.SIGINT)
-                    later = threading.Timer(FLOOD_GRACE, self._kill_if_running, args=(cell_index,))
-                    later.daemon = True
-                    later.start()
+                elif (self.interrupted and self.interrupted[0] == cell_index
+                      and sent_at(msg) > self.interrupted[1] + FLOOD_GRACE):
+                    self.flood = f"cell {cell_index} interrupted, then its kernel killed"
+                    self.interrupted = None
+                    self._signal(signal.SIGKILL)
             left = FLOOD_BYTES - (self.sent - size)  # what may still be kept, before this message
             content = msg.get("content") if isinstance(msg.get("content"), dict) else {}
             if 0 < left < size and msg.get("msg_type") == "stream" and isinstance(content.get("text"), str):
@@ -374,11 +387,6 @@ def _flood_stopping(base: type) -> type:
             elif size > left and not (msg.get("msg_type") == "error" and size <= MAX_ONE_OUTPUT):
                 return None
             return super().output(outs, msg, display_id, cell_index)
-
-        def _kill_if_running(self, cell_index: int) -> None:
-            if self.running == cell_index:
-                self.flood = f"cell {cell_index} interrupted, then its kernel killed"
-                self._signal(signal.SIGKILL)
 
         def _signal(self, sig: int) -> None:
             pid = getattr(getattr(self.km, "provisioner", None), "pid", None)

@@ -401,6 +401,34 @@ def test_an_output_flood_is_interrupted_and_the_next_cells_still_run(tmp_path, n
     assert after.execution_count == 2  # the next cell ran
 
 
+def test_a_flood_the_runner_reads_late_is_not_taken_for_one_that_caught_the_interrupt(tmp_path, no_strays):
+    """On a busy machine the runner reads a flood's messages seconds after the kernel sent them. The kernel
+    ended the cell at the interrupt; what it sent before still arrives after FLOOD_GRACE. Killing it then
+    (CI did) loses the kernel and the learner's next cells: only output sent past the grace tells a cell
+    that caught the interrupt. Here the runner stalls FLOOD_GRACE + 2 s just after interrupting."""
+    import time
+
+    from nbclient import NotebookClient
+
+    class Stalling(NotebookClient):
+        stalled = False
+
+        def output(self, outs, msg, display_id, cell_index):
+            if self.flood and not self.stalled:
+                self.stalled = True
+                time.sleep(grade.FLOOD_GRACE + 2)
+            return super().output(outs, msg, display_id, cell_index)
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("while True:\n    print('spam ' * 2000)"),
+                nbformat.v4.new_code_cell("x = 6 * 7")]
+    client = grade._flood_stopping(Stalling)(nb, timeout=120, kernel_name="python3", allow_errors=True)
+    client.execute()
+    assert client.stalled and client.flood == "cell 0 interrupted", client.flood
+    assert [o.get("ename") for o in nb.cells[0].outputs if o.output_type == "error"] == ["KeyboardInterrupt"]
+    assert nb.cells[1].execution_count == 2  # the same kernel ran the next cell
+
+
 def test_prediction_cells_are_copied_into_the_report_unscored(tmp_path):
     cells = [
         {"cell_type": "markdown", "metadata": {"tags": ["prediction"]}, "source": "I predict 2(p-1) messages."},
