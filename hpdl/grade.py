@@ -54,7 +54,7 @@ MAX_ONE_OUTPUT = 2**20  # one output (a stream's text, an image)
 # the time limit (and fill the runner's memory) is interrupted; if it goes on (the interrupt caught), its
 # kernel is killed. Output past it is not kept.
 FLOOD_BYTES = 4 * MAX_OUTPUT_BYTES
-FLOOD_GRACE = 5.0  # s for an interrupted cell to end before its kernel is killed
+FLOOD_GRACE = 5.0  # s for an interrupted cell to end, then for its kernel to say it has, before it is killed
 MAX_STATUS_BYTES = 100_000
 
 
@@ -338,26 +338,18 @@ def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: flo
 
 def _flood_stopping(base: type) -> type:
     """nbclient's client, counting what the notebook sends: a cell that sends over FLOOD_BYTES is
-    interrupted (it ends with KeyboardInterrupt, the next cells run), and its kernel killed if that cell
-    still sends output FLOOD_GRACE s after the interrupt (the interrupt caught). That is read from when the
-    kernel sent it, not when it arrived: on a busy machine the runner reads a flood seconds late, and what
-    was sent before the interrupt must not kill a kernel that obeyed it. Past FLOOD_BYTES in all, only
-    errors are kept. `flood` says what was done."""
-    import datetime
+    interrupted (it ends with KeyboardInterrupt, the next cells run), and its kernel killed if FLOOD_GRACE s
+    later it is still running that cell (the interrupt caught). Asked of the kernel itself, on a connection
+    of its own: on a busy machine this client reads a flood's backlog seconds late, so the cell still looks
+    running here long after a kernel that obeyed has ended it. Past FLOOD_BYTES in all, only errors are
+    kept. `flood` says what was done."""
     import signal
-    import time
+    import threading
 
     from hpdl import procs
 
-    def sent_at(msg: dict) -> float:
-        """When the kernel sent a message (its header's date); when it arrived if it has none."""
-        date = (msg.get("header") or {}).get("date") if isinstance(msg.get("header"), dict) else None
-        if isinstance(date, datetime.datetime) and date.tzinfo is not None:
-            return date.timestamp()
-        return time.time()
-
     class FloodStopping(base):
-        sent, flood, running, interrupted = 0, "", None, None  # interrupted: (cell, when)
+        sent, flood, running = 0, "", None
 
         async def async_execute_cell(self, cell, cell_index, *args, **kwargs):
             self.running, self.cell_sent = cell_index, 0
@@ -373,13 +365,10 @@ def _flood_stopping(base: type) -> type:
                 self.cell_sent += size
                 if self.cell_sent > FLOOD_BYTES and self.cell_sent - size <= FLOOD_BYTES:  # once per cell
                     self.flood = f"cell {cell_index} interrupted"
-                    self.interrupted = (cell_index, time.time())
                     self._signal(signal.SIGINT)
-                elif (self.interrupted and self.interrupted[0] == cell_index
-                      and sent_at(msg) > self.interrupted[1] + FLOOD_GRACE):
-                    self.flood = f"cell {cell_index} interrupted, then its kernel killed"
-                    self.interrupted = None
-                    self._signal(signal.SIGKILL)
+                    later = threading.Timer(FLOOD_GRACE, self._kill_if_running, args=(cell_index,))
+                    later.daemon = True
+                    later.start()
             left = FLOOD_BYTES - (self.sent - size)  # what may still be kept, before this message
             content = msg.get("content") if isinstance(msg.get("content"), dict) else {}
             if 0 < left < size and msg.get("msg_type") == "stream" and isinstance(content.get("text"), str):
@@ -388,12 +377,36 @@ def _flood_stopping(base: type) -> type:
                 return None
             return super().output(outs, msg, display_id, cell_index)
 
+        def _kill_if_running(self, cell_index: int) -> None:
+            if self.running == cell_index and not _kernel_answers(self.km):
+                self.flood = f"cell {cell_index} interrupted, then its kernel killed"
+                self._signal(signal.SIGKILL)
+
         def _signal(self, sig: int) -> None:
             pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
             if isinstance(pid, int) and pid > 0:  # the kernel's own process: this runner started it
                 procs.pass_on(pid, sig)
 
     return FloodStopping
+
+
+def _kernel_answers(km) -> bool:
+    """Whether the kernel `km` runs answers a kernel_info request within FLOOD_GRACE s, on a connection of
+    its own: it does between cells, never while a cell runs (it takes one shell request at a time)."""
+    from jupyter_client import BlockingKernelClient
+
+    other = None
+    try:
+        other = BlockingKernelClient()
+        other.load_connection_info(km.get_connection_info())
+        other.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        other.kernel_info(reply=True, timeout=FLOOD_GRACE)
+        return True
+    except Exception:  # no answer in time (TimeoutError), or no connection to ask on
+        return False
+    finally:
+        if other is not None:
+            other.stop_channels()
 
 
 def _output_bytes(content) -> int:

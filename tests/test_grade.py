@@ -401,14 +401,17 @@ def test_an_output_flood_is_interrupted_and_the_next_cells_still_run(tmp_path, n
     assert after.execution_count == 2  # the next cell ran
 
 
-def test_a_flood_the_runner_reads_late_is_not_taken_for_one_that_caught_the_interrupt(tmp_path, no_strays):
-    """On a busy machine the runner reads a flood's messages seconds after the kernel sent them. The kernel
-    ended the cell at the interrupt; what it sent before still arrives after FLOOD_GRACE. Killing it then
-    (CI did) loses the kernel and the learner's next cells: only output sent past the grace tells a cell
-    that caught the interrupt. Here the runner stalls FLOOD_GRACE + 2 s just after interrupting."""
+@pytest.mark.parametrize("stubborn", [False, True], ids=["obeys", "catches_the_interrupt"])
+def test_a_flood_the_runner_reads_late_is_judged_by_the_kernel(stubborn, tmp_path, no_strays):
+    """On a busy machine the runner reads a flood's messages seconds after the kernel sent them, so the
+    cell still looks running here after FLOOD_GRACE. A kernel that obeyed the interrupt must not be killed
+    for it (CI did: the learner's next cells were lost), and one that caught it must be, however late its
+    output is read (under load it then ran to the time limit). Here the runner stalls FLOOD_GRACE + 2 s just
+    after interrupting."""
     import time
 
     from nbclient import NotebookClient
+    from nbclient.exceptions import DeadKernelError
 
     class Stalling(NotebookClient):
         stalled = False
@@ -420,9 +423,14 @@ def test_a_flood_the_runner_reads_late_is_not_taken_for_one_that_caught_the_inte
             return super().output(outs, msg, display_id, cell_index)
 
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("while True:\n    print('spam ' * 2000)"),
+    nb.cells = [nbformat.v4.new_code_cell(STUBBORN_FLOOD if stubborn else "while True:\n    print('spam ' * 2000)"),
                 nbformat.v4.new_code_cell("x = 6 * 7")]
     client = grade._flood_stopping(Stalling)(nb, timeout=120, kernel_name="python3", allow_errors=True)
+    if stubborn:
+        with pytest.raises(DeadKernelError):
+            client.execute()
+        assert client.stalled and client.flood == "cell 0 interrupted, then its kernel killed", client.flood
+        return
     client.execute()
     assert client.stalled and client.flood == "cell 0 interrupted", client.flood
     assert [o.get("ename") for o in nb.cells[0].outputs if o.output_type == "error"] == ["KeyboardInterrupt"]
