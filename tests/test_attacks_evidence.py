@@ -329,12 +329,16 @@ def test_a_send_the_recorder_cannot_size_buys_no_room_on_the_wire(no_strays):
     ("recursive_doubling", E.recursive_doubling_by_a_ring, 4, "with each partner once"),
     ("recursive_doubling", E.recursive_doubling_by_a_ring, 3, "with each partner once"),  # not "at the fold-in"
     ("recursive_doubling", E.recursive_doubling_by_a_tree, 4, "one per round"),
+    ("recursive_doubling", E.recursive_doubling_by_a_tree, 7, "ranks that each swap with lg p' = 2"),
+    ("recursive_doubling", E.recursive_doubling_by_halving, 4, "not the whole vector"),
 ])
 def test_the_message_pattern_is_told_by_the_values_moved(exercise, fn, ranks, words, no_strays):
     """The naive ring, its whole vector in a dict (one key: one element to the recorder's count of the
     message), or in big Python ints (each one value, once); the naive ring where recursive doubling is
     asked (one partner, so never more than lg p); a tree's reduce and broadcast (a partner too few on half
-    its ranks). Values are counted per message and per partner, from what each message moved (its bytes
+    its ranks at 4; at 7, where the fold-in leaves ranks with one partner too, fewer than p' ranks with lg p',
+    where it scored 36/36); recursive halving then gathering (Rabenseifner's: a partner gets half the vector,
+    36/36 too). Values are counted per message and per partner, from what each message moved (its bytes
     held against the wire's)."""
     result = hpdl.check(exercise, fn, ranks=[ranks])
     assert result.score < result.max_score and all(c.verdict == "WRONG" for c in result.cases

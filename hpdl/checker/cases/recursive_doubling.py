@@ -72,9 +72,11 @@ def verify(case, ctx):
     p = ctx.size
     p2 = 1 << (p.bit_length() - 1)
     limit = p2.bit_length() - 1 + (1 if p != p2 else 0)
+    # collective on ctx.comm: every rank, before any early return
+    partners = ctx.comm.allgather(len(set(hooks.values_sent(ctx)) - {ctx.rank})) if p != p2 else None
     return hooks.wire_agrees(ctx) or compare_sum(ctx.got, ctx.expected) or hooks.max_sends(
         ctx, limit, "recursive doubling needs one exchange per round (lg p rounds, one more for ranks folded in)"
-    ) or received_enough(ctx) or exchanges(ctx, p2)
+    ) or received_enough(ctx) or exchanges(ctx, p2) or folded_in(ctx, p2, partners)
 
 
 METADATA = 16  # values a rank may send a partner beside the vector: its shape or length first
@@ -97,6 +99,12 @@ def exchanges(ctx, p2: int):
                          hint="at the fold-in, the rank that sits out hands its vector over (Send) and gets the sum "
                               "back at the end (Recv): swapping vectors there (Sendrecv) sends it one it never "
                               "uses.")
+        if values < n:
+            return Wrong(f"rank {r} sent {values} values to rank {peer}, not the whole vector ({n} values): "
+                         "recursive doubling swaps the whole partial sum with each partner",
+                         hint="one Sendrecv of the whole vector per round, with partner r ^ 2**k in round k: "
+                              "swapping halves, then quarters (recursive halving, then gathering the pieces "
+                              "back) is Rabenseifner's algorithm, another one.")
         if values > n + METADATA:
             return Wrong(f"rank {r} sent {values} values (of x's dtype, {ctx.expected.dtype}) to rank {peer}; "
                          f"recursive doubling swaps the vector ({n} values) with each partner once",
@@ -117,6 +125,24 @@ def exchanges(ctx, p2: int):
                      hint="in round k every rank swaps with r ^ 2**k: no rank sits out when p is a power of two "
                           "(a tree's reduce then broadcast leaves some ranks with one partner).")
     return None
+
+
+def folded_in(ctx, p2: int, partners: list[int] | None) -> Wrong | None:
+    """For p not a power of two, the fold-in's shape across the ranks (`partners`: how many ranks each sent
+    to): p' of them swap with lg p' partners or more. A tree's reduce then broadcast leaves fewer ranks with
+    that many (at 7 ranks: 3 of 7), though each rank's own messages look like swaps."""
+    if partners is None:
+        return None
+    rounds = p2.bit_length() - 1
+    core = sum(1 for k in partners if isinstance(k, int) and k >= rounds)
+    if core >= p2:
+        return None
+    return Wrong(f"{core} of {ctx.size} ranks exchanged with {rounds} partner(s) or more; with {ctx.size} ranks, "
+                 f"recursive doubling's fold-in leaves p' = {p2} ranks that each swap with lg p' = {rounds}, one "
+                 "per round",
+                 hint="fold in the last p - p' ranks first (each hands its vector to a partner among the first p' "
+                      "and sits out), run lg p' rounds of swaps among the first p', then hand the sum back: a "
+                      "tree's reduce and broadcast leave ranks with fewer partners.")
 
 
 def diagnose(case, ctx) -> str | None:
