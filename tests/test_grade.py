@@ -611,3 +611,26 @@ def test_half_the_learners_add_no_exercise_of_another_lesson(monkeypatch):
     assert set(grade.scored_exercises([alice, bob])) == {"bcast_binomial", "average_gradients"}
     monkeypatch.setattr(grade, "lessons_of_exercises", dict)  # a kit without exercises/: half suffice, as before
     assert set(grade.scored_exercises([alice, bob])) == {"bcast_binomial", "average_gradients"}
+
+
+def test_a_notebook_kept_with_a_note_is_no_larger_than_it_was(monkeypatch):
+    """Where the runner did not finish, the notebook as submitted is kept, with a note first. It was written
+    again indented: a submission of 200,000 values nested 95 deep (within what is read) grew 50 times,
+    10 MB to 500 MB on the instructor's disk and in the grader's memory, and killed a capped grader, again
+    at every resume. Now written compact, and past MAX_NOTEBOOK_BYTES (escaping doubles non-ASCII text),
+    the note alone."""
+    values = [0] * 200_000
+    for _ in range(94):
+        values = [values]
+    data = json.dumps({"cells": [], "metadata": {"x": values}, "nbformat": 4, "nbformat_minor": 5},
+                      separators=(",", ":")).encode()
+    kept = grade._with_note(data, "kept as submitted")
+    assert len(kept) < len(data) + 200, (len(kept), len(data))
+    back = json.loads(kept)
+    assert back["cells"][0]["source"] == "kept as submitted" and back["metadata"]["x"] == values
+    wide = json.dumps({"cells": [], "metadata": {"x": "€" * 100_000}, "nbformat": 4, "nbformat_minor": 5},
+                      ensure_ascii=False).encode()
+    monkeypatch.setattr(grade, "MAX_NOTEBOOK_BYTES", len(wide) + 1000)
+    alone = json.loads(grade._with_note(wide, "kept as submitted."))
+    assert [c["source"] for c in alone["cells"]] == ["kept as submitted. It is not kept here: with the note it "
+                                                     "passed 0 MiB."] and "x" not in alone["metadata"]
