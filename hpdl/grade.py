@@ -20,9 +20,10 @@ Every submission ends with a status and a reason (ok, timeout, kernel died, runn
 not a notebook, ...). Results are appended to OUT/results.jsonl as each submission finishes and
 the reports are rewritten, so a batch killed midway leaves a valid partial report, and running
 the same command again resumes with the submissions not yet graded (a changed notebook is
-graded again). Writes (all readable by their owner only): grades.csv (one row per
-submission), cases.csv (one row per case), grades.json (everything, predictions included),
-index.html, and executed/ (each notebook as it ran).
+graded again). Those that were running when the grader itself died are graded first, each alone; one
+it died on twice, once alone, is not run again (status "grader died"). Writes (all readable by
+their owner only): grades.csv (one row per submission), cases.csv (one row per case), grades.json
+(everything, predictions included), index.html, and executed/ (each notebook as it ran).
 """
 from __future__ import annotations
 
@@ -799,7 +800,7 @@ def _batch(folder: Path, out: Path, limit: float, jobs: int, progress: bool, exe
     sandbox.sweep_cgroups()  # those left by graders that are gone
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
-    todo = _resume(subs, out)
+    todo, alone = _resume(subs, out)
     header = sandbox_header(caps, no_sandbox)
     write_reports(subs, out, exercises, *header)  # valid from the start: the rest "pending"
     # one 0700 folder for the batch, one 0700 folder per submission in it; inside a sandbox the
@@ -817,10 +818,14 @@ def _batch(folder: Path, out: Path, limit: float, jobs: int, progress: bool, exe
         bar = tqdm(total=len(subs), initial=len(subs) - len(todo), desc="grading", unit="notebook")
     try:
         while todo or running:
-            while todo and len(running) < max(1, jobs):
+            # a notebook the grader died on before runs alone, nothing beside it (see _resume)
+            while todo and len(running) < max(1, jobs) and not (running and (todo[0][0] in alone or
+                                                                             running[0].index in alone)):
                 i, sub = todo.pop(0)
                 try:
+                    _started(out, sub, alone=jobs <= 1 or i in alone)
                     running.append(Running(sub, work_root / f"{i:04d}", out, limit, hidden, caps))
+                    running[-1].index = i
                 except OSError as exc:
                     sub.status, sub.detail = "not started", f"{type(exc).__name__}: {exc}"
                     _done(out, subs, sub, exercises, bar, header)
@@ -833,6 +838,7 @@ def _batch(folder: Path, out: Path, limit: float, jobs: int, progress: bool, exe
         for r in running:
             r.finish(stopped=True)
             r.sub.status, r.sub.detail = "interrupted", "the grader was stopped while this submission ran"
+            _started(out, r.sub, ended=True)  # stopped in order (Ctrl-C): not held against it
         if bar is not None:
             bar.close()
         safefiles.remove_tree(work_root)
@@ -841,21 +847,66 @@ def _batch(folder: Path, out: Path, limit: float, jobs: int, progress: bool, exe
     return subs
 
 
-def _resume(subs: list[Submission], out: Path) -> list[tuple[int, Submission]]:
-    """Submissions still to grade: those graded by an earlier run into `out` are taken as they were."""
-    done = _previous(out)
-    todo = []
+def _resume(subs: list[Submission], out: Path) -> tuple[list[tuple[int, Submission]], set[int]]:
+    """Submissions still to grade: those graded by an earlier run into `out` are taken as they were. And
+    those an earlier run started and never ended (the grader itself died: out of memory, killed), by index:
+    graded alone, first, so that a neighbour is not blamed; one the grader died on twice, once alone, is
+    recorded as such and not run again (it took the grader down at every resume, and no one after it was
+    graded)."""
+    done, starts = _previous(out), _unended_starts(out)
+    todo, alone = [], set()
     for i, sub in enumerate(subs):
         rec = done.get((sub.name, sub.digest))
         if rec is not None:  # graded by an earlier run of this command: resume after it
             for key in ("status", "detail", "seconds", "checks", "predictions", "cell_errors", "sandboxed", "limits"):
                 if key in rec:
                     setattr(sub, key, rec[key])
-        elif sub.status == "pending":
-            todo.append((i, sub))
-        else:  # refused before running (not a notebook, too large, unreadable): recorded as such
+        elif sub.status != "pending":  # refused before running (not a notebook, too large, unreadable): recorded
             _append(out, sub)
-    return todo
+        elif len(starts.get((sub.name, sub.digest), [])) >= 2 and any(starts[(sub.name, sub.digest)]):
+            sub.status = "grader died"
+            sub.detail = ("the grader itself stopped while grading this notebook, twice, once with no other beside "
+                          "it (out of memory, or killed), so it is not run again. To try it once more, delete "
+                          f"{out / 'started.jsonl'} and run the same command.")
+            _append(out, sub)
+        elif (sub.name, sub.digest) in starts:
+            alone.add(i)
+        else:
+            todo.append((i, sub))
+    return [(i, subs[i]) for i in sorted(alone)] + todo, alone
+
+
+def _started(out: Path, sub: Submission, alone: bool = False, ended: bool = False) -> None:
+    """Note in OUT/started.jsonl that `sub` starts (with nothing beside it, if `alone`), or that a grader
+    stopped in order ended it unfinished: what _resume reads when a grader died."""
+    line = {"name": sub.name, "digest": sub.digest, "alone": alone} if not ended else {
+        "name": sub.name, "digest": sub.digest, "ended": True}
+    fd = os.open(out / "started.jsonl", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "r+b") as f:
+        size = os.fstat(fd).st_size
+        cut = size > 0 and os.pread(fd, 1, size - 1) != b"\n"  # a line a dying grader cut short: not this one too
+        f.write((b"\n" if cut else b"") + json.dumps(line).encode() + b"\n")
+
+
+def _unended_starts(out: Path) -> dict[tuple[str, str], list[bool]]:
+    """(name, digest) -> whether each start since the last clean end was alone, from OUT/started.jsonl."""
+    starts: dict[tuple[str, str], list[bool]] = {}
+    try:
+        with os.fdopen(safefiles.open_regular(out / "started.jsonl"), "rb") as f:
+            lines = f.read(64 * 2**20).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return starts
+    for line in lines:
+        try:
+            rec = json.loads(line)
+            key = (rec["name"], rec["digest"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short when the grader died
+        if rec.get("ended"):
+            starts.pop(key, None)
+        else:
+            starts.setdefault(key, []).append(rec.get("alone") is True)
+    return starts
 
 
 def _done(out: Path, subs: list[Submission], sub: Submission, exercises, bar, header: tuple[str, dict]) -> None:

@@ -634,3 +634,31 @@ def test_a_notebook_kept_with_a_note_is_no_larger_than_it_was(monkeypatch):
     alone = json.loads(grade._with_note(wide, "kept as submitted."))
     assert [c["source"] for c in alone["cells"]] == ["kept as submitted. It is not kept here: with the note it "
                                                      "passed 0 MiB."] and "x" not in alone["metadata"]
+
+
+def test_a_notebook_the_grader_died_on_is_graded_alone_then_not_again(tmp_path, no_strays):
+    """A notebook that takes the grader itself down (its memory) did so again at every resume, and with
+    --jobs 1 no learner after it was ever graded. A resume now grades those an earlier run started and never
+    ended first, each alone (a neighbour that died with it is not blamed), and records one the grader died on
+    twice, once alone, without running it. A grader stopped in order (Ctrl-C) holds nothing against anyone."""
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    for name in ("ada", "bob", "cyd", "dee"):
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_code_cell("x = 6 * 7")]
+        nbformat.write(nb, subs / f"{name}.ipynb")
+    digest = {s.name: s.digest for s in grade.find_submissions(subs)}
+    out = tmp_path / "report"
+    out.mkdir()
+    lines = [("bob.ipynb", {"alone": False}), ("cyd.ipynb", {"alone": False}),  # a grader died with both running
+             ("cyd.ipynb", {"alone": True}),  # then again, cyd alone
+             ("dee.ipynb", {"alone": True}), ("dee.ipynb", {"alone": True}), ("dee.ipynb", {"ended": True})]
+    (out / "started.jsonl").write_text("".join(json.dumps({"name": n, "digest": digest[n], **rest}) + "\n"
+                                               for n, rest in lines) + '{"name": "cut sho')
+    assert grade.main([str(subs), "--out", str(out), "--timeout", "60", "--jobs", "2", "--allow-root"]) == 0
+    rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
+    assert rows["cyd.ipynb"]["status"] == "grader died" and "started.jsonl" in rows["cyd.ipynb"]["detail"]
+    assert {rows[n]["status"] for n in ("ada.ipynb", "bob.ipynb", "dee.ipynb")} == {"ok"}, rows
+    new = [json.loads(line) for line in (out / "started.jsonl").read_text().splitlines()[len(lines) + 1:]]
+    assert [(r["name"], r["alone"]) for r in new] == [("bob.ipynb", True), ("ada.ipynb", False),
+                                                      ("dee.ipynb", False)], new
