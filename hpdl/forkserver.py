@@ -136,6 +136,13 @@ class Server:
     """Imports, then serves fork requests until the job command ends."""
 
     def __init__(self, path: str, command: list[str]):
+        # what the server is sent, its job is sent (as a launcher does), from before the socket is there to be
+        # seen and the job started: a SIGTERM in between killed the server and left its job running
+        self.job: int | None = None
+        self.pending: list[int] = []  # signals sent before the job was started: passed on once it is
+        self.told = False  # sent a signal (passed on to its job)
+        for sig in FORWARDED:
+            signal.signal(sig, self.pass_on)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(path)
         os.chmod(path, 0o600)
@@ -150,15 +157,17 @@ class Server:
         self.ranks: dict[int, socket.socket] = {}  # rank pid -> its stand-in's connection
         self.began = time.time()  # wall clock, as /dev/shm files' times
         self.killed: set[str] | None = None  # the /dev/shm files of the ranks it killed, once it killed one
-        self.job = os.posix_spawnp(command[0], command, os.environ)
         self.returncode: int | None = None
-        self.told = False  # sent a signal (passed on to its job)
-        for sig in FORWARDED:  # as a launcher does: what the server is sent, its job is sent
-            signal.signal(sig, self.pass_on)
+        self.job = os.posix_spawnp(command[0], command, os.environ)
+        for number in self.pending:
+            procs.pass_on(self.job, number)
 
     def pass_on(self, number: int, _frame) -> None:
         self.told = True
-        procs.pass_on(self.job, number)
+        if self.job is None:
+            self.pending.append(number)
+        else:
+            procs.pass_on(self.job, number)
 
     def serve(self) -> dict | None:
         """Until the job ends (returns None), or, in a fork, the request it is to run."""
