@@ -254,6 +254,28 @@ def _peer(args, kwargs, pos, key):
     return value if value >= 0 else None
 
 
+def _with_status(args: tuple, kwargs: dict, at: int) -> tuple[tuple, dict, Any]:
+    """A blocking receive's arguments with a Status to read its source from: the learner's own where they
+    passed one (at position `at`, or as status=), else a fresh one in its place."""
+    from mpi4py import MPI
+
+    given = kwargs.get("status") if "status" in kwargs else (args[at] if len(args) > at else None)
+    if isinstance(given, MPI.Status):
+        return args, kwargs, given
+    status = MPI.Status()
+    if len(args) > at:
+        return (*args[:at], status, *args[at + 1:]), kwargs, status
+    return args, {**kwargs, "status": status}, status
+
+
+def _source_of(status) -> int | None:
+    try:
+        source = status.Get_source()
+    except Exception:  # noqa: BLE001 - a status MPI never filled: from nobody known
+        return None
+    return source if isinstance(source, int) and source >= 0 else None
+
+
 def _in_world(comm, dest, source):
     """Peers as ranks of MPI.COMM_WORLD (whose numbering the communicator handed in shares): a
     learner's own Split/Create/Cart communicator numbers ranks its own way, and the checks compare
@@ -390,6 +412,10 @@ def _size(comm) -> int:
 # a buffer MPI may read until the request completes (Isendrecv_replace's is rewritten by design)
 _SENDS_IN_FLIGHT = ("Isend", "Issend", "Ibsend", "Irsend", "Isendrecv")
 _BLOCKING_RECEIVES = ("Recv", "recv", "Sendrecv", "sendrecv", "Sendrecv_replace")
+# where each takes its status: from any source (MPI.ANY_SOURCE, mpi4py's default), the rank it came from is
+# read from it once the message is in (pipeline stages telling directions apart by tag scored 0/18, every
+# receive counted from nobody)
+_STATUS_AT = {"Recv": 3, "recv": 3, "Sendrecv": 6, "sendrecv": 6, "Sendrecv_replace": 5}
 _RECEIVES_IN_FLIGHT = ("Irecv", "irecv", "Isendrecv", "Isendrecv_replace")
 _SEND_INITS = ("Send_init", "Ssend_init", "Bsend_init", "Rsend_init", "Psend_init")
 _COMPLETIONS = ("Wait", "Test", "Free", "Waitall", "Testall", "Waitany", "Testany", "Waitsome", "Testsome",
@@ -601,7 +627,10 @@ def _wrap(cls_name: str, name: str, base):
         if in_place and name in _GATHERS_IN_PLACE and isinstance(count, int):  # this rank's part of the whole
             count = -(-count // max(1, _size(self)))
         nbytes = _nbytes(name, buf) if dest is not None and recorder.sized else None
-        noted = recorder.note(name, *_in_world(self, dest, source), count, nbytes=nbytes)
+        status = None
+        if name in _STATUS_AT and source is None:  # from any source: recorded once it is known
+            args, kwargs, status = _with_status(args, kwargs, _STATUS_AT[name])
+        noted = recorder.note(name, *_in_world(self, dest, source), count, nbytes=nbytes) if status is None else None
         if name in _SCATTERS_TO_EACH and not in_place and len(args) > 1 and not recorder.paused_now:
             recorder.add(Call(f"{name}:mine", None, None, _count(args[1]), None))  # what this rank gets
         peer = f" to rank {dest}" if dest is not None else ""
@@ -611,6 +640,8 @@ def _wrap(cls_name: str, name: str, base):
             result = base(self, *args, **kwargs)
         finally:
             recorder.current = None
+        if status is not None:
+            noted = recorder.note(name, *_in_world(self, dest, _source_of(status)), count, nbytes=nbytes)
         if name.endswith("_init"):
             _persistent(name, result, buf, noted, f"comm.{name}(){peer}")
         if nonblocking and _open_request(result):
