@@ -181,3 +181,12 @@ def test_parameters_identical_and_broadcast_after_a_torch_step(fixture_cases, no
     # one rank returning nothing must not leave the others waiting in the collective check
     none = hpdl.check("fixture_sync_step", L.sync_step_returns_none_on_rank1, ranks=[2])
     assert none.cases[0].verdict == "WRONG" and none.cases[0].wrong_ranks == [1]
+
+
+def test_a_ring_that_sums_into_x_is_wrong(no_strays):
+    """The exercise returns the sum as a new array and leaves x alone: a ring that summed in x's own buffer and
+    returned it scored 27/27. On one rank there is nothing to add, and x comes back as it was."""
+    result = hpdl.check("ring_allreduce", C.ring_summing_into_x, ranks=[1, 3])
+    assert all(c.verdict == ("PASS" if c.ranks == 1 else "WRONG") for c in result.cases), result
+    assert all("changed x in place" in c.message and "x.copy()" in (c.hint or "")
+               for c in result.cases if c.ranks == 3), result

@@ -59,9 +59,23 @@ def vector(case: Case, rank: int, size: int) -> np.ndarray:
     return np.ldexp(k.astype(np.float64), 1 - bits).astype(dtype)
 
 
+def leave_x_alone(fn, comm, args):
+    """The learner's function on this rank's x; {"changed": "x"} instead of its answer when it changed x: the
+    exercise returns the sum as a new array and leaves x alone (a ring that summed into x scored 27/27)."""
+    (x,) = args
+    before = np.array(x, copy=True)
+    got = fn(comm, x)
+    if not (isinstance(x, np.ndarray) and x.shape == before.shape and np.array_equal(x, before, equal_nan=True)):
+        return {"changed": "x"}
+    return got
+
+
 def compare_sum(got, expected) -> Wrong | None:
     """Exact: the inputs (vector) make every order of additions give the same sum, and any
     tolerance would be bits a learner could leave out when packing a whole vector into a chunk."""
+    if isinstance(got, dict) and got.get("changed") == "x":
+        return Wrong("the function changed x in place; it returns the sum as a new array and leaves x as it was",
+                     hint="start from a copy (total = x.copy()) and add into that: the caller's x is still theirs.")
     return hooks.compare(got, expected, rtol=0.0, atol=0.0)
 
 
