@@ -467,6 +467,8 @@ def _as_outputs(cell, outputs: list[dict]) -> list:
 class Running:
     """One submission under way: its sandboxed runner process and its check service."""
 
+    index = -1  # its place in the batch (_batch sets it)
+
     def __init__(self, sub: Submission, work: Path, out: Path, limit: float, hidden: list[str],
                  caps: "Caps | None" = None):
         from hpdl import sidejob
@@ -819,8 +821,8 @@ def _batch(folder: Path, out: Path, limit: float, jobs: int, progress: bool, exe
     try:
         while todo or running:
             # a notebook the grader died on before runs alone, nothing beside it (see _resume)
-            while todo and len(running) < max(1, jobs) and not (running and (todo[0][0] in alone or
-                                                                             running[0].index in alone)):
+            while todo and len(running) < max(1, jobs) and not (running and (todo[0][0] in alone
+                                                                             or running[0].index in alone)):
                 i, sub = todo.pop(0)
                 try:
                     _started(out, sub, alone=jobs <= 1 or i in alone)
