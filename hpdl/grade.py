@@ -56,6 +56,9 @@ MAX_ONE_OUTPUT = 2**20  # one output (a stream's text, an image)
 # kernel is killed. Output past it is not kept.
 FLOOD_BYTES = 4 * MAX_OUTPUT_BYTES
 FLOOD_GRACE = 5.0  # s for an interrupted cell to end, then for its kernel to say it has, before it is killed
+# s the runner keeps reading a cell's outputs after the kernel has answered it (nbclient: 4, then the rest is
+# dropped): a flood's backlog, read late on a busy machine, holds the cell's KeyboardInterrupt last
+IOPUB_WAIT = 60
 MAX_STATUS_BYTES = 100_000
 
 
@@ -342,15 +345,19 @@ def _flood_stopping(base: type) -> type:
     interrupted (it ends with KeyboardInterrupt, the next cells run), and its kernel killed if FLOOD_GRACE s
     later it is still running that cell (the interrupt caught). Asked of the kernel itself, on a connection
     of its own: on a busy machine this client reads a flood's backlog seconds late, so the cell still looks
-    running here long after a kernel that obeyed has ended it. Past FLOOD_BYTES in all, only errors are
+    running here long after a kernel that obeyed has ended it; and it reads the backlog after the kernel's
+    answer, so it waits IOPUB_WAIT s for it, not nbclient's 4. Past FLOOD_BYTES in all, only errors are
     kept. `flood` says what was done."""
     import signal
     import threading
+
+    import traitlets
 
     from hpdl import procs
 
     class FloodStopping(base):
         sent, flood, running = 0, "", None
+        iopub_timeout = traitlets.Integer(IOPUB_WAIT, help="s to read outputs after a reply").tag(config=True)
 
         async def async_execute_cell(self, cell, cell_index, *args, **kwargs):
             self.running, self.cell_sent = cell_index, 0

@@ -437,6 +437,50 @@ def test_a_flood_the_runner_reads_late_is_judged_by_the_kernel(stubborn, tmp_pat
     assert nb.cells[1].execution_count == 2  # the same kernel ran the next cell
 
 
+def test_a_flood_backlog_read_after_the_reply_keeps_the_interrupt(tmp_path, no_strays):
+    """On a busy machine the runner reads the kernel's answer to the interrupted cell before the flood's
+    backlog, which still holds the cell's KeyboardInterrupt. nbclient waits 4 s for that backlog by default,
+    then drops the rest of the cell's outputs (CI: cell_errors 0, the interrupt lost). Here, once the cell is
+    interrupted, the runner reads its next output only after the answer, and 6 s later."""
+    import asyncio
+
+    from nbclient import NotebookClient
+
+    class ReadingLate(NotebookClient):
+        late = False
+
+        async def async_execute_cell(self, cell, cell_index, *args, **kwargs):
+            if not hasattr(self, "answered"):
+                self.answered = asyncio.Event()
+                shell_get, iopub_get = self.kc.shell_channel.get_msg, self.kc.iopub_channel.get_msg
+
+                async def shell(*a, **k):
+                    msg = await shell_get(*a, **k)
+                    if self.flood and msg.get("msg_type") == "execute_reply":
+                        self.answered.set()
+                    return msg
+
+                async def iopub(*a, **k):
+                    msg = await iopub_get(*a, **k)
+                    if self.flood and not self.late:
+                        self.late = True
+                        await self.answered.wait()
+                        await asyncio.sleep(6)
+                    return msg
+
+                self.kc.shell_channel.get_msg, self.kc.iopub_channel.get_msg = shell, iopub
+            return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("while True:\n    print('spam ' * 2000)"),
+                nbformat.v4.new_code_cell("x = 6 * 7")]
+    client = grade._flood_stopping(ReadingLate)(nb, timeout=120, kernel_name="python3", allow_errors=True)
+    client.execute()
+    assert client.late and client.flood == "cell 0 interrupted", client.flood
+    assert [o.get("ename") for o in nb.cells[0].outputs if o.output_type == "error"] == ["KeyboardInterrupt"]
+    assert nb.cells[1].execution_count == 2
+
+
 def test_prediction_cells_are_copied_into_the_report_unscored(tmp_path):
     cells = [
         {"cell_type": "markdown", "metadata": {"tags": ["prediction"]}, "source": "I predict 2(p-1) messages."},
