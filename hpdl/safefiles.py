@@ -31,6 +31,8 @@ import uuid
 #: whole grading batch). Data just under that depth could not be written again deeper in the stack.
 JSON_DEPTH = 100
 JSON_CONTAINERS = 1 << 21  # objects and lists (a notebook holds thousands; each costs ~60 bytes parsed, more as a dict)
+JSON_ITEMS = 1 << 22  # values in lists and objects, strings aside: a small int costs 8 bytes parsed, a float 32
+JSON_STRINGS = 1 << 21  # strings, keys too (a notebook's lines: each ~60 bytes parsed)
 
 MAX_OPEN_FOLDERS = 64  # remove_tree: descriptors held at once, one per level it has gone down
 
@@ -233,14 +235,15 @@ def replace_atomically(path: str, data: bytes | str, *, dir_fd: int | None = Non
         raise
 
 
-def json_of(data: bytes | str, max_depth: int = JSON_DEPTH, max_containers: int = JSON_CONTAINERS) -> object:
+def json_of(data: bytes | str, max_depth: int = JSON_DEPTH, max_containers: int = JSON_CONTAINERS,
+            max_items: int = JSON_ITEMS, max_strings: int = JSON_STRINGS) -> object:
     """The value of a JSON text someone untrusted wrote. ValueError for anything else, a text nested
     more than `max_depth` deep included, so that a caller catches one kind of error for all of it.
-    One with more than `max_containers` brackets ({ and [, counted in strings too) is not read: a
-    64 MiB notebook of 22 million empty cells took 1.9 GB and 20 s of the grader's loop to parse."""
-    brackets = data.count(b"{") + data.count(b"[") if isinstance(data, bytes) else data.count("{") + data.count("[")
-    if brackets > max_containers:
-        raise ValueError(f"JSON of more than {max_containers} objects and lists (brackets: {brackets})")
+    Its shape is counted before anything is built (refuse_past_shape), and one past a bound is not read: a 64 MiB
+    notebook of 22 million empty cells took 1.9 GB and 20 s of the grader's loop to parse, one of 16 million
+    numbers in a flat list 1.2 GB, each of the times the grader read it."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    refuse_past_shape(raw, max_strings, max_items, max_containers)
     try:
         value = json.loads(data)
     except RecursionError:
@@ -255,6 +258,22 @@ def json_of(data: bytes | str, max_depth: int = JSON_DEPTH, max_containers: int 
     return value
 
 
+def refuse_past_shape(raw: bytes, max_strings: int, max_items: int, max_containers: int) -> None:
+    """ValueError if a JSON text would build more strings, values (the commas between them, outside strings) or
+    objects and lists than said: counted before anything is built, linear in time and memory, in C. Quotes are
+    counted first; then escaped backslashes, then escaped quotes, blanked, and what lies between the quotes
+    left is outside every string. (A regular expression for a string started again at each escaped quote of
+    one that never closed: 2 MiB of \\" held a grader for hours.)"""
+    if raw.count(b'"') > 2 * max_strings:
+        raise ValueError(f"JSON of more than {max_strings} strings")
+    bare = raw.replace(b"\\\\", b"__").replace(b'\\"', b"__").split(b'"')[0::2]
+    items = sum(part.count(b",") for part in bare)
+    containers = sum(part.count(b"{") + part.count(b"[") for part in bare)
+    if items > max_items or containers > max_containers:
+        raise ValueError(f"JSON of {containers} lists and objects and {items} values "
+                         f"(at most {max_containers} and {max_items})")
+
+
 def _kind(mode: int) -> str:
     for test, word in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder"), (stat.S_ISSOCK, "a socket")):
@@ -264,4 +283,4 @@ def _kind(mode: int) -> str:
 
 
 __all__ = ["UnsafeFile", "open_dir", "open_regular", "read_bounded", "create_exclusive", "replace_atomically",
-           "json_of"]
+           "json_of", "refuse_past_shape"]

@@ -4,6 +4,7 @@ link (to a file of the instructor's, to /dev/zero), a FIFO, a device, a file too
 taken before we create it."""
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -181,9 +182,31 @@ def test_json_of_millions_of_objects_is_refused_unparsed():
     """A notebook of 22 million empty cells, under the 64 MiB a notebook may take, cost the grader 1.9 GB
     and 20 s of its loop, once for each of the four times it read it: refused before parsing."""
     many = b'{"cells": [' + b"{}," * (safefiles.JSON_CONTAINERS + 1) + b"{}]}"
-    with pytest.raises(ValueError, match="objects and lists"):
+    with pytest.raises(ValueError, match="lists and objects"):
         safefiles.json_of(many)
     assert len(safefiles.json_of(b'{"cells": [' + b"{}," * 999 + b"{}]}")["cells"]) == 1000
+
+
+def test_json_of_millions_of_values_or_strings_is_refused_unparsed():
+    """A 64 MiB notebook of one flat list of 16 million numbers (its brackets few) took the grader 1.2 GB and
+    seconds of its loop, each of the times it read it; as many short strings, more. Refused from its shape,
+    counted outside strings: a notebook whose text holds commas, brackets and escaped quotes is read."""
+    import tracemalloc
+
+    numbers = b'{"cells": [], "x": [' + b"1e9," * (safefiles.JSON_ITEMS + 1) + b"0]}"
+    strings = b'{"cells": [], "x": [' + b'"ab",' * safefiles.JSON_STRINGS + b'"ab"]}'
+    for text in (numbers, strings):
+        tracemalloc.start()
+        try:
+            with pytest.raises(ValueError, match="values|strings"):
+                safefiles.json_of(text)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 * len(text), (len(text), peak)
+    line = 'print([1, 2], {"a": [3]}, \'\\"[{,\')\n'
+    honest = {"cells": [{"cell_type": "code", "source": [line] * 100_000, "outputs": [], "metadata": {}}]}
+    assert safefiles.json_of(json.dumps(honest)) == honest  # 500,000 commas and brackets, all in strings
 
 
 def test_a_tree_thousands_of_folders_deep_is_removed(tmp_path):
