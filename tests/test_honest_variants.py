@@ -32,6 +32,7 @@ WRITTEN_OTHERWISE = [
     # what a message or a pass carries beside the work is not counted as the work
     ("pipeline_step", H.pipeline_loss_again_without_autograd, [1, 2]),
     ("pipeline_step", H.pipeline_receiving_from_any_source, [2, 3]),  # every receive from nobody: 0/18
+    ("pipeline_step", H.pipeline_with_shapes_first_in_two_parts, [3]),  # one message a micro-batch: 0/18
     ("zero1_step", H.zero1_shards_by_count_and_displacement, [2, 3]),
     ("ps_exchange", H.ps_with_what_it_sends, [2, 3]),
     # a buffer viewed as bytes is counted in values, not bytes

@@ -34,8 +34,9 @@ The check runs the learner's stage on 1-4 ranks and decides on behaviour, observ
   (or GPipe with blocking Sends, which on 2 ranks wait for a held receiver after the first) has no
   gradient back by its next forward: the hooks' order was not the order run, and the check scores
   nothing;
-- exactly one message per micro-batch each way, of that micro-batch's size (tensor_split's,
-  also when B is not divisible by m), between neighbouring stages only;
+- each micro-batch each way, of its size (tensor_split's, also when B is not divisible by m), in one
+  message or in parts one after another (a header of a few values, its shape, first is fine), between
+  neighbouring stages only;
 - the bytes each stage sent to each rank, counted by the kernel outside the learner's process
   (METERED), against what its recorded sends account for, and what reached it against what the
   activations and gradients need: a stage that took the others' layers by a message hidden from
@@ -315,21 +316,45 @@ def _messages(ctx) -> Wrong | None:
         if not 0 <= peer < p:
             continue
         sent = [c.count for c in ctx.calls if c.dest == peer]
-        received = [c for c in ctx.calls if c.source == peer]
+        received = [c.count for c in ctx.calls if c.source == peer]
+        if _in_micro_batches(sent, sizes) and _in_micro_batches(received, sizes):
+            continue
         if len(sent) != m or len(received) != m:
             return Wrong(f"rank {r} sent {len(sent)} and received {len(received)} message(s) exchanging {what} "
-                         f"stage (rank {peer}); with {m} micro-batch(es) it takes exactly {m} each way, one per "
+                         f"stage (rank {peer}); with {m} micro-batch(es) it takes {m} each way, one per "
                          f"micro-batch",
                          hint="split the batch with tensor_split(m), which always gives m parts (chunk(m) gives "
                               "fewer when B is not divisible by m), and send each micro-batch on its own."
                          if len(sent) < m or len(received) < m else
-                         "send each micro-batch's tensor in one message and nothing else: no header or shape first "
-                         "(both stages know it: the micro-batch's rows, the stage's width), no message in segments.")
+                         "send each micro-batch's tensor, whole or in parts one after another (a shape first is "
+                         "fine), and nothing else: the messages to a neighbour must add up to the micro-batches.")
         if all(isinstance(n, int) for n in sent) and sent != sizes:
             return Wrong(f"rank {r} sent {what} stage messages of {sent} values; micro-batches of "
                          f"tensor_split's sizes send {sizes}",
                          hint="micro-batch i is batch.tensor_split(m)[i]: the first B % m have one row more.")
     return None
+
+
+# values: a message this small is a header (a micro-batch's shape sent first), never a micro-batch (WIDTH a row)
+HEADER = 4
+
+
+def _in_micro_batches(counts: list, sizes: list[int]) -> bool:
+    """Whether the messages to (or from) one neighbour, in order, carry the micro-batches in order: each in one
+    message or in parts one after another, a header of at most HEADER values before any left out. Only
+    activations go forward and only gradients back, so consecutive messages to a neighbour are one kind."""
+    if not all(isinstance(n, int) for n in counts) or min(sizes) <= HEADER:
+        return False
+    k = held = 0
+    for n in counts:
+        if n <= HEADER and held == 0:
+            continue
+        held += n
+        if k == len(sizes) or held > sizes[k]:
+            return False
+        if held == sizes[k]:
+            k, held = k + 1, 0
+    return k == len(sizes) and held == 0
 
 
 def _in_flight(ops) -> int:
