@@ -96,6 +96,17 @@ def test_the_steps_cost_is_not_in_the_learners_process(guess, no_strays):
     all_points(hpdl.check("throughput", E.throughput_timed, grade=True))  # a meter that times the steps
 
 
+def test_the_steps_seconds_in_the_helpers_receipt_are_sealed(no_strays):
+    """The receipt the step hands back is the learner's to read: the seconds the helper measured for each step
+    in it were the rate, with no clock (7/7). Sealed with the case's key, they are read on the checker's side."""
+    no_points(hpdl.check("throughput", E.throughput_read_from_the_receipt, grade=True))
+    from hpdl.checker import oracle
+
+    seconds = [0.25, 1e-3, 3.0]
+    assert oracle.unsealed(oracle.sealed(seconds, "key"), "key") == seconds
+    assert oracle.unsealed(oracle.sealed(seconds, "key"), "another") != seconds
+
+
 def test_which_batches_were_stepped_is_the_helpers_word(no_strays):
     """One batch timed, the step's own list of calls rewritten to every batch: the helper that sleeps for the
     step notes each call and signs the list (5/5 before, on the list kept in the learner's process)."""

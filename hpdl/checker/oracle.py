@@ -86,6 +86,38 @@ def signed(body: dict, secret: str) -> dict:
     return {"body": text, "mac": hmac.new(secret.encode(), text.encode(), "sha256").hexdigest()}
 
 
+def sealed(value, secret: str) -> str:
+    """In the helper: `value` (JSON) as text the learner's process can hand on but not read: XORed with a
+    keystream drawn from `secret` and a salt (SHA-256 in counter mode). A receipt's body is the learner's to read
+    (signed only): the steps' seconds in it were a meter's answer, read off step.receipt() with no clock (7/7)."""
+    import base64
+
+    salt = os.urandom(16)
+    data = json.dumps(value).encode()
+    return base64.b64encode(salt + bytes(a ^ b for a, b in zip(data, _keystream(secret, salt, len(data))))).decode()
+
+
+def unsealed(text, secret: str):
+    """On the checker's side: the value sealed() sealed with `secret`; None where it cannot be read."""
+    import base64
+
+    from hpdl import safefiles
+
+    try:
+        raw = base64.b64decode(text, validate=True)
+        salt, data = raw[:16], raw[16:]
+        return safefiles.json_of(bytes(a ^ b for a, b in zip(data, _keystream(secret, salt, len(data)))))
+    except (TypeError, ValueError):
+        return None
+
+
+def _keystream(secret: str, salt: bytes, n: int) -> bytes:
+    import hashlib
+
+    blocks = (hashlib.sha256(secret.encode() + salt + i.to_bytes(8, "big")).digest() for i in range(-(-n // 32)))
+    return b"".join(blocks)[:n]
+
+
 def receipt_body(receipt, secret: str | None) -> dict | None:
     """The body of a receipt (signed()) whose signature holds; None where it is missing or altered.
     `secret` None: taken unchecked (a check without a nonce, a stripped kit's public cases: the learner's

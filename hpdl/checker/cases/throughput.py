@@ -18,7 +18,8 @@ whole run. Sleeps can only overrun, so a busy machine reads a little low; the ac
 [0.5, 1.15] × the true rate. Which batches step() was called on is the helper's word too: it
 notes each call's size and signs the list with a key drawn from the nonce (oracle.signed);
 verify() reads that receipt, never a list the learner's process kept. The receipt also says how long
-each step really took, from its request to the next one's (the receipt's, for the last): a busy
+each step really took, from its request to the next one's (the receipt's, for the last), sealed with
+that key (the learner's process hands it on and cannot read it: read, it was the answer): a busy
 machine's sleeps overrun and its messages wait, the short steps' most, so the hint for a wrong meter
 (which slip it looks like) is worked out from the steps as they ran, not as they were planned.
 
@@ -150,7 +151,8 @@ def serve(request: dict, known: dict) -> dict:
     if request.get("receipt"):
         s["closed"] = True
         seconds = [b - a for a, b in zip(s["asked"], s["asked"][1:] + [now])]  # each step, as the learner saw it
-        return oracle.signed({"case": s["case"], "sizes": s["sizes"], "seconds": seconds}, s["key"])
+        return oracle.signed({"case": s["case"], "sizes": s["sizes"], "seconds": oracle.sealed(seconds, s["key"])},
+                             s["key"])
     n = int(request["n"])
     if not 0 <= n <= 1 << 20:
         raise ValueError(f"a batch of {n} samples")
@@ -217,8 +219,8 @@ def _stepped(case, got) -> list | None:
 
 def step_seconds(case, got, planned: list[float]) -> list[float]:
     """How long each step took, as the helper measured it (its receipt); as planned where it has no word on it."""
-    body = _receipt(case, got)
-    ran = body.get("seconds") if body is not None else None
+    body = _receipt(case, got)  # sealed: the learner's process can read the body, and these are the answer
+    ran = oracle.unsealed(body.get("seconds"), oracle.key("throughput", case.params, case.name)) if body else None
     if not isinstance(ran, list) or len(ran) != len(planned) \
             or not all(isinstance(t, numbers.Real) and t > 0 for t in ran):
         return planned
