@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpdl.checker import hooks
-from hpdl.checker.cases import Case, one_rank_points
+from hpdl.checker.cases import Case, Wrong, one_rank_points
 
 SIGNATURE = "average_gradients(comm, grads: list[np.ndarray]) -> list[np.ndarray]"
 RANKS = (1, 2, 3, 4)
@@ -21,6 +21,7 @@ METERED = True  # the bytes that reach each rank are counted by the kernel (mete
 # the exercise is the all-reduce: every other collective that moves data is refused (an allgather of every rank's
 # gradients and a mean of them scored 12/12)
 _ALL_REDUCE = ("Allreduce", "allreduce", "Iallreduce", "Allreduce_init")
+MORE = 1.5  # times the gradients' values the all-reduces may carry (a flag or two beside them: +4)
 FORBIDDEN = {name: "this exercise averages with an all-reduce (comm.Allreduce, then a division): each rank needs "
                    "the sum, not every rank's gradients"
              for name in hooks.DATA_COLLECTIVES if name not in _ALL_REDUCE}
@@ -67,7 +68,30 @@ def verify(case, ctx):
     if wrong is not None:
         return wrong
     nbytes = sum(np.asarray(g).nbytes for g in ctx.args[0])
-    return hooks.received_for_allreduce(ctx, nbytes, "an average of every rank's gradients")
+    return hooks.received_for_allreduce(ctx, nbytes, "an average of every rank's gradients") or _all_reduced(ctx)
+
+
+def _all_reduced(ctx) -> Wrong | None:
+    """The all-reduces carry the gradients' values: all of them (an average gathered to one rank by Send and
+    sent back scored 12/12), and not p times them (each rank's gradients in a slot of their own in a buffer p
+    times as large, summed: an allgather in an all-reduce's clothes, 12/12)."""
+    if ctx.size < 2:
+        return None
+    values = sum(np.asarray(g).size for g in ctx.args[0])
+    counts = [c.count for c in ctx.calls if c.name in _ALL_REDUCE]
+    if not all(isinstance(n, int) for n in counts):
+        return None
+    if sum(counts) < values:
+        return Wrong(f"rank {ctx.rank}'s all-reduces carried {sum(counts)} values; its gradients hold {values}: "
+                     "some of the average came another way than an all-reduce",
+                     hint="sum every gradient with comm.Allreduce (in place, or into a new array), then divide "
+                          "by comm.Get_size(): that is the exercise.")
+    if sum(counts) > MORE * values + 4:
+        return Wrong(f"rank {ctx.rank}'s all-reduces carried {sum(counts)} values for gradients of {values}: "
+                     f"{sum(counts) / values:.1f} times what an average needs",
+                     hint="all-reduce the gradients themselves (each rank's own, summed), not a buffer with a "
+                          "slot for every rank: that moves every rank's gradients, an allgather.")
+    return None
 
 
 def diagnose(case, ctx) -> str | None:
