@@ -69,7 +69,7 @@ def test_the_environment_is_a_whitelist():
 def test_a_sandboxed_command_sees_no_grader_secret_home_or_namespace(monkeypatch):
     """What every sandboxed process gets, graded notebook or learner check job alike: HOME
     hidden wherever it lives (here outside /home), TMPDIR hidden, the environment filtered, no
-    nested user namespace, no ptrace, /tmp sized."""
+    nested user namespace, no ptrace, no fallocate, /tmp sized."""
     sandbox = _sandbox()
     if not sandbox.available():
         pytest.skip("bubblewrap does not work here")
@@ -89,7 +89,10 @@ def test_a_sandboxed_command_sees_no_grader_secret_home_or_namespace(monkeypatch
                  "print('ptrace', libc.ptrace(16, 1, 0, 0), ctypes.get_errno())\n"
                  "print([l for l in open('/proc/self/status') if l.startswith('Seccomp:')])\n"
                  "st = os.statvfs('/tmp'); print('tmp bytes', st.f_blocks * st.f_frsize)\n"
-                 "print('infiniband', os.path.exists('/dev/infiniband'))\n")
+                 "print('infiniband', os.path.exists('/dev/infiniband'))\n"
+                 "fd = os.open('/tmp/space', os.O_CREAT | os.O_RDWR)\n"
+                 "print('fallocate', libc.fallocate(fd, 0, 0, 2**20), ctypes.get_errno())\n"
+                 "os.posix_fallocate(fd, 0, 2**20); print('written', os.fstat(fd).st_blocks * 512)\n")
         cmd = sandbox.wrap([sys.executable, "-c", probe])
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     finally:
@@ -105,6 +108,8 @@ def test_a_sandboxed_command_sees_no_grader_secret_home_or_namespace(monkeypatch
     assert "ptrace -1 1" in text  # EPERM from the seccomp filter
     assert "'Seccomp:\\t2\\n'" in text
     assert "infiniband False" in text
+    # no space reserved unwritten (25 GB in 65 ms passed the disk cap's readings); the C library writes it instead
+    assert "fallocate -1 95" in text and "written 1048576" in text
     if "--size" in sandbox.features(sandbox.bwrap()):
         assert f"tmp bytes {sandbox.TMP_BYTES}" in text
 

@@ -20,6 +20,9 @@ namespaces (unshare, setns, clone with a CLONE_NEW* flag; clone3, whose flags a 
 read, answers ENOSYS so the C library falls back to clone), keyrings, bpf, perf_event_open,
 userfaultfd and io_uring (kernel attack surface), kernel modules, kexec, reboot, swap, quotas,
 syslog, open_by_handle_at, and every 32-bit or x32 call on x86_64 (other numbers, other rules).
+fallocate answers EOPNOTSUPP, as on a file system without it (the C library's posix_fallocate then
+writes the space, which MPI's shared memory segments ask for): it reserved 25 GB of disk in 65 ms,
+written by nothing, between two readings of a submission's 2 GiB disk cap (sandbox.DiskWatch).
 An isolated check rank stacks a socket filter (inet_only_program), and a metered one, once its
 sockets are made, a third on every thread: no bind() or listen() (no_new_endpoints_program).
 The program is written by hand (struct, a few hundred bytes): no libseccomp to install.
@@ -66,19 +69,20 @@ _X86_64 = dict(ptrace=101, syslog=103, acct=163, mount=165, umount2=166, swapon=
                kexec_file_load=320, add_key=248, request_key=249, keyctl=250, unshare=272, setns=308,
                perf_event_open=298, name_to_handle_at=303, open_by_handle_at=304, bpf=321, userfaultfd=323,
                io_uring_setup=425, io_uring_enter=426, io_uring_register=427, open_tree=428, move_mount=429,
-               fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442, clone=56, clone3=435)
+               fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442, clone=56, clone3=435,
+               fallocate=285)
 _AARCH64 = dict(ptrace=117, syslog=116, acct=89, mount=40, umount2=39, swapon=224, swapoff=225, reboot=142,
                 sethostname=161, setdomainname=162, init_module=105, delete_module=106, finit_module=273,
                 quotactl=60, pivot_root=41, chroot=51, lookup_dcookie=18, kexec_load=104, kexec_file_load=294,
                 add_key=217, request_key=218, keyctl=219, unshare=97, setns=268, perf_event_open=241,
                 name_to_handle_at=264, open_by_handle_at=265, bpf=280, userfaultfd=282, io_uring_setup=425,
                 io_uring_enter=426, io_uring_register=427, open_tree=428, move_mount=429, fsopen=430,
-                fsconfig=431, fsmount=432, fspick=433, mount_setattr=442, clone=220, clone3=435)
+                fsconfig=431, fsmount=432, fspick=433, mount_setattr=442, clone=220, clone3=435, fallocate=47)
 # machine -> (AUDIT_ARCH_*, numbers, refuse numbers from this bit up: x32 on x86_64)
 ARCHES = {"x86_64": (0xC000003E, _X86_64, 0x40000000), "aarch64": (0xC00000B7, _AARCH64, None)}
 
 CLONE_NEW = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
-EPERM, ENOSYS = 1, 38
+EPERM, ENOSYS, EOPNOTSUPP = 1, 38, 95
 RET_ALLOW, RET_ERRNO = 0x7FFF0000, 0x00050000
 # BPF opcodes
 LD_W_ABS, JEQ_K, JGE_K, JSET_K, RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
@@ -123,8 +127,10 @@ def program(machine: str | None = None, allow: frozenset[str] = frozenset()) -> 
     code += [(JEQ_K, "enosys", "", nr["clone3"]), (JEQ_K, "", "denylist", nr["clone"]),
              (LD_W_ABS, "", "", 16), (JSET_K, "eperm", "allow", CLONE_NEW), ("denylist",)]
     code += [(JEQ_K, "eperm", "", nr[name]) for name in DENIED if name not in allow]
+    code += [(JEQ_K, "unsupported", "", nr["fallocate"])]
     code += [("allow",), (RET_K, "", "", RET_ALLOW), ("eperm",), (RET_K, "", "", RET_ERRNO | EPERM),
-             ("enosys",), (RET_K, "", "", RET_ERRNO | ENOSYS)]
+             ("enosys",), (RET_K, "", "", RET_ERRNO | ENOSYS),
+             ("unsupported",), (RET_K, "", "", RET_ERRNO | EOPNOTSUPP)]
     return _assemble(code)
 
 
