@@ -66,6 +66,17 @@ def test_the_environment_is_a_whitelist():
     assert SECRET not in json.dumps(kept)
 
 
+def test_a_learners_check_job_is_not_told_where_the_graders_home_is(monkeypatch, tmp_path):
+    """The whitelist keeps HOME (a notebook's kernel gets its own folder): a learner's check ranks printed the
+    grader's. A learner's job gets its job folder; the reference's (trusted) keeps it."""
+    from hpdl.checker import confine, jobs
+
+    monkeypatch.setenv("HOME", "/home/instructor")
+    learner = confine.environment(jobs._job_env(str(tmp_path), keys=False))
+    assert learner["HOME"] == str(tmp_path) and "/home/instructor" not in json.dumps(learner)
+    assert jobs._job_env(str(tmp_path))["HOME"] == "/home/instructor"
+
+
 def test_a_sandboxed_command_sees_no_grader_secret_home_or_namespace(monkeypatch):
     """What every sandboxed process gets, graded notebook or learner check job alike: HOME
     hidden wherever it lives (here outside /home), TMPDIR hidden, the environment filtered, no

@@ -473,12 +473,14 @@ def job_tasks(sizes: list[int]) -> int:
 def _job_env(job_dir: str, keys: bool = True) -> dict[str, str]:
     """A check job's environment: this process's, its job folder named, one thread per rank, the
     venv first on PATH, never the grader's own channels (results file, service folder); where the
-    instructor's keys are only where `keys` (a learner's job is told nothing of them)."""
+    instructor's keys are only where `keys` (a learner's job is told nothing of them, nor where the grader's
+    HOME is: its ranks printed it)."""
     env = dict(os.environ)
     env.pop(settings.GRADE_RESULTS.name, None)
     env.pop(settings.GRADE_SERVICE.name, None)
-    if not keys:
+    if not keys:  # a learner's job: HOME its own folder, never the grader's (the whitelist kept it, and said where)
         env.pop(settings.KEYS.name, None)
+        env["HOME"] = job_dir
     bindir = str(Path(sys.executable).parent)
     env.update({settings.CHECK_JOB.name: job_dir}, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}", MALLOC_MMAP_THRESHOLD_=str(MMAP_FROM))
