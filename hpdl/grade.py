@@ -1109,7 +1109,7 @@ def _html(subs: list[Submission], exercises: list[str], worth: dict[str, float],
         details.append("\n".join(parts))
     weak = not sandbox_text.startswith("sandboxed") or "missing:" in sandbox_text or "--no-sandbox" in sandbox_text
     warn = "color:#cf222e;font-weight:600" if weak else ""
-    return (
+    return _controls_written_out(
         "<!doctype html><html><head><meta charset='utf-8'><title>hpdl grades</title></head>"
         "<body style='font-family:system-ui,sans-serif;font-size:14px;margin:20px'>"
         f"<h1>Grades</h1><p style='{warn}'>{e(sandbox_text)}</p>"
@@ -1119,6 +1119,22 @@ def _html(subs: list[Submission], exercises: list[str], worth: dict[str, float],
         + "".join(f"<section>{d}</section>" for d in details)
         + "</body></html>\n"
     )
+
+
+def _controls_written_out(text: str) -> str:
+    """`text` with every control or format character but newline and tab written out as \\xNN or \\uNNNN (as
+    _printable does): a check's message or a status detail carries a learner's exception text, and its escape
+    sequences reached index.html raw (`cat` or `less -R` on it set a terminal's title, or its clipboard)."""
+    return _controls().sub(lambda m: _printable(m.group()), text)
+
+
+@functools.lru_cache(maxsize=1)
+def _controls() -> re.Pattern:
+    """Every control and format character (Unicode's Cc and Cf) but newline and tab, as one character class."""
+    import unicodedata
+
+    found = [chr(i) for i in range(0x110000) if unicodedata.category(chr(i)) in ("Cc", "Cf") and chr(i) not in "\n\t"]
+    return re.compile("[" + "".join(re.escape(c) for c in found) + "]")
 
 
 def use_keys(folder: Path | None) -> None:

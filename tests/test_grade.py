@@ -496,6 +496,11 @@ def test_prediction_cells_are_copied_into_the_report_unscored(tmp_path):
     data = json.loads((tmp_path / "grades.json").read_text())
     assert data["submissions"][0]["predictions"][1]["source"] == "prediction = 6"
     assert "I predict 2(p-1) messages." in (tmp_path / "index.html").read_text()
+    # a learner's exception text in a detail or a check's message: its escape sequences written out, never raw
+    sub.detail = "error: RuntimeError: \x1b]0;PWNED\x07\x1b[31m\u202e"
+    grade.write_reports([sub], tmp_path, exercises=[])
+    page = (tmp_path / "index.html").read_text()
+    assert not [c for c in page if c not in "\n\t" and not c.isprintable()] and "\\x1b]0;PWNED\\x07" in page
 
 
 def test_prediction_cells_beyond_a_lesson_s_are_not_kept(tmp_path):
