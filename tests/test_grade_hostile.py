@@ -585,6 +585,33 @@ def test_a_disk_measure_reads_a_bounded_number_of_descriptors(tmp_path, monkeypa
             p.wait()
 
 
+def test_a_folder_filling_the_disk_it_shares_is_stopped_under_its_cap(tmp_path):
+    """Each folder's cap alone let a submission fill a small TMPDIR (1.5 GiB under its 2 GiB cap): an honest
+    neighbour's runner failed on "No space left on device" and scored 0/36. When the disk has less than its
+    floor left, a folder holding HEAVY bytes or more is over; a neighbour holding little is not."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounts a small file system")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400m", "tmpfs", str(small)], check=True)
+    try:
+        hog, honest = small / "hog", small / "honest"
+        hog.mkdir()
+        honest.mkdir()
+        (honest / "notebook.ipynb").write_bytes(b"x" * (8 << 20))
+        with open(hog / "fill", "wb") as f:
+            for _ in range(360):
+                f.write(bytes(1 << 20))
+        job = type("Job", (), {"limits": None, "pids": lambda self: []})()
+        why = sandbox.DiskWatch(hog, job).over()
+        assert why and "left (it is shared" in why, why
+        assert sandbox.DiskWatch(honest, job).over() is None
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
 def test_a_request_of_millions_of_objects_is_refused_before_it_is_built():
     """64 MiB of {"sources": [{}, {}, …]} dropped into a submission's inbox: 22 million objects built, then copied,
     in the grader's own process (8 GB and a core for minutes, outside every cap, on past the submission's time

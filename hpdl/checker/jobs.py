@@ -551,9 +551,12 @@ class SizeRun:
         self.broken: dict | None = None  # the reference job failed: the checker's own fault
 
     def _learner(self, todo: list[Planned]) -> Job:
-        return Job("learner", self.runner.spec, self.size, todo, self.tmp, sandboxed=self.runner.sandboxed,
-                   private=self.runner.private_inputs(self.size, todo), oracle=self.runner.secrets(self.size, todo),
-                   group=self.runner.group)
+        job = Job("learner", self.runner.spec, self.size, todo, self.tmp, sandboxed=self.runner.sandboxed,
+                  private=self.runner.private_inputs(self.size, todo), oracle=self.runner.secrets(self.size, todo),
+                  group=self.runner.group)
+        if job.disk is not None:  # a learner job per rank count, all at once: one check's cap shared among them
+            job.disk.limit = sandbox.DISK_BYTES // max(1, len(self.runner.todos))
+        return job
 
     def _go(self, index: int, verify: bool, seconds: dict | None = None, wire: dict | None = None) -> None:
         path = os.path.join(self.reference.dir, f"go-{index}.json")

@@ -474,6 +474,11 @@ HIDDEN_BYTES = 2**20  # each empty folder laid over a private place
 DISK_BYTES = 2 * 2**30  # all files in the one writable folder of a submission or a check's job, together
 DISK_ENTRIES = 20_000  # files and folders in it: past this, over the cap whatever their size
 DISK_EVERY = 0.25  # s between two measures
+# the disk a folder is on, shared by every submission at once and the host's users: when what is left of it falls
+# below this (a share of the file system, at least FREE_FLOOR bytes), a folder holding HEAVY bytes or more is over
+# its cap too. Each folder's cap alone left a submission free to fill a small TMPDIR, and an honest neighbour's
+# runner failed on "No space left on device" (0/36)
+FREE_SHARE, FREE_FLOOR, HEAVY = 0.02, 256 * 2**20, 64 * 2**20
 # descriptors a disk measure looks at (DiskWatch): hundreds of processes each holding thousands (dup2 of
 # /dev/null: no memory) made each measure take seconds, on the loop that serves every submission's checks
 UNLINKED_FDS = 20_000
@@ -511,6 +516,9 @@ class DiskWatch:
             self.why = f"it made more than {self.entries} files and folders in its folder"
         elif used + self._unlinked() > self.limit:
             self.why = f"its files took more than {size_text(self.limit)} of disk (the cap on its folder)"
+        elif used >= HEAVY and (left := disk_left(self.folder)) is not None:
+            self.why = (f"its files took {size_text(used)} while the disk they are on had {size_text(left)} left "
+                        "(it is shared: other submissions and the host need it)")
         return self.why
 
     def _unlinked(self) -> int:
@@ -529,6 +537,17 @@ class DiskWatch:
             self._turn = (start + k + 1) % len(pids)
         return sum(self._held.values())
 
+
+
+def disk_left(folder: str) -> int | None:
+    """The bytes left on the file system `folder` is on, where that is under its floor (FREE_SHARE of it, at
+    least FREE_FLOOR); None where more is left, or where it cannot be read."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    left = st.f_bavail * st.f_frsize
+    return left if left < max(FREE_FLOOR, FREE_SHARE * st.f_blocks * st.f_frsize) else None
 
 
 def disk_usage(folder: str, max_entries: int) -> int | None:
