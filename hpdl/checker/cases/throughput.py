@@ -51,9 +51,10 @@ def cases(size):
                                                  "first": 0.3}, slow_factor=slow),
         Case("batches from a generator", {"sizes": [24] * 5, "warmup": 1, "per_sample": 0.0008, "first": 0.3,
                                           "generator": True}, slow_factor=slow),
-        # the first timed step carries most samples: left out of the count (i > warmup for i >= warmup), 0.07×
+        # the first timed step carries most samples: left out of the count (i > warmup for i >= warmup), 0.07×;
+        # its warm-up as long as the timed steps (0.2 s, half of them: the warm-up timed too read 0.68×, passed)
         Case("a large first batch after warm-up", {"sizes": [16, 300, 8, 8, 8], "warmup": 1, "per_sample": 0.0005,
-                                                   "first": 0.2}, slow_factor=slow),
+                                                   "first": 0.6}, slow_factor=slow),
         # the last carries most: its time left out of the clock (read at the top of each step), 8×; or every
         # batch counted as large as the last, 3.6×
         Case("a large last batch", {"sizes": [16, 16, 16, 16, 400], "warmup": 1, "per_sample": 0.0005,
@@ -135,10 +136,17 @@ def per_sample(params: dict) -> float:
     return params["per_sample"] * 0.4 * 25 ** random.Random(f"{params['nonce']}:{params['sizes']}").random()
 
 
+def first(params: dict) -> float:
+    """The extra seconds of each warm-up call, scaled as the time per sample is (per_sample): left at the listed
+    value, the warm-up was a small part of a slow case, and a meter that timed it too (or started its clock one
+    step early) landed in the band on a check's slowest cases (3/7, 2/7)."""
+    return params["first"] * per_sample(params) / params["per_sample"]
+
+
 def secrets(case, rank, size) -> dict:
     """What the helper beside the learner's rank knows (jobs.Runner.secrets)."""
     p = case.params
-    return {"per_sample": per_sample(p), "first": p["first"], "warmup": p["warmup"], "sizes": [], "asked": [],
+    return {"per_sample": per_sample(p), "first": first(p), "warmup": p["warmup"], "sizes": [], "asked": [],
             "paces": paces(p), "key": oracle.key("throughput", p, case.name), "case": case.name, "closed": False}
 
 
@@ -182,7 +190,7 @@ def inputs(case, rank, size):
         step = RemoteStep(case.name) if oracle.running() else SleepyStep(p["per_sample"], p["first"], p["warmup"],
                                                                           paces(p))
     else:
-        step = SleepyStep(per_sample(p), p["first"], p["warmup"], paces(p))
+        step = SleepyStep(per_sample(p), first(p), p["warmup"], paces(p))
     return step, p["sizes"], p["warmup"], p.get("generator", False)
 
 
@@ -252,7 +260,7 @@ def diagnose(case, ctx):
     if not isinstance(rate, numbers.Real) or rate <= 0:
         return None
     cost, pc = per_sample(p), paces(p)
-    planned = [cost * n * pace(pc, i) + (p["first"] if i < w else 0.0) for i, n in enumerate(sizes)]
+    planned = [cost * n * pace(pc, i) + (first(p) if i < w else 0.0) for i, n in enumerate(sizes)]
     ran = step_seconds(case, ctx.got, planned)  # each step as it ran: a busy machine's sleeps overrun
     seconds, warm = ran[w:], sum(ran[:w])
     truth = sum(sizes[w:]) / sum(seconds)
