@@ -63,6 +63,30 @@ def test_predict_step_time_calling_the_kits_predictor_is_refused():
     assert result.score == 0 and all(c.rejected == "hpdl.predict.predict_step_time" for c in result.cases), result
 
 
+def test_the_kits_predictor_rebuilt_from_its_code_object_is_refused():
+    """The kit's predict_step_time and allreduce_seconds made anew from their code objects in the notebook (their
+    __module__ the learner's): pickled by value, they passed as the learner's own code (24/24)."""
+    import math
+    import types
+
+    import hpdl.predict as kit
+
+    def clone(f, namespace):
+        g = types.FunctionType(f.__code__, namespace, f.__name__, f.__defaults__)
+        g.__module__ = __name__
+        return g
+
+    ring = clone(kit.allreduce_seconds, {"math": math, "ALGORITHMS": kit.ALGORITHMS})
+    step = clone(kit.predict_step_time, {"allreduce_seconds": ring, "max": max, "int": int})
+
+    def predict_step_time(compute, nbytes, alpha, beta, gamma, p, overlap=0.0, buckets=1):
+        return step(compute, nbytes, alpha, beta, gamma, p, overlap, buckets)
+
+    result = hpdl.check("predict_step_time", predict_step_time, ranks=[2], grade=True)
+    assert result.score == 0 and all("carries the kit's own code (hpdl/predict.py" in c.message
+                                     for c in result.cases), result
+
+
 def test_a_table_of_the_public_answers_fits_no_graded_grid():
     """A stripped kit publishes its public cases' answers (*.expected), drawn without a nonce: a table of
     them, looked up by the arguments, with no model of a step, scored 20/24 graded. Graded grids are drawn

@@ -110,6 +110,48 @@ def refuse_kit_answers(answers: dict[str, str]) -> None:
         _KIT_MODULES.add(module_name)
 
 
+def kit_code_carried(fn, answers) -> str:
+    """Where the learner's function carries by value the code of one of the kit's `answers` (hooks.KIT_ANSWERS:
+    'module.function'), its 'file: name'; else ''. Those are refused here (refuse_kit_answers) and their module
+    files are stripped copies; a function built in the notebook from one's code object (types.FunctionType(
+    kit.__code__, ...), its __module__ the learner's) was pickled by value and passed as the learner's own
+    (24/24). Followed: the functions it reaches by its globals, closure and defaults, and the classes it defines.
+    Only the answers' code counts: a closure a kit function made (a hook, say) is the learner's to use."""
+    import hpdl
+
+    top = os.path.dirname(os.path.dirname(os.path.abspath(hpdl.__file__)))
+    kit = {(os.path.join(top, *dotted.split(".")[:-1]) + ".py", dotted.rsplit(".", 1)[1]) for dotted in answers}
+    todo, seen = [fn], set()
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or len(seen) > 10_000:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, type):
+            todo.extend(v for v in vars(obj).values() if isinstance(v, (types.FunctionType, type)))
+            continue
+        codes = [obj.__code__]
+        while codes:
+            code = codes.pop()
+            if (os.path.abspath(code.co_filename), code.co_name) in kit:
+                return f"{os.path.relpath(code.co_filename, top)}: {code.co_name}"
+            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+            todo.extend(v for name in code.co_names
+                        if isinstance(v := obj.__globals__.get(name), (types.FunctionType, type)))
+        cells = [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
+        todo.extend(v for v in [*cells, *(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
+                    if isinstance(v, (types.FunctionType, type)))
+    return ""
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+        return True
+    except ValueError:
+        return False
+
+
 def strip_module(module: types.ModuleType) -> dict:
     """What this process keeps of a case module: inputs(), call() and what they reach.
 
@@ -245,8 +287,7 @@ class LearnerJob(RankJob):
             state["case"], state["phase"] = index, "inputs"
             self.emit(ev="start", case=index)
             if fn is None:
-                result = {"status": "error", "message": f"{unpack_error} (your function could not be rebuilt on a "
-                                                        "fresh rank: define what it uses in the notebook)"}
+                result = {"status": "error", "message": unpack_error}
             else:
                 result = self.run_case(funcs, case, index, fn, recording, wire)
             state["phase"] = "waiting"
@@ -270,9 +311,17 @@ class LearnerJob(RankJob):
         try:
             from hpdl.checker.source import unpack
 
-            return unpack(code), ""
+            fn = unpack(code)
         except BaseException as exc:  # e.g. the learner's globals could not be rebuilt here
-            return None, short(f"{type(exc).__name__}: {exc}")
+            return None, (f"{short(f'{type(exc).__name__}: {exc}')} (your function could not be rebuilt on a fresh "
+                          "rank: define what it uses in the notebook)")
+        from hpdl.checker.hooks import KIT_ANSWERS
+
+        carried = kit_code_carried(fn, KIT_ANSWERS)
+        if carried:
+            return None, (f"your function carries the kit's own code ({carried}), copied from its module in your "
+                          "notebook: write the exercise yourself")
+        return fn, ""
 
     def connect_every_rank(self, recording) -> None:
         """A message to and from every rank: an MPI that connects lazily (Open MPI) connects now, not within a
