@@ -117,9 +117,7 @@ def kit_code_carried(fn, answers) -> str:
     kit.__code__, ...), its __module__ the learner's) was pickled by value and passed as the learner's own
     (24/24). Followed: the functions it reaches by its globals, closure and defaults, and the classes it defines.
     Only the answers' code counts: a closure a kit function made (a hook, say) is the learner's to use."""
-    import hpdl
-
-    top = os.path.dirname(os.path.dirname(os.path.abspath(hpdl.__file__)))
+    top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds the package hpdl
     kit = {(os.path.join(top, *dotted.split(".")[:-1]) + ".py", dotted.rsplit(".", 1)[1]) for dotted in answers}
     todo, seen = [fn], set()
     while todo:
