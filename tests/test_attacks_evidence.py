@@ -191,7 +191,8 @@ def test_a_hook_that_waits_for_its_all_reduce_is_no_overlap(slip, no_strays):
     result = hpdl.check("overlap_allreduce", slip, ranks=[2])
     held = [c for c in result.cases if c.params.get("hold")]
     assert held and all(c.verdict == "WRONG" and "was held back" in c.message for c in held), result
-    assert result.score < result.max_score, result
+    # every case of more than one bucket holds a rank back (the bucket-per-tensor one passed it: 4/8)
+    assert [c.name for c in result.cases if c not in held] == ["5-layer MLP, buckets of 25 MiB (one bucket)"]
 
 
 def test_one_tiny_allreduce_during_backward_is_not_overlap(no_strays):

@@ -70,7 +70,8 @@ def cases(size):
         Case("5-layer MLP, buckets of 0.004 MiB (several buckets)", {"bucket_mb": 0.004, "seed": 1, **read, **held},
              **kw),
         Case("5-layer MLP, buckets of 25 MiB (one bucket)", {"bucket_mb": 25.0, "seed": 2}, **kw),
-        Case("5-layer MLP, buckets of 1e-6 MiB (one tensor each)", {"bucket_mb": 1e-6, "seed": 3, **read}, **kw),
+        Case("5-layer MLP, buckets of 1e-6 MiB (one tensor each)", {"bucket_mb": 1e-6, "seed": 3, **read, **held},
+             **kw),
         # its first bucket is complete only when backward reaches the second Linear (model[3]): read there. A cap
         # read as MB (0.0054e6 bytes, not 0.0054 × 2**20) cuts other buckets here, and nowhere in the cases above
         Case("5-layer MLP, buckets of 0.0054 MiB", {"bucket_mb": 0.0054, "seed": 4, **read, "cut": 3, **held},
