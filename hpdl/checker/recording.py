@@ -890,8 +890,8 @@ def install(forbidden: dict[str, str], sized: bool = False) -> None:
     forbid_windows = any(n in forbidden for n in ("Allreduce", "Reduce", "Bcast", "Allgather"))
     if forbid_windows:
         for name in ONE_SIDED:
-            recorder.forbidden.setdefault(f"Win.{name}", "one-sided MPI (windows) is another library route; "
-                                                         "build it from point-to-point messages")
+            recorder.forbidden.setdefault(f"Win.{name}", "one-sided MPI (windows, shared memory) moves data no "
+                                                         "check can follow: use the calls the exercise names")
     _patch_mpi(forbid_windows)
     c10d = sys.modules.get(_TorchHook.TARGET)
     if c10d is not None:
