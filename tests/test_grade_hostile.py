@@ -595,7 +595,8 @@ def test_a_folder_filling_the_disk_it_shares_is_stopped_under_its_cap(tmp_path):
         pytest.skip("mounts a small file system")
     small = tmp_path / "small"
     small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400m", "tmpfs", str(small)], check=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400m", "tmpfs", str(small)]).returncode != 0:
+        pytest.skip("no tmpfs could be mounted here")
     try:
         hog, honest = small / "hog", small / "honest"
         hog.mkdir()
