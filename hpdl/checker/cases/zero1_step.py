@@ -47,6 +47,10 @@ FORBIDDEN.update({name: "ZeRO-1 reduce-scatters the gradients and all-gathers th
                   for name in hooks.COLLECTIVES if name.lower().lstrip("i").startswith(("gather", "scatter"))})
 # what a collective call carries (the recorder's count: its send buffer; a reduce-scatter's, what this rank
 # receives; an all-gather in place, this rank's part) is at most a shard, but for an all-to-all
+ALL_TO_ALL = ("Alltoall", "Alltoallv", "Alltoallw", "alltoall", "Ialltoall", "Ialltoallv", "Ialltoallw",
+              "Alltoall_init")
+# held to a shard for each rank together instead, and a value more each (a whole gradient tiled to every rank
+# by one Alltoall: 18/18)
 WHOLE_ALLOWED = ("Alltoall", "Alltoallv", "Alltoallw", "alltoall", "Ialltoall", "Ialltoallv", "Ialltoallw",
                  "Alltoall_init", "Reduce_scatter", "Ireduce_scatter", "Reduce_scatter_block", "Ireduce_scatter_block",
                  "Reduce_scatter_init", "Reduce_scatter_block_init")  # a reduce-scatter: by what a rank gets (:mine)
@@ -192,6 +196,11 @@ def _beyond_a_shard(ctx, n: int) -> Wrong | None:
         if kind is not None and isinstance(c.count, int) and c.count > shard:
             message, hint = _BEYOND_A_SHARD[kind]
             return Wrong(f"rank {ctx.rank} " + message.format(count=c.count, name=c.name, shard=shard), hint=hint)
+        if c.name.split(":")[0] in ALL_TO_ALL and isinstance(c.count, int) and c.count > p * (shard + 1):
+            return Wrong(f"rank {ctx.rank} took part in a comm.{c.name.split(':')[0]} of {c.count} values: an "
+                         f"all-to-all that reduce-scatters sends each rank its shard, {p} × {shard} values at most",
+                         hint="a whole gradient to every rank (np.tile) is data parallelism's traffic: send rank q "
+                              "only the part of your gradient that q owns, or use Reduce_scatter.")
     sent = sum(sum(values) for values in hooks.values_sent(ctx).values())
     if p > 1 and sent > 2 * (p - 1) * shard + METADATA * 4 * p:
         return Wrong(f"rank {ctx.rank} sent {sent} values in point-to-point messages; a reduce-scatter and an "
