@@ -499,6 +499,31 @@ def test_a_server_that_relays_the_gradients_is_no_parameter_server(no_strays):
     assert "the new parameters are" in str(result) and "one vector" in hints(result), result
 
 
+def the_server_sends_the_average_gradient(comm, grads, params, lr):
+    """The server averages the gradients and sends that, each worker stepping alone: n values each way, and the
+    workers start from the same parameters (12/12)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if rank == 0:
+        total, buf = np.zeros_like(params), np.empty_like(params)
+        for w in range(1, size):
+            comm.Recv(buf, source=w)
+            total += buf
+        average = total / (size - 1)
+        for w in range(1, size):
+            comm.Send(average, dest=w)
+        return params - lr * average
+    comm.Send(grads, dest=0)
+    average = np.empty_like(params)
+    comm.Recv(average, source=0)
+    return params - lr * average
+
+
+def test_a_server_that_sends_the_average_gradient_takes_no_step(no_strays):
+    result = hpdl.check("ps_exchange", the_server_sends_the_average_gradient, ranks=[3])
+    assert {c.verdict for c in result.cases if c.params["n"] > 1} == {"WRONG"}, result  # n=1: nothing to tell
+    assert "not the new parameters" in str(result), result
+
+
 def test_right_values_that_did_not_come_from_the_server_are_not_called_a_sum(no_strays):
     """With one worker its sum is its average: no hint names a mistake in values that are right (a sum, or
     "only rank 0 ends with the right result")."""

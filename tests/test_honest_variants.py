@@ -37,6 +37,7 @@ WRITTEN_OTHERWISE = [
     ("ps_exchange", H.ps_with_what_it_sends, [2, 3]),
     # a buffer viewed as bytes is counted in values, not bytes
     ("ps_exchange", H.ps_in_bytearrays, [3]),  # 0/12: "the server sent worker 1 8 values; the new parameters are 1"
+    ("ps_exchange", H.ps_in_float64_on_the_wire, [3]),  # 6/12: float64 messages counted as 2n float32 values
     ("ring_allreduce", H.ring_in_uint8_views, [3]),  # 25 of 27 cases WRONG: "a message of 200008 values"
     ("recursive_doubling", H.recursive_doubling_of_python_lists, [2]),  # pickled lists: 9 bytes a float (32/36)
     # dist.group.WORLD.allreduce: "no all-reduce was seen" (0/8)

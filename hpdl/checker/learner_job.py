@@ -417,7 +417,7 @@ class LearnerJob(RankJob):
         refused = self.unfinished(recorder.unfinished()) or self.overwritten(recorder.overwritten_at_return())
         if refused:
             return refused
-        calls = [(c.name, c.dest, c.source, c.count, c.nbytes) for c in recorder.calls]
+        calls = [(c.name, c.dest, c.source, c.count, c.nbytes, c.head) for c in recorder.calls]
         try:
             data = wire.pack({"got": got, "calls": calls, "altered": not recorder.intact()})
         except Exception as exc:

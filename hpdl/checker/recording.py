@@ -180,7 +180,8 @@ class _Recorder:
         """Whether the calls and pauses are the recorder's own since reset() (see _tally)."""
         return _intact(self.calls)
 
-    def note(self, name: str, dest=None, source=None, count=None, kind: str = "mpi", nbytes=None) -> Call | None:
+    def note(self, name: str, dest=None, source=None, count=None, kind: str = "mpi", nbytes=None,
+             head=None) -> Call | None:
         """Record one call, or refuse it (ForbiddenCall) when the exercise forbids it."""
         if self.paused_now:
             return None
@@ -189,7 +190,7 @@ class _Recorder:
         if reason:
             self.rejected.append(key)
             raise ForbiddenCall(key, reason)
-        call = Call(key, dest, source, count, nbytes)
+        call = Call(key, dest, source, count, nbytes, head)
         self.add(call)
         return call
 
@@ -371,6 +372,26 @@ def _is_in_place(buf) -> bool:
     from mpi4py import MPI
 
     return buf is MPI.IN_PLACE or (isinstance(buf, (list, tuple)) and bool(buf) and buf[0] is MPI.IN_PLACE)
+
+
+HEAD = 8  # values of a send noted as it starts (a METERED check's): what the message carried, not only how much
+
+
+def _head(buf) -> tuple | None:
+    """The first HEAD values of an array or a CPU tensor sent whole (a buffer, or a pickled object), as floats;
+    None for anything else (a message spec that picks a part, a list). A parameter server that sent the average
+    gradient, each worker stepping alone, moved as many values as the new parameters and scored 12/12."""
+    if isinstance(buf, (list, tuple)):
+        return None
+    try:
+        import numpy as np
+
+        data = buf.detach().cpu().numpy() if callable(getattr(buf, "detach", None)) else buf
+        if not isinstance(data, np.ndarray) or data.dtype.kind not in "fiu":
+            return None
+        return tuple(float(v) for v in data.reshape(-1)[:HEAD])
+    except Exception:
+        return None
 
 
 def _nbytes(name: str, buf) -> int | None:
@@ -627,10 +648,12 @@ def _wrap(cls_name: str, name: str, base):
         if in_place and name in _GATHERS_IN_PLACE and isinstance(count, int):  # this rank's part of the whole
             count = -(-count // max(1, _size(self)))
         nbytes = _nbytes(name, buf) if dest is not None and recorder.sized else None
+        head = _head(buf) if dest is not None and recorder.sized else None
         status = None
         if name in _STATUS_AT and source is None:  # from any source: recorded once it is known
             args, kwargs, status = _with_status(args, kwargs, _STATUS_AT[name])
-        noted = recorder.note(name, *_in_world(self, dest, source), count, nbytes=nbytes) if status is None else None
+        noted = recorder.note(name, *_in_world(self, dest, source), count, nbytes=nbytes,
+                              head=head) if status is None else None
         if name in _SCATTERS_TO_EACH and not in_place and len(args) > 1 and not recorder.paused_now:
             recorder.add(Call(f"{name}:mine", None, None, _count(args[1]), None))  # what this rank gets
         peer = f" to rank {dest}" if dest is not None else ""
@@ -641,7 +664,7 @@ def _wrap(cls_name: str, name: str, base):
         finally:
             recorder.current = None
         if status is not None:
-            noted = recorder.note(name, *_in_world(self, dest, _source_of(status)), count, nbytes=nbytes)
+            noted = recorder.note(name, *_in_world(self, dest, _source_of(status)), count, nbytes=nbytes, head=head)
         if name.endswith("_init"):
             _persistent(name, result, buf, noted, f"comm.{name}(){peer}")
         if nonblocking and _open_request(result):

@@ -128,12 +128,14 @@ ALTERED = ("the record of your MPI calls, kept in your process, was changed by c
 
 def _call(Call, raw):
     """One recorded call from the learner's rank, validated: a name, integer peers and sizes."""
-    name, dest, source, count, nbytes = (list(raw) + [None])[:5]
+    name, dest, source, count, nbytes, head = (list(raw) + [None, None])[:6]
 
     def num(x):
         return x if isinstance(x, int) and not isinstance(x, bool) else None
 
-    return Call(str(name)[:80], num(dest), num(source), num(count), num(nbytes))
+    if not (isinstance(head, (list, tuple)) and len(head) <= 64 and all(type(v) is float for v in head)):
+        head = None
+    return Call(str(name)[:80], num(dest), num(source), num(count), num(nbytes), tuple(head) if head else None)
 
 
 if __name__ == "__main__":
