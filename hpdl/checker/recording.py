@@ -386,10 +386,15 @@ def _head(buf) -> tuple | None:
     try:
         import numpy as np
 
-        data = buf.detach().cpu().numpy() if callable(getattr(buf, "detach", None)) else buf
+        if callable(getattr(buf, "detach", None)):  # a tensor: its first values only to the CPU, not all of it
+            first = buf.detach()
+            first = (first.view(-1) if first.is_contiguous() else first.flatten())[:HEAD]
+            data = first.cpu().numpy()
+        else:
+            data = buf
         if not isinstance(data, np.ndarray) or data.dtype.kind not in "fiu":
             return None
-        return tuple(float(v) for v in data.reshape(-1)[:HEAD])
+        return tuple(float(v) for v in data.flat[:HEAD])  # .flat: no copy of the whole array
     except Exception:
         return None
 
@@ -914,7 +919,8 @@ def install(forbidden: dict[str, str], sized: bool = False) -> None:
     if forbid_windows:
         for name in ONE_SIDED:
             recorder.forbidden.setdefault(f"Win.{name}", "one-sided MPI (windows, shared memory) moves data no "
-                                                         "check can follow: use the calls the exercise names")
+                                                         "check can follow: use the calls the exercise names "
+                                                         "(point-to-point messages, or the collective it asks for)")
     _patch_mpi(forbid_windows)
     c10d = sys.modules.get(_TorchHook.TARGET)
     if c10d is not None:
