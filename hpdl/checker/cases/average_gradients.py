@@ -81,14 +81,15 @@ def _all_reduced(ctx) -> Wrong | None:
     counts = [c.count for c in ctx.calls if c.name in _ALL_REDUCE]
     if not all(isinstance(n, int) for n in counts):
         return None
-    if sum(counts) < values:
-        return Wrong(f"rank {ctx.rank}'s all-reduces carried {sum(counts)} values; its gradients hold {values}: "
+    carried = sum(counts)
+    if carried < values:
+        return Wrong(f"rank {ctx.rank}'s all-reduces carried {carried} values; its gradients hold {values}: "
                      "some of the average came another way than an all-reduce",
                      hint="sum every gradient with comm.Allreduce (in place, or into a new array), then divide "
                           "by comm.Get_size(): that is the exercise.")
-    if sum(counts) > MORE * values + 4:
-        return Wrong(f"rank {ctx.rank}'s all-reduces carried {sum(counts)} values for gradients of {values}: "
-                     f"{sum(counts) / values:.1f} times what an average needs",
+    if carried > MORE * values + 4:
+        return Wrong(f"rank {ctx.rank}'s all-reduces carried {carried} values for gradients of {values}: "
+                     f"{carried / values:.1f} times what an average needs",
                      hint="all-reduce the gradients themselves (each rank's own, summed), not a buffer with a "
                           "slot for every rank: that moves every rank's gradients, an allgather.")
     return None

@@ -196,8 +196,9 @@ def _beyond_a_shard(ctx, n: int) -> Wrong | None:
         if kind is not None and isinstance(c.count, int) and c.count > shard:
             message, hint = _BEYOND_A_SHARD[kind]
             return Wrong(f"rank {ctx.rank} " + message.format(count=c.count, name=c.name, shard=shard), hint=hint)
-        if c.name.split(":")[0] in ALL_TO_ALL and isinstance(c.count, int) and c.count > p * (shard + 1):
-            return Wrong(f"rank {ctx.rank} took part in a comm.{c.name.split(':')[0]} of {c.count} values: an "
+        called = c.name.split(":")[0]  # an all-to-all's send, or what this rank got of it (":mine")
+        if called in ALL_TO_ALL and isinstance(c.count, int) and c.count > p * (shard + 1):
+            return Wrong(f"rank {ctx.rank} took part in a comm.{called} of {c.count} values: an "
                          f"all-to-all that reduce-scatters sends each rank its shard, {p} × {shard} values at most",
                          hint="a whole gradient to every rank (np.tile) is data parallelism's traffic: send rank q "
                               "only the part of your gradient that q owns, or use Reduce_scatter.")
