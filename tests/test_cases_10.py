@@ -301,5 +301,22 @@ def test_column_parallel_that_gathers_the_weight_is_rejected_by_the_bytes_it_rec
     assert "received" in told[0].message and "weight" in (told[0].hint or ""), told[0]
 
 
+def tp_grad_x_all_gathered(comm, x, weight, bias, grad_y):
+    """Every rank's part of grad_x gathered and summed here: the right sum by an allgather, not an all-reduce."""
+    lo, hi = rows_of(comm.Get_rank(), comm.Get_size(), weight.shape[0])
+    w, b = weight[lo:hi], bias[lo:hi]
+    y = torch.cat([torch.from_numpy(p) for p in comm.allgather((x @ w.T + b).numpy())], dim=1)
+    g = grad_y[:, lo:hi]
+    return y, torch.from_numpy(np.sum(comm.allgather((g @ w).numpy()), axis=0)), g.T @ x, g.sum(0)
+
+
+def test_column_parallel_grad_x_all_gathered_and_summed_is_rejected(no_strays):
+    """grad_x's parts are small beside y's columns, so the bytes on the wire could not tell an allgather of them
+    from an all-reduce (15/15); what the rank all-gathers beyond its columns of y does."""
+    result = hpdl.check("column_parallel_linear", tp_grad_x_all_gathered, ranks=[2], grade=True)
+    rejected(result, "all-gathered", "all-reduce")
+    assert result.score == 0, result
+
+
 def test_column_parallel_whole_layer_on_one_rank_rejected(no_strays):
     rejected(hpdl.check("column_parallel_linear", tp_whole_layer_here, ranks=[2]), "nan", "does not hold")

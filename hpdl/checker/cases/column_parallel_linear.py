@@ -140,7 +140,29 @@ def verify(case, ctx):
                              "grad_x, never the weight itself, which is what tensor parallelism keeps apart.")
     if w is not None and case.params["out"] * case.params["fan_in"] >= TELLING_WEIGHT:
         w.telling = True  # the weight gathered shows here; in the small cases it hides among the activations
-    return w
+    return w or _grad_x_not_gathered(case, ctx)
+
+
+_GATHERS = [name for name in hooks.COLLECTIVES if "llgather" in name]  # every rank receives every rank's part
+BESIDE_Y = 8  # small numbers an allgather may carry beside y's columns: a shape, each rank's width
+
+
+def _grad_x_not_gathered(case, ctx) -> Wrong | None:
+    """What a rank all-gathers is its columns of y, not its part of grad_x too: every rank's parts gathered
+    and summed here give the right grad_x, by an allgather (p - 1 parts received by every rank) where the layer
+    needs an all-reduce (15/15 once: grad_x's parts are small beside y, so the bytes could not tell)."""
+    if ctx.size < 2:
+        return None
+    batch, out = case.params["batch"], case.params["out"]
+    counts = [c.count for c in ctx.calls if c.name in _GATHERS and isinstance(c.count, int)]
+    columns = batch * -(-out // ctx.size)  # this rank's columns of y, padded to the widest rank's
+    if sum(counts) <= columns + BESIDE_Y:
+        return None
+    return Wrong(f"rank {ctx.rank} all-gathered {sum(counts)} values; its columns of y are at most {columns}: "
+                 "grad_x's parts gathered from every rank and summed here is an allgather, not the all-reduce "
+                 "the layer's backward needs",
+                 hint="all-reduce grad_x (comm.Allreduce(MPI.IN_PLACE, grad_x.numpy(), op=MPI.SUM)): an "
+                      "allgather makes every rank receive p - 1 parts, an all-reduce about two whatever p is.")
 
 
 TELLING_WEIGHT = 1 << 15  # values of weight from which gathering it shows on the wire beyond doubt
