@@ -80,7 +80,8 @@ class Job:
 
     def __init__(self, kind: str, spec: dict, size: int, todo: list[Planned], tmp: str, sandboxed: bool,
                  private: dict[int, bytes] | None = None, oracle: dict[int, bytes] | None = None,
-                 server: str | None = None, group: sandbox.Cgroup | None = None):
+                 server: str | None = None, group: sandbox.Cgroup | None = None,
+                 disk_bytes: int = sandbox.DISK_BYTES):
         self.kind, self.size, self.todo, self.sandboxed = kind, size, list(todo), sandboxed
         self.dir = tempfile.mkdtemp(prefix=f"{kind[0]}{size}-", dir=tmp)
         os.chmod(self.dir, 0o700)
@@ -123,7 +124,7 @@ class Job:
                                     shared_memory=not sandboxed, sweep=kind == "learner" and not sandboxed,
                                     ends_with_starter=kind == "learner" and sandboxed)
         # a learner job's one writable folder is the host's: what its files take on disk is capped as it runs
-        self.disk = sandbox.DiskWatch(self.dir, self.side) if kind == "learner" else None
+        self.disk = sandbox.DiskWatch(self.dir, self.side, limit=disk_bytes) if kind == "learner" else None
         self.launched = time.monotonic()
         self.offsets = [0] * size
         self.partial = [""] * size
@@ -553,9 +554,9 @@ class SizeRun:
     def _learner(self, todo: list[Planned]) -> Job:
         job = Job("learner", self.runner.spec, self.size, todo, self.tmp, sandboxed=self.runner.sandboxed,
                   private=self.runner.private_inputs(self.size, todo), oracle=self.runner.secrets(self.size, todo),
-                  group=self.runner.group)
-        if job.disk is not None:  # a learner job per rank count, all at once: one check's cap shared among them
-            job.disk.limit = sandbox.DISK_BYTES // max(1, len(self.runner.todos))
+                  group=self.runner.group,
+                  # a learner job per rank count, all at once: one check's cap shared among them
+                  disk_bytes=sandbox.DISK_BYTES // max(1, len(self.runner.todos)))
         return job
 
     def _go(self, index: int, verify: bool, seconds: dict | None = None, wire: dict | None = None) -> None:
