@@ -101,12 +101,15 @@ class _Recorder:
         self.freed: list[tuple[Any, Any, int, str, Any]] = []  # a send freed in flight: dest, buffer, checksum, ...
         self.receiving: list[tuple[Any, Any]] = []  # a non-blocking receive in flight: its request, its source
         self.completed: set[int] = set()  # handles of requests completed, maybe through a copy of their object
+        self.unsourced: dict[int, tuple] = {}  # a receive from any source in flight: its handle -> its call, noted
+        #                                        once completed, from the source its status names (_sourced)
         self._paused = threading.local()
 
     def reset(self, forbidden: dict[str, str] | None = None) -> None:
         self.calls, self.rejected, self.current, self.started = [], [], None, []
         self.sending, self.overwritten, self.waited, self.persistent = [], [], {}, {}
         self.dests, self.freed, self.receiving, self.completed = {}, [], [], set()
+        self.unsourced = {}
         _clear()
         if forbidden is not None:
             self.forbidden = dict(forbidden)
@@ -443,6 +446,7 @@ _BLOCKING_RECEIVES = ("Recv", "recv", "Sendrecv", "sendrecv", "Sendrecv_replace"
 # receive counted from nobody)
 _STATUS_AT = {"Recv": 3, "recv": 3, "Sendrecv": 6, "sendrecv": 6, "Sendrecv_replace": 5}
 _RECEIVES_IN_FLIGHT = ("Irecv", "irecv", "Isendrecv", "Isendrecv_replace")
+_WILDCARD_RECEIVES = ("Irecv", "irecv")  # from any source, their source is read from their completion's status
 _SEND_INITS = ("Send_init", "Ssend_init", "Bsend_init", "Rsend_init", "Psend_init")
 _COMPLETIONS = ("Wait", "Test", "Free", "Waitall", "Testall", "Waitany", "Testany", "Waitsome", "Testsome",
                 "wait", "test", "waitall", "testall", "waitany", "testany", "waitsome", "testsome")
@@ -500,15 +504,63 @@ def _settling(raw):
     object for the same request) leaves the original holding its handle, and it was read as never finished."""
     def call(*args, **kwargs):
         before = _handles(args)
+        sourcing = [(request, handle) for request, handle in before
+                    if handle in recorder.unsourced] if recorder.unsourced and not recorder.paused_now else []
+        statuses: Any = None
+        if sourcing:
+            args, kwargs, statuses = _statuses_for(raw.__name__, args, kwargs)
         try:
             return raw(*args, **kwargs)
         finally:
             if not recorder.paused_now:
                 recorder.completed.update(handle for request, handle in before if not request)
+                _sourced(sourcing, args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else
+                         kwargs.get("requests"), statuses)
                 recorder.settle()
 
     call._hpdl_recorded = True
     return call
+
+
+_STATUS_OF_ONE = {"Wait": 1, "Test": 1, "wait": 1, "test": 1}  # a request's own completion: its status at
+_STATUS_OF_ANY = {"Waitany": 2, "Testany": 2, "waitany": 2, "testany": 2}  # one of the requests: one status
+_STATUSES_OF_ALL = {"Waitall": 2, "Testall": 2, "waitall": 2, "testall": 2}  # a status per request, in order
+
+
+def _statuses_for(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict, Any]:
+    """A completion's arguments with somewhere for MPI to say where each message came from: the learner's own
+    Status (or list of them) where they passed one, else a fresh one in its place. Waitsome and Testsome are
+    left as they are (their receives from any source stay from nobody known)."""
+    if name in _STATUS_OF_ONE or name in _STATUS_OF_ANY:
+        return _with_status(args, kwargs, _STATUS_OF_ONE.get(name, _STATUS_OF_ANY.get(name)))
+    if name in _STATUSES_OF_ALL:
+        at = _STATUSES_OF_ALL[name]
+        given = kwargs.get("statuses") if "statuses" in kwargs else (args[at] if len(args) > at else None)
+        if isinstance(given, list):
+            return args, kwargs, given
+        fresh: list = []
+        if len(args) > at:
+            return (*args[:at], fresh, *args[at + 1:]), kwargs, fresh
+        return args, {**kwargs, "statuses": fresh}, fresh
+    return args, kwargs, None
+
+
+def _sourced(sourcing: list, listed, statuses) -> None:
+    """Each receive from any source that a completion just completed, noted with the rank its status names
+    (a pipeline that tells directions apart by tag, waiting on Irecv(source=ANY_SOURCE), scored 0/18: every
+    receive counted from nobody). `listed`: a Waitall's requests, in the order of its statuses."""
+    from mpi4py import MPI
+
+    for request, handle in sourcing:
+        if request:  # not completed (a Test that found it still in flight)
+            continue
+        name, count, comm = recorder.unsourced.pop(handle)
+        status = statuses
+        if isinstance(statuses, list):
+            at = next((i for i, r in enumerate(listed or ()) if r is request), None)
+            status = statuses[at] if at is not None and at < len(statuses) else None
+        source = _source_of(status) if isinstance(status, MPI.Status) else None
+        recorder.note(name, *_in_world(comm, None, source), count)
 
 
 def _handles(args) -> list[tuple[Any, int]]:
@@ -657,8 +709,10 @@ def _wrap(cls_name: str, name: str, base):
         status = None
         if name in _STATUS_AT and source is None:  # from any source: recorded once it is known
             args, kwargs, status = _with_status(args, kwargs, _STATUS_AT[name])
+        # a receive from any source in flight: noted when a completion says where it came from (_sourced)
+        wildcard = name in _WILDCARD_RECEIVES and source is None and not recorder.forbidden.get(name)
         noted = recorder.note(name, *_in_world(self, dest, source), count, nbytes=nbytes,
-                              head=head) if status is None else None
+                              head=head) if status is None and not wildcard else None
         if name in _SCATTERS_TO_EACH and not in_place and len(args) > 1 and not recorder.paused_now:
             recorder.add(Call(f"{name}:mine", None, None, _count(args[1]), None))  # what this rank gets
         peer = f" to rank {dest}" if dest is not None else ""
@@ -684,6 +738,11 @@ def _wrap(cls_name: str, name: str, base):
             recorder.heard_from(noted.source)
         elif name in _RECEIVES_IN_FLIGHT and noted is not None and _open_request(result):
             recorder.receiving.append((result, noted.source))
+        elif wildcard and _open_request(result):
+            recorder.receiving.append((result, None))
+            recorder.unsourced[result.handle] = (name, count, self)
+        elif wildcard:
+            recorder.note(name, *_in_world(self, dest, source), count)
         return result
 
     method.__name__ = name
