@@ -126,8 +126,7 @@ class Job:
         # a learner job's one writable folder is the host's: what its files take on disk is capped as it runs
         self.disk = sandbox.DiskWatch(self.dir, self.side, limit=disk_bytes) if kind == "learner" else None
         self.launched = time.monotonic()
-        self.offsets = [0] * size
-        self.partial = [""] * size
+        self.offsets, self.partial = [0] * size, [""] * size
         self.ready: dict[int, int] = {}  # rank -> pid
         self.rank_procs: dict[int, procs.Proc] = {}  # rank -> recorded process (outside a sandbox)
         self.starts: dict[int, float] = {}  # case index -> earliest start (monotonic clock)
