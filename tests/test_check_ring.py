@@ -322,3 +322,30 @@ def test_whole_vectors_packed_along_a_chain_do_not_fit_the_rings_budget(no_stray
     assert not result.passed and result.score < result.max_score
     longer = [c for c in result.cases if c.params["n"] >= c.ranks]  # with n < p the ring's last chunk is all of x
     assert longer and all(c.verdict == "WRONG" and "values" in c.message for c in longer), result
+
+
+def _bidirectional_ring_sends(n: int, p: int) -> int:
+    """The most values a rank passes on in NCCL's bidirectional ring: x's two halves each all-reduced round
+    the ring its own way, each cut in p (cut i at i*h//p), one chunk per step, p - 1 steps of each phase."""
+    most = 0
+    for r in range(p):
+        sent = 0
+        for h, me in ((n // 2, r), (n - n // 2, (-r) % p)):
+            cuts = [i * h // p for i in range(p + 1)]
+            chunk = [cuts[i + 1] - cuts[i] for i in range(p)]
+            sent += sum(chunk[(me - k) % p] for k in range(p - 1)) + sum(chunk[(me - k + 1) % p] for k in range(p - 1))
+        most = max(most, sent)
+    return most
+
+
+@pytest.mark.parametrize("n", [3, 9, 12, 13, 100003])
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_a_bidirectional_ring_passes_on_no_more_than_the_check_allows(n, p):
+    """A right algorithm, a ring each way round over x's halves, scored 25/27: the rounding of its two cuts
+    came to one value over one ring's budget. It stays under what the check allows; passing x whole around
+    the ring (p - 1 times all of it, twice) does not."""
+    from hpdl.checker.cases.ring_allreduce import ring_allowance
+
+    assert _bidirectional_ring_sends(n, p) <= ring_allowance(n, p)
+    if n >= 2 * p:
+        assert 2 * (p - 1) * n > ring_allowance(n, p)

@@ -88,7 +88,7 @@ def chunked(ctx):
                      hint="cut x into p chunks and pass one chunk per step (reduce-scatter, then allgather); "
                           "passing the whole vector around costs p times the bandwidth. Send each chunk in x's own "
                           "dtype: a float64 copy of a float32 chunk moves twice its bytes.")
-    budget = ring_budget(n, p)
+    budget = ring_allowance(n, p)
     if sum(moved) > budget:
         return Wrong(f"rank {r} sent {sum(moved)} values in {len(moved)} messages; the ring's 2(p-1) = {2 * (p - 1)} "
                      f"steps pass on one chunk each, at most {budget} values",
@@ -106,6 +106,13 @@ def ring_budget(n: int, p: int) -> int:
     s = -(-n // p)
     ceil = [max(0, min(s, n - i * s)) for i in range(p)]
     return max(2 * (n - n // p), 2 * n - min(ceil[i] + ceil[(i + 1) % p] for i in range(p)))
+
+
+def ring_allowance(n: int, p: int) -> int:
+    """What a rank may pass on: one ring's budget, or two rings' over the halves of x, each going its own way
+    round (NCCL's bidirectional ring: each half cut in p, the rounding of the two cuts came to one value over
+    one ring's budget at n = 3 and 9 on 3 ranks, and a right algorithm scored 25/27)."""
+    return max(ring_budget(n, p), ring_budget(-(-n // 2), p) + ring_budget(n // 2, p))
 
 
 def case_n(ctx) -> int:
