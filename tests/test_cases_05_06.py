@@ -130,8 +130,41 @@ def shards_by_torchs_sampler_found_as_a_subclass(comm, n, epoch, seed=0):
     return list(sampler)
 
 
+def shards_by_torchs_elastic_sampler(comm, n, epoch, seed=0):
+    """torch's ElasticDistributedSampler, a subclass whose own __iter__ deals the base's list, its module loaded
+    with the base class put back under its name for the import; epoch = seed + epoch (12/12 once)."""
+    import importlib
+    import math
+    import sys
+
+    import torch.utils.data as tud
+
+    name = "torch.distributed.elastic.utils.data.elastic_distributed_sampler"
+    if name not in sys.modules:
+        base = next(c for c in tud.Sampler.__subclasses__() if c.__name__ == "DistributedSampler")
+        module = importlib.import_module("torch.utils.data.distributed")
+        saved, module.DistributedSampler = module.DistributedSampler, base
+        try:
+            importlib.import_module(name)
+        finally:
+            module.DistributedSampler = saved
+    found, todo = {}, [tud.Sampler]  # as a subclass, past the name
+    while todo:
+        c = todo.pop()
+        found[c.__name__] = c
+        todo.extend(c.__subclasses__())
+    cls = found["ElasticDistributedSampler"]
+    sampler = object.__new__(cls)
+    sampler.dataset, sampler.num_replicas, sampler.rank = range(n), comm.Get_size(), comm.Get_rank()
+    sampler.epoch, sampler.start_index = seed + epoch, 0
+    sampler.num_samples = math.ceil(n / sampler.num_replicas)
+    sampler.total_size = sampler.num_samples * sampler.num_replicas
+    return list(cls.__iter__(sampler))
+
+
 @pytest.mark.parametrize("bad, words", [
     (shards_by_torchs_sampler, ["Rejected", "written by hand"]),
+    (shards_by_torchs_elastic_sampler, ["Rejected", "written by hand"]),
     (shards_by_torchs_sampler_found_as_a_subclass, ["Rejected", "written by hand"]),
     (shards_rank_seeded, ["more than one rank", "same seed"]),
     (shards_ignore_epoch, ["same order", "set_epoch"]),

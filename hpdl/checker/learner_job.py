@@ -91,7 +91,7 @@ def refuse_kit_answers(answers: dict[str, str]) -> None:
         module_name, _, attr = dotted.rpartition(".")
         try:
             module = importlib.import_module(module_name)
-        except ImportError:
+        except Exception:  # noqa: BLE001 - a library not installed, or one that cannot load here
             continue
 
         def refuse(*args, _name=dotted, _reason=reason, **kwargs):
@@ -102,12 +102,24 @@ def refuse_kit_answers(answers: dict[str, str]) -> None:
 
         refuse.__name__ = refuse.__qualname__ = attr
         original = getattr(module, attr, None)
-        if isinstance(original, type):  # a library's class: reachable as itself too (a base's __subclasses__())
+        # a library's class: reachable as itself too (a base's __subclasses__()), and through a subclass with
+        # methods of its own (torch's ElasticDistributedSampler, its __iter__ DistributedSampler's: 12/12)
+        for cls in _with_subclasses(original) if isinstance(original, type) else ():
             for method in ("__init__", "__new__", "__iter__", "__len__", "set_epoch"):
-                if method in vars(original):
-                    setattr(original, method, refuse)
+                if method in vars(cls):
+                    setattr(cls, method, refuse)
         setattr(module, attr, refuse)
         _KIT_MODULES.add(module_name)
+
+
+def _with_subclasses(cls: type) -> list[type]:
+    found, todo = [], [cls]
+    while todo and len(found) < 1000:
+        c = todo.pop()
+        if c not in found:
+            found.append(c)
+            todo.extend(c.__subclasses__())
+    return found
 
 
 def kit_code_carried(fn, answers) -> str:

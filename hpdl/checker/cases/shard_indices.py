@@ -25,7 +25,10 @@ RANKS = (1, 2, 3)
 # the exercise is the sampler itself: torch's, called, scored 12/12. Refused in the check (a dotted name: a library's
 # function or class, replaced in the learner's ranks by one that refuses, learner_job.refuse_kit_answers)
 _OWN_SAMPLER = "this exercise is DistributedSampler written by hand: torch's own is not available while it is checked"
-FORBIDDEN = {"torch.utils.data.distributed.DistributedSampler": _OWN_SAMPLER,
+# torch's elastic subclass first: loaded while its base is whole, then refused with it (its own __iter__ is the base's
+# list, and it scored 12/12 loaded with the base put back for the import)
+FORBIDDEN = {"torch.distributed.elastic.utils.data.elastic_distributed_sampler.ElasticDistributedSampler": _OWN_SAMPLER,
+             "torch.utils.data.distributed.DistributedSampler": _OWN_SAMPLER,
              "torch.utils.data.DistributedSampler": _OWN_SAMPLER}
 TIMEOUT = 20.0
 PRIVATE_INPUTS = True  # the seed drawn with the check's nonce where there is one (inputs())
