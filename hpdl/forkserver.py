@@ -84,7 +84,8 @@ def until_gone(owner: int) -> list[str]:
     """The job of a server for several jobs (each rank started by rank_command): it lasts until ended, or
     until `owner`, the process that started it, is gone. An owner killed before it could end its server
     (SIGTERM, SIGKILL: no finally runs) once left the server and its torch behind for good."""
-    watch = "import os, sys, time\nwhile os.path.exists(f'/proc/{sys.argv[1]}'):\n    time.sleep(1)"
+    watch = ("import sys\nsys.flags.safe_path or sys.path.pop(0)\n"  # no module of the working folder's
+             "import os, time\nwhile os.path.exists(f'/proc/{sys.argv[1]}'):\n    time.sleep(1)")
     return [sys.executable, "-c", watch, str(owner)]
 
 

@@ -680,3 +680,22 @@ def test_a_request_of_escaped_quotes_is_read_in_linear_time_and_memory():
         assert peak < 3 * len(raw) + 2**20, (len(raw), peak)
     nested = json.dumps({"source": 'a = "[{,}]" + \'\\\\"\'\n' * 50_000, "list": [[1, 2]] * 100}).encode()
     assert grade_service._parse_request(nested)["list"] == [[1, 2]] * 100  # brackets in strings are not counted
+
+
+@pytest.mark.timeout(300)
+def test_a_checks_jobs_import_nothing_from_the_working_folder(tmp_path, monkeypatch, no_strays):
+    """`python -m` puts the working folder first on the import path, and an instructor grading with
+    `hpdl grade .` works in the submissions' folder: a learner's folder named numpy there ran in every
+    reference rank of every check, outside the sandbox, as the grader (a daemon of it rewrote grades.csv)."""
+    import hpdl
+
+    ran = tmp_path / "planted-module-ran"
+    planted = tmp_path / "submissions" / "numpy"
+    planted.mkdir(parents=True)
+    (planted / "__init__.py").write_text(f"open({str(ran)!r}, 'a').write('imported\\n')\n"
+                                         "raise ImportError('a learner folder named numpy')\n")
+    monkeypatch.chdir(planted.parent)
+    result = hpdl.check("ring_allreduce", _learner_function("def ring_allreduce(comm, x):\n"
+                                                            "    return comm.allreduce(x)\n"), ranks=[2], timeout=30)
+    assert not ran.exists(), ran.read_text()
+    assert result.cases and all(c.rejected == "allreduce" for c in result.cases), result

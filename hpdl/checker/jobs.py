@@ -120,11 +120,12 @@ class Job:
         # the host's memory (where they are forks of the check's server, they are in its cgroup instead)
         self.limits = limits = job_limits([size], [todo], group) if kind == "learner" or server is None else None
         # a sandbox (own /dev/shm, PIDs) dies with us; outside, ranks watch us and free their MPI memory (rank_job)
-        self.side = sidejob.SideJob(cmd, output=os.path.join(self.dir, "output.txt"), env=env, limits=limits,
-                                    shared_memory=not sandboxed, sweep=kind == "learner" and not sandboxed,
-                                    ends_with_starter=kind == "learner" and sandboxed)
+        learner = kind == "learner"
+        self.side = sidejob.SideJob(cmd, output=os.path.join(self.dir, "output.txt"), env=env, cwd=self.dir,
+                                    limits=limits, shared_memory=not sandboxed, sweep=learner and not sandboxed,
+                                    ends_with_starter=learner and sandboxed)
         # a learner job's one writable folder is the host's: what its files take on disk is capped as it runs
-        self.disk = sandbox.DiskWatch(self.dir, self.side, limit=disk_bytes) if kind == "learner" else None
+        self.disk = sandbox.DiskWatch(self.dir, self.side, limit=disk_bytes) if learner else None
         self.launched = time.monotonic()
         self.offsets, self.partial = [0] * size, [""] * size
         self.ready: dict[int, int] = {}  # rank -> pid
@@ -133,8 +134,7 @@ class Job:
         self.ends: dict[int, dict[int, dict]] = {}  # case index -> rank -> end event
         self.problem_at: dict[int, float] = {}  # case index -> when the first rank raised
         self.crash: dict | None = None
-        self.must_stop = False
-        self.hung = False
+        self.must_stop = self.hung = False
         self.arrived: dict[str, set[int]] = {}  # barrier tag -> ranks that reached it (learner_job.barrier)
         self._metering(unmetered)
 
@@ -482,7 +482,9 @@ def _job_env(job_dir: str, keys: bool = True) -> dict[str, str]:
         env.pop(settings.KEYS.name, None)
         env["HOME"] = job_dir
     bindir = str(Path(sys.executable).parent)
-    env.update({settings.CHECK_JOB.name: job_dir}, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+    # PYTHONSAFEPATH: `python -m` puts the working folder first on the import path, and the grader's may be the
+    # submissions' (`hpdl grade .`): a learner's folder named numpy ran in every reference rank, unsandboxed
+    env.update({settings.CHECK_JOB.name: job_dir}, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONSAFEPATH="1",
                PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}", MALLOC_MMAP_THRESHOLD_=str(MMAP_FROM))
     return env
 
@@ -787,7 +789,7 @@ class Runner:
         from hpdl import launchers
 
         try:  # torch imported under the environment a reference job's ranks have (one thread each)
-            server = sidejob.SideJob(cmd, output=os.path.join(tmp, "fork-server.txt"),
+            server = sidejob.SideJob(cmd, output=os.path.join(tmp, "fork-server.txt"), cwd=tmp,
                                      env=launchers.local_job_env(_job_env(tmp)),
                                      limits=job_limits(list(self.todos), list(self.todos.values()), self.group))
         except OSError:  # no server: each reference job starts its ranks, as without one

@@ -868,7 +868,7 @@ def _confine_prefix(keep_env: tuple[str, ...] = (), isolating: bool = False) -> 
     # -c with sys.path[0] (the working folder, which untrusted code may write) removed first
     keep = [f"{confine.KEEP}{','.join(keep_env)}"] if keep_env else []  # names only: `ps` shows them
     keep += [confine.ISOLATING] if isolating else []
-    return [sys.executable, "-c", "import sys, runpy; del sys.path[0]; "
+    return [sys.executable, "-c", "import sys, runpy; sys.flags.safe_path or sys.path.pop(0); "
             "sys.argv = sys.argv[1:]; runpy.run_module('hpdl.checker.confine', run_name='__main__')", "-", *keep]
 
 
@@ -883,7 +883,8 @@ def isolation_works() -> bool:
 
     if bwrap() is None or not confinement_works():  # the filter a rank installs once isolated is what refuses
         return False                                 # it namespaces (bwrap's --disable-userns cannot be used)
-    code = ("import os, sys; from hpdl.checker import isolate; isolate.isolate(sys.argv[1], 0); "
+    code = ("import os, sys; sys.flags.safe_path or sys.path.pop(0); "  # not the working folder's modules
+            "from hpdl.checker import isolate; isolate.isolate(sys.argv[1], 0); "
             "sys.exit(0 if sorted(os.listdir(sys.argv[1])) == ['r0', 'spec.pkl'] and os.getpid() == 1 else 1)")
     with tempfile.TemporaryDirectory(prefix="hpdl-isolate-") as job:
         os.mkdir(os.path.join(job, "r0"))
