@@ -585,6 +585,33 @@ def test_a_disk_measure_reads_a_bounded_number_of_descriptors(tmp_path, monkeypa
             p.wait()
 
 
+def test_files_nested_past_the_longest_path_are_not_left_out_of_the_measure(tmp_path):
+    """Folders of long names made one inside the other by their descriptors reach past the 4096 characters a
+    path may hold: the measure could not list them and counted nothing, and 3 GB and 1.4 million files passed
+    a 2 GiB cap and a 20,000-entry one. What cannot be read is now over the cap, with a reason."""
+    from hpdl import safefiles
+
+    top = tmp_path / "work"
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(20):  # 20 x 251 characters
+            os.mkdir("d" * 250, dir_fd=fd)
+            inner = os.open("d" * 250, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        out = os.open("f", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd)
+        os.write(out, b"x" * (1 << 20))
+        os.close(out)
+    finally:
+        os.close(fd)
+    assert sandbox.disk_usage(str(top), 1000) == sandbox.UNMEASURED
+    job = type("Job", (), {"limits": None, "pids": lambda self: []})()
+    assert "cannot be measured" in (sandbox.DiskWatch(top, job).over() or "")
+    safefiles.remove_tree(str(top))
+    assert not top.exists()
+
+
 def test_a_folder_filling_the_disk_it_shares_is_stopped_under_its_cap(tmp_path):
     """Each folder's cap alone let a submission fill a small TMPDIR (1.5 GiB under its 2 GiB cap): an honest
     neighbour's runner failed on "No space left on device" and scored 0/36. When the disk has less than its

@@ -15,6 +15,7 @@ then starts its own session (process group) and ends the group.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -514,6 +515,9 @@ class DiskWatch:
         used = disk_usage(self.folder, self.entries)
         if used is None:
             self.why = f"it made more than {self.entries} files and folders in its folder"
+        elif used == UNMEASURED:
+            self.why = "it made files that cannot be measured (folders nested past the longest path the " \
+                       "kernel takes, 4096 characters)"
         elif used + self._unlinked() > self.limit:
             self.why = f"its files took more than {size_text(self.limit)} of disk (the cap on its folder)"
         elif used >= HEAVY and (left := disk_left(self.folder)) is not None:
@@ -550,23 +554,24 @@ def disk_left(folder: str) -> int | None:
     return left if left < max(FREE_FLOOR, FREE_SHARE * st.f_blocks * st.f_frsize) else None
 
 
+UNMEASURED = -1  # disk_usage: a folder or file under the folder that could not be read (a path too long, ...)
+
+
 def disk_usage(folder: str, max_entries: int) -> int | None:
     """Bytes the files under `folder` take on disk (blocks allocated: a sparse file counts what it
     uses), no link followed; None when it holds more than `max_entries` entries. A folder its
-    owner closed to itself is opened (u+rwx) and read: it is ours, and so is removing it later."""
+    owner closed to itself is opened (u+rwx) and read: it is ours, and so is removing it later.
+    UNMEASURED where something under it cannot be read but is there: folders nested past the longest
+    path (4096 characters) once held 3 GB and 1.4 million files that no measure counted."""
     total, entries, todo = 0, 0, [folder]
     while todo:
         path = todo.pop()
         try:
-            listing = os.scandir(path)
-        except PermissionError:
-            try:
-                safefiles.open_to_owner(path)
-                listing = os.scandir(path)
-            except OSError:
+            listing = _scandir_opened(path)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):  # gone: nothing of it counts
                 continue
-        except OSError:  # gone: nothing of it counts
-            continue
+            return UNMEASURED
         with listing:
             for entry in listing:
                 entries += 1
@@ -574,12 +579,22 @@ def disk_usage(folder: str, max_entries: int) -> int | None:
                     return None
                 try:
                     st = entry.stat(follow_symlinks=False)
-                except OSError:
+                except FileNotFoundError:
                     continue
+                except OSError:
+                    return UNMEASURED
                 total += st.st_blocks * 512
-                if entry.is_dir(follow_symlinks=False):
+                if stat.S_ISDIR(st.st_mode):
                     todo.append(entry.path)
     return total
+
+
+def _scandir_opened(path: str):
+    try:
+        return os.scandir(path)
+    except PermissionError:
+        safefiles.open_to_owner(path)
+        return os.scandir(path)
 
 
 def _unlinked_open(folder: str, pids) -> tuple[int, int]:
