@@ -680,3 +680,27 @@ def test_a_hostile_batch_reads_nothing_of_the_grader_or_a_neighbour_and_stays_in
     work = Path(re.search(r"'HOME': '([^']+)'", snoop).group(1))
     assert work.parent.name.startswith("hpdl-grade-") and str(work).startswith("/var/tmp/")
     assert not work.exists() and not work.parent.exists()
+
+
+def test_tasks_capped_by_a_cgroup_are_not_capped_per_user_too():
+    """RLIMIT_NPROC counts every process and thread of the user, and every submission graded at once runs as
+    the grader: a neighbour's 2012 idle threads, under its own cap, left an honest submission started before
+    them no room (OpenBLAS could not start its threads: 0/36). Where a cgroup caps a sandbox's tasks, that
+    cap is the one; without a cgroup the per-user limit stays."""
+    import resource
+
+    from hpdl.checker import sandbox
+
+    show = [sys.executable, "-c", "import resource; print(resource.getrlimit(resource.RLIMIT_NPROC)[0])"]
+    limits = sandbox.Limits(processes=64).start()
+    try:
+        if limits.cgroup is None or limits.applied()["tasks"] is None:
+            pytest.skip("no cgroup capping tasks can be made here")
+        capped = subprocess.run(show, preexec_fn=limits.apply, capture_output=True, text=True, check=True)
+        assert int(capped.stdout) == resource.getrlimit(resource.RLIMIT_NPROC)[0], capped.stdout
+    finally:
+        limits.stop()
+    alone = sandbox.Limits(processes=64)
+    alone._tasks_now = 10
+    uncapped = subprocess.run(show, preexec_fn=alone.apply, capture_output=True, text=True, check=True)
+    assert int(uncapped.stdout) == 74, uncapped.stdout

@@ -82,6 +82,9 @@ class Limits:
         apply()."""
         self._cgroup = Cgroup.make(self.processes, self.memory_total, within=self.within)
         self._tasks_now = _tasks_of_this_user()
+        # tasks capped by the cgroup: no RLIMIT_NPROC, which counts the whole user's, every submission graded
+        # beside this one too (a neighbour's 2012 idle threads, under its own cap, left an honest one none: 0/36)
+        self._tasks_capped = self._cgroup is not None and self._cgroup.read_back()["tasks"] is not None
         return self
 
     def stop(self) -> None:
@@ -106,11 +109,11 @@ class Limits:
         group = getattr(self, "_cgroup", None)
         if group is not None:
             group.join()
-        users = getattr(self, "_tasks_now", None) or _tasks_of_this_user()
         # no core dumps: a crash would write one as large as the process (no other cap counts it), or
         # hand it to the host's collector (core_pattern |systemd-coredump), outside every cap here
-        for what, value in ((resource.RLIMIT_CPU, self.cpu_seconds), (resource.RLIMIT_AS, self.memory_bytes),
-                            (resource.RLIMIT_NPROC, users + self.processes),
+        per_user = () if getattr(self, "_tasks_capped", False) else (
+            (resource.RLIMIT_NPROC, (getattr(self, "_tasks_now", None) or _tasks_of_this_user()) + self.processes),)
+        for what, value in ((resource.RLIMIT_CPU, self.cpu_seconds), (resource.RLIMIT_AS, self.memory_bytes), *per_user,
                             (resource.RLIMIT_FSIZE, self.file_bytes), (resource.RLIMIT_CORE, 0),
                             (resource.RLIMIT_NOFILE, self.open_files)):
             soft, hard = resource.getrlimit(what)
