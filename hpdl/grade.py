@@ -119,19 +119,41 @@ def find_submissions(folder: Path) -> list[Submission]:
 
 
 def _alike_written_out(subs: list[Submission]) -> list[Submission]:
-    """Names that read alike (the same once Unicode-normalised: `josé` typed as one character or as e and a
-    combining accent) with every character beyond ASCII written out as \\uNNNN: each showed as `josé.ipynb` in
-    every report, one 36/36 and one 0/36, so a learner could put a row under another's name."""
-    import unicodedata
+    """Names that read alike with every character beyond ASCII written out as \\uNNNN: the same once
+    Unicode-normalised (`josé` typed as one character or as e and a combining accent), or once characters that
+    show as nothing are dropped and letters that look Latin read as Latin (`alice` with a combining grapheme
+    joiner, `bоb` with a Cyrillic о). Each showed as one name in every report, one 36/36 and one 0/36, so a
+    learner could put a row under another's name. Characters that show as nothing, and line breaks (a name
+    holding a CSV row), are written out in every name."""
     from collections import Counter
 
-    keys = [unicodedata.normalize("NFKC", s.name) for s in subs]
+    for s in subs:
+        s.name = "".join(_written_out(c) if c in _INVISIBLE or not c.isprintable() else c for c in s.name)
+    keys = [_skeleton(s.name) for s in subs]
     seen = Counter(keys)
     for s, key in zip(subs, keys):
         if seen[key] > 1:
-            s.name = "".join(c if ord(c) < 128 else f"\\u{ord(c):04x}" if ord(c) < 65536 else f"\\U{ord(c):08x}"
-                             for c in s.name)
+            s.name = "".join(c if ord(c) < 128 else _written_out(c) for c in s.name)
     return subs
+
+
+def _written_out(c: str) -> str:
+    return f"\\x{ord(c):02x}" if ord(c) < 128 else f"\\u{ord(c):04x}" if ord(c) < 65536 else f"\\U{ord(c):08x}"
+
+
+# characters a name shows as nothing: format characters (joiners, marks of direction), fillers, blanks
+_INVISIBLE = set("\u034f\u115f\u1160\u17b4\u17b5\u180e\u2800\u3164\uffa0") | {
+    chr(c) for c in (*range(0x200b, 0x2010), *range(0x2060, 0x2070), *range(0xfe00, 0xfe10), 0xfeff, 0xad)}
+# letters of other scripts drawn as Latin ones
+_LOOK_LATIN = str.maketrans("аеорсухіјѕԁɡοαντκιυϲ", "aeopcyxijsdgoavtkiuc")
+
+
+def _skeleton(name: str) -> str:
+    import unicodedata
+
+    name = unicodedata.normalize("NFKD", name).casefold()
+    name = "".join(c for c in name if c not in _INVISIBLE and unicodedata.category(c) not in ("Mn", "Me", "Cf"))
+    return unicodedata.normalize("NFKC", name.translate(_LOOK_LATIN))
 
 
 def graded_bytes(sub: Submission) -> bytes:

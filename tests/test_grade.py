@@ -550,6 +550,14 @@ def test_no_two_names_read_alike_in_the_reports(tmp_path):
         (subs / name).write_text("[3]")
     names = {s.name for s in grade.find_submissions(subs)}
     assert {"jos\\u00e9.ipynb", "jose\\u0301.ipynb", "zo\u00eb.ipynb"} <= names
+    # and once what shows as nothing is dropped and letters drawn as Latin read as Latin (a Cyrillic о); what
+    # shows as nothing, or breaks the line (a name holding a CSV row), is written out in every name
+    for name in ("alice.ipynb", "alice\u034f.ipynb", "bob.ipynb", "b\u043eb.ipynb", "carol\u3164.ipynb",
+                 "eve\nbob.ipynb,36.ipynb"):
+        (subs / name).write_text("[4]")
+    names = {s.name for s in grade.find_submissions(subs)}
+    assert {"alice.ipynb", "alice\\u034f.ipynb", "bob.ipynb", "b\\u043eb.ipynb", "carol\\u3164.ipynb",
+            "eve\\x0abob.ipynb,36.ipynb"} <= names, names
 
 
 def test_what_is_graded_is_what_the_grade_is_kept_under(tmp_path):
