@@ -46,6 +46,9 @@ from hpdl.errors import HpdlError
 
 CHECK_CALL = re.compile(r"""check\(\s*["']([A-Za-z_][A-Za-z0-9_]*)["']""")
 MAX_PARSED_CELL = 64 * 1024  # characters: a longer code cell is not read for the checks it calls
+# characters of a notebook's cells parsed for the checks it calls, all together: a thousand cells of 64 KiB
+# that name check( cost the grader 7.7 s a hundred, before any sandbox or timer, again on each resume
+MAX_PARSED_NOTEBOOK = 1024 * 1024
 SKIP_DIRS = {".ipynb_checkpoints", "__pycache__"}
 MAX_FOLDER_DEPTH = 16  # levels of folders searched for notebooks under the submissions folder
 MAX_NOTEBOOK_BYTES = 64 * 2**20
@@ -238,10 +241,13 @@ def _known_checks(data: bytes, exercises: set[str] | None = None) -> list[str]:
 def _called_checks(data: bytes) -> list[str]:
     """The exercises a notebook's code calls a check of: `check("name", ...)` as a call in a code cell, not
     in a comment or a string (a notebook's text must not add an exercise to the class's scoring)."""
-    names = []
+    names, parsed = [], 0
     for cell in _cells(data) or []:
         text = _text(cell.get("source")) if cell.get("cell_type") == "code" else ""
         if len(text) <= MAX_PARSED_CELL and CHECK_CALL.search(text):  # the cheap test first: few cells parse
+            parsed += len(text)
+            if parsed > MAX_PARSED_NOTEBOOK:
+                break
             for name in _check_calls(text):
                 if name not in names:
                     names.append(name)

@@ -719,3 +719,20 @@ def test_a_notebook_the_grader_died_on_is_graded_alone_then_not_again(tmp_path, 
     new = [json.loads(line) for line in (out / "started.jsonl").read_text().splitlines()[len(lines) + 1:]]
     assert [(r["name"], r["alone"]) for r in new] == [("bob.ipynb", True), ("ada.ipynb", False),
                                                       ("dee.ipynb", False)], new
+
+
+def test_a_notebook_is_parsed_for_its_checks_within_a_budget(monkeypatch):
+    """Cells just under the longest parsed, each naming check(: a thousand of them cost the grader 7.7 s a
+    hundred to list one notebook, outside any sandbox or timer. All the cells parsed hold at most
+    MAX_PARSED_NOTEBOOK characters; a lesson's notebook, far below it, is read whole."""
+    parsed = []
+    real = grade._check_calls
+    monkeypatch.setattr(grade, "_check_calls", lambda text: parsed.append(len(text)) or real(text))
+    pad = "x = 1\n" * ((grade.MAX_PARSED_CELL - 100) // 6)
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(f'{pad}check("ring_allreduce", f)\n')
+                                         for _ in range(40)])
+    assert grade._called_checks(nbformat.writes(nb).encode()) == ["ring_allreduce"]
+    assert 0 < sum(parsed) <= grade.MAX_PARSED_NOTEBOOK, sum(parsed)
+    lesson = Path(__file__).parents[1] / "solutions" / "03_mpi_collectives.ipynb"
+    parsed.clear()
+    assert grade._called_checks(lesson.read_bytes()) and sum(parsed) < grade.MAX_PARSED_NOTEBOOK // 8
