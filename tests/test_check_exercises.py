@@ -85,6 +85,13 @@ def test_graded_recursive_doubling_folds_in_more_than_one_extra_rank(no_strays):
     assert all("sent to 6 ranks" in c.message for c in result.cases if c.verdict != "PASS"), result
 
 
+def test_a_chain_up_and_back_down_is_not_recursive_doubling_at_7_ranks(no_strays):
+    """Five of its seven ranks swap with two neighbours, as many partners as the fold-in's core has, but the
+    chain pairs 6 ranks where recursive doubling pairs 7 (3 folded in, 4 swaps): right at 7 ranks, 27/36."""
+    result = hpdl.check("recursive_doubling", C.chain_beyond_powers_of_two, ranks=[7])
+    assert result.cases and all(c.verdict == "WRONG" and "6 pairs of ranks" in c.message for c in result.cases), result
+
+
 def test_recursive_doublings_look_alikes_are_wrong(no_strays):
     """Dissemination (send to r + 2^k, receive from r - 2^k) sums right for powers of two; p' taken as p & (p - 1)
     is right at 3 and 6 ranks: graded, 7 tells it. Both scored full marks."""

@@ -77,7 +77,7 @@ def verify(case, ctx):
     p2 = 1 << (p.bit_length() - 1)
     limit = p2.bit_length() - 1 + (1 if p != p2 else 0)
     # collective on ctx.comm: every rank, before any early return
-    partners = ctx.comm.allgather(len(set(hooks.values_sent(ctx)) - {ctx.rank})) if p != p2 else None
+    partners = ctx.comm.allgather(sorted(set(hooks.values_sent(ctx)) - {ctx.rank})) if p != p2 else None
     return hooks.wire_agrees(ctx) or compare_sum(ctx.got, ctx.expected) or hooks.max_sends(
         ctx, limit, "recursive doubling needs one exchange per round (lg p rounds, one more for ranks folded in)"
     ) or received_enough(ctx) or exchanges(ctx, p2) or folded_in(ctx, p2, partners)
@@ -131,16 +131,27 @@ def exchanges(ctx, p2: int):
     return None
 
 
-def folded_in(ctx, p2: int, partners: list[int] | None) -> Wrong | None:
-    """For p not a power of two, the fold-in's shape across the ranks (`partners`: how many ranks each sent
-    to): p' of them swap with lg p' partners or more. A tree's reduce then broadcast leaves fewer ranks with
-    that many (at 7 ranks: 3 of 7), though each rank's own messages look like swaps."""
+def folded_in(ctx, p2: int, partners: list[list[int]] | None) -> Wrong | None:
+    """For p not a power of two, the fold-in's shape across the ranks (`partners`: the ranks each sent to):
+    p' of them swap with lg p' partners or more, and the pairs that exchanged are the p - p' folded in and
+    the p'·lg p' / 2 of the swaps. A tree's reduce then broadcast leaves fewer ranks with that many partners
+    (at 7 ranks: 3 of 7), though each rank's own messages look like swaps; a chain up and back down leaves
+    enough (5 of 7 with 2), but only p - 1 pairs (27/36 once: right at 7 ranks)."""
     if partners is None:
         return None
     rounds = p2.bit_length() - 1
-    core = sum(1 for k in partners if isinstance(k, int) and k >= rounds)
-    if core >= p2:
+    core = sum(1 for k in partners if len(k) >= rounds)
+    pairs = {frozenset((r, q)) for r, peers in enumerate(partners) for q in peers}
+    needed = ctx.size - p2 + p2 * rounds // 2
+    if core >= p2 and len(pairs) >= needed:
         return None
+    if core >= p2:
+        return Wrong(f"{len(pairs)} pairs of ranks exchanged; with {ctx.size} ranks recursive doubling's "
+                     f"fold-in makes {ctx.size - p2} pairs and its {rounds} rounds of swaps among p' = {p2} ranks "
+                     f"{p2 * rounds // 2} more",
+                     hint="in round k rank r swaps with r ^ 2**k among the first p' ranks (after the fold-in): a "
+                          "chain that sums up the ranks and hands the sum back down pairs each rank with its "
+                          "neighbours only.")
     return Wrong(f"{core} of {ctx.size} ranks exchanged with {rounds} partner(s) or more; with {ctx.size} ranks, "
                  f"recursive doubling's fold-in leaves p' = {p2} ranks that each swap with lg p' = {rounds}, one "
                  "per round",
