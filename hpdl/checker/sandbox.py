@@ -71,7 +71,7 @@ class Limits:
     cpu_seconds: int = 600
     memory_bytes: int = 8 * 2**30  # address space per process (torch reserves a lot of it)
     open_files: int = 4096  # descriptors per process, hard limit too: a disk measure reads each (DiskWatch)
-    processes: int = 1024  # tasks (threads count) in its cgroup; beyond the user's own under RLIMIT_NPROC
+    processes: int = 1024  # tasks (threads count) in its cgroup; without one, beyond the user's own (RLIMIT_NPROC)
     file_bytes: int = field(default_factory=file_limit)  # any one file written (see file_limit)
     memory_total: int | None = field(default_factory=default_memory)  # all its processes together (cgroup)
     within: "Cgroup | None" = None  # a cgroup of several jobs, whose own caps hold for all of them together
