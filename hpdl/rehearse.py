@@ -100,7 +100,10 @@ def run_notebook(nb, folder: Path, label: str, state: dict, cell_timeout: float)
                 _note(folder, state, ranks_ready_s=round(time.time() - state["started"], 1),
                       ranks=int(ready.group(1)), start_reported_s=float(ready.group(2)))
 
+    from hpdl.grade import IOPUB_WAIT  # a busy node's outputs, read after the cell's reply: not dropped at 4 s
+
     client = NotebookClient(nb, timeout=int(cell_timeout), kernel_name="python3", allow_errors=False,
+                            iopub_timeout=IOPUB_WAIT,
                             resources={"metadata": {"path": str(folder)}}, on_cell_start=started,
                             on_cell_executed=executed)
     where = lambda: f"{label}, cell [{at['index']}] ({at['line']})"  # noqa: E731

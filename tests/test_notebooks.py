@@ -48,6 +48,7 @@ def test_notebook_runs_headless(path: Path, tmp_path, monkeypatch, no_strays):
         kernel_name="python3",
         resources={"metadata": {"path": str(path.parent)}},
         allow_errors=False,
+        iopub_timeout=60,  # outputs read after the cell's reply on a busy machine: nbclient's 4 s dropped them
     )
     t0 = time.perf_counter()
     try:
