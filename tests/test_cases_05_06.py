@@ -361,14 +361,15 @@ def test_a_bucket_cap_read_in_megabytes_fails_the_hidden_case():
 
 # -- 06: resume_horovod --------------------------------------------------------------------------
 
-def _resume(broadcast=True, optimizer_state=True, rescale=True, continue_epoch=True, wrap=True):
+def _resume(broadcast=True, optimizer_state=True, rescale=True, continue_epoch=True, wrap=True, fp16=False):
     """A resume at another rank count, right or with one known slip."""
     def resume_horovod(comm, checkpoint, model):
         import horovod.torch as hvd
 
         opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
         if wrap:
-            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                           compression=hvd.Compression.fp16 if fp16 else hvd.Compression.none)
         state = torch.load(checkpoint) if checkpoint is not None else None
         if state is not None:
             model.load_state_dict(state["model"])
@@ -400,6 +401,7 @@ def test_resume_horovod_right_answer_passes():
     (_resume(rescale=False), ["not rescaled", "hvd.size()"]),
     (_resume(continue_epoch=False), ["restarts from scratch", "set_epoch"]),
     (_resume(wrap=False), ["not horovod's", "distributedoptimizer"]),
+    (_resume(fp16=True), ["near the reference", "compression.none"]),  # wrong by 1e-4 once, with no word why
 ])
 def test_resume_horovod_known_bad_rejected(bad, words):
     rejected(hpdl.check("resume_horovod", bad, ranks=[2]), *words)

@@ -36,6 +36,7 @@ SAMPLES = 48  # divides by every rank count: equal shards, no padding
 BATCH = 4  # per rank
 EPOCHS_AFTER = 2  # the check trains this many epochs after the resume
 MOMENTUM = 0.9
+NEAR = 1e-2  # largest error of a training whose averages were only rounded (fp16 on the wire: 1.3e-4 at most)
 
 
 def cases(size):
@@ -210,8 +211,13 @@ def verify(case, ctx):
                           "named_parameters=model.named_parameters()), so gradients are averaged.")
     err = _dp.close(got["params"], expected["params"], rtol=1e-4, atol=1e-5)
     if err is not None:
+        near = err < NEAR  # resumed right (checked above), then each step's average a little off
         return Wrong(f"after training on, the parameters differ from the reference's by up to {err:.3g}",
-                     max_error=err)
+                     max_error=err,
+                     hint="the resume was right and training ended near the reference, not on it: each step's "
+                          "average of the gradients was a little off. Gradients compressed to 16 bits on the wire "
+                          "(compression=hvd.Compression.fp16) round every all-reduce: keep the default, "
+                          "Compression.none, where the result is compared with an exact average." if near else None)
     return None
 
 
