@@ -68,7 +68,8 @@ def test_grade_mode_from_the_environment_ignores_ranks_grade_and_timeout(monkeyp
 @pytest.mark.parametrize("attack, called", [
     (A.world_allreduce, "Allreduce"), (A.alias_allreduce, "Allreduce"), (A.class_level_allreduce, "Allreduce"),
     (A.derived_comm_allreduce, "Allreduce"), (A.window_accumulate, "Win.Create"),
-    (A.c_library_allreduce, "ctypes.MPI_Allreduce"), (A.file_allgather, "File.Open"),
+    (A.c_library_allreduce, "ctypes.MPI_Allreduce"), (A.c_library_allreduce_by_cffi, "ctypes.MPI_Allreduce"),
+    (A.file_allgather, "File.Open"),
 ])
 def test_every_route_to_a_library_collective_is_refused_at_run_time(attack, called, no_strays):
     result = hpdl.check("ring_allreduce", attack, ranks=[2])
