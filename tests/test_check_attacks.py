@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import hpdl
@@ -197,3 +198,28 @@ def test_a_kit_installed_under_tmp_still_runs_in_the_sandbox(tmp_path):
         assert out.stdout.split()[:2] == ["0", str(venv)], out.stdout + out.stderr
     finally:
         subprocess.run(["rm", "-rf", str(venv.parent)], check=False)
+
+
+class _Slotted:
+    __slots__ = ("chunk",)
+
+    def __init__(self, chunk):
+        self.chunk = chunk
+
+
+def test_a_pickled_object_counts_what_pickle_takes_of_it():
+    """A chunk wrapped in an object of another class (a SimpleNamespace, a class with __slots__, a partial)
+    counted as 1 value, and its first values were not noted: grad_x's parts all-gathered beside y's columns
+    passed for y's alone (15/15), and a parameter server sent the average gradient boxed (12/12)."""
+    import functools
+    import types
+
+    from hpdl.checker import recording
+
+    chunk = np.arange(100.0)
+    for boxed in (types.SimpleNamespace(gx=chunk), _Slotted(chunk), functools.partial(np.negative, chunk)):
+        assert recording._elements(boxed) >= 100, boxed
+        assert recording._head(boxed, pickled=True)[:3] == (0.0, 1.0, 2.0), boxed
+    assert recording._elements((3, chunk)) == 100  # an index beside a chunk: its metadata, as before
+    assert [recording._elements(v) for v in (None, 2.5, object(), True)] == [1, 1, 1, 1]
+    assert recording._head([chunk, "f"], pickled=False) is None  # a buffer's message spec: not read

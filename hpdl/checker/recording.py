@@ -26,6 +26,7 @@ import operator
 import os
 import sys
 import threading
+import types
 from typing import Any
 
 from hpdl.checker.cases import Call
@@ -352,7 +353,27 @@ def _elements(obj, depth: int = 0) -> int:
         obj = obj.values()
     if isinstance(obj, (list, tuple, set, frozenset, type({}.values()))) and depth < 8:
         return sum(_elements(v, depth + 1) for v in itertools.islice(obj, 10**6))
-    return 1
+    carried = _pickled_parts(obj) if depth < 8 else None
+    return max(1, _elements(carried, depth + 1)) if carried else 1
+
+
+def _pickled_parts(obj) -> tuple | None:
+    """What pickle takes of an object of any other class to send it: the arguments and state its __reduce_ex__
+    gives (a SimpleNamespace's attributes, a class's __dict__ or __slots__, a partial's arguments). A chunk
+    wrapped in a SimpleNamespace counted as 1 value, and an allgather of grad_x's parts beside y's columns
+    passed for y's alone (15/15)."""
+    if obj is None or isinstance(obj, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+                                       bool, float, complex)):
+        return None
+    try:
+        reduced = obj.__reduce_ex__(5)
+    except Exception:  # noqa: BLE001 - not picklable: mpi4py fails on it too
+        return None
+    if not isinstance(reduced, tuple) or len(reduced) < 2:
+        return None
+    args = reduced[1] if isinstance(reduced[1], tuple) else ()
+    parts = tuple(a for a in (*args, *reduced[2:3]) if a is not None and not isinstance(a, type))  # a class: its name
+    return parts or None
 
 
 METADATA = 4  # small whole numbers a message may carry beside its array uncounted (_elements): 32 bits each
@@ -380,10 +401,15 @@ def _is_in_place(buf) -> bool:
 HEAD = 8  # values of a send noted as it starts (a METERED check's): what the message carried, not only how much
 
 
-def _head(buf) -> tuple | None:
+def _head(buf, pickled: bool = False) -> tuple | None:
     """The first HEAD values of an array or a CPU tensor sent whole (a buffer, or a pickled object), as floats;
-    None for anything else (a message spec that picks a part, a list). A parameter server that sent the average
-    gradient, each worker stepping alone, moved as many values as the new parameters and scored 12/12."""
+    None for anything else (a message spec that picks a part). A parameter server that sent the average
+    gradient, each worker stepping alone, moved as many values as the new parameters and scored 12/12. A pickled
+    object's largest array among its first items and what pickle takes of it (the average in a SimpleNamespace,
+    12/12 again)."""
+    if pickled and not (callable(getattr(buf, "detach", None)) or hasattr(buf, "dtype")):
+        inner = _largest_array(buf)
+        return None if inner is None else _head(inner)
     if isinstance(buf, (list, tuple)):
         return None
     try:
@@ -400,6 +426,18 @@ def _head(buf) -> tuple | None:
         return tuple(float(v) for v in data.flat[:HEAD])  # .flat: no copy of the whole array
     except Exception:
         return None
+
+
+def _largest_array(obj, depth: int = 0):
+    """The array or tensor of most values in a pickled object: its items (the first 64 of each container),
+    and the parts pickle takes of any other object (_pickled_parts), to a depth of 4."""
+    if callable(getattr(obj, "detach", None)) or hasattr(obj, "dtype") and hasattr(obj, "shape"):
+        return obj
+    if depth >= 4 or isinstance(obj, (str, bytes, bytearray, memoryview, numbers.Number)):
+        return None
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else _pickled_parts(obj)
+    found = [a for a in (_largest_array(v, depth + 1) for v in itertools.islice(items or (), 64)) if a is not None]
+    return max(found, key=lambda a: _elements(a), default=None)
 
 
 def _nbytes(name: str, buf) -> int | None:
@@ -705,7 +743,7 @@ def _wrap(cls_name: str, name: str, base):
         if in_place and name in _GATHERS_IN_PLACE and isinstance(count, int):  # this rank's part of the whole
             count = -(-count // max(1, _size(self)))
         nbytes = _nbytes(name, buf) if dest is not None and recorder.sized else None
-        head = _head(buf) if dest is not None and recorder.sized else None
+        head = _head(buf, pickled=name[0].islower()) if dest is not None and recorder.sized else None
         status = None
         if name in _STATUS_AT and source is None:  # from any source: recorded once it is known
             args, kwargs, status = _with_status(args, kwargs, _STATUS_AT[name])
