@@ -310,10 +310,24 @@ def tp_grad_x_all_gathered(comm, x, weight, bias, grad_y):
     return y, torch.from_numpy(np.sum(comm.allgather((g @ w).numpy()), axis=0)), g.T @ x, g.sum(0)
 
 
-def test_column_parallel_grad_x_all_gathered_and_summed_is_rejected(no_strays):
+def tp_grad_x_all_to_all(comm, x, weight, bias, grad_y):
+    """The same allgather by an all-to-all: this rank's part of grad_x tiled, one block for every rank."""
+    lo, hi = rows_of(comm.Get_rank(), comm.Get_size(), weight.shape[0])
+    w, b = weight[lo:hi], bias[lo:hi]
+    y = torch.cat([torch.from_numpy(p) for p in comm.allgather((x @ w.T + b).numpy())], dim=1)
+    g = grad_y[:, lo:hi]
+    tiled = np.stack([(g @ w).numpy()] * comm.Get_size())
+    parts = np.empty_like(tiled)
+    comm.Alltoall(tiled, parts)
+    return y, torch.from_numpy(parts.sum(axis=0)), g.T @ x, g.sum(0)
+
+
+@pytest.mark.parametrize("fn", [tp_grad_x_all_gathered, tp_grad_x_all_to_all])
+def test_column_parallel_grad_x_all_gathered_and_summed_is_rejected(fn, no_strays):
     """grad_x's parts are small beside y's columns, so the bytes on the wire could not tell an allgather of them
-    from an all-reduce (15/15); what the rank all-gathers beyond its columns of y does."""
-    result = hpdl.check("column_parallel_linear", tp_grad_x_all_gathered, ranks=[2], grade=True)
+    from an all-reduce (15/15, and 15/15 by an all-to-all); what the rank all-gathers beyond its columns of y
+    does."""
+    result = hpdl.check("column_parallel_linear", fn, ranks=[2], grade=True)
     rejected(result, "all-gathered", "all-reduce")
     assert result.score == 0, result
 

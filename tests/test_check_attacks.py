@@ -222,4 +222,9 @@ def test_a_pickled_object_counts_what_pickle_takes_of_it():
         assert recording._head(boxed, pickled=True)[:3] == (0.0, 1.0, 2.0), boxed
     assert recording._elements((3, chunk)) == 100  # an index beside a chunk: its metadata, as before
     assert [recording._elements(v) for v in (None, 2.5, object(), True)] == [1, 1, 1, 1]
-    assert recording._head([chunk, "f"], pickled=False) is None  # a buffer's message spec: not read
+    # an object's own `size` is not its values (SimpleNamespace(size=1, grad=...) said 1); a buffer's message
+    # spec that starts at its array's start ([avg, MPI.DOUBLE]) notes its first values (12/12 with no head)
+    assert recording._elements(types.SimpleNamespace(size=1, grad=chunk)) >= 100
+    assert recording._head([chunk, "a type"])[:3] == (0.0, 1.0, 2.0)
+    assert recording._head([chunk, 2, "a type"]) == (0.0, 1.0)
+    assert recording._head([chunk, (2, 5), "a type"]) is None  # a part further on: not the array's first values

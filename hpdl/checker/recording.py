@@ -336,7 +336,7 @@ def _elements(obj, depth: int = 0) -> int:
         small = sum(map(_is_metadata, items))
         if 0 < small <= METADATA and any(_is_array(v) for v in items):
             return sum(_elements(v, 1) for v in items if not _is_metadata(v))
-    size = getattr(obj, "size", None)
+    size = getattr(obj, "size", None) if _is_numpy(obj) else None  # not any object's own `size` (1 once)
     if isinstance(size, int):
         return size
     if isinstance(obj, int) and not isinstance(obj, bool):  # a whole number of many bits holds many values
@@ -355,6 +355,12 @@ def _elements(obj, depth: int = 0) -> int:
         return sum(_elements(v, depth + 1) for v in itertools.islice(obj, 10**6))
     carried = _pickled_parts(obj) if depth < 8 else None
     return max(1, _elements(carried, depth + 1)) if carried else 1
+
+
+def _is_numpy(obj) -> bool:
+    """A numpy array or scalar: whose `size` is its values (a SimpleNamespace(size=1, grad=...) said 1)."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(obj, (numpy.ndarray, numpy.generic))
 
 
 def _pickled_parts(obj) -> tuple | None:
@@ -410,8 +416,10 @@ def _head(buf, pickled: bool = False) -> tuple | None:
     if pickled and not (callable(getattr(buf, "detach", None)) or hasattr(buf, "dtype")):
         inner = _largest_array(buf)
         return None if inner is None else _head(inner)
-    if isinstance(buf, (list, tuple)):
-        return None
+    if isinstance(buf, (list, tuple)):  # a message spec: [data, type], [data, count, type] start at data's start
+        starts = len(buf) == 2 or len(buf) == 3 and isinstance(buf[1], int) and not isinstance(buf[1], bool)
+        head = _head(buf[0]) if buf and starts and not isinstance(buf[0], (list, tuple)) else None
+        return head[:buf[1]] if head is not None and len(buf) == 3 else head
     try:
         import numpy as np
 

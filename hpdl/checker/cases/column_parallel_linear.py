@@ -144,17 +144,20 @@ def verify(case, ctx):
 
 
 _GATHERS = [name for name in hooks.COLLECTIVES if "llgather" in name]  # every rank receives every rank's part
+_TO_ALL = [name for name in hooks.COLLECTIVES if "lltoall" in name]  # a block for each rank: the same, tiled
 BESIDE_Y = 8  # small numbers an allgather may carry beside y's columns: a shape, each rank's width
 
 
 def _grad_x_not_gathered(case, ctx) -> Wrong | None:
     """What a rank all-gathers is its columns of y, not its part of grad_x too: every rank's parts gathered
     and summed here give the right grad_x, by an allgather (p - 1 parts received by every rank) where the layer
-    needs an all-reduce (15/15 once: grad_x's parts are small beside y, so the bytes could not tell)."""
+    needs an all-reduce (15/15 once: grad_x's parts are small beside y, so the bytes could not tell; and by an
+    all-to-all of the part tiled for every rank, 15/15 too)."""
     if ctx.size < 2:
         return None
     batch, out = case.params["batch"], case.params["out"]
-    counts = [c.count for c in ctx.calls if c.name in _GATHERS and isinstance(c.count, int)]
+    counts = [c.count if c.name in _GATHERS else c.count // ctx.size for c in ctx.calls
+              if c.name in _GATHERS + _TO_ALL and isinstance(c.count, int)]  # an all-to-all's: one rank's block
     columns = batch * -(-out // ctx.size)  # this rank's columns of y, padded to the widest rank's
     if sum(counts) <= columns + BESIDE_Y:
         return None
