@@ -288,7 +288,8 @@ def predictions_of(cells: list[dict]) -> list[dict]:
                                               f"{MAX_PREDICTIONS} a notebook]", "output": ""})
             break
         texts = []
-        for o in cell.get("outputs", []) if isinstance(cell.get("outputs"), list) else []:
+        outputs = cell.get("outputs") if cell.get("cell_type") == "code" else None  # a raw cell's are not its run's
+        for o in outputs if isinstance(outputs, list) else []:
             if not isinstance(o, dict):
                 continue
             if o.get("output_type") == "stream":
@@ -337,7 +338,15 @@ def run_one(notebook: Path, executed: Path, status_file: Path, cell_timeout: flo
         status_file.write_text(json.dumps({"status": "not a notebook", "detail": f"{type(exc).__name__}: "
                                                                                  f"{str(exc)[:300]}"}))
         return 0
+    for cell in nb.cells:  # what the submission brought as outputs is not what it printed here
+        if cell.get("cell_type") == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+        else:
+            cell.pop("outputs", None)
+    # every code cell runs: one tagged skip-execution (nbclient's default skip) kept its submitted outputs, a
+    # check's "36/36" among them
     client = _flood_stopping(NotebookClient)(nb, timeout=int(cell_timeout), kernel_name="python3",
+                                              skip_cells_with_tag=f"hpdl-runs-every-cell-{os.urandom(8).hex()}",
                                               allow_errors=True, resources={"metadata": {"path": str(notebook.parent)}})
     try:
         client.execute()
@@ -884,8 +893,14 @@ def _batch(folder: Path, out: Path, limit: float, jobs: int, progress: bool, exe
     return subs
 
 
+# what a neighbour graded beside a submission can cause (a CPU hog of 150 processes: an honest notebook timed out,
+# 0/36, and each rerun kept the 0): graded again, alone, when the command is run again
+REGRADED = ("timeout", "runner failed", "kernel died", "error")
+
+
 def _resume(subs: list[Submission], out: Path) -> tuple[list[tuple[int, Submission]], set[int]]:
-    """Submissions still to grade: those graded by an earlier run into `out` are taken as they were. And
+    """Submissions still to grade: those graded by an earlier run into `out` are taken as they were, but those
+    that ended as a neighbour can make them end (REGRADED), graded again alone. And
     those an earlier run started and never ended (the grader itself died: out of memory, killed), by index:
     graded alone, first, so that a neighbour is not blamed; one the grader died on twice, once alone, is
     recorded as such and not run again (it took the grader down at every resume, and no one after it was
@@ -894,7 +909,9 @@ def _resume(subs: list[Submission], out: Path) -> tuple[list[tuple[int, Submissi
     todo, alone = [], set()
     for i, sub in enumerate(subs):
         rec = done.get((sub.name, sub.digest))
-        if rec is not None:  # graded by an earlier run of this command: resume after it
+        if rec is not None and rec.get("status") in REGRADED:  # maybe a neighbour's doing: graded again, alone
+            alone.add(i)
+        elif rec is not None:  # graded by an earlier run of this command: resume after it
             for key in ("status", "detail", "seconds", "checks", "predictions", "cell_errors", "sandboxed", "limits"):
                 if key in rec:
                     setattr(sub, key, rec[key])

@@ -736,3 +736,33 @@ def test_a_notebook_is_parsed_for_its_checks_within_a_budget(monkeypatch):
     lesson = Path(__file__).parents[1] / "solutions" / "03_mpi_collectives.ipynb"
     parsed.clear()
     assert grade._called_checks(lesson.read_bytes()) and sum(parsed) < grade.MAX_PARSED_NOTEBOOK // 8
+
+
+def test_outputs_a_submission_brings_are_not_what_it_printed(tmp_path):
+    """A cell tagged skip-execution (nbclient skips those by default) kept the outputs the learner wrote into
+    the file, a check's "36/36" among them, in the notebook kept; a raw cell tagged prediction brought its own
+    outputs into the report. Every code cell runs, and only what ran is kept."""
+    forged = nbformat.v4.new_output("stream", name="stdout", text="✔ bcast_binomial: 36/36\n")
+    ran = nbformat.v4.new_code_cell("print('ran here')", metadata={"tags": ["skip-execution"]}, outputs=[forged])
+    nb = nbformat.v4.new_notebook(cells=[ran])
+    nb.cells.append({**nbformat.v4.new_raw_cell("my prediction", metadata={"tags": ["prediction"]}),
+                     "outputs": [forged]})  # not valid, as a learner's file need not be
+    (tmp_path / "forged.ipynb").write_text(json.dumps(nb))
+    grade.run_one(tmp_path / "forged.ipynb", tmp_path / "run.ipynb", tmp_path / "status.json", cell_timeout=60)
+    cells = json.loads((tmp_path / "run.ipynb").read_text())["cells"]
+    assert [o.get("text") for o in cells[0]["outputs"]] == ["ran here\n"], cells[0]
+    assert "outputs" not in cells[1] and "36/36" not in json.dumps(grade.predictions_of(cells))
+
+
+def test_a_rerun_grades_again_alone_what_a_neighbour_can_make_end(tmp_path):
+    """A neighbour of 150 busy processes made an honest notebook time out (0/36), and running the command again
+    kept its timeout: a status a neighbour can cause is graded again, alone; an ended run's is kept."""
+    out = tmp_path / "out"
+    out.mkdir()
+    subs = [grade.Submission(name, tmp_path / name, digest=name) for name in ("ok.ipynb", "timed.ipynb")]
+    with open(out / "results.jsonl", "w") as f:
+        for sub, status in zip(subs, ("ok", "timeout")):
+            f.write(json.dumps({"name": sub.name, "digest": sub.digest, "status": status}) + "\n")
+    todo, alone = grade._resume(subs, out)
+    assert [s.name for _, s in todo] == ["timed.ipynb"] and alone == {1}
+    assert subs[0].status == "ok" and subs[1].status == "pending"
