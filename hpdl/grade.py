@@ -81,6 +81,7 @@ class Submission:
     cell_errors: int = 0
     sandboxed: bool = False
     limits: dict = field(default_factory=dict)  # its total caps, read back: {"memory": bytes, "tasks": n}
+    root: Path | None = None  # the submissions folder, from which `path` is read again through no link
 
     def score(self, scored: dict[str, float] | None = None) -> float:
         return sum(float(c.get("score", 0.0)) for ex, c in self.checks.items() if scored is None or ex in scored)
@@ -88,6 +89,7 @@ class Submission:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["path"] = str(self.path)
+        d.pop("root", None)
         return d
 
 
@@ -103,14 +105,15 @@ def find_submissions(folder: Path) -> list[Submission]:
     for path, refused in _candidates(folder):
         name = _text_of_name(path.relative_to(folder).as_posix())
         if refused:
-            subs.append(Submission(name, path, status="refused", detail=refused))
+            subs.append(Submission(name, path, status="refused", detail=refused, root=folder))
             continue
         try:
             data = safefiles.read_bounded(path, MAX_NOTEBOOK_BYTES + 1, too_large="cut")
         except OSError as exc:
-            subs.append(Submission(name, path, status="unreadable", detail=str(exc)))
+            subs.append(Submission(name, path, status="unreadable", detail=str(exc), root=folder))
             continue
-        sub = Submission(name, path, hashlib.sha256(data).hexdigest(), exercises=_known_checks(data, exercises))
+        sub = Submission(name, path, hashlib.sha256(data).hexdigest(), exercises=_known_checks(data, exercises),
+                         root=folder)
         if len(data) > MAX_NOTEBOOK_BYTES:
             sub.status, sub.detail = "too large", f"more than {MAX_NOTEBOOK_BYTES // 2**20} MiB"
         elif _cells(data) is None:
@@ -159,12 +162,20 @@ def _skeleton(name: str) -> str:
     return unicodedata.normalize("NFKC", name.translate(_LOOK_LATIN))
 
 
+def submitted_bytes(sub: Submission) -> bytes:
+    """The submission's file as it is now, reached from the submissions folder through no link (a learner's
+    folder swapped for a link to another's, after the listing, was graded with the other's notebook: 36/36)."""
+    if sub.root is None:
+        return safefiles.read_bounded(sub.path, MAX_NOTEBOOK_BYTES)
+    return safefiles.read_beneath(sub.root, sub.path.relative_to(sub.root), MAX_NOTEBOOK_BYTES)
+
+
 def graded_bytes(sub: Submission) -> bytes:
     """The notebook's bytes as they are now, which are what is graded; its fingerprint and the checks it calls are
     taken from them again where it changed since it was listed. The file was read once at listing, for those, and
     again minutes later to run it: a notebook replaced in between was graded, and its grade kept on a resumed
     batch, under the fingerprint of the first one (a trivial notebook resumed at 36/36)."""
-    data = safefiles.read_bounded(sub.path, MAX_NOTEBOOK_BYTES)
+    data = submitted_bytes(sub)
     digest = hashlib.sha256(data).hexdigest()
     if digest != sub.digest:
         sub.digest, sub.exercises = digest, _known_checks(data)
@@ -630,7 +641,7 @@ class Running:
 
     def _submitted(self) -> bytes:
         try:
-            return safefiles.read_bounded(self.sub.path, MAX_NOTEBOOK_BYTES)
+            return submitted_bytes(self.sub)
         except OSError:
             return b"{}"
 

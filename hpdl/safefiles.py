@@ -23,6 +23,7 @@ import errno
 import json
 import os
 import stat
+from pathlib import Path
 import uuid
 
 #: how deeply a JSON text from such a folder may nest. A notebook nests about 8 levels (a plot's or a
@@ -166,6 +167,26 @@ def open_regular(path: str | os.PathLike, *, dir_fd: int | None = None) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def read_beneath(root: str | os.PathLike, relative: str | os.PathLike, limit: int, **kwargs) -> bytes:
+    """read_bounded of the file `relative` under the folder `root`, no link followed at any of its levels: a
+    learner's folder swapped for a link to another's after the listing had another's notebook graded as its
+    own (O_NOFOLLOW guards the last level only)."""
+    *folders, name = Path(relative).parts
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for folder in folders:
+            try:
+                inner = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                raise UnsafeFile(exc.errno, f"{folder} in {os.fspath(relative)} is not a folder (a symbolic "
+                                            f"link?): {exc.strerror}") from None
+            os.close(fd)
+            fd = inner
+        return read_bounded(name, limit, dir_fd=fd, **kwargs)
+    finally:
+        os.close(fd)
 
 
 HOLES_SLACK = 1 << 16  # bytes a file's size may exceed what its blocks hold and still count as written whole

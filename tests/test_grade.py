@@ -766,3 +766,22 @@ def test_a_rerun_grades_again_alone_what_a_neighbour_can_make_end(tmp_path):
     todo, alone = grade._resume(subs, out)
     assert [s.name for _, s in todo] == ["timed.ipynb"] and alone == {1}
     assert subs[0].status == "ok" and subs[1].status == "pending"
+
+
+def test_a_learners_folder_swapped_for_a_link_after_the_listing_is_not_followed(tmp_path):
+    """The listing refuses links, but the notebook is read again minutes later to run it: a learner's folder
+    replaced meanwhile by a link to a classmate's had the classmate's notebook graded as its own (36/36)."""
+    from hpdl import safefiles
+
+    subs = tmp_path / "subs"
+    for learner, text in (("alice", "honest"), ("mallory", "print(1)")):
+        (subs / learner).mkdir(parents=True)
+        (subs / learner / "sol.ipynb").write_text(json.dumps(nbformat.v4.new_notebook(
+            cells=[nbformat.v4.new_code_cell(text)])))
+    listed = {s.name: s for s in grade.find_submissions(subs)}
+    assert b"print(1)" in grade.graded_bytes(listed["mallory/sol.ipynb"])
+    (subs / "mallory").rename(tmp_path / "away")
+    (subs / "mallory").symlink_to(subs / "alice")
+    with pytest.raises(safefiles.UnsafeFile, match="symbolic link"):
+        grade.graded_bytes(listed["mallory/sol.ipynb"])
+    assert b"honest" in grade.graded_bytes(listed["alice/sol.ipynb"])
