@@ -50,6 +50,8 @@ MAX_PARSED_CELL = 64 * 1024  # characters: a longer code cell is not read for th
 # that name check( cost the grader 7.7 s a hundred, before any sandbox or timer, again on each resume
 MAX_PARSED_NOTEBOOK = 1024 * 1024
 SKIP_DIRS = {".ipynb_checkpoints", "__pycache__"}
+MAX_PER_LEARNER = 64  # notebooks listed in one learner's folder (a flood of empty ones made a row each)
+MAX_LISTED = 20_000  # and in all: each is a row of every report, written again after each submission
 MAX_FOLDER_DEPTH = 16  # levels of folders searched for notebooks under the submissions folder
 MAX_NOTEBOOK_BYTES = 64 * 2**20
 MAX_OUTPUT_BYTES = 8 * 2**20  # a saved notebook's outputs, all cells together; the rest is cut with a note
@@ -197,9 +199,16 @@ def _candidates(folder: Path) -> list[tuple[Path, str]]:
     learner's notebook, or any file we can read), a folder deeper than MAX_FOLDER_DEPTH (os.walk
     recursed once per level: a tree a thousand deep, from an unpacked archive, ended the batch),
     a folder that cannot be read."""
-    found, todo = [], [(folder, 0)]
+    found, todo, per = [], [(folder, 0)], {}
     while todo:
+        if len(found) >= MAX_LISTED:
+            found.append((folder, f"more than {MAX_LISTED} notebooks in the submissions folder: the rest were not "
+                                  "listed (grade the class in parts)"))
+            break
         base, depth = todo.pop()
+        learner = base.relative_to(folder).parts[:1]
+        if per.get(learner, 0) > MAX_PER_LEARNER:
+            continue
         try:
             entries = list(os.scandir(base))
         except OSError as exc:
@@ -209,6 +218,14 @@ def _candidates(folder: Path) -> list[tuple[Path, str]]:
             path, is_folder = base / e.name, e.is_dir()  # a link to a folder too, as os.walk sorts them
             if e.name in SKIP_DIRS if is_folder else not e.name.endswith(".ipynb"):
                 continue
+            mine = learner or (e.name,)
+            if not is_folder or e.is_symlink():
+                per[mine] = per.get(mine, 0) + 1
+                if per[mine] > MAX_PER_LEARNER:  # 300,000 empty notebooks, a row each: a 2.7 GB grader
+                    if per[mine] == MAX_PER_LEARNER + 1:
+                        found.append((folder / mine[0], f"more than {MAX_PER_LEARNER} notebooks in this learner's "
+                                                        "folder: the rest were not listed"))
+                    continue
             if e.is_symlink():
                 found.append((path, f"a symbolic link (to {_text_of_name(os.readlink(path))[:200]}), not "
                                     "followed: submit the notebook itself"))

@@ -785,3 +785,25 @@ def test_a_learners_folder_swapped_for_a_link_after_the_listing_is_not_followed(
     with pytest.raises(safefiles.UnsafeFile, match="symbolic link"):
         grade.graded_bytes(listed["mallory/sol.ipynb"])
     assert b"honest" in grade.graded_bytes(listed["alice/sol.ipynb"])
+
+
+def test_a_flood_of_notebooks_in_one_learners_folder_is_one_row(tmp_path, monkeypatch):
+    """300,000 empty notebooks in one learner's folder made a row each: a 2.7 GB grader, reports of 280 MB
+    written again after every submission, an honest neighbour near its time limit. A learner's folder lists
+    at most MAX_PER_LEARNER notebooks, then one row says the rest were not listed; a class, MAX_LISTED."""
+    monkeypatch.setattr(grade, "MAX_PER_LEARNER", 5)
+    subs = tmp_path / "subs"
+    (subs / "flood" / "deeper").mkdir(parents=True)
+    for i in range(8):
+        (subs / "flood" / f"{i}.ipynb").write_text("")
+        (subs / "flood" / "deeper" / f"{i}.ipynb").write_text("")
+    for learner in ("ada", "bob"):
+        (subs / learner).mkdir()
+        (subs / learner / "sol.ipynb").write_text("{}")
+    (subs / "top.ipynb").write_text("{}")
+    names = [s.name for s in grade.find_submissions(subs)]
+    flood = [n for n in names if n.startswith("flood")]
+    assert len(flood) == 6 and "flood" in flood, flood  # five notebooks, and the row saying so
+    assert {"ada/sol.ipynb", "bob/sol.ipynb", "top.ipynb"} <= set(names)
+    monkeypatch.setattr(grade, "MAX_LISTED", 3)
+    assert any("grade the class in parts" in s.detail for s in grade.find_submissions(subs))
