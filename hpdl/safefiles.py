@@ -178,7 +178,7 @@ def read_beneath(root: str | os.PathLike, relative: str | os.PathLike, limit: in
     try:
         for folder in folders:
             try:
-                inner = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                inner = os.open(folder, _FOLDER, dir_fd=fd)
             except OSError as exc:
                 raise UnsafeFile(exc.errno, f"{folder} in {os.fspath(relative)} is not a folder (a symbolic "
                                             f"link?): {exc.strerror}") from None

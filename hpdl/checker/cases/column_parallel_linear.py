@@ -145,6 +145,7 @@ def verify(case, ctx):
 
 _GATHERS = [name for name in hooks.COLLECTIVES if "llgather" in name]  # every rank receives every rank's part
 _TO_ALL = [name for name in hooks.COLLECTIVES if "lltoall" in name]  # a block for each rank: the same, tiled
+_GATHERED = {*_GATHERS, *_TO_ALL}
 BESIDE_Y = 8  # small numbers an allgather may carry beside y's columns: a shape, each rank's width
 
 
@@ -157,7 +158,7 @@ def _grad_x_not_gathered(case, ctx) -> Wrong | None:
         return None
     batch, out = case.params["batch"], case.params["out"]
     counts = [c.count if c.name in _GATHERS else c.count // ctx.size for c in ctx.calls
-              if c.name in _GATHERS + _TO_ALL and isinstance(c.count, int)]  # an all-to-all's: one rank's block
+              if c.name in _GATHERED and isinstance(c.count, int)]  # an all-to-all's: one rank's block
     columns = batch * -(-out // ctx.size)  # this rank's columns of y, padded to the widest rank's
     if sum(counts) <= columns + BESIDE_Y:
         return None
