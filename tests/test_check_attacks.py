@@ -13,6 +13,7 @@ import pytest
 
 import hpdl
 from hpdl.checker import sandbox
+from hpdl.checker.jobs import FORGED
 from hpdl.errors import HpdlError
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -78,6 +79,18 @@ def test_every_route_to_a_library_collective_is_refused_at_run_time(attack, call
     for c in result.cases:
         assert c.verdict == "WRONG" and c.rejected == called, c
         assert "not allowed" in c.message and "point-to-point" in c.message
+
+
+@pytest.mark.parametrize("exercise, attack, ranks", [
+    ("ring_allreduce", A.c_allreduce_by_address, 3),
+    ("bcast_binomial", A.c_bcast_by_address_under_a_tree_of_headers, 3),
+])
+def test_values_more_than_the_recorded_messages_carry_are_forged(exercise, attack, ranks, no_strays):
+    """MPI's C functions called by address have no name to refuse: the values they move are more than the
+    messages recorded could carry."""
+    result = hpdl.check(exercise, attack, ranks=[ranks], grade=True)
+    assert result.score == 0 and FORGED in {c.rejected for c in result.cases}, result
+    assert any("moved some other way than your MPI calls" in (c.message or "") for c in result.cases), result
 
 
 def test_every_collective_mpi4py_offers_is_one_the_recorder_knows():

@@ -278,6 +278,34 @@ def received_at_most(ctx, nbytes: int, what: str, hint: str | None = None) -> Wr
                  f"about {nbytes}", hint=hint)
 
 
+def bytes_sent_to(calls, dest: int) -> int:
+    """Bytes the point-to-point sends in `calls` put in messages to rank `dest`, as recorded."""
+    return sum(c.nbytes or 0 for c in calls if c.dest is not None and int(c.dest) == dest)
+
+
+def carried_by_calls(ctx, nbytes: int, what: str, everyone: list[list] | None = None) -> Wrong | None:
+    """WRONG (forged: no case of the check counts) when the values this rank got right are more than its
+    recorded messages could carry: at least half of `nbytes` (the values at half their precision) must
+    have gone out in this rank's recorded sends, or, given every rank's calls (`everyone`, gather_calls),
+    come in by the other ranks' recorded sends to it. For exercises of point-to-point messages only: MPI's
+    collectives called by address in its C library (no Python name to refuse) move small cases within
+    wire_agrees' slack, and a ring of no recorded message scored 27/27."""
+    if ctx.size == 1 or nbytes <= 0:
+        return None
+    r = ctx.rank
+    if everyone is None:
+        moved = sum(bytes_sent_to(ctx.calls, peer) for peer in range(ctx.size) if peer != r)
+        way = "sent"
+    else:
+        moved = sum(bytes_sent_to(calls, r) for peer, calls in enumerate(everyone) if peer != r)
+        way = "received"
+    if 2 * moved >= nbytes:
+        return None
+    return Wrong(f"rank {r} {way} {moved} bytes in the messages your MPI calls recorded, but {what} needs at least "
+                 f"{nbytes} to move between the ranks: the values moved some other way than your MPI calls",
+                 forged=True)
+
+
 PICKLE_SLACK = 512  # bytes mpi4py's pickle of an array or tensor adds to its data (its header), per message
 
 

@@ -81,9 +81,12 @@ def compare_sum(got, expected) -> Wrong | None:
 
 def received_enough(ctx) -> Wrong | None:
     """An allreduce's result on a rank depends on every other rank's vector: at least (p-1)/p of the
-    vector must reach it as messages (with ctx.wire, counted by the kernel; hooks.received_at_least)."""
-    n = ctx.expected.size
-    return hooks.received_for_allreduce(ctx, ctx.expected.nbytes, f"a sum of {n} elements over {ctx.size} ranks")
+    vector must reach it as messages (with ctx.wire, counted by the kernel; hooks.received_at_least), and
+    its own vector must leave it in the messages it recorded (hooks.carried_by_calls: point-to-point only)."""
+    n, p = ctx.expected.size, ctx.size
+    what = f"a sum of {n} elements over {p} ranks"
+    return (hooks.received_for_allreduce(ctx, ctx.expected.nbytes, what)
+            or hooks.carried_by_calls(ctx, ctx.expected.nbytes * (p - 1) // p, what))
 
 
 def chunk_bounds(n: int, p: int) -> list[int]:
