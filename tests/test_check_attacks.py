@@ -93,6 +93,24 @@ def test_values_more_than_the_recorded_messages_carry_are_forged(exercise, attac
     assert any("moved some other way than your MPI calls" in (c.message or "") for c in result.cases), result
 
 
+def test_communicators_made_buy_only_the_room_their_mpi_takes_on_the_wire(no_strays):
+    """MPICH spends ~200-800 bytes to each peer making a communicator (hooks.WIRE_PER_COMMUNICATOR_OF), not the
+    8 KiB Intel MPI's Split takes: eight Dups let 48 KiB pass unrecorded beside a right ring (9/9)."""
+    from hpdl.launchers.mpiexec import mpiexec_implementation
+
+    if mpiexec_implementation() != "MPICH":
+        pytest.skip("measured for MPICH")
+    result = hpdl.check("ring_allreduce", A.ring_beside_48_kib_hidden_under_eight_dups, ranks=[2], grade=True)
+    assert result.score == 0 and FORGED in {c.rejected for c in result.cases}, result
+
+
+def test_ranks_that_all_send_before_they_receive_hang_as_mpi_allows(no_strays):
+    """Send may wait for its Recv (recording.SYNCHRONOUS): every rank sending first waits forever, with a hint."""
+    result = hpdl.check("ring_allreduce", A.ring_sends_before_it_receives, ranks=[2], grade=True)
+    assert result.score == 0 and {c.verdict for c in result.cases} == {"HANG"}, result
+    assert all("comm.Send(" in c.message and "Sendrecv" in c.hint for c in result.cases), result
+
+
 def test_every_collective_mpi4py_offers_is_one_the_recorder_knows():
     """An exercise refuses or counts collectives by the names in hooks.COLLECTIVES: one left out goes unseen
     (Allgatherv_init of every rank's gradients, then a mean, scored 12/12 where Allgather is refused)."""

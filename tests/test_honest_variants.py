@@ -44,6 +44,12 @@ WRITTEN_OTHERWISE = [
     ("allreduce_gradients", H.allreduce_gradients_through_the_process_group, [2]),
     ("column_parallel_linear", H.column_parallel_y_padded_in_float64, [3]),  # read as the weight gathered (0/10)
     ("throughput", H.throughput_counting_by_shape, None),  # inputs.shape[0] of batches that were lists (0/5)
+    # mpi4py's other ways to say a message: a typecode, keywords, (count, displ) with no type (each once 0)
+    ("ring_allreduce", H.ring_with_typecode_specs, [3]),
+    ("ring_allreduce", H.ring_by_keywords, [3]),
+    ("ring_allreduce", H.ring_by_count_and_displacement_untyped, [3]),
+    ("allreduce_gradients", H.allreduce_gradients_in_place_by_keyword, [2]),
+    ("column_parallel_linear", H.column_parallel_grad_x_reduce_scattered_then_gathered, [2]),
 ]
 
 

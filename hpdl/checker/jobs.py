@@ -313,7 +313,7 @@ class Job:
         self.let_go()
         held = self.memory_held()
         for rank, row in (wire or {}).items():
-            row["calibration"] = self.calibration.get(index)
+            row["calibration"], row["mpi"] = self.calibration.get(index), self.meter.mpi
             # not an int: a row's int values are bytes sent to peers (wire_agrees)
             row["memory"] = {"held": held, "rank": self.memory_held_by(int(rank))}
             if self.planned(index, "pause"):  # a tag missing: the ranks never waited there
@@ -901,7 +901,8 @@ class Runner:
                + hang.summary(answers, [r for r in finished if r not in errors], errors) + ".")
         if not finished:
             msg += " No rank finished."
-        hint = hang.DEADLOCK_HINT
+        calls = [str(w.get("call") or "") for w in where.values() if w]
+        hint = SENT_FIRST_HINT if any(c.startswith(("comm.Send(", "comm.send(")) for c in calls) else hang.DEADLOCK_HINT
         line = next((w.get("where") for w in where.values() if w and w.get("where")), None)
         return self._result(planned, size, Verdict.HANG, msg, hint=hint, stuck=_stuck_text(where), finished=finished,
                             seconds=elapsed, line=line)
@@ -943,6 +944,11 @@ class Runner:
         return getattr(self.module, "SIGNATURE", f"{self.exercise}(comm, ...)")
 
 
+SENT_FIRST_HINT = (
+    "A rank waits in a blocking Send: MPI lets Send wait until the receiving rank posts its Recv (past a small "
+    "eager limit it does, on any cluster), and the checker's Send always waits so. If "
+    "two ranks each Send to the other before they Recv, both wait forever, whatever the size: exchange with "
+    "comm.Sendrecv, or post Irecv/Isend first and Wait after (lesson 03, 'A deadlock, on purpose').")
 FORGED = "the recorded MPI calls (contradicted by the network, or rewritten)"
 TELLING = "the algorithm (seen in a case large enough to tell)"
 

@@ -96,6 +96,17 @@ def unavailable() -> str | None:
     return node_transport()[1]
 
 
+def implementation() -> str:
+    """The learner ranks' MPI, as its mpiexec names it ("MPICH", "Open MPI", ...; "" where unknown): what an MPI
+    adds on the wire besides the learner's messages differs (hooks.WIRE_PER_COMMUNICATOR)."""
+    from hpdl.launchers.mpiexec import mpiexec_implementation
+
+    try:
+        return mpiexec_implementation()
+    except Exception:
+        return ""
+
+
 def closed_counted() -> bool:
     """Whether this node's learner ranks keep every connection they make during a case, so that one opened
     and closed between two readings is the learner's (Meter's `closed`): MPICH's and Open MPI's do; Intel
@@ -228,6 +239,7 @@ class Meter:
 
     def __init__(self, pids: dict[int, int], grouped: dict[int, set[int]] | None = None, closed: bool = True):
         self.pids = dict(pids)  # rank -> pid as this process sees it
+        self.mpi = implementation()  # every reading names it: row["mpi"]
         self.closed = closed  # count connections opened and closed unseen (not under Intel MPI: closed_counted)
         self.grouped = {r: set(inodes) for r, inodes in (grouped or {}).items()}  # rank -> its set_up's sockets
         self.listed: set[tuple[str, str]] = set()  # every connection end ever listed, by its two addresses

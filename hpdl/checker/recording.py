@@ -310,10 +310,9 @@ def _count(buf, pickled: bool = False) -> int | None:
     or tuple summed; a whole vector wrapped in a dict is still its n elements, not the dict's one key."""
     if pickled:
         return _elements(buf)
-    if isinstance(buf, (list, tuple)) and len(buf) >= 3:  # [data, count, type], [data, (count, displ), type]
-        count = buf[1][0] if isinstance(buf[1], tuple) and len(buf[1]) == 2 else buf[1]
-        if isinstance(count, int) and not isinstance(count, bool):
-            return count
+    count = _spec_count(buf, pairs=(tuple,))
+    if count is not None:
+        return count
     if isinstance(buf, (list, tuple)) and buf:
         buf = buf[0]
     size = getattr(buf, "size", None)
@@ -323,6 +322,33 @@ def _count(buf, pickled: bool = False) -> int | None:
         return len(buf)
     except TypeError:
         return None
+
+
+def _spec_count(buf, pairs: tuple = (tuple, list)) -> int | None:
+    """The count a message spec names: [data, count], [data, (count, displ)], each with a type after it or
+    not, [data, count, displ, type]; None where it names none ([data, type], or a vector collective's counts).
+    [data, (count, displ)] with no type moved one chunk and was recorded as the whole buffer (0/27). `pairs`:
+    what may hold (count, displ); a collective's is a tuple only (a list of two is two ranks' counts)."""
+    if not isinstance(buf, (list, tuple)) or len(buf) < 2 or _spec_type(buf) is not None and len(buf) == 2:
+        return None
+    count = buf[1][0] if isinstance(buf[1], pairs) and len(buf[1]) == 2 else buf[1]
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+
+def _spec_type(buf):
+    """The MPI datatype a message spec ends with, an MPI.Datatype or a typecode ('d', 'f', 'i': mpi4py takes
+    both; a typecode was read as no type and the message as 0 bytes, 0/27); None where it names none."""
+    if not isinstance(buf, (list, tuple)) or len(buf) < 2:
+        return None
+    from mpi4py import MPI
+
+    last = buf[-1]
+    if isinstance(last, str):
+        try:
+            return MPI.Datatype.fromcode(last)
+        except Exception:
+            return None
+    return last if isinstance(last, MPI.Datatype) else None
 
 
 def _elements(obj, depth: int = 0) -> int:
@@ -458,9 +484,9 @@ def _nbytes(name: str, buf) -> int | None:
         except Exception:
             return None
     try:
-        if isinstance(buf, (list, tuple)) and len(buf) >= 3:  # [buf, count, type], [buf, (count, displ), type]
-            count = buf[1][0] if isinstance(buf[1], (list, tuple)) else buf[1]
-            return operator.index(count) * buf[-1].Get_size()
+        count, dtype = _spec_count(buf), _spec_type(buf)
+        if count is not None:  # [buf, count, type], [buf, (count, displ)], ...: count of the type, or of buf's items
+            return count * (dtype.Get_size() if dtype is not None else _itemsize(buf[0]))
         if isinstance(buf, (list, tuple)) and buf:
             buf = buf[0]
         return memoryview(buf).nbytes
@@ -508,7 +534,9 @@ def _send_view(buf):
         return whole
     from mpi4py import MPI
 
-    dtype = spec.pop() if isinstance(spec[-1], MPI.Datatype) else None
+    dtype = _spec_type(buf)
+    if dtype is not None or isinstance(spec[-1], (str, MPI.Datatype)):
+        spec.pop()
     if dtype is not None and not dtype.is_predefined:
         return None
     if len(spec) == 1 and isinstance(spec[0], (tuple, list)):
@@ -731,8 +759,25 @@ def _patch_starts() -> None:
     ctypes.pythonapi.PyType_Modified(ctypes.py_object(MPI.Prequest))
 
 
+#: a blocking send of the standard mode runs as the synchronous one: MPI lets Send wait until its receive is
+#: posted, and does so past an eager limit. Over TCP (meter.OVER_TCP) every message went at once, so ranks that
+#: all Send before they Recv finished, and a ring, recursive doubling, 1F1B, ZeRO-1 and ZeRO-3 by hand so (the
+#: unsafe order lesson 03 shows hanging) scored full marks; now they hang here, as on a cluster's large messages
+SYNCHRONOUS = {"Send": "Ssend", "send": "ssend"}
+
+
 def _caller(frame) -> tuple[str, int, str]:
     return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+
+
+def _sent_buffer(args, kwargs, dest) -> tuple:
+    """What a call sends, and whether it is a collective in place (its data is then the receive buffer); by
+    position or keyword: sendrecv(sendobj=...), Allreduce(sendbuf=MPI.IN_PLACE, recvbuf=...) were noted as None."""
+    buf = args[0] if args else next((kwargs[k] for k in ("buf", "obj", "sendobj", "sendbuf") if k in kwargs), None)
+    in_place = dest is None and buf is not None and _is_in_place(buf)
+    if in_place:
+        buf = args[1] if len(args) > 1 else kwargs.get("recvbuf")
+    return buf, in_place
 
 
 def _wrap(cls_name: str, name: str, base):
@@ -743,10 +788,7 @@ def _wrap(cls_name: str, name: str, base):
         if recorder.paused_now:
             return base(self, *args, **kwargs)
         dest, source = _peer(args, kwargs, dpos, "dest"), _peer(args, kwargs, spos, "source")
-        buf = args[0] if args else kwargs.get("buf", kwargs.get("obj", kwargs.get("sendbuf")))
-        in_place = dest is None and bool(args) and _is_in_place(buf)
-        if in_place:  # a collective in place: its data is the receive buffer
-            buf = args[1] if len(args) > 1 else kwargs.get("recvbuf")
+        buf, in_place = _sent_buffer(args, kwargs, dest)
         count = _count(buf, pickled=name[0].islower()) if buf is not None else None
         if in_place and name in _GATHERS_IN_PLACE and isinstance(count, int):  # this rank's part of the whole
             count = -(-count // max(1, _size(self)))
@@ -759,8 +801,9 @@ def _wrap(cls_name: str, name: str, base):
         wildcard = name in _WILDCARD_RECEIVES and source is None and not recorder.forbidden.get(name)
         noted = recorder.note(name, *_in_world(self, dest, source), count, nbytes=nbytes,
                               head=head) if status is None and not wildcard else None
-        if name in _SCATTERS_TO_EACH and not in_place and len(args) > 1 and not recorder.paused_now:
-            recorder.add(Call(f"{name}:mine", None, None, _count(args[1]), None))  # what this rank gets
+        mine = args[1] if len(args) > 1 else kwargs.get("recvbuf")
+        if name in _SCATTERS_TO_EACH and not in_place and mine is not None and not recorder.paused_now:
+            recorder.add(Call(f"{name}:mine", None, None, _count(mine), None))  # what this rank gets
         peer = f" to rank {dest}" if dest is not None else ""
         peer += f" from rank {source}" if source is not None else ""
         recorder.current = f"comm.{name}(){peer}"
@@ -810,8 +853,10 @@ def _patch_mpi(forbid_windows: bool) -> None:
         if cls is None:
             continue
         d = _type_dict(cls)
+        raw = dict(d)
         for name in names & set(d):
-            d[name] = _wrap(cls_name, name, d[name])
+            base = raw[SYNCHRONOUS[name]] if SYNCHRONOUS.get(name) in raw else d[name]
+            d[name] = _wrap(cls_name, name, base)
         ctypes.pythonapi.PyType_Modified(ctypes.py_object(cls))
     _patch_requests()
     _patch_starts()
