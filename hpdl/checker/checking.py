@@ -47,6 +47,7 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
             "replaced": kit_answer_copies(),
             "nonce": _nonce(module), "verify_timeout": getattr(module, "VERIFY_TIMEOUT", None),
             "preload": _preload(module, code), "metered": bool(getattr(module, "METERED", False)),
+            "send_waits": bool(getattr(module, "SEND_WAITS", True)),
             "library_algorithms": getattr(module, "LIBRARY_ALGORITHMS", None),
             "calibrate": callable(getattr(module, "calibrate", None))}
     bar = _progress(sum(len(v) for v in plan.values()), name) if progress else None

@@ -948,7 +948,7 @@ SENT_FIRST_HINT = (
     "A rank waits in a blocking Send: MPI lets Send wait until the receiving rank posts its Recv (past a small "
     "eager limit it does, on any cluster), and the checker's Send always waits so. If "
     "two ranks each Send to the other before they Recv, both wait forever, whatever the size: exchange with "
-    "comm.Sendrecv, or post Irecv/Isend first and Wait after (lesson 03, 'A deadlock, on purpose').")
+    "comm.Sendrecv, or post Irecv/Isend first and Wait after (lesson 03: eager and rendezvous).")
 FORGED = "the recorded MPI calls (contradicted by the network, or rewritten)"
 TELLING = "the algorithm (seen in a case large enough to tell)"
 

@@ -263,7 +263,8 @@ class LearnerJob(RankJob):
         code = spec["code"]
         module = load_public(spec["public"])
         funcs = strip_module(module)
-        recording.install({**KIT_ANSWERS, **(spec.get("forbidden") or {})}, sized=bool(spec.get("metered")))
+        recording.install({**KIT_ANSWERS, **(spec.get("forbidden") or {})}, sized=bool(spec.get("metered")),
+                          synchronous=spec.get("send_waits", True))
         refuse_kit_answers({**KIT_ANSWERS, **{name: why for name, why in (spec.get("forbidden") or {}).items()
                                               if "." in name}})  # a library's, named by a case module
         self.private = self.take_private_inputs() if spec.get("private") else None

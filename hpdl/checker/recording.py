@@ -92,6 +92,7 @@ class _Recorder:
         self.current: str | None = None  # the call the learner is inside, for hang reports
         self.installed = False
         self.sized = False  # note each send's bytes (METERED checks compare them with the wire)
+        self.synchronous = True  # a blocking Send runs as Ssend (SYNCHRONOUS); not where a check reads buffering
         self.torch_hooked = False
         self.started: list[tuple[str, Any, Any]] = []  # (call, its request, the learner's line): non-blocking calls
         self.sending: list[tuple[Any, Any, int, str, Any]] = []  # a send in flight: request, buffer, checksum, ...
@@ -780,7 +781,7 @@ def _sent_buffer(args, kwargs, dest) -> tuple:
     return buf, in_place
 
 
-def _wrap(cls_name: str, name: str, base):
+def _wrap(cls_name: str, name: str, base, synchronous=None):
     dpos, spos = _P2P.get(name, (None, None))
     nonblocking = name[0] in "Ii" and not name.endswith("_init") and "probe" not in name.lower()
 
@@ -808,7 +809,7 @@ def _wrap(cls_name: str, name: str, base):
         peer += f" from rank {source}" if source is not None else ""
         recorder.current = f"comm.{name}(){peer}"
         try:
-            result = base(self, *args, **kwargs)
+            result = (synchronous if synchronous is not None and recorder.synchronous else base)(self, *args, **kwargs)
         finally:
             recorder.current = None
         if status is not None:
@@ -855,8 +856,7 @@ def _patch_mpi(forbid_windows: bool) -> None:
         d = _type_dict(cls)
         raw = dict(d)
         for name in names & set(d):
-            base = raw[SYNCHRONOUS[name]] if SYNCHRONOUS.get(name) in raw else d[name]
-            d[name] = _wrap(cls_name, name, base)
+            d[name] = _wrap(cls_name, name, d[name], raw.get(SYNCHRONOUS.get(name, "")))
         ctypes.pythonapi.PyType_Modified(ctypes.py_object(cls))
     _patch_requests()
     _patch_starts()
@@ -1148,10 +1148,11 @@ class _TorchHook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             sys.meta_path.remove(self)
 
 
-def install(forbidden: dict[str, str], sized: bool = False) -> None:
+def install(forbidden: dict[str, str], sized: bool = False, synchronous: bool = True) -> None:
     """Once per learner process, before the learner's code is unpacked. `sized`: note each send's
-    bytes too (a METERED check compares them with what the kernel saw)."""
-    recorder.sized = sized
+    bytes too (a METERED check compares them with what the kernel saw). `synchronous`: a blocking Send
+    waits for its receive (SYNCHRONOUS)."""
+    recorder.sized, recorder.synchronous = sized, synchronous
     if recorder.installed:
         recorder.reset(forbidden)
         return
