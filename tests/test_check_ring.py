@@ -260,6 +260,7 @@ def ring_by_a_packed_chain(comm, x):
     import zlib
 
     import numpy as np
+    from mpi4py import MPI
 
     p, r = comm.Get_size(), comm.Get_rank()
     if p == 1:
@@ -280,12 +281,14 @@ def ring_by_a_packed_chain(comm, x):
     def unpack(kind, zipped, b):
         return np.frombuffer(zlib.decompress(b) if zipped else b, dtype=narrow[kind]).astype(dt)
 
+    sending = []  # sent without waiting (the padding at the end goes both ways at once), waited at the end
+
     def send_frame(kind, zipped, b):  # an 8-byte header (codec, length), then the bytes in chunk-sized segments
         if n >= p:  # with n < p a chunk is all of x: the raw vector, no header, fits as it is
-            comm.Send(np.array([kind * 2 + zipped, len(b)], np.int32).view(dt), dest=right, tag=7)
+            sending.append(comm.Isend(np.array([kind * 2 + zipped, len(b)], np.int32).view(dt), dest=right, tag=7))
         v = np.frombuffer(b + b"\0" * (-len(b) % isz), dtype=dt)
         for i in range(0, len(v), max(widest, 1)):
-            comm.Send(v[i:i + widest].copy(), dest=right, tag=7)
+            sending.append(comm.Isend(v[i:i + widest].copy(), dest=right, tag=7))
         return 8 + len(v) * isz
 
     def recv_frame():
@@ -310,6 +313,7 @@ def ring_by_a_packed_chain(comm, x):
     if n >= p:  # pad what the right neighbour receives up to the kernel's floor
         send_frame(0, 0, b"\0" * max(0, (p - 1) * n * isz // p - sent))
         recv_frame()
+    MPI.Request.Waitall(sending)
     return total
 
 

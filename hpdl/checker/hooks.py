@@ -300,8 +300,9 @@ def carried_by_calls(ctx, nbytes: int, what: str, everyone: list[list] | None = 
     have gone out in this rank's recorded sends, or, given every rank's calls (`everyone`, gather_calls),
     come in by the other ranks' recorded sends to it. For exercises of point-to-point messages only: MPI's
     collectives called by address in its C library (no Python name to refuse) move small cases within
-    wire_agrees' slack, and a ring of no recorded message scored 27/27."""
-    if ctx.size == 1 or nbytes <= 0:
+    wire_agrees' slack, and a ring of no recorded message scored 27/27. Only where the wire was read (METERED,
+    recording.install(sized=True)): elsewhere no send's bytes are noted."""
+    if ctx.size == 1 or nbytes <= 0 or ctx.wire is None:  # unmetered: no send's bytes were noted
         return None
     r = ctx.rank
     if everyone is None:
