@@ -192,12 +192,7 @@ def wire_agrees(ctx) -> Wrong | None:
         return None
     r = ctx.rank
     made = min(sum(1 for c in ctx.calls if c.name in COMMUNICATOR_MAKERS), WIRE_COMMUNICATORS_CAP)
-    recorded: dict[int, list[int]] = {}  # peer -> [bytes sent to it, messages with it]
-    for c in ctx.calls:
-        for peer in {c.dest, c.source} - {None, r}:
-            row = recorded.setdefault(peer, [0, 0])
-            row[0] += (c.nbytes or 0) if peer == c.dest else 0
-            row[1] += 0 if peer != c.dest and "probe" in c.name.lower() else 1  # a probe moves nothing
+    recorded = recorded_with_peers(ctx.calls, r)
     why = ("what your rank sent, counted by the system outside your process, is not what the MPI calls "
            "recorded in your process say: the recording was changed or bypassed")
     if wire.get("closed"):
@@ -289,9 +284,15 @@ def received_at_most(ctx, nbytes: int, what: str, hint: str | None = None) -> Wr
                  f"about {nbytes}", hint=hint)
 
 
-def bytes_sent_to(calls, dest: int) -> int:
-    """Bytes the point-to-point sends in `calls` put in messages to rank `dest`, as recorded."""
-    return sum(c.nbytes or 0 for c in calls if c.dest is not None and int(c.dest) == dest)
+def recorded_with_peers(calls, rank: int) -> dict[int, list[int]]:
+    """{peer: [bytes rank's recorded sends put in messages to it, messages with it]} (a probe moves nothing)."""
+    recorded: dict[int, list[int]] = {}
+    for c in calls:
+        for peer in {c.dest, c.source} - {None, rank}:
+            row = recorded.setdefault(int(peer), [0, 0])
+            row[0] += (c.nbytes or 0) if peer == c.dest else 0
+            row[1] += 0 if peer != c.dest and "probe" in c.name.lower() else 1
+    return recorded
 
 
 def carried_by_calls(ctx, nbytes: int, what: str, everyone: list[list] | None = None) -> Wrong | None:
@@ -306,10 +307,11 @@ def carried_by_calls(ctx, nbytes: int, what: str, everyone: list[list] | None = 
         return None
     r = ctx.rank
     if everyone is None:
-        moved = sum(bytes_sent_to(ctx.calls, peer) for peer in range(ctx.size) if peer != r)
+        moved = sum(sent for sent, _ in recorded_with_peers(ctx.calls, r).values())
         way = "sent"
     else:
-        moved = sum(bytes_sent_to(calls, r) for peer, calls in enumerate(everyone) if peer != r)
+        moved = sum(recorded_with_peers(calls, peer).get(r, [0, 0])[0] for peer, calls in enumerate(everyone)
+                    if peer != r)
         way = "received"
     if 2 * moved >= nbytes:
         return None

@@ -111,12 +111,8 @@ def closed_counted() -> bool:
     """Whether this node's learner ranks keep every connection they make during a case, so that one opened
     and closed between two readings is the learner's (Meter's `closed`): MPICH's and Open MPI's do; Intel
     MPI's ranks opened and closed two of their own in a case of overlap_allreduce, so there only UDP counts."""
-    from hpdl.launchers.mpiexec import mpiexec_implementation
-
-    try:
-        return mpiexec_implementation() != "Intel MPI"
-    except Exception:
-        return False
+    which = implementation()
+    return bool(which) and which != "Intel MPI"
 
 
 def host_pid(sandbox_pid: int, candidates: list[int]) -> int | None:
