@@ -76,6 +76,13 @@ REDUCTIONS = [n for n in COLLECTIVES if "educe" in n or n in ("Scan", "scan", "E
 #: Every collective that moves data: what a point-to-point-only exercise must not call.
 DATA_COLLECTIVES = [n for n in COLLECTIVES if "arrier" not in n]
 #: calls that make a communicator: recorded (never refused), since the ranks exchange messages to agree on it
+# in a check (recording._wrap) a blocking send of the standard mode runs as the synchronous one: MPI lets Send
+# wait until its receive is posted, and does so past an eager limit. Over TCP (meter.OVER_TCP) every message went
+# at once, so ranks that all Send before they Recv finished, and a ring, recursive doubling, ZeRO-1 and ZeRO-3 by
+# hand so (the unsafe order lesson 03 shows hanging) scored full marks; now they hang, as on a cluster's large
+# messages. Not in pipeline_step (its SEND_WAITS): the evidence of its order reads what eager sends put on the wire
+SYNCHRONOUS = {"Send": "Ssend", "send": "ssend"}
+
 COMMUNICATOR_MAKERS = ["Dup", "Idup", "Dup_with_info", "Idup_with_info", "Split", "Split_type", "Create",
                        "Create_group", "Create_cart", "Create_graph", "Create_dist_graph",
                        "Create_dist_graph_adjacent", "Create_intercomm", "Merge"]
@@ -232,11 +239,11 @@ SYNC_ACK = 40  # bytes a receiver answers a synchronous send with (MPICH over tc
 
 def _received(ctx) -> int | None:
     """Bytes the other ranks sent this rank in this case, by the kernel's count, less the answers to its
-    blocking sends (recording.SYNCHRONOUS: 40 bytes back from a server that sent nothing passed for 10 values
+    blocking sends (SYNCHRONOUS: 40 bytes back from a server that sent nothing passed for 10 values
     of new parameters); None where not read."""
     if ctx.wire is None or ctx.size == 1:
         return None
-    answered = sum(1 for c in ctx.calls if c.name in ("Send", "send") and c.dest is not None and c.dest != ctx.rank)
+    answered = sum(1 for c in ctx.calls if c.name in SYNCHRONOUS and c.dest is not None and c.dest != ctx.rank)
     return max(0, int(ctx.wire.get("received", 0)) - SYNC_ACK * answered)
 
 

@@ -901,8 +901,11 @@ class Runner:
                + hang.summary(answers, [r for r in finished if r not in errors], errors) + ".")
         if not finished:
             msg += " No rank finished."
+        from hpdl.checker.hooks import SYNCHRONOUS  # the sends that wait for their receive (recorder.current's names)
+
+        waiting = tuple(f"comm.{name}(" for name in SYNCHRONOUS)
         calls = [str(w.get("call") or "") for w in where.values() if w]
-        hint = SENT_FIRST_HINT if any(c.startswith(("comm.Send(", "comm.send(")) for c in calls) else hang.DEADLOCK_HINT
+        hint = SENT_FIRST_HINT if any(c.startswith(waiting) for c in calls) else hang.DEADLOCK_HINT
         line = next((w.get("where") for w in where.values() if w and w.get("where")), None)
         return self._result(planned, size, Verdict.HANG, msg, hint=hint, stuck=_stuck_text(where), finished=finished,
                             seconds=elapsed, line=line)

@@ -30,7 +30,7 @@ import types
 from typing import Any
 
 from hpdl.checker.cases import Call
-from hpdl.checker.hooks import COLLECTIVES, COMMUNICATOR_MAKERS
+from hpdl.checker.hooks import COLLECTIVES, COMMUNICATOR_MAKERS, SYNCHRONOUS
 
 _KIT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -758,14 +758,6 @@ def _patch_starts() -> None:
         Startall._hpdl_recorded = True
         d["Startall"] = classmethod(Startall)
     ctypes.pythonapi.PyType_Modified(ctypes.py_object(MPI.Prequest))
-
-
-#: a blocking send of the standard mode runs as the synchronous one: MPI lets Send wait until its receive is
-#: posted, and does so past an eager limit. Over TCP (meter.OVER_TCP) every message went at once, so ranks that
-#: all Send before they Recv finished, and a ring, recursive doubling, ZeRO-1 and ZeRO-3 by hand so (the unsafe
-#: order lesson 03 shows hanging) scored full marks; now they hang here, as on a cluster's large messages. Not in
-#: pipeline_step (its SEND_WAITS): the evidence of its order reads what eager sends put on the wire
-SYNCHRONOUS = {"Send": "Ssend", "send": "ssend"}
 
 
 def _caller(frame) -> tuple[str, int, str]:

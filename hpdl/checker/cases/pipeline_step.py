@@ -62,7 +62,7 @@ HINT_ONLY_ROOT = None  # ranks differ in what they return (the loss on the last,
 SELF_REPORTED = ("when the first stage ran its backwards, as the hooks on its last layer record it: it sends no "
                  "gradient, so no other rank shows it (the later stages' order is read on the wire), and what it "
                  "holds meanwhile does not stand out of what MPI's and the allocator's buffers hold")
-# a blocking Send here sends at once, as MPI's eager protocol does (not recording.SYNCHRONOUS): the evidence of the
+# a blocking Send here sends at once, as MPI's eager protocol does (not hooks.SYNCHRONOUS): the evidence of the
 # order (a stage held still while the others' activations are counted) reads what the stages send while it waits
 SEND_WAITS = False
 FORBIDDEN = {name: "a pipeline stage exchanges activations and gradients with its neighbours in point-to-point "
