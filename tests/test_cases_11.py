@@ -264,7 +264,7 @@ def zero3_layers_reversed(comm, shards, shapes, x):
 def test_zero3_layers_never_freed_rejected(bad, no_strays):
     result = hpdl.check("zero3_unit", bad, ranks=[2])
     rejected(result, "never freed", "layers' worth")
-    right = [c for c in result.cases if c.verdict == "PASS"]
+    right = [c for c in result.cases if c.verdict.earns_points]
     assert right, "the small case (memory not measured) should pass: the output itself is right"
 
 

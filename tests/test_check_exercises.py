@@ -81,8 +81,9 @@ def test_graded_recursive_doubling_folds_in_more_than_one_extra_rank(no_strays):
     (everyone to rank 0 and back) sends no more messages than the fold-in does, and scored 27/27."""
     result = hpdl.check("recursive_doubling", C.star_beyond_powers_of_two, grade=True)
     assert {c.ranks for c in result.cases} == {1, 2, 3, 4, 7}, result
-    assert {c.ranks for c in result.cases if c.verdict != "PASS"} == {7} and result.score < result.max_score, result
-    assert all("sent to 6 ranks" in c.message for c in result.cases if c.verdict != "PASS"), result
+    wrong = [c for c in result.cases if c.verdict == "WRONG"]  # (not SLOW, advisory: the suite's load)
+    assert {c.ranks for c in wrong} == {7} and result.score < result.max_score, result
+    assert all("sent to 6 ranks" in c.message for c in wrong), result
 
 
 def test_a_chain_up_and_back_down_is_not_recursive_doubling_at_7_ranks(no_strays):
@@ -115,7 +116,7 @@ def test_binomial_broadcast_typical_mistakes(no_strays):
     # another right answer (relative ranks, pickle API) passes where the mistakes below fail
     assert hpdl.check("bcast_binomial", C.bcast_ok, ranks=[4]).passed
     linear = hpdl.check("bcast_binomial", C.bcast_linear, ranks=[3, 4])
-    assert all(c.verdict == "PASS" for c in linear.find(ranks=3))  # with 3 ranks a linear one looks the same
+    assert all(c.verdict.earns_points for c in linear.find(ranks=3))  # with 3 ranks a linear one looks the same
     four = linear.find(ranks=4)
     assert four and all(c.verdict == "WRONG" and "linear broadcast" in c.message for c in four)
     assert all(c.wrong_ranks == [c.params["root"]] for c in four)
@@ -144,7 +145,7 @@ def test_average_gradients_blank_and_summed(no_strays):
     assert set(sent.verdicts.values()) == {"WRONG"} and "another way than an all-reduce" in sent.cases[0].message
 
     summed = hpdl.check("average_gradients", C.average_summed, ranks=[1, 3])
-    assert all(c.verdict == "PASS" for c in summed.find(ranks=1))  # one rank: the sum is the average
+    assert all(c.verdict.earns_points for c in summed.find(ranks=1))  # one rank: the sum is the average
     three = summed.find(ranks=3)
     assert all(c.verdict == "WRONG" and c.wrong_ranks == [0, 1, 2] for c in three)
     assert all("summed but not averaged" in c.hint for c in three)

@@ -95,10 +95,10 @@ def test_batch_grades_every_submission_despite_hangs_and_crashes(submissions, tm
     cases = list(csv.DictReader(open(out / "cases.csv")))
     ada = [c for c in cases if c["submission"] == "ada.ipynb"]
     assert any(c["hidden"] == "True" for c in ada)  # grade mode ran the hidden cases
-    assert all(c["verdict"] == "PASS" for c in ada)
+    assert all(c["verdict"] in ("PASS", "SLOW") for c in ada)
     dead = [c for c in cases if c["submission"] == "dana/deadlock.ipynb"]
     assert {c["verdict"] for c in dead if c["ranks"] == "3"} == {"HANG"}
-    assert {c["verdict"] for c in dead if c["ranks"] == "1"} == {"PASS"}
+    assert all(c["verdict"] in ("PASS", "SLOW") for c in dead if c["ranks"] == "1")
 
     data = json.loads((out / "grades.json").read_text())
     by_name = {s["submission"]: s for s in data["submissions"]}

@@ -63,4 +63,4 @@ def test_a_ring_that_sends_float64_chunks_of_a_float32_vector_is_told_so(no_stra
     result = hpdl.check("ring_allreduce", H.ring_summed_in_float64, ranks=[2])
     wrong = [c for c in result.cases if c.verdict == "WRONG"]
     assert wrong and all("float32" in c.message and "float64 copy" in (c.hint or "") for c in wrong), result
-    assert all(c.verdict == "PASS" for c in result.cases if "float64" in c.name), result
+    assert all(c.verdict.earns_points for c in result.cases if "float64" in c.name), result

@@ -189,7 +189,7 @@ def test_a_stripped_kit_checks_public_cases_and_names_the_hidden_ones(shared_kit
     """)
     out = json.loads(_run(kit, "-c", script).stdout.strip().splitlines()[-1])
     good = out["good"]
-    assert good["score"] == good["max_score"] > 0 and all(c["verdict"] == "PASS" for c in good["cases"])
+    assert good["score"] == good["max_score"] > 0 and all(c["verdict"] in ("PASS", "SLOW") for c in good["cases"])
     assert not any(c["hidden"] for c in good["cases"]) and good["hidden_not_run"] == 4
     assert "4 hidden cases not run here: hidden cases run when your instructor grades" in out["text"]
     assert out["bad"] == 0

@@ -227,7 +227,7 @@ def test_a_wall_clock_step_during_a_check_changes_no_verdict(no_strays, monkeypa
     real, t0 = time.time, time.time()
     monkeypatch.setattr(time, "time", lambda: t0 + (real() - t0) * 1000)
     result = hpdl.check("ring_allreduce", L.ring_ok, ranks=[2], timeout=5)
-    assert set(result.verdicts.values()) == {"PASS"}, result
+    assert all(c.verdict.earns_points for c in result.cases), result
 
 
 def test_only_the_supervisor_starts_or_polls_side_jobs():
