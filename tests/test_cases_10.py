@@ -2,7 +2,8 @@
 known-bad implementation is rejected with the reason named — GPipe's order (right gradients, too
 much memory), a pipe never filled, gradients not accumulated over micro-batches, micro-batch
 losses unscaled or weighted 1/m when their sizes differ, chunk(m) where m does not divide the
-batch, a send/recv order that deadlocks (HANG, with the stuck rank and line), a stage that skips
+batch, a send/recv order that deadlocks (HANG, with the stuck rank and line), one that finishes only
+while MPI sends small messages at once (blocking Sends both ways: WRONG, by the replay), a stage that skips
 the backward send, the kit's own 1F1B order (refused), a tensor-parallel layer missing its
 all-reduce, an uneven split dropping columns, a layer that gathers the whole weight first (seen in
 the bytes the kernel counted reaching each rank).
@@ -45,6 +46,14 @@ one_f_one_b = learner_copy(pipe_case.one_f_one_b)  # the learner's own copy of t
 
 def test_pipeline_step_reference_passes(no_strays):
     assert passed(hpdl.check("pipeline_step", learner_copy(pipe_case.model_solution), ranks=[3]))
+
+
+def stage_blocking_sends(comm, stage, batch, targets, m):
+    """Right gradients, 1F1B's order, every message a blocking Send: right only while MPI sends them at once
+    (eager, small messages); stage s sends an activation while stage s+1 sends it a gradient, and once each
+    Send waits for its Recv both wait for ever (18/18 once: the pipeline's checks keep MPI's eager sends)."""
+    order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch))
 
 
 def stage_gpipe(comm, stage, batch, targets, m):
@@ -155,6 +164,7 @@ def stage_kit_schedule(comm, stage, batch, targets, m):
 
 @pytest.mark.parametrize("bad, ranks, words", [
     (stage_gpipe, 2, ["held 4 micro-batches", "at most p - s", "GPipe"]),
+    (stage_blocking_sends, 2, ["rank 0 waits in a Send to rank 1; rank 1 waits in a Send to rank 0", "Isend"]),
     (stage_no_warmup, 3, ["1F1B runs F0 F1", "fill the pipe"]),
     (stage_not_accumulated, 2, ["last micro-batch's gradients alone", "accumulate"]),
     (stage_unscaled, 2, ["4 times the single device", "share of the batch"]),
@@ -172,6 +182,34 @@ def test_pipeline_step_kit_schedule_refused(no_strays):
     result = hpdl.check("pipeline_step", stage_kit_schedule, ranks=[2])
     assert result.score == 0 and all(c.rejected == "hpdl.pipeline.one_f_one_b" for c in result.cases), result
     assert "exercise" in hints(result)
+
+
+def _calls(*spec: str) -> list:
+    """'S1' a Send to rank 1, 'R0' a Recv from rank 0, 'I1' an Isend, 'J0' an Irecv, 'X1' Sendrecv to/from 1."""
+    from hpdl.checker.cases import Call
+
+    names = {"S": "Send", "R": "Recv", "I": "Isend", "J": "Irecv", "X": "Sendrecv"}
+    return [Call(names[k], int(r) if k in "SIX" else None, int(r) if k in "RJX" else None) for k, r in spec]
+
+
+@pytest.mark.parametrize("everyone, left", [
+    ([_calls("S1", "S1", "R1", "R1"), _calls("R0", "S0", "R0", "S0")], {0: ("send", 1), 1: ("send", 0)}),  # 1F1B
+    ([_calls("I1", "I1", "R1", "R1"), _calls("R0", "I0", "R0", "I0")], None),  # 1F1B by Isend
+    ([_calls("S1", "R2"), _calls("S2", "R0"), _calls("S0", "R1")], {0: ("send", 1), 1: ("send", 2), 2: ("send", 0)}),
+    ([_calls("X1", "X1"), _calls("X0", "X0")], None),  # Sendrecv both ways
+    ([_calls("S1", "R2"), _calls("R0", "S2"), _calls("S0", "R1")], None),  # a ring where one rank receives first
+    ([_calls("S1", "S1", "R1", "R1"), _calls("R0", "S2", "R0", "S2", "R2", "S0", "R2", "S0"),
+      _calls("R1", "R1", "S1", "S1")], None),  # GPipe by blocking Sends waits but finishes
+    # an Irecv from any source is recorded when it completes (after the Send here): posted from the start
+    ([_calls("S1", "J1"), _calls("S0", "J0")], None),
+    ([_calls("S1"), []], None),  # a receive the recorder did not see: nothing to say
+])
+def test_the_rendezvous_replay_finds_sends_that_wait_for_each_other(everyone, left):
+    """checker/rendezvous.py: every rank's recorded calls replayed with each blocking Send waiting for its
+    receive; lenient where the record is not exact, so an honest order is never called a hang."""
+    from hpdl.checker import rendezvous
+
+    assert rendezvous.stuck(everyone) == left
 
 
 @pytest.mark.parametrize("bad, stuck", [(stage_deadlock, {0, 1}), (stage_no_backward_send, {0})])

@@ -905,7 +905,8 @@ class Runner:
 
         waiting = tuple(f"comm.{name}(" for name in SYNCHRONOUS)
         calls = [str(w.get("call") or "") for w in where.values() if w]
-        hint = SENT_FIRST_HINT if any(c.startswith(waiting) for c in calls) else hang.DEADLOCK_HINT
+        sends_wait = getattr(self.module, "SEND_WAITS", True)  # else a blocking Send here went at once
+        hint = SENT_FIRST_HINT if sends_wait and any(c.startswith(waiting) for c in calls) else hang.DEADLOCK_HINT
         line = next((w.get("where") for w in where.values() if w and w.get("where")), None)
         return self._result(planned, size, Verdict.HANG, msg, hint=hint, stuck=_stuck_text(where), finished=finished,
                             seconds=elapsed, line=line)

@@ -42,14 +42,17 @@ The check runs the learner's stage on 1-4 ranks and decides on behaviour, observ
   activations and gradients need: a stage that took the others' layers by a message hidden from
   the recorder, or its values through files, scores nothing. How many messages carried them is
   the recorder's word (a learner who splits one in two behind it gains nothing).
-A send/recv order that deadlocks ends as HANG, naming the stuck ranks and their lines. The kit's
+A send/recv order that deadlocks ends as HANG, naming the stuck ranks and their lines. One that finishes
+only because MPI sent small messages at once (eager), and hangs once each Send waits for its receive, as
+it does past the eager limit with real activations, is WRONG (checker/rendezvous.py replays the ranks'
+recorded calls so). The kit's
 own schedule (hpdl.pipeline.one_f_one_b) is refused inside the check (hooks.KIT_ANSWERS).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from hpdl.checker import hooks
+from hpdl.checker import hooks, rendezvous
 from hpdl.checker.cases import Case, Wrong, nonce_seed, one_rank_points
 
 SIGNATURE = "pipeline_step(comm, stage, batch, targets, m) -> float | None   # 1F1B; the loss on the last rank"
@@ -408,6 +411,7 @@ def _loss(ctx) -> Wrong | None:
 def verify(case, ctx):
     """Gradients first (their diagnosis names the mistake), then the loss, the messages, the order."""
     got = ctx.got
+    everyone = hooks.gather_calls(ctx)  # collective: first, on every rank
     if any(g is None for g in got["grads"]):
         return Wrong(f"rank {ctx.rank}: some parameters of the stage have no gradient after the step "
                      f"(p.grad is None)")
@@ -422,7 +426,22 @@ def verify(case, ctx):
         w = Wrong(f"rank {ctx.rank} returned {hooks._describe(got['loss'])}; only the last stage returns the loss, "
                   "every other stage returns None")
     return (w or _messages(ctx) or _schedule(ctx) or _sent_while_held(ctx) or _gradients_before_forwards(ctx)
-            or _received(ctx))
+            or _received(ctx) or _waits_forever(ctx, everyone))
+
+
+def _waits_forever(ctx, everyone: list[list]) -> Wrong | None:
+    """The recorded calls replayed with every blocking Send waiting for its receive (rendezvous.stuck)."""
+    left = rendezvous.stuck(everyone)
+    if left is None or ctx.rank not in left:
+        return None
+    words = {"send": "in a Send to", "recv": "in a Recv from"}
+    waits = "; ".join(f"rank {r} waits {words[kind]} rank {peer}" for r, (kind, peer) in sorted(left.items()))
+    return Wrong(f"it finished here only because MPI sent these small messages at once (eager); with real "
+                 f"activations each blocking Send waits until its receive is posted (rendezvous), and then {waits}:"
+                 f" the step hangs on a cluster",
+                 hint="send with comm.Isend and Wait for the requests once the step's messages are posted (or "
+                      "exchange with Sendrecv): two neighbouring stages that both Send before they Recv wait for "
+                      "each other (lesson 03: eager and rendezvous).")
 
 
 def _sent_while_held(ctx) -> Wrong | None:
