@@ -3,10 +3,10 @@ known-bad implementation is rejected with the reason named — GPipe's order (ri
 much memory), a pipe never filled, gradients not accumulated over micro-batches, micro-batch
 losses unscaled or weighted 1/m when their sizes differ, chunk(m) where m does not divide the
 batch, a send/recv order that deadlocks (HANG, with the stuck rank and line), one that finishes only
-while MPI sends small messages at once (blocking Sends both ways: WRONG, by the replay), a stage that skips
-the backward send, the kit's own 1F1B order (refused), a tensor-parallel layer missing its
-all-reduce, an uneven split dropping columns, a layer that gathers the whole weight first (seen in
-the bytes the kernel counted reaching each rank).
+while MPI sends small messages at once (blocking Sends both ways, or Isends waited for at once: WRONG,
+by the replay), a stage that skips the backward send, the kit's own 1F1B order (refused), a
+tensor-parallel layer missing its all-reduce, an uneven split dropping columns, a layer that gathers
+the whole weight first (seen in the bytes the kernel counted reaching each rank).
 
 That the solutions of solutions/10_model_parallelism.ipynb, as learners are shown them, earn
 full marks at 1–4 ranks (hidden cases included) is tested by running it in grade mode
@@ -54,6 +54,13 @@ def stage_blocking_sends(comm, stage, batch, targets, m):
     Send waits for its Recv both wait for ever (18/18 once: the pipeline's checks keep MPI's eager sends)."""
     order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
     return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch))
+
+
+def stage_isend_waited_at_once(comm, stage, batch, targets, m):
+    """The same with each message an Isend waited for at once: a Send by another name (10/10 once)."""
+    order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch),
+                     waited_isend=True)
 
 
 def stage_gpipe(comm, stage, batch, targets, m):
@@ -165,6 +172,7 @@ def stage_kit_schedule(comm, stage, batch, targets, m):
 @pytest.mark.parametrize("bad, ranks, words", [
     (stage_gpipe, 2, ["held 4 micro-batches", "at most p - s", "GPipe"]),
     (stage_blocking_sends, 2, ["rank 0 waits in a Send to rank 1; rank 1 waits in a Send to rank 0", "Isend"]),
+    (stage_isend_waited_at_once, 2, ["rank 0 waits for its Isend to rank 1", "an Isend waited for at once is a Send"]),
     (stage_no_warmup, 3, ["1F1B runs F0 F1", "fill the pipe"]),
     (stage_not_accumulated, 2, ["last micro-batch's gradients alone", "accumulate"]),
     (stage_unscaled, 2, ["4 times the single device", "share of the batch"]),
@@ -210,6 +218,37 @@ def test_the_rendezvous_replay_finds_sends_that_wait_for_each_other(everyone, le
     from hpdl.checker import rendezvous
 
     assert rendezvous.stuck(everyone) == left
+
+
+@pytest.mark.parametrize("everyone, waits, left", [
+    # Isend waited for at once, both ways: a Send by another name
+    ([_calls("I1", "R1"), _calls("I0", "R0")], [[(1, 0)], [(1, 0)]], {0: ("wait-post", 1), 1: ("wait-post", 0)}),
+    ([_calls("I1", "R1"), _calls("I0", "R0")], [[(2, 0)], [(2, 0)]], None),  # waited for after the Recv
+    # a Send, then an Irecv waited for at once: the receive is posted after the Send it must meet
+    ([_calls("S1", "J1"), _calls("S0", "J0")], [[(2, 1)], [(2, 1)]], {0: ("send", 1), 1: ("send", 0)}),
+    ([_calls("J1", "S1"), _calls("J0", "S0")], [[(2, 0)], [(2, 0)]], None),  # the Irecv posted first
+    ([_calls("I1", "J1"), _calls("I0", "J0")], [[(2, 0), (2, 1)], [(2, 0), (2, 1)]], None),  # Waitall of both
+    # a Sendrecv returns only once its send was received: here after the second Send it cannot get past
+    ([_calls("X1", "R1"), _calls("S0", "S0", "R0")], [[], []], {0: ("wait-post", 1), 1: ("send", 0)}),
+    ([_calls("X1", "R1"), _calls("S0", "R0", "S0")], [[], []], None),
+])
+def test_the_rendezvous_replay_reads_where_requests_completed(everyone, waits, left):
+    """Where each Isend's and Irecv's request completed (Context.waits, noted by the recorder): an Isend
+    waited for at once, or an Irecv posted after the Send it must meet, waits as a blocking call does (the
+    pipeline's 1F1B written so scored 10/10)."""
+    from hpdl.checker import rendezvous
+
+    assert rendezvous.stuck(everyone, waits) == left
+
+
+def test_the_completions_a_learners_rank_sends_back_are_read_as_plain_pairs():
+    """Context.waits comes from the learner's process: anything but (calls before it, an earlier call's index)
+    within the calls sent is left out, and the replay is then lenient for that request."""
+    from hpdl.checker.reference_job import _waits
+
+    sent = [[1, 0], [0, 0], ["1", 0], [5, 2], [True, 0], [2, 1, 0], "x", [3, 2]]
+    assert _waits(sent, 3) == [(1, 0), (3, 2)]
+    assert _waits({"1": 0}, 3) == [] and _waits(None, 3) == []
 
 
 @pytest.mark.parametrize("bad, stuck", [(stage_deadlock, {0, 1}), (stage_no_backward_send, {0})])

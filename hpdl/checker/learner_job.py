@@ -32,6 +32,7 @@ import types
 from hpdl.checker.rank_job import RankJob, learner_traceback, learner_where, main, short, state
 
 KEEP = ("inputs", "call", "serve", "set_up", "calibrate")
+MAX_WAITS = 100_000  # completed requests sent back with the calls (rendezvous.py's replay), at most
 # hpdl.checker modules of the deciding side (reference ranks, verdicts, the grader): never loaded here
 DECIDING_SIDE = {"reference_job", "jobs", "checking", "client", "grade_service"}
 _KIT_MODULES: set[str] = set()  # modules whose own answers were replaced (refuse_kit_answers): never loaded afresh
@@ -432,7 +433,8 @@ class LearnerJob(RankJob):
             return refused
         calls = [(c.name, c.dest, c.source, c.count, c.nbytes, c.head) for c in recorder.calls]
         try:
-            data = wire.pack({"got": got, "calls": calls, "altered": not recorder.intact()})
+            data = wire.pack({"got": got, "calls": calls, "altered": not recorder.intact(),
+                              "waits": [list(w) for w in recorder.waits[:MAX_WAITS]]})
         except Exception as exc:
             return {"status": "error", "exception": type(exc).__name__,
                     "message": short(f"what your function returned could not be sent back: {type(exc).__name__}: "

@@ -97,6 +97,7 @@ class ReferenceJob(RankJob):
         learner_s = float(go.get("seconds", {}).get(str(self.rank), 0.0) or 0.0)
         wire = go["wire"].get(str(self.rank)) if isinstance(go.get("wire"), dict) else None
         ctx = Context(case, self.rank, self.size, args, got, expected, calls, self.world, learner_s, ref_s, wire)
+        ctx.waits = _waits(data.get("waits"), len(calls))
         try:
             verify = getattr(module, "verify", None)
             wrong = (hooks.unseen_connections(ctx) if wire and wire.get("unseen")  # job-wide: no rank verifies
@@ -124,6 +125,14 @@ class ReferenceJob(RankJob):
 
 ALTERED = ("the record of your MPI calls, kept in your process, was changed by code other than the checker's (a "
            "call removed, added or rewritten, or the recording paused by hand)")
+
+
+def _waits(raw, calls: int) -> list[tuple[int, int]]:
+    """The learner's completed requests, validated: (calls noted before the completion, the index of the
+    Isend's or Irecv's call); anything else is left out (rendezvous.py then treats that request leniently)."""
+    ok = lambda x: isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= calls  # noqa: E731
+    return [(int(w[0]), int(w[1])) for w in (raw if isinstance(raw, list) else [])
+            if isinstance(w, (list, tuple)) and len(w) == 2 and ok(w[0]) and ok(w[1]) and w[1] < w[0]]
 
 
 def _call(Call, raw):

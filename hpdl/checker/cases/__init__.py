@@ -204,6 +204,7 @@ class Context:
         self.got, self.expected, self.calls = got, expected, calls
         self.learner_seconds, self.reference_seconds = learner_seconds, reference_seconds
         self._world, self._comm = world, None
+        self.waits: list[tuple[int, int]] = []  # (calls before it, an Isend's or Irecv's index): its completion
 
     @property
     def comm(self) -> Any:

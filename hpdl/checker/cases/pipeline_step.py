@@ -412,6 +412,7 @@ def verify(case, ctx):
     """Gradients first (their diagnosis names the mistake), then the loss, the messages, the order."""
     got = ctx.got
     everyone = hooks.gather_calls(ctx)  # collective: first, on every rank
+    waits = ctx.comm.allgather(list(ctx.waits))  # where each rank's Isends and Irecvs completed
     if any(g is None for g in got["grads"]):
         return Wrong(f"rank {ctx.rank}: some parameters of the stage have no gradient after the step "
                      f"(p.grad is None)")
@@ -426,22 +427,23 @@ def verify(case, ctx):
         w = Wrong(f"rank {ctx.rank} returned {hooks._describe(got['loss'])}; only the last stage returns the loss, "
                   "every other stage returns None")
     return (w or _messages(ctx) or _schedule(ctx) or _sent_while_held(ctx) or _gradients_before_forwards(ctx)
-            or _received(ctx) or _waits_forever(ctx, everyone))
+            or _received(ctx) or _waits_forever(ctx, everyone, waits))
 
 
-def _waits_forever(ctx, everyone: list[list]) -> Wrong | None:
+def _waits_forever(ctx, everyone: list[list], waits: list[list]) -> Wrong | None:
     """The recorded calls replayed with every blocking Send waiting for its receive (rendezvous.stuck)."""
-    left = rendezvous.stuck(everyone)
+    left = rendezvous.stuck(everyone, waits)
     if left is None or ctx.rank not in left:
         return None
-    words = {"send": "in a Send to", "recv": "in a Recv from"}
+    words = {"send": "in a Send to", "recv": "in a Recv from", "wait-post": "for its Isend to",
+             "wait-irecv": "for its Irecv from"}
     waits = "; ".join(f"rank {r} waits {words[kind]} rank {peer}" for r, (kind, peer) in sorted(left.items()))
     return Wrong(f"it finished here only because MPI sent these small messages at once (eager); with real "
                  f"activations each blocking Send waits until its receive is posted (rendezvous), and then {waits}:"
                  f" the step hangs on a cluster",
-                 hint="send with comm.Isend and Wait for the requests once the step's messages are posted (or "
-                      "exchange with Sendrecv): two neighbouring stages that both Send before they Recv wait for "
-                      "each other (lesson 03: eager and rendezvous).")
+                 hint="send with comm.Isend and Wait for the requests at the end of the step (an Isend waited for "
+                      "at once is a Send), or exchange with Sendrecv: two neighbouring stages that both Send "
+                      "before they Recv wait for each other (lesson 03: eager and rendezvous).")
 
 
 def _sent_while_held(ctx) -> Wrong | None:
