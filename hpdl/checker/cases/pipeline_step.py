@@ -45,8 +45,8 @@ The check runs the learner's stage on 1-4 ranks and decides on behaviour, observ
 A send/recv order that deadlocks ends as HANG, naming the stuck ranks and their lines. One that finishes
 only because MPI sent small messages at once (eager), and hangs once each Send waits for its receive, as
 it does past the eager limit with real activations, is WRONG (checker/rendezvous.py replays the ranks'
-recorded calls so). The kit's
-own schedule (hpdl.pipeline.one_f_one_b) is refused inside the check (hooks.KIT_ANSWERS).
+recorded calls so, an Isend waited for at once counted as the Send it is). The kit's own schedule
+(hpdl.pipeline.one_f_one_b) is refused inside the check (hooks.KIT_ANSWERS).
 """
 from __future__ import annotations
 
@@ -437,9 +437,9 @@ def _waits_forever(ctx, everyone: list[list], waits: list[list]) -> Wrong | None
         return None
     words = {"send": "in a Send to", "recv": "in a Recv from", "wait-post": "for its Isend to",
              "wait-irecv": "for its Irecv from"}
-    waits = "; ".join(f"rank {r} waits {words[kind]} rank {peer}" for r, (kind, peer) in sorted(left.items()))
+    said = "; ".join(f"rank {r} waits {words[kind]} rank {peer}" for r, (kind, peer) in sorted(left.items()))
     return Wrong(f"it finished here only because MPI sent these small messages at once (eager); with real "
-                 f"activations each blocking Send waits until its receive is posted (rendezvous), and then {waits}:"
+                 f"activations each blocking Send waits until its receive is posted (rendezvous), and then {said}:"
                  f" the step hangs on a cluster",
                  hint="send with comm.Isend and Wait for the requests at the end of the step (an Isend waited for "
                       "at once is a Send), or exchange with Sendrecv: two neighbouring stages that both Send "
