@@ -30,7 +30,7 @@ import types
 from typing import Any
 
 from hpdl.checker.cases import Call
-from hpdl.checker.hooks import COLLECTIVES, COMMUNICATOR_MAKERS, SYNCHRONOUS
+from hpdl.checker.hooks import BLOCKING_RECEIVES, COLLECTIVES, COMMUNICATOR_MAKERS, SYNCHRONOUS
 
 _KIT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -515,7 +515,6 @@ def _size(comm) -> int:
 
 # a buffer MPI may read until the request completes (Isendrecv_replace's is rewritten by design)
 _SENDS_IN_FLIGHT = ("Isend", "Issend", "Ibsend", "Irsend", "Isendrecv")
-_BLOCKING_RECEIVES = ("Recv", "recv", "Sendrecv", "sendrecv", "Sendrecv_replace")
 # where each takes its status: from any source (MPI.ANY_SOURCE, mpi4py's default), the rank it came from is
 # read from it once the message is in (pipeline stages telling directions apart by tag scored 0/18, every
 # receive counted from nobody)
@@ -824,7 +823,7 @@ def _wrap(cls_name: str, name: str, base, synchronous=None):
             if view is not None:
                 recorder.sending.append((result, view, _checksum(view), f"comm.{name}(){peer}", where))
                 recorder.dests[id(result)] = getattr(noted, "dest", None)
-        if name in _BLOCKING_RECEIVES and noted is not None:
+        if name in BLOCKING_RECEIVES and noted is not None:
             recorder.heard_from(noted.source)
         elif name in _RECEIVES_IN_FLIGHT and noted is not None and _open_request(result):
             recorder.receiving.append((result, noted.source))

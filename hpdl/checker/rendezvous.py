@@ -18,8 +18,9 @@ the replay says nothing. A Sendrecv posts its send, receives, then waits for its
 """
 from __future__ import annotations
 
-BLOCKING_SENDS = ("Send", "send", "Ssend", "ssend", "Rsend")  # any other send (Isend, Bsend, Send_init...) goes
-BLOCKING_RECEIVES = ("Recv", "recv", "Sendrecv", "sendrecv", "Sendrecv_replace")  # any other is posted from the start
+from hpdl.checker.hooks import BLOCKING_RECEIVES, SYNCHRONOUS  # any other receive: posted from the start
+
+BLOCKING_SENDS = (*SYNCHRONOUS, *SYNCHRONOUS.values(), "Rsend")  # any other send (Isend, Bsend, Send_init...) goes
 
 
 def _steps(calls: list, rank: int, p: int, waits: list = ()) -> tuple[list[tuple], dict[int, list[bool]], set]:
