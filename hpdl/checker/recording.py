@@ -105,7 +105,8 @@ class _Recorder:
         self.completed: set[int] = set()  # handles of requests completed, maybe through a copy of their object
         self.unsourced: dict[int, tuple] = {}  # a receive from any source in flight: its handle -> its call, noted
         #                                        once completed, from the source its status names (_sourced)
-        self.requested: dict[int, int] = {}  # an Isend's or Irecv's open handle -> its call's index in calls
+        self.requested: dict[int, int] = {}  # an Isend's or Irecv's open handle -> its call's index in calls (where
+        #                                      sends are not synchronous: the replay, rendezvous.py, reads them)
         self.waits: list[tuple[int, int]] = []  # (calls noted before it, the call's index): a request completed
         self._paused = threading.local()
 
@@ -590,7 +591,7 @@ def _settling(raw):
         finally:
             if not recorder.paused_now:
                 recorder.completed.update(handle for request, handle in before if not request)
-                if raw.__name__ not in ("Free", "free"):  # a request freed in flight: no wait (free_in_flight)
+                if recorder.requested and raw.__name__ not in ("Free", "free"):  # freed in flight: no wait
                     recorder.waits.extend((len(recorder.calls), recorder.requested.pop(handle)) for request, handle
                                           in before if not request and handle in recorder.requested)
                 _sourced(sourcing, args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else
@@ -817,8 +818,8 @@ def _wrap(cls_name: str, name: str, base, synchronous=None):
             recorder.completed.discard(result.handle)  # a handle MPI gives again is a new request, open
             where = _caller(sys._getframe(1))
             recorder.started.append((f"comm.{name}(){peer}", result, where))
-            if noted is not None and recorder.calls and recorder.calls[-1] is noted:
-                recorder.requested[result.handle] = len(recorder.calls) - 1  # where it completes: rendezvous.py
+            if not recorder.synchronous and noted is not None and recorder.calls and recorder.calls[-1] is noted:
+                recorder.requested[result.handle] = len(recorder.calls) - 1  # for rendezvous.py, where sends go at once
             view = _send_view(buf) if name in _SENDS_IN_FLIGHT else None
             if view is not None:
                 recorder.sending.append((result, view, _checksum(view), f"comm.{name}(){peer}", where))
