@@ -649,3 +649,13 @@ def test_a_checkpoint_drawn_again_on_every_rank_scores_nothing(no_strays):
     result = hpdl.check("resume_horovod", E.resume_drawn_again_on_every_rank, ranks=[1, 2])
     no_points(result)
     assert all(c.verdict == "WRONG" and "not the checkpoint's" in c.message for c in result.cases), result
+
+
+def test_pkl5s_messages_are_the_values_they_carry_not_those_its_send_names(no_strays):
+    """mpi4py.util.pkl5's messages are read as a pickled send of the object its send was handed (the pickle's own
+    header is no values), where the pickle is the recorder's own of that object. With pkl5's pickling replaced, a
+    send naming one value carries the whole vector; its messages are read by their bytes, and passing x round the
+    ring is no ring (with n < p the ring's last chunk is all of x)."""
+    result = hpdl.check("ring_allreduce", E.ring_passing_x_through_pkl5_under_another_name, ranks=[3], grade=True)
+    longer = [c for c in result.cases if c.params["n"] >= c.ranks]
+    assert len(longer) >= 7 and all(c.verdict == "WRONG" and "values" in c.message for c in longer), result

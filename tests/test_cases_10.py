@@ -60,7 +60,14 @@ def stage_isend_waited_at_once(comm, stage, batch, targets, m):
     """The same with each message an Isend waited for at once: a Send by another name (10/10 once)."""
     order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
     return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch),
-                     waited_isend=True)
+                     send_by="Isend")
+
+
+def stage_persistent_send_waited_at_once(comm, stage, batch, targets, m):
+    """The same with each message a persistent send (Send_init) started and waited for at once (10/10 once)."""
+    order = one_f_one_b(comm.Get_size(), m, comm.Get_rank())
+    return run_order(comm, stage, batch.tensor_split(m), targets, order, lambda rows: rows / len(batch),
+                     send_by="Send_init")
 
 
 def stage_gpipe(comm, stage, batch, targets, m):
@@ -173,6 +180,7 @@ def stage_kit_schedule(comm, stage, batch, targets, m):
     (stage_gpipe, 2, ["held 4 micro-batches", "at most p - s", "GPipe"]),
     (stage_blocking_sends, 2, ["rank 0 waits in a Send to rank 1; rank 1 waits in a Send to rank 0", "Isend"]),
     (stage_isend_waited_at_once, 2, ["rank 0 waits for its Isend to rank 1", "an Isend waited for at once is a Send"]),
+    (stage_persistent_send_waited_at_once, 2, ["rank 0 waits for its Isend to rank 1", "Isend"]),
     (stage_no_warmup, 3, ["1F1B runs F0 F1", "fill the pipe"]),
     (stage_not_accumulated, 2, ["last micro-batch's gradients alone", "accumulate"]),
     (stage_unscaled, 2, ["4 times the single device", "share of the batch"]),

@@ -50,6 +50,9 @@ WRITTEN_OTHERWISE = [
     ("ring_allreduce", H.ring_by_count_and_displacement_untyped, [3]),
     ("allreduce_gradients", H.allreduce_gradients_in_place_by_keyword, [2]),
     ("column_parallel_linear", H.column_parallel_grad_x_reduce_scattered_then_gathered, [2]),
+    # mpi4py.util.pkl5: a header of lengths, the pickle, its out-of-band buffers, read as the object's values
+    ("ring_allreduce", H.ring_through_pkl5, [3]),
+    ("ps_exchange", H.ps_through_pkl5, [3]),
 ]
 
 

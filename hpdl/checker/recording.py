@@ -581,25 +581,44 @@ def _settling(raw):
     object for the same request) leaves the original holding its handle, and it was read as never finished."""
     def call(*args, **kwargs):
         before = _handles(args)
+        restarted = _persistent_requested(args) if recorder.requested else []
         sourcing = [(request, handle) for request, handle in before
                     if handle in recorder.unsourced] if recorder.unsourced and not recorder.paused_now else []
         statuses: Any = None
         if sourcing:
             args, kwargs, statuses = _statuses_for(raw.__name__, args, kwargs)
+        result: Any = None
         try:
-            return raw(*args, **kwargs)
+            result = raw(*args, **kwargs)
+            return result
         finally:
             if not recorder.paused_now:
                 recorder.completed.update(handle for request, handle in before if not request)
                 if recorder.requested and raw.__name__ not in ("Free", "free"):  # freed in flight: no wait
-                    recorder.waits.extend((len(recorder.calls), recorder.requested.pop(handle)) for request, handle
-                                          in before if not request and handle in recorder.requested)
+                    _note_waits([handle for request, handle in before if not request]
+                                + [handle for _, handle in restarted if _all_completed(raw.__name__, result)])
                 _sourced(sourcing, args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else
                          kwargs.get("requests"), statuses)
                 recorder.settle()
 
     call._hpdl_recorded = True
     return call
+
+
+def _note_waits(handles: list[int]) -> None:
+    """The requests just completed, where their calls were noted for the replay (rendezvous.py)."""
+    recorder.waits.extend((len(recorder.calls), recorder.requested.pop(handle)) for handle in handles
+                          if handle in recorder.requested)
+
+
+def _all_completed(name: str, result) -> bool:
+    """Whether a completion call completed every request handed to it: a Wait or a Waitall that returned, a
+    Test or a Testall that said so (a persistent request stays allocated, so this is how its completion shows;
+    one a Waitany did not complete may have finished by itself, eagerly, and was never waited for)."""
+    if name in ("Wait", "wait", "Waitall", "waitall"):
+        return True
+    flag = result[0] if isinstance(result, tuple) and result else result
+    return name in ("Test", "test", "Testall", "testall") and flag is True
 
 
 _STATUS_OF_ONE = {"Wait": 1, "Test": 1, "wait": 1, "test": 1}  # a request's own completion: its status at
@@ -652,6 +671,19 @@ def _handles(args) -> list[tuple[Any, int]]:
     for arg in args[:2]:
         for request in (arg if isinstance(arg, (list, tuple)) else [arg]):
             if isinstance(request, MPI.Request) and not isinstance(request, MPI.Prequest) and request:
+                found.append((request, request.handle))
+    return found
+
+
+def _persistent_requested(args) -> list[tuple[Any, int]]:
+    """The persistent requests among a completion call's arguments that were started with their start's call
+    noted for the replay (recorder.requested): one stays allocated once complete, inactive until started again."""
+    from mpi4py import MPI
+
+    found = []
+    for arg in args[:2]:
+        for request in (arg if isinstance(arg, (list, tuple)) else [arg]):
+            if isinstance(request, MPI.Prequest) and request and request.handle in recorder.requested:
                 found.append((request, request.handle))
     return found
 
@@ -720,9 +752,13 @@ def _started_persistent(request, frame) -> None:
     entry = recorder.persistent.get(getattr(request, "handle", None))
     if entry is None:
         return
+    index = entry["index"]
     if entry["starts"] and entry["call"] is not None:
         c = entry["call"]
         recorder.add(Call(c.name, c.dest, c.source, c.count, c.nbytes))
+        index = len(recorder.calls) - 1
+    if not recorder.synchronous and index is not None:  # for rendezvous.py: where this start completes
+        recorder.requested[request.handle] = index
     entry["starts"] += 1
     where = _caller(frame)
     recorder.started.append((entry["label"], request, where))
@@ -734,7 +770,10 @@ def _persistent(name: str, request, buf, noted, label: str) -> None:
     """A persistent request made (Send_init, Recv_init, ...): what each of its starts moves (_started_persistent)."""
     if getattr(request, "handle", None) is not None:  # (the wrapped call returned early while paused)
         view = _send_view(buf) if name in _SEND_INITS else None
-        recorder.persistent[request.handle] = {"call": noted, "label": label, "view": view, "starts": 0}
+        index = len(recorder.calls) - 1 if noted is not None and recorder.calls and recorder.calls[-1] is noted \
+            else None
+        recorder.persistent[request.handle] = {"call": noted, "label": label, "view": view, "starts": 0,
+                                               "index": index}
 
 
 def _patch_starts() -> None:
@@ -765,6 +804,74 @@ def _patch_starts() -> None:
     ctypes.pythonapi.PyType_Modified(ctypes.py_object(MPI.Prequest))
 
 
+def _message(name: str, buf, dest, frame) -> tuple[str, int | None, int | None, tuple | None]:
+    """What a call is noted as: (its name, the values it sends, its bytes, its first values). A message
+    mpi4py.util.pkl5 makes of an object is noted as the object's pickled send (_pkl5_part)."""
+    pickled = name[0].islower()
+    count = _count(buf, pickled=pickled) if buf is not None else None
+    nbytes = _nbytes(name, buf) if dest is not None and recorder.sized else None
+    head = _head(buf, pickled=pickled) if dest is not None and recorder.sized else None
+    part = _pkl5_part(frame, buf) if dest is not None and _PKL5 and not pickled else None
+    if part is not None:
+        count, head = part[0], part[1] if recorder.sized else None
+        return name.lower(), count, nbytes, head
+    return name, count, nbytes, head
+
+
+# -- mpi4py.util.pkl5 ------------------------------------------------------------------------
+
+_PKL5: dict[str, Any] = {}  # pkl5's send functions as installed: their code objects and the module's globals
+
+
+def _pkl5_capture() -> None:
+    """pkl5's send, as install() finds it: a send of an object there is three or more typed messages (its
+    header of lengths, the object's pickle, each of the pickle's out-of-band buffers), each read as values: a
+    ring sending through pkl5.Intracomm scored 0/27, the pickle's header counted as ~34 values a message."""
+    try:
+        from mpi4py.util import pkl5
+    except Exception:  # noqa: BLE001 - an mpi4py without it: nothing to read
+        return
+    closure = [c for c in pkl5._isend.__code__.co_consts if isinstance(c, types.CodeType)]
+    _PKL5.update(raw=pkl5._send_raw.__code__, send=pkl5._send.__code__, globals=pkl5.__dict__,
+                 closure=closure[0] if len(closure) == 1 else None, pickle=pkl5.Pickle())
+
+
+def _pkl5_part(frame, buf) -> tuple[int, tuple | None] | None:
+    """(values, first values) of a message pkl5's own send makes of an object, called from its _send with the
+    object: the header of lengths carries none; the pickle, the object's values, as a pickled send's are, or
+    none where the object's arrays go as out-of-band buffers (typed messages, read by their bytes). The bytes
+    a pickle has past its values are held to its slack (hooks.values_sent). None for any other message."""
+    raw = frame.f_back if frame.f_code is _PKL5["closure"] else frame  # isend, ssend, sendrecv: through a closure
+    outer = raw.f_back if raw is not None and raw.f_code is _PKL5["raw"] else None
+    if outer is None or outer.f_code is not _PKL5["send"]:
+        return None
+    if raw.f_globals is not _PKL5["globals"] or outer.f_globals is not _PKL5["globals"]:
+        return None
+    local = raw.f_locals
+    data, bufs, info = local.get("data"), local.get("bufs"), local.get("info")
+    sent = buf[0] if isinstance(buf, (list, tuple)) and buf else buf
+    if not isinstance(bufs, list) or not isinstance(data, bytes):
+        return None
+    if sent is info and isinstance(info, bytes) and len(info) == 8 * (1 + len(bufs)):
+        return 0, None
+    if isinstance(sent, memoryview) and sent.obj is data:
+        obj = outer.f_locals.get("obj")
+        if not _pickled_by_pkl5(obj, data, bufs):
+            return None
+        return (0, None) if bufs else (_elements(obj), _head(obj, pickled=True))
+    return None
+
+
+def _pickled_by_pkl5(obj, data: bytes, bufs: list) -> bool:
+    """Whether `data` and `bufs` are pkl5's pickle of `obj`, by a pickler of the recorder's own: with pkl5's
+    pickling replaced, a send of one value carried the whole vector, read as that one value."""
+    try:
+        own, own_bufs = _PKL5["pickle"].dumps_oob(obj)
+        return own == data and [memoryview(b).nbytes for b in own_bufs] == [memoryview(b).nbytes for b in bufs]
+    except Exception:  # noqa: BLE001 - not picklable so: not pkl5's pickle of it
+        return False
+
+
 def _caller(frame) -> tuple[str, int, str]:
     return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
 
@@ -788,17 +895,15 @@ def _wrap(cls_name: str, name: str, base, synchronous=None):
             return base(self, *args, **kwargs)
         dest, source = _peer(args, kwargs, dpos, "dest"), _peer(args, kwargs, spos, "source")
         buf, in_place = _sent_buffer(args, kwargs, dest)
-        count = _count(buf, pickled=name[0].islower()) if buf is not None else None
+        noted_as, count, nbytes, head = _message(name, buf, dest, sys._getframe(1))
         if in_place and name in _GATHERS_IN_PLACE and isinstance(count, int):  # this rank's part of the whole
             count = -(-count // max(1, _size(self)))
-        nbytes = _nbytes(name, buf) if dest is not None and recorder.sized else None
-        head = _head(buf, pickled=name[0].islower()) if dest is not None and recorder.sized else None
         status = None
         if name in _STATUS_AT and source is None:  # from any source: recorded once it is known
             args, kwargs, status = _with_status(args, kwargs, _STATUS_AT[name])
         # a receive from any source in flight: noted when a completion says where it came from (_sourced)
         wildcard = name in _WILDCARD_RECEIVES and source is None and not recorder.forbidden.get(name)
-        noted = recorder.note(name, *_in_world(self, dest, source), count, nbytes=nbytes,
+        noted = recorder.note(noted_as, *_in_world(self, dest, source), count, nbytes=nbytes,
                               head=head) if status is None and not wildcard else None
         mine = args[1] if len(args) > 1 else kwargs.get("recvbuf")
         if name in _SCATTERS_TO_EACH and not in_place and mine is not None and not recorder.paused_now:
@@ -1172,6 +1277,7 @@ def install(forbidden: dict[str, str], sized: bool = False, synchronous: bool = 
     recorder.forbidden.setdefault(C_MPI, "MPI's C functions called by hand (ctypes, cffi) are calls no check "
                                          "can follow: call MPI through mpi4py (point-to-point messages, or the "
                                          "collective the exercise asks for)")
+    _pkl5_capture()
     _patch_mpi(forbid_windows)
     _patch_ctypes()
     c10d = sys.modules.get(_TorchHook.TARGET)

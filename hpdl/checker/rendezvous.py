@@ -10,8 +10,9 @@ left) asks this replay instead, after the fact, over every rank's recorded calls
 The replay is lenient wherever the record is not exact, so an honest order is never called a hang: a
 nonblocking receive counts as posted where it was called only when the recorder saw both its call and
 its completion (Context.waits), else from the start (one from any source is noted only as it
-completes; persistent requests are not followed); a request blocks only where its completion was seen
-(Wait, Waitall, a Test that found it done; never Free); probes never block; tags are not told apart
+completes; a persistent request's first start from where it was made); a request blocks only where its
+completion was seen (Wait, Waitall, a Test that found it done; a persistent one's by Wait, Waitall, Test or
+Testall alone; never Free); probes never block; tags are not told apart
 (the k-th message from a rank to another meets the k-th receive of the other from it); and where two
 ranks' records disagree on how many messages passed between them (a receive the recorder did not see)
 the replay says nothing. A Sendrecv posts its send, receives, then waits for its send to be received.
