@@ -7,8 +7,12 @@
         # back to every worker. Every rank returns the new parameters.
 
 Built from Send/Recv (or send/recv): collectives are rejected, and workers may talk only to
-the server. Every rank starts from the same parameters, as after a broadcast. The gradients are
-drawn with the check's nonce: a rank cannot draw the others' and send zeros in their place.
+the server. The server's parameters are the current ones; a worker's `params` is its own copy, of
+the same shape and dtype but out of date (its values drawn apart): the new parameters reach a worker
+from the server or not at all (a server that sent the average gradient, each worker stepping alone,
+scored 12/12 wherever the recorder could not read what its messages began with: a list, a count and
+displacement). The gradients are drawn with the check's nonce: a rank cannot draw the others' and
+send zeros in their place.
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ METERED = True  # the bytes each rank sends are counted outside its process (met
 PRIVATE_INPUTS = True  # each rank gets its gradients as data, drawn with the check's nonce: none can draw another's
 FORBIDDEN = {name: "this exercise builds the exchange from point-to-point messages (Send and Recv)"
              for name in hooks.DATA_COLLECTIVES}
+HINT_ONLY_ROOT = ("only the server ends with the new parameters: each worker receives them from the server and "
+                  "returns them (a worker's own params is an out-of-date copy: a step taken on it is not the "
+                  "server's).")
 
 
 def cases(size):
@@ -42,11 +49,16 @@ def _grads(case, rank):
     return rng.standard_normal(p["n"]).astype(p.get("dtype", "float64"))
 
 
-def inputs(case, rank, size):
+def _params(case, rank: int = 0):
+    """The server's parameters (rank 0), or a worker's out-of-date copy of them."""
     p = case.params
-    params = np.random.default_rng([p.get("nonce", 0), 7]).standard_normal(p["n"]).astype(p.get("dtype", "float64"))
+    rng = np.random.default_rng([p.get("nonce", 0), 7] if rank == 0 else [p.get("nonce", 0), 8, rank])
+    return rng.standard_normal(p["n"]).astype(p.get("dtype", "float64"))
+
+
+def inputs(case, rank, size):
     grads = None if rank == 0 else _grads(case, rank)
-    return grads, params, p["lr"]
+    return grads, _params(case, rank), case.params["lr"]
 
 
 def reference(comm, grads, params, lr):
@@ -142,12 +154,16 @@ def diagnose(case, ctx):
         return None
     if np.issubdtype(got.dtype, np.floating) and not (np.abs(got) < 1e30).all():
         return "values of 1e30 and more, or NaN: " + _DTYPES
-    _, params, lr = ctx.args
-    if np.allclose(got, params):
+    _, mine, lr = ctx.args
+    if np.allclose(got, mine):
         if ctx.rank == 0:
             return "the server returned the old parameters: apply params - lr * average gradient."
-        return "this worker returned the old parameters: it must receive the new ones from the server."
+        return "this worker returned its own copy of the parameters: it must receive the new ones from the server."
     total = sum(_grads(ctx.case, r) for r in range(1, ctx.size)).astype(np.float64)
+    if ctx.rank != 0 and np.allclose(got, mine - lr * total / (ctx.size - 1), rtol=1e-4, atol=1e-5):
+        return ("this worker took the step itself, on its own copy of the parameters, which is out of date: the "
+                "server's are the current ones. The server takes the step and sends each worker the result.")
+    params = _params(ctx.case)
     if np.allclose(got, params - lr * total / (ctx.size - 1), rtol=1e-4, atol=1e-5):
         return None  # right values (with one worker, its sum is its average): the mistake is elsewhere
     for label, step in (
