@@ -105,8 +105,9 @@ def test_communicators_made_buy_only_the_room_their_mpi_takes_on_the_wire(no_str
 
 
 def test_ranks_that_all_send_before_they_receive_hang_as_mpi_allows(no_strays):
-    """Send may wait for its Recv (hooks.SYNCHRONOUS): every rank sending first waits forever, with a hint."""
-    result = hpdl.check("ring_allreduce", A.ring_sends_before_it_receives, ranks=[2], grade=True)
+    """Send may wait for its Recv (hooks.SYNCHRONOUS): every rank sending first waits forever, with a hint.
+    A 2 s limit, as test_check_ring's deadlocks have: no case can finish, so the limit only sets the wait."""
+    result = hpdl.check("ring_allreduce", A.ring_sends_before_it_receives, ranks=[2], grade=True, timeout=2)
     assert result.score == 0 and {c.verdict for c in result.cases} == {"HANG"}, result
     assert all("comm.Send(" in c.message and "Sendrecv" in c.hint for c in result.cases), result
 
