@@ -813,8 +813,8 @@ def _message(name: str, buf, dest, frame) -> tuple[str, int | None, int | None, 
     head = _head(buf, pickled=pickled) if dest is not None and recorder.sized else None
     part = _pkl5_part(frame, buf) if dest is not None and _PKL5 and not pickled else None
     if part is not None:
-        count, head = part[0], part[1] if recorder.sized else None
-        return name.lower(), count, nbytes, head
+        values, first = part
+        return name.lower(), values, nbytes, first if recorder.sized else None
     return name, count, nbytes, head
 
 
