@@ -504,10 +504,13 @@ def test_nothing_distributed_earns_nothing_on_one_rank(exercise, fn, no_strays):
     assert all(c.verdict.earns_points for c in result.cases if c.ranks == 1), result
 
 
-def test_a_resume_without_horovod_scores_nothing(no_strays):
+@pytest.mark.parametrize("resume", [E.resume_without_horovod, E.resume_without_horovod_under_its_synchronize,
+                                    E.resume_without_horovod_under_its_methods_but_step])
+def test_a_resume_without_horovod_scores_nothing(resume, no_strays):
     """The exercise is Horovod's resume: an optimizer of the learner's own that averages over mpi4py trained on
-    as the reference did (9/9). The optimizer returned must be one hvd.DistributedOptimizer made."""
-    result = hpdl.check("resume_horovod", E.resume_without_horovod, ranks=[1, 2])
+    as the reference did (9/9), also in a class that carries Horovod's synchronize (9/9), or all its methods but
+    step(). The optimizer returned must be one hvd.DistributedOptimizer made: every method Horovod's."""
+    result = hpdl.check("resume_horovod", resume, ranks=[1, 2])
     no_points(result)
     assert all("not Horovod's" in c.message and "hvd.DistributedOptimizer" in (c.hint or "") for c in result.cases)
 
@@ -659,3 +662,50 @@ def test_pkl5s_messages_are_the_values_they_carry_not_those_its_send_names(no_st
     result = hpdl.check("ring_allreduce", E.ring_passing_x_through_pkl5_under_another_name, ranks=[3], grade=True)
     longer = [c for c in result.cases if c.params["n"] >= c.ranks]
     assert len(longer) >= 7 and all(c.verdict == "WRONG" and "values" in c.message for c in longer), result
+
+
+@pytest.mark.parametrize("exercise, attack, refused", [
+    ("average_gradients", E.average_by_messages_beside_an_allreduce_of_zeros, "comm.Send"),
+    ("allreduce_gradients", E.gradients_gathered_beside_a_torch_allreduce_of_zeros, "comm.Allgather"),
+    # torch.distributed's send and recv are not recorded: patched like its collectives, a ZeRO-3 rank's memory
+    # count read 9 layers held for the model solution (not understood yet; a strict xfail, so a fix shows)
+    pytest.param("allreduce_gradients", E.gradients_by_torch_messages_beside_a_torch_allreduce_of_zeros,
+                 "torch.distributed.send", marks=pytest.mark.xfail(strict=True, reason="torch's messages unrecorded")),
+])
+def test_an_average_moves_by_its_all_reduce_alone(exercise, attack, refused, no_strays):
+    """An all-reduce of zeros as large as the gradients beside the real average moved another way (messages to one
+    rank and back, an allgather; MPI's or torch.distributed's): the all-reduce's count and the wire's both looked
+    like one all-reduce (12/12, 8/8). Other ways for the values to move are refused in these exercises."""
+    result = hpdl.check(exercise, attack, ranks=[2])
+    no_points(result)
+    assert all(refused in c.message for c in result.cases), result
+
+
+def test_a_column_parallel_layer_all_reduces_grad_x_by_a_collective(no_strays):
+    """grad_x's parts gathered by Sendrecv from every rank and summed (an allgather, where the layer's backward is
+    an all-reduce): the count of what was all-gathered read collectives alone (15/15). Messages by hand are
+    refused in this exercise."""
+    result = hpdl.check("column_parallel_linear", E.column_parallel_grad_x_gathered_by_sendrecv, ranks=[3])
+    no_points(result)
+    assert all("comm.Sendrecv" in c.message for c in result.cases), result
+
+
+def test_zero1_all_gathers_the_updated_weights_once(no_strays):
+    """Every call within a shard, the averaged gradient and the momentum all-gathered, each rank stepping the whole
+    model: what every rank ends up with is two models' worth (a collective at a time, 18/18)."""
+    result = hpdl.check("zero1_step", E.zero1_with_the_whole_step_on_every_rank, ranks=[2])
+    no_points(result)
+    assert all("all-gathers the updated weights once" in c.message for c in result.cases if c.ranks > 1), result
+
+
+@pytest.mark.parametrize("attack, words", [
+    (E.overlap_of_zeros_then_the_average_another_way, "comm.Allgather"),
+    (E.overlap_of_zeros_then_the_average_by_broadcasts, "broadcasts carried"),
+])
+def test_a_minimal_ddp_averages_by_its_buckets_all_reduces(attack, words, no_strays):
+    """Buckets of zeros all-reduced on time in float64 (twice the bytes, so the wire looked like the buckets), the
+    average taken after backward by an allgather (8/8) or a broadcast from every rank: the other collectives are
+    refused, and the broadcasts may carry the parameters once."""
+    result = hpdl.check("overlap_allreduce", attack, ranks=[2])
+    no_points(result)
+    assert all(words in c.message for c in result.cases if c.ranks > 1), result

@@ -75,6 +75,11 @@ TORCH_DATA_PARALLEL = {
 REDUCTIONS = [n for n in COLLECTIVES if "educe" in n or n in ("Scan", "scan", "Exscan", "exscan", "Iscan", "Iexscan")]
 #: Every collective that moves data: what a point-to-point-only exercise must not call.
 DATA_COLLECTIVES = [n for n in COLLECTIVES if "arrier" not in n]
+#: Every call that sends a message (and so every way a message moves by hand): what an exercise built from
+#: collectives must not call beside them.
+SENDS = ["Send", "Ssend", "Bsend", "Rsend", "Isend", "Issend", "Ibsend", "Irsend", "Send_init", "Ssend_init",
+         "Bsend_init", "Rsend_init", "Psend_init", "send", "ssend", "bsend", "isend", "issend", "ibsend",
+         "Sendrecv", "sendrecv", "Sendrecv_replace", "Isendrecv", "Isendrecv_replace"]
 #: calls that make a communicator: recorded (never refused), since the ranks exchange messages to agree on it
 # in a check (recording._wrap) a blocking send of the standard mode runs as the synchronous one: MPI lets Send
 # wait until its receive is posted, and does so past an eager limit. Over TCP (meter.OVER_TCP) every message went

@@ -24,6 +24,7 @@ import importlib.abc
 import numbers
 import operator
 import os
+import struct
 import sys
 import threading
 import types
@@ -239,6 +240,7 @@ _P2P = {
     "Send_init": (1, None), "Ssend_init": (1, None), "Bsend_init": (1, None), "Rsend_init": (1, None),
     "Psend_init": (2, None), "Precv_init": (None, 2),  # partitioned: (buf, partitions, dest or source, ...)
     "send": (1, None), "ssend": (1, None), "bsend": (1, None), "isend": (1, None), "issend": (1, None),
+    "ibsend": (1, None),  # (unrecorded, a pickled message moved unseen by the record)
     "Recv": (None, 1), "Irecv": (None, 1), "Recv_init": (None, 1), "recv": (None, 1), "irecv": (None, 1),
     "Probe": (None, 0), "Iprobe": (None, 0), "Mprobe": (None, 0), "Improbe": (None, 0),
     "probe": (None, 0), "iprobe": (None, 0), "mprobe": (None, 0), "improbe": (None, 0),
@@ -811,6 +813,8 @@ def _message(name: str, buf, dest, frame) -> tuple[str, int | None, int | None, 
     count = _count(buf, pickled=pickled) if buf is not None else None
     nbytes = _nbytes(name, buf) if dest is not None and recorder.sized else None
     head = _head(buf, pickled=pickled) if dest is not None and recorder.sized else None
+    if dest is not None and not pickled and not _PKL5 and "mpi4py.util.pkl5" in sys.modules:
+        _pkl5_capture()  # once the learner's code has imported it (at install, a ZeRO-3 rank's memory count moved)
     part = _pkl5_part(frame, buf) if dest is not None and _PKL5 and not pickled else None
     if part is not None:
         values, first = part
@@ -824,9 +828,10 @@ _PKL5: dict[str, Any] = {}  # pkl5's send functions as installed: their code obj
 
 
 def _pkl5_capture() -> None:
-    """pkl5's send, as install() finds it: a send of an object there is three or more typed messages (its
-    header of lengths, the object's pickle, each of the pickle's out-of-band buffers), each read as values: a
-    ring sending through pkl5.Intracomm scored 0/27, the pickle's header counted as ~34 values a message."""
+    """pkl5's send, as the learner's code imported it: a send of an object there is three or more typed messages
+    (its header of lengths, the object's pickle, each of the pickle's out-of-band buffers), each read as values: a
+    ring sending through pkl5.Intracomm scored 0/27, the pickle's header counted as ~34 values a message. What its
+    messages are noted as rests on their contents (_pkl5_part), not on these functions being pkl5's own."""
     try:
         from mpi4py.util import pkl5
     except Exception:  # noqa: BLE001 - an mpi4py without it: nothing to read
@@ -847,17 +852,14 @@ def _pkl5_part(frame, buf) -> tuple[int, tuple | None] | None:
         return None
     if raw.f_globals is not _PKL5["globals"] or outer.f_globals is not _PKL5["globals"]:
         return None
-    local = raw.f_locals
+    local, obj = raw.f_locals, outer.f_locals.get("obj")
     data, bufs, info = local.get("data"), local.get("bufs"), local.get("info")
     sent = buf[0] if isinstance(buf, (list, tuple)) and buf else buf
-    if not isinstance(bufs, list) or not isinstance(data, bytes):
+    if not isinstance(bufs, list) or not isinstance(data, bytes) or not _pickled_by_pkl5(obj, data, bufs):
         return None
-    if sent is info and isinstance(info, bytes) and len(info) == 8 * (1 + len(bufs)):
+    if sent is info and info == struct.pack(f"{1 + len(bufs)}q", len(data), *(memoryview(b).nbytes for b in bufs)):
         return 0, None
     if isinstance(sent, memoryview) and sent.obj is data:
-        obj = outer.f_locals.get("obj")
-        if not _pickled_by_pkl5(obj, data, bufs):
-            return None
         return (0, None) if bufs else (_elements(obj), _head(obj, pickled=True))
     return None
 
@@ -1277,7 +1279,6 @@ def install(forbidden: dict[str, str], sized: bool = False, synchronous: bool = 
     recorder.forbidden.setdefault(C_MPI, "MPI's C functions called by hand (ctypes, cffi) are calls no check "
                                          "can follow: call MPI through mpi4py (point-to-point messages, or the "
                                          "collective the exercise asks for)")
-    _pkl5_capture()
     _patch_mpi(forbid_windows)
     _patch_ctypes()
     c10d = sys.modules.get(_TorchHook.TARGET)

@@ -25,10 +25,16 @@ SIGNATURE = "allreduce_gradients(comm, model) -> None   # p.grad := average over
 # torch's coalesced all-reduce flattens, all-reduces once and unflattens: the exercise, done for the learner (8/8)
 _COALESCED = ("this exercise asks you to flatten the gradients into one buffer yourself, all-reduce it once and copy "
               "the averages back: torch's coalesced all-reduce does all three for you")
+# one all-reduce and no other way for the values to move: an Allgather of every rank's gradients, or Send and Recv
+# to one rank and back, beside a torch all-reduce of zeros as large as the gradients for the count, scored 8/8
+_ONLY = ("this exercise averages the gradients with one all-reduce of one flat buffer (dist.all_reduce or "
+         "comm.Allreduce): other collectives and messages by hand are other algorithms")
+_ALL_REDUCE = ("Allreduce", "allreduce", "Iallreduce", "Allreduce_init")
 FORBIDDEN = {**hooks.TORCH_DATA_PARALLEL,
              **{name: _COALESCED for name in ("torch.distributed.all_reduce_coalesced",
                                               "torch.distributed.distributed_c10d.all_reduce_coalesced",
-                                              "ProcessGroup.allreduce_coalesced")}}
+                                              "ProcessGroup.allreduce_coalesced")},
+             **{name: _ONLY for name in hooks.DATA_COLLECTIVES + hooks.SENDS if name not in _ALL_REDUCE}}
 RANKS = (1, 2, 3)
 TIMEOUT = 30.0  # the first case of a job pays for importing torch and joining the process group
 PRIVATE_INPUTS = True  # each rank gets its own batch as data: no rank can draw the others'

@@ -25,6 +25,10 @@ MORE = 1.5  # times the gradients' values the all-reduces may carry (a flag or t
 FORBIDDEN = {name: "this exercise averages with an all-reduce (comm.Allreduce, then a division): each rank needs "
                    "the sum, not every rank's gradients"
              for name in hooks.DATA_COLLECTIVES if name not in _ALL_REDUCE}
+# and every message by hand: the average gathered to one rank by Send and sent back, beside an all-reduce of
+# zeros as large as the gradients for the count, scored 12/12
+FORBIDDEN.update({name: "this exercise averages with an all-reduce (comm.Allreduce, then a division): messages "
+                        "by hand (Send, Recv) are another algorithm" for name in hooks.SENDS})
 
 _SHAPES = {
     "small model": ([(4, 3), (3,), (2, 2, 2)], "float32"),

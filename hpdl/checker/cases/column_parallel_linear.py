@@ -28,6 +28,11 @@ RANKS = (1, 2, 3, 4)
 PRIVATE_INPUTS = True  # each rank gets its own rows as data: with the check's nonce no rank can draw the others'
 METERED = True  # the bytes that reach each rank are counted by the kernel (meter.py): gathered weights show
 TIMEOUT = 30.0  # the first case of a job pays for importing torch
+# the layer's two collectives: y's columns gathered, grad_x all-reduced. Messages by hand are refused: grad_x's
+# parts sent to every rank by Sendrecv and summed there (an allgather where the layer needs an all-reduce)
+# scored 15/15, counted by the collectives alone
+FORBIDDEN = {name: "this exercise builds the layer from MPI's collectives (gather y's columns, all-reduce grad_x): "
+                   "messages by hand (Send, Recv, Sendrecv) are refused here" for name in hooks.SENDS}
 
 
 def cases(size):

@@ -151,7 +151,7 @@ def verify(case, ctx):
         if w is not None:
             return w
     lo, hi = shard_of(ctx.rank, p, n)
-    return (_beyond_a_shard(ctx, n)
+    return (_beyond_a_shard(ctx, n) or _gathered_once(ctx, n)
             or hooks.received_at_least(ctx, (n - (hi - lo)) * 4, "the other ranks' updated shards")
             or _another_algorithm(ctx, n, least))
 
@@ -212,6 +212,24 @@ def _beyond_a_shard(ctx, n: int) -> Wrong | None:
 
 
 METADATA = 16  # values a call may carry beside a shard: a shape, a length
+GATHERS = [name for name in hooks.COLLECTIVES if "llgather" in name]
+
+
+def _gathered_once(ctx, n: int) -> Wrong | None:
+    """What every rank ends up with from the all-gathers and broadcasts, by the recorder's counts: one model's
+    worth, the updated shards (an all-gather's count is this rank's part, p of them; a broadcast's, all of it),
+    and a value or two a rank beside them (a length). Each call held to a shard, the averaged gradient's shards
+    all-gathered and then the momentum's, every rank stepping the whole model, scored 18/18."""
+    p = ctx.size
+    parts = sum(c.count for c in ctx.calls if c.name in GATHERS and c.dest is None and isinstance(c.count, int))
+    whole = sum(c.count for c in ctx.calls if c.name in BCASTS and c.dest is None and isinstance(c.count, int))
+    if p < 2 or p * parts + whole <= n + 2 * p:
+        return None
+    return Wrong(f"rank {ctx.rank}'s all-gathers and broadcasts hand every rank about {p * parts + whole} values; the "
+                 f"updated shards are {n}: ZeRO-1 all-gathers the updated weights once",
+                 hint="after the reduce-scatter each rank updates its own shard of the weights and its own momentum, "
+                      "then one Allgatherv of the updated weight shards: gathering the averaged gradient or the "
+                      "momentum as well makes every rank hold the whole optimizer step, data parallelism's.")
 
 
 def _least_received(ctx) -> int | None:
