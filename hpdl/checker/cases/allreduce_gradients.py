@@ -25,16 +25,16 @@ SIGNATURE = "allreduce_gradients(comm, model) -> None   # p.grad := average over
 # torch's coalesced all-reduce flattens, all-reduces once and unflattens: the exercise, done for the learner (8/8)
 _COALESCED = ("this exercise asks you to flatten the gradients into one buffer yourself, all-reduce it once and copy "
               "the averages back: torch's coalesced all-reduce does all three for you")
-# one all-reduce and no other way for the values to move: an Allgather of every rank's gradients, or Send and Recv
-# to one rank and back, beside a torch all-reduce of zeros as large as the gradients for the count, scored 8/8
-_ONLY = ("this exercise averages the gradients with one all-reduce of one flat buffer (dist.all_reduce or "
-         "comm.Allreduce): other collectives and messages by hand are other algorithms")
-_ALL_REDUCE = ("Allreduce", "allreduce", "Iallreduce", "Allreduce_init")
+# one all-reduce (or the collectives one is made of: a reduce-scatter and an all-gather, a Reduce and a Bcast) and
+# no messages by hand: the gradients sent to one rank and back by Send and Recv, beside a torch all-reduce of zeros
+# as large as the gradients for the count, scored 8/8 (an Allgather of them so: _shares_only)
+_BY_HAND = ("this exercise averages the gradients with one all-reduce of one flat buffer (dist.all_reduce or "
+            "comm.Allreduce): messages by hand are another algorithm")
 FORBIDDEN = {**hooks.TORCH_DATA_PARALLEL,
              **{name: _COALESCED for name in ("torch.distributed.all_reduce_coalesced",
                                               "torch.distributed.distributed_c10d.all_reduce_coalesced",
                                               "ProcessGroup.allreduce_coalesced")},
-             **{name: _ONLY for name in hooks.DATA_COLLECTIVES + hooks.SENDS if name not in _ALL_REDUCE}}
+             **{name: _BY_HAND for name in hooks.SENDS}}
 RANKS = (1, 2, 3)
 TIMEOUT = 30.0  # the first case of a job pays for importing torch and joining the process group
 PRIVATE_INPUTS = True  # each rank gets its own batch as data: no rank can draw the others'
@@ -154,7 +154,33 @@ def verify(case, ctx):
     return hooks.received_for_allreduce(ctx, nbytes, "an average of every rank's gradients") or (
         Wrong(f"your all-reduce took {reduced} of the {values} gradient values; the rest reached the other ranks "
               "some other way (a gather, broadcasts)", hint=_ONE)
-        if size > 1 and isinstance(reduced, int) and reduced < values else None)
+        if size > 1 and isinstance(reduced, int) and reduced < values else None) or _shares_only(ctx, values)
+
+
+_TORCH_EVERY_PART = ("all_gather", "all_gather_into_tensor", "_all_gather_base")  # recorded by their output: p parts
+_GATHERS = [n for n in hooks.COLLECTIVES if "ather" in n] + ["gather", *_TORCH_EVERY_PART]
+_WHOLE = {"broadcasts": ("Bcast", "bcast", "Ibcast", "Bcast_init", "broadcast"),
+          "all-to-alls": (*[n for n in hooks.COLLECTIVES if "lltoall" in n], "all_to_all", "all_to_all_single")}
+
+
+def _shares_only(ctx, values: int) -> Wrong | None:
+    """What the collectives besides the all-reduces carry, by the recorder's counts: an all-gather (or gather) no
+    more than a reduce-scatter's share of the gradients from each rank, broadcasts and all-to-alls no more than the
+    gradients once (a Reduce then a Bcast, a reduce-scatter by all-to-all). Every rank's whole gradients gathered
+    and averaged, beside a torch all-reduce of zeros as large for the count, scored 8/8."""
+    p, slack = ctx.size, 16
+    counted = [c for c in ctx.calls if isinstance(c.count, int) and c.dest is None]
+    parts = max((c.count // (p if c.name in _TORCH_EVERY_PART else 1) for c in counted if c.name in _GATHERS),
+                default=0)
+    if p > 1 and parts > -(-values // p) + slack:
+        return Wrong(f"rank {ctx.rank} all-gathered {parts} values of its own, of {values} gradient values: every "
+                     "rank's gradients gathered and averaged is an allgather, not the all-reduce", hint=_ONE)
+    for what, names in _WHOLE.items():
+        moved = sum(c.count for c in counted if c.name in names)
+        if p > 1 and moved > values + slack:
+            return Wrong(f"rank {ctx.rank}'s {what} carried {moved} values, of {values} gradient values: more than "
+                         "the one all-reduce's worth", hint=_ONE)
+    return None
 
 
 def _more_on_wire(on_wire: float, tensors: int, calls) -> Wrong:
