@@ -75,6 +75,10 @@ TORCH_DATA_PARALLEL = {
 REDUCTIONS = [n for n in COLLECTIVES if "educe" in n or n in ("Scan", "scan", "Exscan", "exscan", "Iscan", "Iexscan")]
 #: Every collective that moves data: what a point-to-point-only exercise must not call.
 DATA_COLLECTIVES = [n for n in COLLECTIVES if "arrier" not in n]
+#: The all-gathers (each rank's part to every rank; the recorder counts this rank's part), and the broadcasts
+#: (MPI's, and torch.distributed's as the recorder names it; counted whole).
+ALL_GATHERS = [n for n in COLLECTIVES if "llgather" in n]
+BROADCASTS = ("Bcast", "bcast", "Ibcast", "Bcast_init", "broadcast")
 #: Every call that sends a message (and so every way a message moves by hand): what an exercise built from
 #: collectives must not call beside them.
 SENDS = ["Send", "Ssend", "Bsend", "Rsend", "Isend", "Issend", "Ibsend", "Irsend", "Send_init", "Ssend_init",

@@ -148,7 +148,7 @@ def verify(case, ctx):
     return w or _grad_x_not_gathered(case, ctx)
 
 
-_GATHERS = [name for name in hooks.COLLECTIVES if "llgather" in name]  # every rank receives every rank's part
+_GATHERS = hooks.ALL_GATHERS  # every rank receives every rank's part
 _TO_ALL = [name for name in hooks.COLLECTIVES if "lltoall" in name]  # a block for each rank: the same, tiled
 _GATHERED = {*_GATHERS, *_TO_ALL}
 BESIDE_Y = 8  # small numbers an allgather may carry beside y's columns: a shape, each rank's width

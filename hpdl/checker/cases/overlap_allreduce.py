@@ -44,15 +44,13 @@ from hpdl.checker import hooks
 from hpdl.checker.cases import Case, Wrong, nonce_seed, one_rank_points
 from hpdl.checker.cases import _dp
 
-BROADCASTS = ("Bcast", "bcast", "Ibcast", "Bcast_init", "broadcast")  # MPI's, and torch.distributed's as recorded
-
 SIGNATURE = "overlap_allreduce(comm, model, bucket_mb) -> finish   # finish() after each backward"
 # DDP does the exercise (its bucket caps can be set to the exercise's); and the exercise's values move by its
 # all-reduces (and the parameters' broadcast) alone: hooks that all-reduced float64 zeros of each bucket's size while
 # backward ran, the average taken after it by an MPI Allgather, scored 8/8
 _ONLY = ("a minimal DDP moves the gradients by its buckets' all-reduces (and the parameters by one broadcast at the "
          "start): other collectives and messages by hand are refused here")
-_ALLOWED = ("Allreduce", "allreduce", "Iallreduce", "Allreduce_init", *BROADCASTS)
+_ALLOWED = ("Allreduce", "allreduce", "Iallreduce", "Allreduce_init", *hooks.BROADCASTS)
 FORBIDDEN = {**hooks.TORCH_DATA_PARALLEL,
              **{name: _ONLY for name in hooks.DATA_COLLECTIVES + hooks.SENDS if name not in _ALLOWED}}
 RANKS = (1, 2, 3)
@@ -302,7 +300,7 @@ def verify(case, ctx):
 def _broadcast_once(ctx, expected) -> Wrong | None:
     """The broadcasts carry the parameters once, at the start, by the recorder's counts: every rank's gradients
     broadcast in turn after backward is an allgather of them."""
-    values = sum(c.count for c in ctx.calls if c.name in BROADCASTS and isinstance(c.count, int))
+    values = sum(c.count for c in ctx.calls if c.name in hooks.BROADCASTS and isinstance(c.count, int))
     if ctx.size < 2 or values <= 1.5 * expected["gradient_values"] + 16:
         return None
     return Wrong(f"rank {ctx.rank}'s broadcasts carried {values} values; the parameters, broadcast once at the start, "

@@ -212,7 +212,6 @@ def _beyond_a_shard(ctx, n: int) -> Wrong | None:
 
 
 METADATA = 16  # values a call may carry beside a shard: a shape, a length
-GATHERS = [name for name in hooks.COLLECTIVES if "llgather" in name]
 
 
 def _gathered_once(ctx, n: int) -> Wrong | None:
@@ -221,8 +220,9 @@ def _gathered_once(ctx, n: int) -> Wrong | None:
     and a value or two a rank beside them (a length). Each call held to a shard, the averaged gradient's shards
     all-gathered and then the momentum's, every rank stepping the whole model, scored 18/18."""
     p = ctx.size
-    parts = sum(c.count for c in ctx.calls if c.name in GATHERS and c.dest is None and isinstance(c.count, int))
-    whole = sum(c.count for c in ctx.calls if c.name in BCASTS and c.dest is None and isinstance(c.count, int))
+    counted = [c for c in ctx.calls if c.dest is None and isinstance(c.count, int)]
+    parts = sum(c.count for c in counted if c.name in hooks.ALL_GATHERS)
+    whole = sum(c.count for c in counted if c.name in hooks.BROADCASTS)
     if p < 2 or p * parts + whole <= n + 2 * p:
         return None
     return Wrong(f"rank {ctx.rank}'s all-gathers and broadcasts hand every rank about {p * parts + whole} values; the "
