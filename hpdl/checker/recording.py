@@ -855,13 +855,16 @@ def _pkl5_part(frame, buf) -> tuple[int, tuple | None] | None:
     local, obj = raw.f_locals, outer.f_locals.get("obj")
     data, bufs, info = local.get("data"), local.get("bufs"), local.get("info")
     sent = buf[0] if isinstance(buf, (list, tuple)) and buf else buf
-    if not isinstance(bufs, list) or not isinstance(data, bytes) or not _pickled_by_pkl5(obj, data, bufs):
+    header, pickle = sent is info, isinstance(sent, memoryview) and sent.obj is data
+    # an out-of-band buffer goes as it is (read by its bytes): only the header and the pickle are checked, the
+    # object pickled again once for each
+    if not (header or pickle) or not isinstance(bufs, list) or not isinstance(data, bytes) \
+            or not _pickled_by_pkl5(obj, data, bufs):
         return None
-    if sent is info and info == struct.pack(f"{1 + len(bufs)}q", len(data), *(memoryview(b).nbytes for b in bufs)):
-        return 0, None
-    if isinstance(sent, memoryview) and sent.obj is data:
-        return (0, None) if bufs else (_elements(obj), _head(obj, pickled=True))
-    return None
+    if header:
+        lengths = struct.pack(f"{1 + len(bufs)}q", len(data), *(memoryview(b).nbytes for b in bufs))
+        return (0, None) if info == lengths else None
+    return (0, None) if bufs else (_elements(obj), _head(obj, pickled=True))
 
 
 def _pickled_by_pkl5(obj, data: bytes, bufs: list) -> bool:
