@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import gc
 import json
 import os
 import runpy
@@ -268,6 +269,16 @@ class Server:
         self.ranks.clear()
 
 
+def freeze_imported() -> None:
+    """What the server imported, kept out of every later garbage collection (gc.freeze), in it and in its forks.
+    A fork shares the server's pages until it writes to one; a full collection in a rank writes to every object it
+    inherited, and the kernel copies each page so written into the rank: ~30 MiB of pages charged to the rank's
+    memory cgroup at a time set by how much it allocated, which a check's count of what a rank held at once read as
+    seven more layers of a model (zero3_unit)."""
+    gc.collect()
+    gc.freeze()
+
+
 def _die_with_parent(server: int) -> None:
     """A rank is killed when its server dies (Linux's PR_SET_PDEATHSIG), so a server killed
     before it could end them leaves no rank behind."""
@@ -401,6 +412,7 @@ def main(argv: list[str] | None = None) -> None:
     server = Server(ns.socket, command)  # listening first: the launcher starts while we import
     for name in ns.preload:
         importlib.import_module(name)
+    freeze_imported()
     request = server.serve()
     if request is None:
         sys.stdout.flush()
