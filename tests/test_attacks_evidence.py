@@ -667,10 +667,8 @@ def test_pkl5s_messages_are_the_values_they_carry_not_those_its_send_names(no_st
 @pytest.mark.parametrize("exercise, attack, refused", [
     ("average_gradients", E.average_by_messages_beside_an_allreduce_of_zeros, "comm.Send"),
     ("allreduce_gradients", E.gradients_gathered_beside_a_torch_allreduce_of_zeros, "is an allgather"),
-    # torch.distributed's send and recv are not recorded: patched like its collectives, a ZeRO-3 rank's memory
-    # count read 9 layers held for the model solution (not understood yet; a strict xfail, so a fix shows)
-    pytest.param("allreduce_gradients", E.gradients_by_torch_messages_beside_a_torch_allreduce_of_zeros,
-                 "torch.distributed.send", marks=pytest.mark.xfail(strict=True, reason="torch's messages unrecorded")),
+    ("allreduce_gradients", E.gradients_by_torch_messages_beside_a_torch_allreduce_of_zeros, "torch.distributed.send"),
+    ("allreduce_gradients", E.gradients_by_process_group_messages_beside_an_allreduce_of_zeros, "ProcessGroup.send"),
 ])
 def test_an_average_moves_by_its_all_reduce_alone(exercise, attack, refused, no_strays):
     """An all-reduce of zeros as large as the gradients beside the real average moved another way (messages to one

@@ -1090,6 +1090,12 @@ TORCH_COLLECTIVES = {
 }
 
 
+#: torch.distributed's messages, and the MPI rule each falls under: recorded with their peer, refused where messages
+#: by hand are (hooks.SENDS). send_object_list and recv_object_list send through send and recv; batch_isend_irecv
+#: through isend and irecv (its P2POps name them)
+TORCH_MESSAGES = {"send": "Send", "isend": "Isend", "recv": "Recv", "irecv": "Irecv"}
+
+
 #: where a torch.distributed call's data is not its first argument: its input (a reduce-scatter's output is a part)
 _INPUT_AT = {"reduce_scatter": (1, "input_list"), "reduce_scatter_tensor": (1, "input"),
              "_reduce_scatter_base": (1, "input")}
@@ -1109,7 +1115,8 @@ def _numel(args, kwargs, name: str = "") -> int | None:
 _PG_AS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced", "broadcast": "broadcast",
           "allgather": "all_gather", "reduce": "reduce", "reduce_scatter": "reduce_scatter", "alltoall": "all_to_all",
           "alltoall_base": "all_to_all_single", "gather": "gather", "scatter": "scatter",
-          "_allgather_base": "_all_gather_base", "_reduce_scatter_base": "_reduce_scatter_base"}
+          "_allgather_base": "_all_gather_base", "_reduce_scatter_base": "_reduce_scatter_base", "send": "send",
+          "recv": "recv", "recv_anysource": "recv"}
 _in_function = threading.local()  # depth of torch.distributed functions under way: their own ProcessGroup call
 
 
@@ -1163,18 +1170,37 @@ def _recorded_function(name: str, rule: str, base):
             if reason:
                 recorder.rejected.append(f"torch.distributed.{name}")
                 raise ForbiddenCall(f"torch.distributed.{name}", reason)
-            recorder.add(Call(name, count=_numel(args, kwargs, name)))
+            recorder.add(_torch_call(name, args, kwargs))
         _in_function.depth = getattr(_in_function, "depth", 0) + 1
         try:
             result = base(*args, **kwargs)
         finally:
             _in_function.depth -= 1
         if recording:
-            _started_work(f"dist.{name}(async_op=True)", result, sys._getframe(1))
+            _started_work(f"dist.{name}()" if name in TORCH_MESSAGES else f"dist.{name}(async_op=True)", result,
+                          sys._getframe(1))
         return result
 
     fn.__name__, fn.__qualname__, fn._hpdl_recorded = name, name, True
     return fn
+
+
+def _torch_call(name: str, args, kwargs) -> Call:
+    """A torch.distributed call as recorded: its data's elements; a message's peer too, and a send's elements
+    (unrecorded, torch's send and recv moved an average to rank 0 and back beside an all-reduce of zeros, full
+    marks where messages by hand are refused)."""
+    if name not in TORCH_MESSAGES:
+        return Call(name, count=_numel(args, kwargs, name))
+    peer, sends = _torch_peer(args, kwargs, name), "send" in name
+    return Call(name, dest=peer if sends else None, source=None if sends else peer,
+                count=_numel(args, kwargs) if sends else None)
+
+
+def _torch_peer(args, kwargs, name: str) -> int | None:
+    """The rank a torch.distributed message goes to (dst) or comes from (src; None: from any)."""
+    key = "dst" if "send" in name else "src"
+    peer = args[1] if len(args) > 1 else kwargs.get(key, kwargs.get(f"group_{key}"))
+    return peer if isinstance(peer, int) else None
 
 
 def _patch_c10d(c10d) -> None:
@@ -1182,7 +1208,7 @@ def _patch_c10d(c10d) -> None:
     if work is not None and not _WORK:
         _WORK.append(work)
         _patch_works(work)
-    for name, rule in TORCH_COLLECTIVES.items():
+    for name, rule in [*TORCH_COLLECTIVES.items(), *TORCH_MESSAGES.items()]:
         base = getattr(c10d, name, None)
         if base is None or getattr(base, "_hpdl_recorded", False):
             continue
@@ -1195,12 +1221,14 @@ def _patch_c10d(c10d) -> None:
     for cls_name in ("ProcessGroup",):  # the object-level route: dist.group.WORLD.allreduce(...)
         cls = getattr(c10d, cls_name, None)
         for method in ("allreduce", "allreduce_coalesced", "broadcast", "allgather", "reduce", "reduce_scatter",
-                       "alltoall", "alltoall_base", "gather", "scatter", "_allgather_base", "_reduce_scatter_base"):
+                       "alltoall", "alltoall_base", "gather", "scatter", "_allgather_base", "_reduce_scatter_base",
+                       "send", "recv", "recv_anysource"):
             base = getattr(cls, method, None) if cls is not None else None
             if base is None or getattr(base, "_hpdl_recorded", False):
                 continue
             rule = {"allreduce": "Allreduce", "allreduce_coalesced": "Allreduce", "broadcast": "Bcast",
-                    "reduce": "Reduce"}.get(method, "Allgather")
+                    "reduce": "Reduce", "send": "Send", "recv": "Recv", "recv_anysource": "Recv"}
+            rule = rule.get(method, "Allgather")
 
             def pg(self, *args, _m=method, _rule=rule, _base=base, **kwargs):
                 # called by the learner, not by dist.all_reduce
