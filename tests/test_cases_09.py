@@ -211,6 +211,29 @@ def lars_decay_in_the_step_only(params, grads, lr, trust_coef=0.001, weight_deca
     return out
 
 
+def lars_ratio_clipped_at_one(params, grads, lr, trust_coef=0.001, weight_decay=0.0):
+    """LARC's clipping: the ratio capped at 1."""
+    out = []
+    for w, g in zip(params, grads):
+        wn, gn = w.norm(), g.norm()
+        ratio = trust_coef * wn / (gn + weight_decay * wn) if wn > 0 and gn > 0 else 1.0
+        out.append(w - lr * min(float(ratio), 1.0) * (g + weight_decay * w))
+    return out
+
+
+@pytest.mark.parametrize("bad, words, most", [
+    (lars_decay_decoupled, ["decay is scaled by the ratio"], 3),  # the three cases without a decay
+    (lars_ratio_clipped_at_one, ["capped at 1"], 2),  # the two whose every ratio is below 1
+])
+def test_lars_step_a_slip_passes_only_the_cases_it_cannot_change(bad, words, most):
+    """A decay of 1e-4 in the cases with zeros hid a decay outside the ratio's scaling (24/32), and with a ratio
+    above 1 in one case alone LARC's clipping passed 28/32. Those cases now have a decay of 0.05 and a layer whose
+    ratio is above 1."""
+    result = hpdl.check("lars_step", bad, ranks=[1], grade=True)
+    assert result.score <= most and result.max_score == 8, result
+    rejected(result, *words)
+
+
 @pytest.mark.parametrize("fn", [lars_ratio_through_float32, lars_with_an_eps])
 def test_lars_step_within_a_hair_of_the_formula_on_float64_layers_passes(fn):
     """Graded, the hidden float64 case held them to 200 ulp (24/28), quoting the same value as got and expected."""

@@ -12,7 +12,10 @@ gradient is zero (with and without weight decay), and both. Known slips and what
 here: no trust ratio (plain SGD), one ratio for the whole model instead of one per layer,
 ‖g + wd·w‖ in the denominator, weight decay left out (a decay large enough to show: wd·‖w‖ half
 of ‖g‖ in one case), dividing by a zero norm (NaN, or a layer that never moves), and a guard on
-the denominator instead of on ‖g‖ (a zero gradient with weight decay then takes trust / wd).
+the denominator instead of on ‖g‖ (a zero gradient with weight decay then takes trust / wd), weight
+decay outside the ratio's scaling (AdamW's way), and LARC's clipping of the ratio at 1: every case with
+zeros in it has a decay of 0.05 and a layer whose ratio is above 1, so each slip fails all but the cases
+it cannot change (no decay there, or every ratio below 1).
 """
 from __future__ import annotations
 
@@ -32,19 +35,23 @@ def cases(size: int) -> list[Case]:
         # the gradient's norm, moved the weights by less than float32's tolerance and passed)
         Case("with weight decay", {"shapes": [[32, 3, 3, 3], [32], [10, 32]], "lr": 2.0, "trust": 0.001,
                                    "wd": 0.05, "seed": 3}),
-        Case("a layer of zeros (‖w‖ = 0)", {"shapes": [[8, 8], [8]], "lr": 0.5, "trust": 0.01, "wd": 1e-4,
-                                          "zero_w": [1], "seed": 4}),
+        # the cases with zeros in them: a decay large enough to show, and a layer whose ratio is above 1 (a gradient
+        # small beside its weights). At a decay of 1e-4 a decay left out of the ratio's scaling passed them, and with
+        # every ratio below 1 so did LARC's clipping at 1 (24/32 and 28/32)
+        Case("a layer of zeros (‖w‖ = 0)", {"shapes": [[8, 8], [8]], "lr": 0.5, "trust": 0.1, "wd": 0.05,
+                                          "zero_w": [1], "scales": [10.0, 1.0], "seed": 4}),
         Case("a zero gradient (‖g‖ = 0)", {"shapes": [[8, 8], [8]], "lr": 0.5, "trust": 0.01, "wd": 0.0,
-                                          "zero_g": [0], "seed": 5}),
-        # and with weight decay: a guard on the denominator instead of on ‖g‖ gave it trust / wd (100 here), and
-        # only a hidden case had one (24/28)
-        Case("a zero gradient with weight decay", {"shapes": [[8, 8], [8]], "lr": 0.5, "trust": 0.01, "wd": 1e-4,
-                                                   "zero_g": [0], "seed": 8}),
-        Case("zero weights and zero gradient", {"shapes": [[6, 4], [6], [3, 6]], "lr": 0.5, "trust": 0.01,
-                                                "wd": 1e-4, "zero_w": [1], "zero_g": [1], "seed": 6}),
+                                          "zero_g": [0], "scales": [1.0, 10.0], "seed": 5}),
+        # and with weight decay: a guard on the denominator instead of on ‖g‖ gave it trust / wd (2 here, 100 at a
+        # decay of 1e-4), and only a hidden case had one (24/28)
+        Case("a zero gradient with weight decay", {"shapes": [[8, 8], [8]], "lr": 0.5, "trust": 0.1, "wd": 0.05,
+                                                   "zero_g": [0], "scales": [1.0, 10.0], "seed": 8}),
+        Case("zero weights and zero gradient", {"shapes": [[6, 4], [6], [3, 6]], "lr": 0.5, "trust": 0.1,
+                                                "wd": 0.05, "zero_w": [1], "zero_g": [1], "scales": [10.0, 1.0, 1.0],
+                                                "seed": 6}),
         Case("hidden: float64, many layers", {"shapes": [[5, 5]] * 6 + [[5]] * 3, "lr": 3.0, "trust": 0.005,
                                               "wd": 1e-3, "zero_w": [7], "zero_g": [2, 7], "dtype": "float64",
-                                              "seed": 7}, hidden=True),
+                                              "scales": [10.0] + [1.0] * 8, "seed": 7}, hidden=True),
     ]
 
 
@@ -162,6 +169,7 @@ def _slips(params, grads, lr, trust, wd) -> list[tuple[list, str]]:
     decoupled = [w - lr * r * g - lr * wd * w for (w, g), r in zip(zip(params, grads), ratios)]
     plain_ratio = [w - lr * (trust * norm(w) / norm(g) if norm(w) > 0 and norm(g) > 0 else 1.0) * (g + wd * w)
                    for w, g in zip(params, grads)]
+    clipped = [w - lr * min(float(r), 1.0) * (g + wd * w) for (w, g), r in zip(zip(params, grads), ratios)]
     decayed_still = wd and any(norm(g) == 0 and norm(w) > 0 for w, g in zip(params, grads))
     return [
         (sgd, "that is plain SGD: scale each layer's step by its trust ratio trust_coef · ‖w‖ / (‖g‖ + wd · ‖w‖)."),
@@ -179,6 +187,7 @@ def _slips(params, grads, lr, trust, wd) -> list[tuple[list, str]]:
            (plain_ratio, "weight_decay belongs in the ratio's denominator as well: ‖g‖ + weight_decay · ‖w‖, not "
                          "‖g‖ alone.")] if wd else []),
         (combined, "the denominator is ‖g‖ + weight_decay · ‖w‖ (You et al.), not ‖g + weight_decay · w‖."),
+        (clipped, "the ratio is capped at 1 (LARC's clipping): LARS takes it as it is, above 1 too."),
         (stuck, "a layer of zeros gets a ratio of 0 and never moves (biases start at zero): when ‖w‖ or ‖g‖ is 0 "
                 "use a ratio of 1."),
     ]
