@@ -124,7 +124,37 @@ def test_a_step_that_minds_the_mode_wrongly_fails_both_batch_norm_cases_and_is_t
     wrong = [c for c in result.cases if c.verdict == "WRONG"]
     assert [c.name for c in wrong] == ["CNN, Adam, label smoothing", "wide MLP with batch norm, SGD"], result
     assert all(says in (c.hint or "") for c in wrong), result
-    assert result.score == result.max_score // 2, result
+    assert result.score == result.max_score - 2, result
+
+
+def penalised_by_l2(model, batch, loss_fn, optimizer):
+    """An L2 penalty of 1e-5 · ‖w‖² added before backward, the loss returned without it."""
+    optimizer.zero_grad()
+    loss = loss_fn(model(batch[0]), batch[1])
+    (loss + 1e-5 * sum((p ** 2).sum() for p in model.parameters())).backward()
+    optimizer.step()
+    return loss.item()
+
+
+def clipped_at_5(model, batch, loss_fn, optimizer):
+    """The gradients clipped at a norm of 5 before the update."""
+    import torch
+
+    optimizer.zero_grad()
+    loss = loss_fn(model(batch[0]), batch[1])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+    optimizer.step()
+    return loss.item()
+
+
+@pytest.mark.parametrize("slip", [penalised_by_l2, clipped_at_5])
+def test_a_step_that_adds_to_the_gradients_fails_where_inputs_are_large(slip, no_strays):
+    """Each moved the weights by less than the tolerance in every SGD case, and the inputs in [0, 1) kept gradients
+    under a norm of 5: 3/4. With inputs up to 16, Adam (which moves each weight by about lr whatever its gradient's
+    size) tells both apart."""
+    result = hpdl.check("train_step", slip)
+    assert "MLP, Adam, inputs up to 16" in [c.name for c in result.cases if c.verdict == "WRONG"], result
 
 
 def test_a_step_in_evaluation_mode_fails_where_a_layer_minds_the_mode(no_strays):
