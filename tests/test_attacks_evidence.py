@@ -601,6 +601,8 @@ def test_all_reduces_struck_from_the_recording_are_counted_on_the_wire(no_strays
     ("zero1_step", E.zero1_by_reduces, [2, 4]),
     ("pipeline_step", E.pipeline_1f1b_reentrant_checkpoint, [3]),
     ("overlap_allreduce", E.overlap_waited_for_at_the_end_of_backward, [3]),
+    # by name, torch's functional collectives call its operators: recorded as the all-reduce they are
+    ("allreduce_gradients", E.gradients_all_reduced_by_functional_collectives, [2, 3]),
 ])
 def test_right_answers_pass(exercise, fn, ranks, no_strays):
     # the large cases are hidden: zero1_step's telling one, ring_allreduce's 257 values
@@ -669,6 +671,8 @@ def test_pkl5s_messages_are_the_values_they_carry_not_those_its_send_names(no_st
     ("allreduce_gradients", E.gradients_gathered_beside_a_torch_allreduce_of_zeros, "is an allgather"),
     ("allreduce_gradients", E.gradients_by_torch_messages_beside_a_torch_allreduce_of_zeros, "torch.distributed.send"),
     ("allreduce_gradients", E.gradients_by_process_group_messages_beside_an_allreduce_of_zeros, "ProcessGroup.send"),
+    ("allreduce_gradients", E.gradients_gathered_by_functional_collectives_beside_an_allreduce_of_zeros,
+     "is an allgather"),
 ])
 def test_an_average_moves_by_its_all_reduce_alone(exercise, attack, refused, no_strays):
     """An all-reduce of zeros as large as the gradients beside the real average moved another way (messages to one
@@ -700,6 +704,7 @@ def test_zero1_all_gathers_the_updated_weights_once(no_strays):
 @pytest.mark.parametrize("attack, words", [
     (E.overlap_of_zeros_then_the_average_another_way, "comm.Allgather"),
     (E.overlap_of_zeros_then_the_average_by_broadcasts, "broadcasts carried"),
+    (E.overlap_of_zeros_then_the_average_by_functional_collectives, "_c10d_functional.all_gather_into_tensor"),
 ])
 def test_a_minimal_ddp_averages_by_its_buckets_all_reduces(attack, words, no_strays):
     """Buckets of zeros all-reduced on time in float64 (twice the bytes, so the wire looked like the buckets), the

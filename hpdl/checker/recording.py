@@ -1252,7 +1252,76 @@ def _patch_c10d(c10d) -> None:
                 setattr(cls, method, pg)
             except (TypeError, AttributeError):
                 break  # an immutable binding: the function-level route above still records
+    _patch_torch_ops()
     recorder.torch_hooked = True
+
+
+#: torch's collective operators, called by name (torch.ops.<namespace>.<op>) rather than through the functions
+#: above: the functional collectives (torch.distributed._functional_collectives, DTensor) call _c10d_functional's,
+#: and c10d's are the process group's own. Each is recorded as the function it does the work of (unrecorded, an
+#: average by _functional_collectives.all_gather_tensor beside an all-reduce of zeros scored full marks in
+#: allreduce_gradients and overlap_allreduce)
+TORCH_OPS = {
+    "_c10d_functional": {
+        **dict.fromkeys(("all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_"),
+                        ("all_reduce", "Allreduce")),
+        # its input is this rank's part (c10d's all_gather_into_tensor is counted by its output, every part)
+        **dict.fromkeys(("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced"),
+                        ("all_gather_single", "Allgather")),
+        **dict.fromkeys(("reduce_scatter_tensor", "reduce_scatter_tensor_out", "reduce_scatter_tensor_coalesced"),
+                        ("reduce_scatter_tensor", "Reduce_scatter")),
+        "all_to_all_single": ("all_to_all_single", "Alltoall"), "broadcast": ("broadcast", "Bcast"),
+        "broadcast_": ("broadcast", "Bcast"), "isend": ("isend", "Isend"), "irecv": ("irecv", "Irecv"),
+        "batch_p2p_ops": ("isend", "Isend")},
+    # the process group's own (its first argument is not always the data: counted where it is a list of tensors)
+    "c10d": {
+        **{op: ("all_reduce", "Allreduce") for op in ("allreduce_", "allreduce_coalesced_")},
+        **{op: ("all_gather", "Allgather") for op in ("allgather_", "_allgather_base_", "allgather_coalesced_",
+                                                       "allgather_into_tensor_coalesced_")},
+        **{op: ("reduce_scatter", "Reduce_scatter") for op in ("reduce_scatter_", "_reduce_scatter_base_",
+                                                               "reduce_scatter_tensor_coalesced_")},
+        "alltoall_": ("all_to_all", "Alltoall"), "alltoall_base_": ("all_to_all_single", "Alltoall"),
+        "broadcast_": ("broadcast", "Bcast"), "reduce_": ("reduce", "Reduce"), "gather_": ("gather", "Gather"),
+        "scatter_": ("scatter", "Scatter"), "send": ("send", "Send"), "recv_": ("recv", "Recv"),
+        "recv_any_source_": ("recv", "Recv")},
+}
+
+
+class _RecordedOp:
+    """A torch operator (its packet, or one of its overloads: .default) that records each call made outside the
+    torch.distributed functions recorded above, as the function `name`, or refuses it under that function's rule."""
+
+    def __init__(self, op, qualified: str, name: str, rule: str):
+        self._op, self._qualified, self._name, self._rule = op, qualified, name, rule
+
+    def __call__(self, *args, **kwargs):
+        if not recorder.paused_now and not getattr(_in_function, "depth", 0):
+            reason = recorder.forbidden.get(f"torch.distributed.{self._name}") or recorder.forbidden.get(self._rule)
+            if reason:
+                recorder.rejected.append(self._qualified)
+                raise ForbiddenCall(self._qualified, reason)
+            recorder.add(Call(self._name, count=_numel(args[:1], {})))
+        return self._op(*args, **kwargs)
+
+    def __getattr__(self, attr: str):
+        value = getattr(self._op, attr)
+        overloads = getattr(self._op, "overloads", None)
+        recorded = callable(overloads) and attr in overloads()
+        return _RecordedOp(value, self._qualified, self._name, self._rule) if recorded else value
+
+
+def _patch_torch_ops() -> None:
+    import torch
+
+    for space, names in TORCH_OPS.items():
+        namespace = getattr(torch.ops, space, None)
+        for op, (name, rule) in names.items():
+            try:
+                packet = getattr(namespace, op)
+            except (AttributeError, RuntimeError):
+                continue  # not in this torch
+            if not isinstance(packet, _RecordedOp):
+                setattr(namespace, op, _RecordedOp(packet, f"torch.ops.{space}.{op}", name, rule))
 
 
 class _TorchHook(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -158,7 +158,7 @@ def verify(case, ctx):
 
 
 _TORCH_EVERY_PART = ("all_gather", "all_gather_into_tensor", "_all_gather_base")  # recorded by their output: p parts
-_GATHERS = [n for n in hooks.COLLECTIVES if "ather" in n] + ["gather", *_TORCH_EVERY_PART]
+_GATHERS = [n for n in hooks.COLLECTIVES if "ather" in n] + ["gather", "all_gather_single", *_TORCH_EVERY_PART]
 _WHOLE = {"broadcasts": hooks.BROADCASTS,
           "all-to-alls": (*[n for n in hooks.COLLECTIVES if "lltoall" in n], "all_to_all", "all_to_all_single")}
 
