@@ -35,6 +35,7 @@ from hpdl.errors import HpdlError
 CASES = Path(__file__).resolve().parent / "checker" / "cases"
 #: What the public part of an exercise keeps (besides what these use): no reference, no cases()
 PUBLIC_ROOTS = ("SIGNATURE", "RANKS", "TIMEOUT", "VERIFY_TIMEOUT", "FORBIDDEN", "FORBIDDEN_REASON", "HINT_ONLY_ROOT",
+                "LIBRARY_ANSWERS",
                 "inputs", "call", "ORACLE", "secrets", "serve", "set_up", "calibrate")
 JUDGING = ("verify", "diagnose", "explain")
 MARKER = "PUBLIC_ONLY = True"

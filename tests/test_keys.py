@@ -99,6 +99,15 @@ def test_the_kits_own_predictor_is_refused_inside_a_check(no_strays):
     assert honest.score == honest.max_score > 0, honest
 
 
+@pytest.mark.skipif(not sandbox.available(), reason="the library's file is laid over in the sandbox only")
+def test_a_librarys_own_answer_loaded_from_its_file_is_not_in_view(no_strays):
+    """shard_indices refuses torch's DistributedSampler where it is imported; loaded again from torch's file under
+    another name it was whole (12/12). In the learner's view that file is a copy without it (LIBRARY_ANSWERS)."""
+    result = hpdl.check("shard_indices", K.torch_sampler_from_its_file, ranks=[2])
+    no_points(result)
+    assert all("not in a check's view" in c.message for c in result.cases), result
+
+
 # -- export, strip, grade with the keys ----------------------------------------------------------
 
 def test_export_and_strip_refuse_what_would_lose_or_overwrite_a_key(tmp_path):

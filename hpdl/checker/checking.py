@@ -7,6 +7,8 @@ and adds the hints. Client side: nothing here runs on a rank.
 """
 from __future__ import annotations
 
+import glob
+import os
 import re
 import secrets
 import time
@@ -43,8 +45,9 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
     plan, hidden_not_run = _plan(module, sizes, grading, timeout)
     forbidden = _forbidden(module)
     spec = {"exercise": name, "module_path": str(case_api.path_of(name)), "code": code, "forbidden": forbidden,
-            "public": case_api.public_part(name), "hidden": list(hidden) + answer_keys(check_job=True),
-            "replaced": kit_answer_copies(),
+            "public": case_api.public_part(name),
+            "hidden": list(hidden) + answer_keys(check_job=True) + _compiled(library_answer_copies(module)),
+            "replaced": {**kit_answer_copies(), **library_answer_copies(module)},
             "nonce": _nonce(module), "verify_timeout": getattr(module, "VERIFY_TIMEOUT", None),
             "preload": _preload(module, code), "metered": bool(getattr(module, "METERED", False)),
             "send_waits": bool(getattr(module, "SEND_WAITS", True)),
@@ -91,7 +94,7 @@ def answer_keys(check_job: bool = False) -> list[str]:
     return kit + case_api.hidden_from_learners() + _compiled(kit_answer_copies())
 
 
-_KIT_ANSWER_COPIES: dict[str, str] = {}  # the kit's file -> this process's copy without its answers
+_KIT_ANSWER_COPIES: dict[tuple, dict[str, str]] = {}  # names cut -> {a module's file: this process's copy without them}
 
 
 def kit_answer_copies() -> dict[str, str]:
@@ -100,37 +103,57 @@ def kit_answer_copies() -> dict[str, str]:
     replaces the functions in the modules it imports; a module loaded again from its file under another
     name held them whole). Their compiled copies are hidden (answer_keys). Made once per process, in a
     scratch folder of kind "answers" that lives as long as the process."""
+    from hpdl.checker.hooks import KIT_ANSWERS
+
+    return _copies_without(tuple(KIT_ANSWERS))
+
+
+def library_answer_copies(module) -> dict[str, str]:
+    """{file of a library module: a copy of it without the classes and functions the exercise's case module names
+    in LIBRARY_ANSWERS}, laid over the file as kit_answer_copies' are. Torch's DistributedSampler, refused where it
+    was imported, was loaded again from its file under another name (12/12 in shard_indices)."""
+    return _copies_without(tuple(getattr(module, "LIBRARY_ANSWERS", ())))
+
+
+def _copies_without(dotted: tuple[str, ...]) -> dict[str, str]:
+    """{each named module's file: a copy without the named functions and classes (split.without)}, made once per
+    process, in a scratch folder of kind "answers" that lives as long as the process."""
     import atexit
     import importlib.util
 
     from hpdl import safefiles, scratch
     from hpdl.checker import split
-    from hpdl.checker.hooks import KIT_ANSWERS
 
-    if _KIT_ANSWER_COPIES:
-        return dict(_KIT_ANSWER_COPIES)
+    if not dotted:
+        return {}
+    if dotted in _KIT_ANSWER_COPIES:
+        return dict(_KIT_ANSWER_COPIES[dotted])
     wanted: dict[str, set[str]] = {}
-    for dotted in KIT_ANSWERS:
-        module, _, name = dotted.rpartition(".")
-        wanted.setdefault(module, set()).add(name)
+    for name in dotted:
+        module, _, attr = name.rpartition(".")
+        wanted.setdefault(module, set()).add(attr)
     folder = scratch.make("answers")  # one a killed process left is removed by the next (scratch.sweep)
     atexit.register(safefiles.remove_tree, str(folder))
+    made: dict[str, str] = {}
     for module, names in sorted(wanted.items()):
-        spec = importlib.util.find_spec(module)
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
         if spec is None or not spec.origin or not spec.origin.endswith(".py"):
             continue
         why = (f"{module}'s own version of an exercise is not in a check's view: the check takes the function "
                "you wrote")
         copy = Path(folder) / f"{module}.py"
         copy.write_text(split.without(Path(spec.origin).read_text(), names, why))
-        _KIT_ANSWER_COPIES[spec.origin] = str(copy)
-    return dict(_KIT_ANSWER_COPIES)
+        made[spec.origin] = str(copy)
+    _KIT_ANSWER_COPIES[dotted] = made
+    return dict(made)
 
 
 def _compiled(paths) -> list[str]:
     """The compiled copies of these sources that exist (__pycache__), which would hold them whole."""
     import importlib.util
-    import os
 
     found = []
     for path in paths:
@@ -138,8 +161,8 @@ def _compiled(paths) -> list[str]:
             pyc = importlib.util.cache_from_source(path)
         except (NotImplementedError, ValueError):
             continue
-        if os.path.isfile(pyc):
-            found.append(pyc)
+        stem = pyc[:-len(".pyc")]  # and its optimised copies (.opt-1.pyc, .opt-2.pyc)
+        found += sorted(p for p in glob.glob(glob.escape(stem) + "*.pyc") if os.path.isfile(p))
     return found
 
 

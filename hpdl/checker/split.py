@@ -172,13 +172,22 @@ def _only(stmt, wanted: set[str]):
 
 
 def without(text: str, names: set[str], why: str) -> str:
-    """A module's source with the top-level functions in `names` cut to a stub that raises RuntimeError(why):
-    the copy of the kit's own implementations of exercises a learner's check job sees in their files' place
-    (checking.kit_answer_copies). Everything else stays as written, comments and all."""
+    """A module's source with the top-level functions in `names` cut to a stub that raises RuntimeError(why), and
+    the classes to their header (bases kept: a subclass, or a subscript of the class, still imports) over methods
+    that raise it: the copy of an implementation of an exercise (the kit's own, a library's) a learner's
+    check job sees in its file's place (checking.kit_answer_copies). Everything else stays as written."""
     lines = text.splitlines(keepends=True)
-    cut = sorted(((s.lineno, s.end_lineno, s.name) for s in ast.parse(text).body
-                  if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name in names), reverse=True)
-    for first, last, name in cut:  # from the end: earlier line numbers stay right
-        lines[first - 1:last] = [f"def {name}(*args, **kwargs):\n", f"    raise RuntimeError({why!r})\n"]
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    cut = sorted((s for s in ast.parse(text).body if isinstance(s, kinds) and s.name in names),
+                 key=lambda s: s.lineno, reverse=True)
+    for s in cut:  # from the end: earlier line numbers stay right
+        if isinstance(s, ast.ClassDef):
+            pad = " " * s.body[0].col_offset  # its instances, made past __init__ (object.__new__), refuse too
+            lines[s.body[0].lineno - 1:s.end_lineno] = [
+                line for method in ("__init__", "__iter__", "__call__")
+                for line in (f"{pad}def {method}(self, *args, **kwargs):\n", f"{pad}    raise RuntimeError({why!r})\n")]
+        else:
+            lines[s.lineno - 1:s.end_lineno] = [f"def {s.name}(*args, **kwargs):\n",
+                                                f"    raise RuntimeError({why!r})\n"]
     return "".join(lines)
 

@@ -30,6 +30,10 @@ _OWN_SAMPLER = "this exercise is DistributedSampler written by hand: torch's own
 FORBIDDEN = {"torch.distributed.elastic.utils.data.elastic_distributed_sampler.ElasticDistributedSampler": _OWN_SAMPLER,
              "torch.utils.data.distributed.DistributedSampler": _OWN_SAMPLER,
              "torch.utils.data.DistributedSampler": _OWN_SAMPLER}
+# and in their files' place in the learner's view, copies without them (checking.library_answer_copies): loaded
+# again from torch's file under another name, the sampler was whole (12/12)
+LIBRARY_ANSWERS = ("torch.utils.data.distributed.DistributedSampler",
+                   "torch.distributed.elastic.utils.data.elastic_distributed_sampler.ElasticDistributedSampler")
 TIMEOUT = 20.0
 PRIVATE_INPUTS = True  # the seed drawn with the check's nonce where there is one (inputs())
 EPOCHS = (0, 0, 1, 2)  # epoch 0 twice: the same question must get the same answer
