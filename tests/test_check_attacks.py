@@ -93,14 +93,18 @@ def test_values_more_than_the_recorded_messages_carry_are_forged(exercise, attac
     assert any("moved some other way than your MPI calls" in (c.message or "") for c in result.cases), result
 
 
-def test_decoy_messages_that_pass_nothing_on_are_forged(no_strays):
-    """Recursive doubling's messages, right partners and sizes, each carrying the rank's own x, beside the sum from
-    MPI_Allreduce called by address (36/36: within the wire's slack, and every message of the right size). After
-    its first round a rank sends on a partial sum: its messages' first values, recorded, tell."""
-    result = hpdl.check("recursive_doubling", A.c_allreduce_by_address_beside_doublings_pattern, ranks=[3, 4],
-                        grade=True)
+@pytest.mark.parametrize("exercise, attack", [
+    ("recursive_doubling", A.c_allreduce_by_address_beside_doublings_pattern),
+    ("ring_allreduce", A.c_allreduce_by_address_beside_a_rings_pattern),
+])
+def test_decoy_messages_that_pass_nothing_on_are_forged(exercise, attack, no_strays):
+    """The algorithm's messages, right partners and sizes, each cut from the rank's own x, beside the sum from
+    MPI_Allreduce called by address (recursive doubling 36/36, the ring 18/18 at 3 and 4 ranks: within the wire's
+    slack, every message of the right size). After its first message a rank passes on partial sums: its messages'
+    first values, recorded, tell."""
+    result = hpdl.check(exercise, attack, ranks=[3, 4], grade=True)
     assert result.score == 0 and FORGED in {c.rejected for c in result.cases}, result
-    assert any("one rank's vector alone" in (c.message or "") for c in result.cases), result
+    assert any("its own values alone" in (c.message or "") for c in result.cases), result
 
 
 def test_communicators_made_buy_only_the_room_their_mpi_takes_on_the_wire(no_strays):

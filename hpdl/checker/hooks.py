@@ -275,6 +275,63 @@ def allreduces_on_wire(ctx) -> float | None:
     return max((n / max(1, one.get(kind, 0)) for kind, n in seen.items()), default=0.0)
 
 
+READ_UP_TO = 4096  # values of each rank's vector a message's first values are looked for in (passed_on)
+
+
+def vectors_to_read(ctx) -> list[np.ndarray]:
+    """Every rank's vector (the case's first argument), for passed_on; a collective on ctx.comm, so every rank
+    calls it before any early return. Empty where nothing is read: 2 ranks or fewer, an unmetered check (no
+    send's first values noted), or vectors longer than READ_UP_TO (whose bytes the wire's slack cannot hide)."""
+    x = np.asarray(ctx.args[0]).reshape(-1)
+    wanted = ctx.size > 2 and ctx.wire is not None and x.size <= READ_UP_TO
+    vectors = ctx.comm.allgather(x.astype(np.float64) if wanted else None)
+    return [] if any(v is None for v in vectors) else vectors
+
+
+def passed_on(ctx, vectors: list[np.ndarray], algorithm: str, apart: int | None = None) -> Wrong | None:
+    """WRONG (forged) when every message this rank sent carried its own values alone, where the algorithm has it
+    pass on partial sums (its values plus what it received): to more than one partner (recursive doubling), or,
+    with `apart` (the ring: a chunk's width, n // p), from places in its vector that far apart (its own chunk goes
+    out once, in the first step; every later message carries a sum). Read by the first values each send carried as
+    it started (recording.HEAD), looked for in the sums of every subset of the ranks' vectors, exact in the sum cases
+    (_sums.vector). A show of the pattern (right partners, right sizes, each message cut from the rank's own x,
+    nothing received used) beside a sum got some other way (MPI_Allreduce called by address through a CFUNCTYPE
+    prototype, no Python lookup to refuse, within the wire's slack) scored 36/36 and 18/18. Messages whose first
+    values are in no such sum (bytes, a pickled list) are not read; one that carries a sum, or another rank's values
+    passed along (another algorithm, which the other checks name), clears the rank."""
+    r = ctx.rank
+    if not vectors:
+        return None
+    totals = [(mask, np.sum([vectors[i] for i in range(ctx.size) if mask >> i & 1], axis=0))
+              for mask in range(1, 1 << ctx.size)]
+    starts, peers = [], set()
+    for c in ctx.calls:
+        if c.dest in (None, r) or not c.head:
+            continue
+        found = [(mask, at) for mask, total in totals for at in [_carries(total, c.head)] if at is not None]
+        if not found:
+            continue
+        if any(mask != 1 << r for mask, _ in found):
+            return None  # a sum, or another rank's values
+        starts.append(found[0][1])
+        peers.add(c.dest)
+    spread = max(starts, default=0) - min(starts, default=0)
+    if len(starts) < 2 or (len(peers) < 2 if apart is None else apart < 1 or spread < apart):
+        return None
+    return Wrong(f"rank {r} sent {len(starts)} messages that each carried its own values alone: in {algorithm} a "
+                 "rank passes on partial sums (its own values plus what it received) after its first message, so "
+                 "the sum it returned was made some other way than these messages", forged=True)
+
+
+def _carries(total: np.ndarray, head) -> int | None:
+    """Where `head` (a message's first values) starts as a run of consecutive values of `total`, if it does."""
+    h = len(head)
+    if h > total.size:
+        return None
+    starts = np.flatnonzero(total[:total.size - h + 1] == head[0])
+    return next((int(s) for s in starts[:64] if np.array_equal(total[s:s + h], head)), None)
+
+
 def received_at_least(ctx, nbytes: int, what: str) -> Wrong | None:
     """WRONG (forged) when, by the kernel's count (ctx.wire), fewer than `nbytes` reached this rank from
     the other ranks: the values it returned came some other way than messages between the ranks (files the ranks

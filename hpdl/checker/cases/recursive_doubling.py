@@ -78,44 +78,14 @@ def verify(case, ctx):
     limit = p2.bit_length() - 1 + (1 if p != p2 else 0)
     # collective on ctx.comm: every rank, before any early return
     partners = ctx.comm.allgather(sorted(set(hooks.values_sent(ctx)) - {ctx.rank})) if p != p2 else None
-    firsts = ctx.comm.allgather(tuple(float(v) for v in np.asarray(ctx.args[0]).reshape(-1)[:HEAD])) if p > 2 else []
+    vectors = hooks.vectors_to_read(ctx)
     return hooks.wire_agrees(ctx) or compare_sum(ctx.got, ctx.expected) or hooks.max_sends(
         ctx, limit, "recursive doubling needs one exchange per round (lg p rounds, one more for ranks folded in)"
-    ) or received_enough(ctx) or exchanges(ctx, p2) or folded_in(ctx, p2, partners) or passed_on(ctx, firsts)
+    ) or received_enough(ctx) or exchanges(ctx, p2) or folded_in(ctx, p2, partners) or \
+        hooks.passed_on(ctx, vectors, "recursive doubling")
 
 
 METADATA = 16  # values a rank may send a partner beside the vector: its shape or length first
-HEAD = 8  # the first values of each rank's x the checker compares sends with (recording.HEAD)
-
-
-def passed_on(ctx, firsts: list[tuple]) -> Wrong | None:
-    """What a rank's messages carried (their first values, recorded as each send started) against the sums of the
-    ranks' vectors, exact here (_sums.vector): a rank with more than one partner sends, after its first round, a
-    partial sum of two ranks' vectors or more. Every message carrying its own x alone, nothing received passed on,
-    is a show of the pattern beside a sum got some other way: MPI's Allreduce called by address in its C library
-    (a prototype of its name, CFUNCTYPE((name, library)), no Python lookup to refuse) scored 36/36, its messages
-    within the wire's slack. Messages whose first values are no such sum (sent as bytes, or a later segment) are
-    not read; with fewer than two read, nothing is said."""
-    r, calls = ctx.rank, ctx.calls
-    if ctx.size < 3 or ctx.wire is None or len({c.dest for c in calls if c.dest not in (None, r)}) < 2:
-        return None
-    subsets = [[i for i in range(ctx.size) if mask >> i & 1] for mask in range(1, 1 << ctx.size)]
-    read = []
-    for c in calls:
-        head = c.head if c.dest not in (None, r) else None
-        if not head:
-            continue
-        sizes = [len(s) for s in subsets if all(len(firsts[i]) >= len(head) for i in s)
-                 and all(sum(firsts[i][k] for i in s) == v for k, v in enumerate(head))]
-        if sizes:
-            read.append(min(sizes))
-    if len(read) < 2 or max(read) > 1:
-        return None
-    return Wrong(f"rank {r} sent {len(read)} messages that each carried one rank's vector alone: in recursive "
-                 "doubling every round after the first sends on a partial sum (the rank's own vector plus what it "
-                 "received), so the sum it returned was made some other way than these messages", forged=True)
-
-
 def exchanges(ctx, p2: int):
     """Recursive doubling's pattern in what a rank sent: the vector to each partner once (in segments if
     you like: values counted, not messages); with p a power of two, a partner in each of the lg p rounds.
