@@ -684,6 +684,17 @@ def test_an_average_moves_by_its_all_reduce_alone(exercise, attack, refused, no_
     assert all(refused in c.message for c in result.cases), result
 
 
+def test_torch_operators_are_recorded_in_ranks_that_import_torch_themselves(monkeypatch, no_strays):
+    """Without the fork server each rank imports torch itself, and torch.distributed is imported while torch still
+    is, before torch.ops exists: wrapping the operators then broke every torch check (AttributeError: partially
+    initialized module 'torch'). They are wrapped just before the learner's function runs."""
+    monkeypatch.setenv("HPDL_FORKSERVER", "0")
+    attack = E.gradients_gathered_by_functional_collectives_beside_an_allreduce_of_zeros
+    result = hpdl.check("allreduce_gradients", attack, ranks=[2])
+    no_points(result)
+    assert all("is an allgather" in c.message for c in result.cases), result
+
+
 def test_a_column_parallel_layer_all_reduces_grad_x_by_a_collective(no_strays):
     """grad_x's parts gathered by Sendrecv from every rank and summed (an allgather, where the layer's backward is
     an all-reduce): the count of what was all-gathered read collectives alone (15/15). Messages by hand are

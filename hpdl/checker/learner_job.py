@@ -20,6 +20,7 @@ replaced by functions that refuse to run, so the answer key is not within the le
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import importlib.abc
 import importlib.util
@@ -407,10 +408,9 @@ class LearnerJob(RankJob):
         cases_pkg._passed_here = ((lambda tag: self.emit(ev="passed", case=index, tag=tag))
                                   if hold_here and not last else None)
         state["phase"] = "learner"
-        call = funcs.get("call")
-        t0 = time.perf_counter()
+        call, ready, t0 = funcs.get("call"), _when_ready(fn, recording), time.perf_counter()
         try:
-            got = call(fn, comm, copy.deepcopy(args)) if call else fn(comm, *copy.deepcopy(args))
+            got = call(ready, comm, copy.deepcopy(args)) if call else ready(comm, *copy.deepcopy(args))
         except recording.ForbiddenCall as exc:
             return {"status": "forbidden", "message": str(exc), "name": exc.name,
                     "where": learner_where(traceback.extract_tb(exc.__traceback__), self.files)}
@@ -486,6 +486,17 @@ class LearnerJob(RankJob):
         for name, value in names.items():
             if name in g:
                 g[name] = value
+
+
+def _when_ready(fn, recording):
+    """The learner's function, with the recorder made ready each time it is called (recording.ready_for_learner):
+    a case module's call() may import torch first."""
+    @functools.wraps(fn)
+    def learners(*args, **kwargs):
+        recording.ready_for_learner()
+        return fn(*args, **kwargs)
+
+    return learners
 
 
 if __name__ == "__main__":

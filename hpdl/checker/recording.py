@@ -1311,10 +1311,14 @@ class _RecordedOp:
 
 
 def _patch_torch_ops() -> None:
-    import torch
-
+    """Wrap torch's collective operators (TORCH_OPS) in torch.ops. torch.distributed is imported while torch itself
+    still is, before torch._ops has made torch.ops (ranks that import torch themselves, not forks of a server that
+    did): then just before the learner's function runs (ready_for_learner). Those already wrapped are left."""
+    ops = getattr(sys.modules.get("torch._ops"), "ops", None)
+    if ops is None:
+        return
     for space, names in TORCH_OPS.items():
-        namespace = getattr(torch.ops, space, None)
+        namespace = getattr(ops, space, None)
         for op, (name, rule) in names.items():
             try:
                 packet = getattr(namespace, op)
@@ -1324,13 +1328,24 @@ def _patch_torch_ops() -> None:
                 setattr(namespace, op, _RecordedOp(packet, f"torch.ops.{space}.{op}", name, rule))
 
 
+def ready_for_learner() -> None:
+    """Just before the learner's function runs: torch's operators wrapped, if torch is imported and they are not yet
+    (torch.distributed was imported while torch itself was)."""
+    if recorder.torch_hooked:
+        _patch_torch_ops()
+
+
 class _TorchHook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Patch torch.distributed's collectives the moment the module is imported, by anyone."""
+    """Patch torch.distributed's collectives the moment the module is imported, by anyone (or call `then` on
+    another module the moment it is imported)."""
 
     TARGET = "torch.distributed.distributed_c10d"
 
+    def __init__(self, target: str = TARGET, then=None):
+        self.target, self.then = target, then or _patch_c10d
+
     def find_spec(self, fullname, path, target=None):
-        if fullname != self.TARGET:
+        if fullname != self.target:
             return None
         sys.meta_path.remove(self)
         try:
@@ -1350,7 +1365,7 @@ class _TorchHook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         self._real.exec_module(module)
-        _patch_c10d(module)
+        self.then(module)
         if self in sys.meta_path:
             sys.meta_path.remove(self)
 
