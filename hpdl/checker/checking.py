@@ -94,7 +94,7 @@ def answer_keys(check_job: bool = False) -> list[str]:
     return kit + case_api.hidden_from_learners() + _compiled(kit_answer_copies())
 
 
-_KIT_ANSWER_COPIES: dict[tuple, dict[str, str]] = {}  # names cut -> {a module's file: this process's copy without them}
+_ANSWER_COPIES: dict[tuple, dict[str, str]] = {}  # names cut -> {a module's file: this process's copy without them}
 
 
 def kit_answer_copies() -> dict[str, str]:
@@ -126,8 +126,8 @@ def _copies_without(dotted: tuple[str, ...]) -> dict[str, str]:
 
     if not dotted:
         return {}
-    if dotted in _KIT_ANSWER_COPIES:
-        return dict(_KIT_ANSWER_COPIES[dotted])
+    if dotted in _ANSWER_COPIES:
+        return dict(_ANSWER_COPIES[dotted])
     wanted: dict[str, set[str]] = {}
     for name in dotted:
         module, _, attr = name.rpartition(".")
@@ -147,7 +147,7 @@ def _copies_without(dotted: tuple[str, ...]) -> dict[str, str]:
         copy = Path(folder) / f"{module}.py"
         copy.write_text(split.without(Path(spec.origin).read_text(), names, why))
         made[spec.origin] = str(copy)
-    _KIT_ANSWER_COPIES[dotted] = made
+    _ANSWER_COPIES[dotted] = made
     return dict(made)
 
 
