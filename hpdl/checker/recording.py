@@ -1166,10 +1166,7 @@ def _recorded_function(name: str, rule: str, base):
     def fn(*args, **kwargs):
         recording = not recorder.paused_now
         if recording:
-            reason = recorder.forbidden.get(f"torch.distributed.{name}") or recorder.forbidden.get(rule)
-            if reason:
-                recorder.rejected.append(f"torch.distributed.{name}")
-                raise ForbiddenCall(f"torch.distributed.{name}", reason)
+            _refuse_torch(f"torch.distributed.{name}", name, rule)
             recorder.add(_torch_call(name, args, kwargs))
         _in_function.depth = getattr(_in_function, "depth", 0) + 1
         try:
@@ -1183,6 +1180,14 @@ def _recorded_function(name: str, rule: str, base):
 
     fn.__name__, fn.__qualname__, fn._hpdl_recorded = name, name, True
     return fn
+
+
+def _refuse_torch(called: str, name: str, rule: str) -> None:
+    """Raise ForbiddenCall, naming `called`, where the exercise forbids torch.distributed's `name` or its MPI rule."""
+    reason = recorder.forbidden.get(f"torch.distributed.{name}") or recorder.forbidden.get(rule)
+    if reason:
+        recorder.rejected.append(called)
+        raise ForbiddenCall(called, reason)
 
 
 def _torch_call(name: str, args, kwargs) -> Call:
@@ -1296,10 +1301,7 @@ class _RecordedOp:
 
     def __call__(self, *args, **kwargs):
         if not recorder.paused_now and not getattr(_in_function, "depth", 0):
-            reason = recorder.forbidden.get(f"torch.distributed.{self._name}") or recorder.forbidden.get(self._rule)
-            if reason:
-                recorder.rejected.append(self._qualified)
-                raise ForbiddenCall(self._qualified, reason)
+            _refuse_torch(self._qualified, self._name, self._rule)
             recorder.add(Call(self._name, count=_numel(args[:1], {})))
         return self._op(*args, **kwargs)
 
