@@ -38,7 +38,8 @@ __all__ = sorted([*_FUNCTIONS, "check"]) + sorted(_MODULES)
 
 
 def check(name: str, fn: Callable | None = None, *, ranks: int | list[int] | None = None,
-          grade: bool | None = None, timeout: float | None = None) -> CheckResult:
+          grade: bool | None = None, timeout: float | None = None,
+          cases: str | list[str] | None = None) -> CheckResult:
     """Check the learner's function for exercise `name` on real MPI ranks.
 
     fn: the function; None fetches the function called `name` from rank 0 of the running
@@ -46,6 +47,8 @@ def check(name: str, fn: Callable | None = None, *, ranks: int | list[int] | Non
     ranks: rank counts to check (an int or a list); default: the exercise's own, e.g. 1–4.
     grade: also run hidden cases (default: the HPDL_GRADE environment variable).
     timeout: seconds per case before it counts as a HANG (default: the exercise's, 5 s).
+    cases: only the cases whose names hold this text (or any of these), e.g. the one that failed, to
+        run it again quickly while you mend it; the result says what was left out. Not when grading.
     Returns a CheckResult: a table in JupyterLab; `.verdicts`, `.score`, `.cases` in code.
 
     A plain function here, not in the checker package (hpdl.checker): the check jobs on every
@@ -55,7 +58,7 @@ def check(name: str, fn: Callable | None = None, *, ranks: int | list[int] | Non
 
     from hpdl.checker.client import run_check
 
-    return run_check(name, fn, ranks=ranks, grade=grade, timeout=timeout, caller=sys._getframe(1))
+    return run_check(name, fn, ranks=ranks, grade=grade, timeout=timeout, cases=cases, caller=sys._getframe(1))
 
 
 def __getattr__(name: str):

@@ -351,24 +351,30 @@ def needs_a_list(step, batches, warmup=1):
     return sum(len(b[0]) for b in batches[warmup:]) / (time.perf_counter() - start) + 0 * n
 
 
-@pytest.mark.parametrize("bad, words", [
-    (times_the_warmup, "start the clock after"),
-    (batches_per_second, "batches per second"),
-    (first_batch_size_for_all, "as large as the first"),
-    (counts_warmup_samples, "count only the timed batches"),
-    (seconds_per_sample, "seconds per sample"),
-    (skips_the_warmup_batches, "warm-up ones included"),
-    (fastest_batch, "one batch's rate"),
-    (mean_of_batch_rates, "the mean of the batches' rates"),
-    (median_of_batch_rates, "the median of the batches' rates"),
-    (clock_started_a_step_late, "measured"),  # the same as the fastest: most steps alike
-    (first_timed_samples_left_out, "measured"),
-    (last_step_untimed, "measured"),
-    (counts_values_not_samples, "measured"),
-], ids=lambda v: getattr(v, "__name__", "hint"))
-def test_throughput_rejects(bad, words, no_strays):
-    result = hpdl.check("throughput", bad)
-    assert not result.passed, result
+EQUAL, WARMUP3, SMALLER = "equal batches, warmup=1", "warmup=3", "smaller batches after the first"
+LARGE_FIRST, LARGE_LAST = "a large first batch after warm-up", "a large last batch"
+
+
+# Each wrong meter on the cases it fails (cases=: every case costs its steps' sleeps, ~1-3 s): one where the slip
+# is far off whatever the check's time scale; two where the slip's rate lies nearer the run's.
+@pytest.mark.parametrize("bad, words, cases", [
+    (times_the_warmup, "start the clock after", [WARMUP3]),
+    (batches_per_second, "batches per second", [EQUAL]),
+    (first_batch_size_for_all, "as large as the first", [LARGE_LAST]),
+    (counts_warmup_samples, "count only the timed batches", [SMALLER]),
+    (seconds_per_sample, "seconds per sample", [EQUAL]),
+    (skips_the_warmup_batches, "warm-up ones included", [EQUAL]),
+    (fastest_batch, "one batch's rate", [EQUAL, WARMUP3]),
+    (mean_of_batch_rates, "the mean of the batches' rates", [EQUAL, SMALLER]),
+    (median_of_batch_rates, "the median of the batches' rates", [EQUAL, WARMUP3]),
+    (clock_started_a_step_late, "measured", [EQUAL, WARMUP3]),  # the same as the fastest: most steps alike
+    (first_timed_samples_left_out, "measured", [LARGE_FIRST]),
+    (last_step_untimed, "measured", [LARGE_LAST]),
+    (counts_values_not_samples, "measured", [EQUAL]),
+], ids=lambda v: getattr(v, "__name__", "-"))
+def test_throughput_rejects(bad, words, cases, no_strays):
+    result = hpdl.check("throughput", bad, cases=cases)
+    assert not result.passed and len(result.cases) == len(cases), result
     assert words in hints(result)
 
 

@@ -77,6 +77,23 @@ def test_bad_arguments_get_a_clear_message(kwargs, match):
         hpdl.check("ring_allreduce", L.ring_ok, **kwargs)
 
 
+def test_cases_runs_again_only_the_cases_named_and_says_so(no_strays):
+    """A learner mending the one case that failed runs it alone; the result says the others did not run.
+    Grading asked for in the same call runs every case, and a name no case has lists the cases."""
+    every = hpdl.check("ring_allreduce", L.ring_bad_chunks, ranks=[3])
+    wrong = [c.name for c in every.cases if not c.verdict.earns_points]
+    assert wrong and len(wrong) < len(every.cases), every
+    again = hpdl.check("ring_allreduce", L.ring_bad_chunks, ranks=[3], cases=[wrong[0]])
+    assert [c.name for c in again.cases] == [wrong[0]] and not again.passed
+    assert f"{len(every.cases) - 1} others did not" in " ".join(again.hints)
+    with pytest.raises(HpdlError, match=r"named like 'n=0'\. Its cases: .*n=9 float64"):
+        hpdl.check("ring_allreduce", L.ring_bad_chunks, ranks=[3], cases="n=0")
+    with pytest.raises(HpdlError, match="Grading runs every case"):
+        hpdl.check("ring_allreduce", L.ring_bad_chunks, ranks=[3], grade=True, cases=wrong[0])
+    with pytest.raises(HpdlError, match="cases= takes"):
+        hpdl.check("ring_allreduce", L.ring_bad_chunks, ranks=[3], cases=[3])
+
+
 def test_not_a_function_and_no_function_found():
     with pytest.raises(HpdlError, match="needs your function"):
         hpdl.check("ring_allreduce", 42)

@@ -28,8 +28,10 @@ DEFAULT_REASON = "this exercise asks you to build it from point-to-point message
 
 
 def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = False, timeout=None,
-               progress: bool = True, hidden: list[str] = (), stop=None, memory: int | None = None) -> CheckResult:
+               progress: bool = True, hidden: list[str] = (), stop=None, memory: int | None = None,
+               only=None) -> CheckResult:
     """Run the packed function `code` on the cases of exercise `name` (the grader calls this too).
+    `only`: the learner's cases= (text, or texts, in the names of the cases to run); never when grading.
     `stop`: a threading.Event that, once set, ends the check's jobs (jobs.Stopped is raised).
     `memory`: what all the check's jobs may hold together (default sandbox.default_memory())."""
     t0 = time.perf_counter()
@@ -43,6 +45,7 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
         raise HpdlError(f"This kit stores the answers of {name!r} at {stored} ranks only (its reference solution "
                         f"was moved out): check with ranks among those, e.g. ranks={stored}.")
     plan, hidden_not_run = _plan(module, sizes, grading, timeout)
+    plan, left_out = _chosen(name, plan, only, grading)
     forbidden = _forbidden(module)
     spec = {"exercise": name, "module_path": str(case_api.path_of(name)), "code": code, "forbidden": forbidden,
             "public": case_api.public_part(name),
@@ -62,6 +65,9 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
             bar.close()
     ordered = [results[i] for i in sorted(results)]
     hints = list(runner.notes)  # how the jobs ran, where it differs from the usual (no local mpiexec)
+    if left_out:
+        hints.append(f"Note: only the cases named like {only!r} ran; {left_out} other{'s' if left_out > 1 else ''} "
+                     "did not. Run the check without cases= to see every one.")
     explain = getattr(module, "explain", None)
     if explain is not None:
         try:
@@ -251,6 +257,30 @@ def _plan(module, sizes, grading: bool, timeout) -> tuple[dict[int, list[Planned
             index += 1
         plan[size] = todo
     return plan, hidden
+
+
+def _chosen(name: str, plan: dict[int, list[Planned]], only, grading: bool) -> tuple[dict[int, list[Planned]], int]:
+    """The plan cut to the cases whose names hold any of `only` (a learner mending one case runs just it
+    again), numbered anew; and how many were left out. Grading runs every case."""
+    if only is None:
+        return plan, 0
+    if grading:
+        raise HpdlError("Grading runs every case: leave out cases= (or grade=False to run some of them).")
+    words = [only] if isinstance(only, str) else only
+    if not isinstance(words, (list, tuple)) or not words or not all(isinstance(w, str) and w for w in words):
+        raise HpdlError(f"cases= takes a case's name, or part of it, or a list of them; got {only!r}.")
+    chosen, index, total = {}, 0, 0
+    for size, todo in plan.items():
+        chosen[size] = []
+        for p in todo:
+            total += 1
+            if any(w.lower() in p.case.name.lower() for w in words):
+                chosen[size].append(Planned(index, p.case, p.timeout))
+                index += 1
+    if not index:
+        names = sorted({p.case.name for todo in plan.values() for p in todo})
+        raise HpdlError(f"No case of {name!r} is named like {only!r}. Its cases: {'; '.join(names)}.")
+    return chosen, total - index
 
 
 def _forbidden(module) -> dict[str, str]:

@@ -8,7 +8,7 @@ Under `hpdl grade` ($HPDL_GRADE_SERVICE set) the kernel is the submission's, so 
 nothing: it hands the packed function to the grader (grade_service.py), which runs the
 check with the exercise's own rank counts, time limits and hidden cases, keeps the result,
 and sends back a copy for the notebook to show. $HPDL_GRADE=1 alone (grade mode without the
-grader) also ignores the learner's ranks=, grade= and timeout=. With $HPDL_GRADE_RESULTS
+grader) also ignores the learner's ranks=, grade=, timeout= and cases=. With $HPDL_GRADE_RESULTS
 set (tests), each result is appended there as a JSON line.
 """
 from __future__ import annotations
@@ -32,16 +32,16 @@ def forced_grade_mode() -> bool:
 
 
 def run_check(name: str, fn=None, *, ranks=None, grade: bool | None = None, timeout: float | None = None,
-              caller=None) -> CheckResult:
-    if forced_grade_mode():  # the exercise's own rank counts, time limits and hidden cases
-        ranks, grade, timeout = None, True, None
+              cases=None, caller=None) -> CheckResult:
+    if forced_grade_mode():  # the exercise's own rank counts, time limits and hidden cases: every case
+        ranks, grade, timeout, cases = None, True, None, None
     if settings.GRADE_SERVICE.is_set():  # being graded: the case modules are hidden here, the grader has them
         from hpdl.checker import grade_service
 
         return grade_service.request(name, learner_code(name, fn, caller))
     module = case_api.load(name)
     code = learner_code(name, fn, caller)
-    result = check_code(name, module, code, ranks=ranks, grading=grade_mode(grade), timeout=timeout)
+    result = check_code(name, module, code, ranks=ranks, grading=grade_mode(grade), timeout=timeout, only=cases)
     _record(result, code)  # only where $HPDL_GRADE_RESULTS names a file (tests)
     return result
 
