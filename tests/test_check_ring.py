@@ -112,6 +112,15 @@ def test_a_send_freed_in_flight_is_held_to_its_buffer(no_strays):
                          and c.line["line"] == line_of("# FREED") for c in large), result
 
 
+def test_chunks_padded_to_equal_widths_pass_where_the_padding_is_not_a_second_vector(no_strays):
+    """p chunks of ⌈n/p⌉, the last padded with zeros, is the ring cut otherwise (20/27: the padding counted over
+    the budget of the exercise's cut). Where the padding would make the values passed on 2n (n < p, or n = 9 at 4
+    ranks), a chain that passes x twice in chunk-sized messages sends as many: those cases stay wrong."""
+    result = hpdl.check("ring_allreduce", L.ring_padded_to_equal_chunks, ranks=[3])
+    assert all(c.verdict.earns_points for c in result.cases if c.params["n"] >= 3), result
+    assert [c.verdict for c in result.cases if c.params["n"] == 1] == ["WRONG"], result  # 4 values, x is 1
+
+
 def test_a_persistent_pair_restarted_every_step_is_counted_each_start(no_strays):
     """Each start of a persistent request sends its message again: recorded once at Send_init only, a pair
     restarted every step read as traffic the recording hid, and voided the check (0/27). Its padded messages

@@ -34,6 +34,8 @@ WRITTEN_OTHERWISE = [
     ("pipeline_step", H.pipeline_receiving_from_any_source, [2, 3]),  # every receive from nobody: 0/18
     ("pipeline_step", H.pipeline_with_shapes_first_in_two_parts, [3]),  # one message a micro-batch: 0/18
     ("zero1_step", H.zero1_shards_by_count_and_displacement, [2, 3]),
+    ("zero1_step", H.zero1_summed_in_float64, [2]),  # the large hidden case reads the bytes its calls bring
+    ("zero1_step", H.zero1_gathering_a_torch_slice_pickled, [2]),
     ("ps_exchange", H.ps_with_what_it_sends, [2, 3]),
     # a buffer viewed as bytes is counted in values, not bytes
     ("ps_exchange", H.ps_in_bytearrays, [3]),  # 0/12: "the server sent worker 1 8 values; the new parameters are 1"

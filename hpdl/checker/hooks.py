@@ -289,38 +289,54 @@ def vectors_to_read(ctx) -> list[np.ndarray]:
 
 
 def passed_on(ctx, vectors: list[np.ndarray], algorithm: str, apart: int | None = None) -> Wrong | None:
-    """WRONG (forged) when every message this rank sent carried its own values alone, where the algorithm has it
-    pass on partial sums (its values plus what it received): to more than one partner (recursive doubling), or,
-    with `apart` (the ring: a chunk's width, n // p), from places in its vector that far apart (its own chunk goes
-    out once, in the first step; every later message carries a sum). Read by the first values each send carried as
-    it started (recording.HEAD), looked for in the sums of every subset of the ranks' vectors, exact in the sum cases
-    (_sums.vector). A show of the pattern (right partners, right sizes, each message cut from the rank's own x,
-    nothing received used) beside a sum got some other way (MPI_Allreduce called by address through a CFUNCTYPE
-    prototype, no Python lookup to refuse, within the wire's slack) scored 36/36 and 18/18. Messages whose first
-    values are in no such sum (bytes, a pickled list) are not read; one that carries a sum, or another rank's values
-    passed along (another algorithm, which the other checks name), clears the rank."""
+    """WRONG (forged) when no message this rank sent carried a sum, where the algorithm has every rank pass on
+    partial sums (its values plus what it received): two or more messages, each carrying the rank's own values
+    alone or values in no sum of the ranks' vectors (zeros, noise, text), to more than one partner (recursive
+    doubling), or, with `apart` (the ring: a chunk's width, n // p), from places in its vector that far apart or
+    not read at all (its own chunk goes out once, in the first step; every later message carries a sum).
+    Read by the first values each send carried as it started (recording.HEAD; bytes read as values, readings),
+    looked for in the sums of every subset of the ranks' vectors, exact in the sum cases (_sums.vector). A show
+    of the pattern (right partners, right sizes, nothing received used) beside a sum got some other way
+    (MPI_Allreduce called by address through a CFUNCTYPE prototype, no Python lookup to refuse, within the
+    wire's slack) scored 36/36 and 18/18: each message cut from the rank's own x, then each of zeros. One message
+    that carries a sum, or another rank's values passed along (another algorithm, which the other checks name),
+    clears the rank."""
     r = ctx.rank
     if not vectors:
         return None
     totals = [(mask, np.sum([vectors[i] for i in range(ctx.size) if mask >> i & 1], axis=0))
               for mask in range(1, 1 << ctx.size)]
-    starts, peers = [], set()
+    starts, peers, unread = [], set(), 0
     for c in ctx.calls:
-        if c.dest in (None, r) or not c.head:
+        if c.dest in (None, r) or not (c.head or c.nbytes):
             continue
-        found = [(mask, at) for mask, total in totals for at in [_carries(total, c.head)] if at is not None]
-        if not found:
-            continue
+        found = [(mask, at) for head in readings(c.head) for mask, total in totals
+                 for at in [_carries(total, head)] if at is not None]
         if any(mask != 1 << r for mask, _ in found):
             return None  # a sum, or another rank's values
-        starts.append(found[0][1])
         peers.add(c.dest)
+        if found:
+            starts.append(found[0][1])
+        else:
+            unread += 1
     spread = max(starts, default=0) - min(starts, default=0)
-    if len(starts) < 2 or (len(peers) < 2 if apart is None else apart < 1 or spread < apart):
+    if len(starts) + unread < 2 or (len(peers) < 2 if apart is None else not unread and spread < max(1, apart)):
         return None
-    return Wrong(f"rank {r} sent {len(starts)} messages that each carried its own values alone: in {algorithm} a "
-                 "rank passes on partial sums (its own values plus what it received) after its first message, so "
-                 "the sum it returned was made some other way than these messages", forged=True)
+    return Wrong(f"rank {r} sent {len(starts) + unread} messages and none carried a sum: in {algorithm} a rank "
+                 "passes on partial sums (its own values plus what it received) after its first message, so the "
+                 "sum it returned was made some other way than these messages", forged=True)
+
+
+def readings(head) -> list[tuple]:
+    """What a send's first values may be (Call.head): its values as noted; or, for a message of bytes (noted
+    as hex), those bytes read as float64 and as float32 values."""
+    if isinstance(head, tuple):
+        return [head] if head else []
+    if not isinstance(head, str):
+        return []
+    raw = bytes.fromhex(head)
+    return [tuple(float(v) for v in np.frombuffer(raw[:len(raw) // k * k], dtype))
+            for dtype, k in ((np.float64, 8), (np.float32, 4)) if len(raw) >= k]
 
 
 def _carries(total: np.ndarray, head) -> int | None:

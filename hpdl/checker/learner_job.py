@@ -294,6 +294,8 @@ class LearnerJob(RankJob):
 
             oracle.start(os.path.join(self.dir, f"oracle-{self.rank}.bin"), funcs["serve"])
             self.barrier("oracle")  # every rank's secrets file gone before any learner's code runs
+        # as they are before the learner's code: wire.pack rebound there packed made-up calls, marked unaltered
+        pack = functools.partial(_sealed, wire.pack, type(recording.recorder).intact)
         fn, unpack_error = self.unpack(code)
         for index, case_dict in spec["cases"]:
             case = Case(**case_dict)
@@ -302,7 +304,7 @@ class LearnerJob(RankJob):
             if fn is None:
                 result = {"status": "error", "message": unpack_error}
             else:
-                result = self.run_case(funcs, case, index, fn, recording, wire)
+                result = self.run_case(funcs, case, index, fn, recording, pack)
             state["phase"] = "waiting"
             self.emit(ev="end", case=index, **result)
             self.barrier(str(index))
@@ -386,7 +388,7 @@ class LearnerJob(RankJob):
         self.barrier("inputs")
         return data
 
-    def run_case(self, funcs: dict, case, index: int, fn, recording, wire) -> dict:
+    def run_case(self, funcs: dict, case, index: int, fn, recording, pack) -> dict:
         if self.private is not None:
             args = tuple(self.private.pop(index))
         else:
@@ -395,7 +397,7 @@ class LearnerJob(RankJob):
         if self.spec["code"].get("from_engines"):
             self.rebind(fn, comm)
         recorder = recording.recorder
-        recorder.reset()
+        recorder.reset(dict(recording.INSTALLED))  # what the last case's code did to it does not carry over
         metered, last = bool(self.spec.get("metered")), self.rank == self.size - 1
         if case.params.get("hold") is True and metered and last:
             self.hold(index)
@@ -433,8 +435,7 @@ class LearnerJob(RankJob):
             return refused
         calls = [(c.name, c.dest, c.source, c.count, c.nbytes, c.head) for c in recorder.calls]
         try:
-            data = wire.pack({"got": got, "calls": calls, "altered": not recorder.intact(),
-                              "waits": [list(w) for w in recorder.waits[:MAX_WAITS]]})
+            data = pack(recorder, got, calls)
         except Exception as exc:
             return {"status": "error", "exception": type(exc).__name__,
                     "message": short(f"what your function returned could not be sent back: {type(exc).__name__}: "
@@ -486,6 +487,12 @@ class LearnerJob(RankJob):
         for name, value in names.items():
             if name in g:
                 g[name] = value
+
+
+def _sealed(pack, intact, recorder, got, calls: list) -> bytes:
+    """What one case sends back: the answer, the recorded calls, and whether the record was altered."""
+    return pack({"got": got, "calls": calls, "altered": not intact(recorder),
+                 "waits": [list(w) for w in recorder.waits[:MAX_WAITS]]})
 
 
 def _when_ready(fn, recording):

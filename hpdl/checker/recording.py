@@ -186,8 +186,11 @@ class _Recorder:
         return self.overwritten
 
     def intact(self) -> bool:
-        """Whether the calls and pauses are the recorder's own since reset() (see _tally)."""
-        return _intact(self.calls)
+        """Whether the calls and pauses are the recorder's own since reset() (see _tally), and the calls the
+        exercise forbids are all still forbidden: a parameter server that emptied the recorder's list, then
+        gathered and broadcast, scored 9/12."""
+        kept = type(self.forbidden) is dict and all(self.forbidden.get(k) == v for k, v in INSTALLED.items())
+        return _intact(self.calls) and kept
 
     def note(self, name: str, dest=None, source=None, count=None, kind: str = "mpi", nbytes=None,
              head=None) -> Call | None:
@@ -437,35 +440,91 @@ def _is_in_place(buf) -> bool:
 
 
 HEAD = 8  # values of a send noted as it starts (a METERED check's): what the message carried, not only how much
+RAW = 64  # bytes of a message of bytes noted as it starts, as hex (hooks.readings reads them as values)
 
 
-def _head(buf, pickled: bool = False) -> tuple | None:
+def _head(buf, pickled: bool = False) -> tuple | str | None:
     """The first HEAD values of an array or a CPU tensor sent whole (a buffer, or a pickled object), as floats;
-    None for anything else (a message spec that picks a part). A parameter server that sent the average
-    gradient, each worker stepping alone, moved as many values as the new parameters and scored 12/12. A pickled
-    object's largest array among its first items and what pickle takes of it (the average in a SimpleNamespace,
-    12/12 again)."""
+    the first RAW bytes, as hex, of bytes (bytes, a bytearray, an array of bytes: a uint8 view); None for anything
+    else. A parameter server that sent the average gradient, each worker stepping alone, moved as many values as
+    the new parameters and scored 12/12. A pickled object's largest array among its first items and what pickle
+    takes of it (the average in a SimpleNamespace, 12/12 again); a pickled list of numbers, its first ones. A
+    message spec's part of its buffer, from its displacement. Messages of bytes went unread, and decoys sent as
+    views of bytes hid an all-reduce called by address (hooks.passed_on); pickled text and big whole numbers are
+    read by their bytes too."""
+    try:
+        return _head_of(buf, pickled)
+    except Exception:  # noqa: BLE001 - the learner's send goes on, its first values unread
+        return None
+
+
+def _head_of(buf, pickled: bool) -> tuple | str | None:
+    if isinstance(buf, (bytes, bytearray, memoryview)):
+        return _raw(buf)
     if pickled and not (callable(getattr(buf, "detach", None)) or hasattr(buf, "dtype")):
+        if isinstance(buf, str):
+            return _raw(buf[:RAW].encode("utf-8", "replace"))
+        if isinstance(buf, int) and not isinstance(buf, bool) and abs(buf) >= 2**63:  # values packed in one int
+            n = min(RAW, (abs(buf).bit_length() + 7) // 8)
+            return _raw((abs(buf) & ((1 << 8 * n) - 1)).to_bytes(n, "little"))
+        if _plain_number(buf):
+            return (float(buf),)
+        if isinstance(buf, (list, tuple)) and buf and all(_plain_number(v) for v in buf[:HEAD]):
+            return tuple(float(v) for v in buf[:HEAD])
         inner = _largest_array(buf)
         return None if inner is None else _head(inner)
     if isinstance(buf, (list, tuple)):  # a message spec: [data, type], [data, count, type] start at data's start
-        starts = len(buf) == 2 or len(buf) == 3 and isinstance(buf[1], int) and not isinstance(buf[1], bool)
-        head = _head(buf[0]) if buf and starts and not isinstance(buf[0], (list, tuple)) else None
-        return head[:buf[1]] if head is not None and len(buf) == 3 else head
-    try:
-        import numpy as np
+        return _spec_head(buf)
+    import numpy as np
 
-        if callable(getattr(buf, "detach", None)):  # a tensor: its first values only to the CPU, not all of it
-            first = buf.detach()
-            first = (first.view(-1) if first.is_contiguous() else first.flatten())[:HEAD]
-            data = first.cpu().numpy()
-        else:
-            data = buf
-        if not isinstance(data, np.ndarray) or data.dtype.kind not in "fiu":
-            return None
-        return tuple(float(v) for v in data.flat[:HEAD])  # .flat: no copy of the whole array
-    except Exception:
+    if callable(getattr(buf, "detach", None)):  # a tensor: its first values only to the CPU, not all of it
+        first = buf.detach()
+        first = (first.view(-1) if first.is_contiguous() else first.flatten())[:max(HEAD, RAW)]
+        data = first.cpu().numpy()
+    else:
+        data = buf
+    if not isinstance(data, np.ndarray):
         return None
+    if data.dtype.itemsize == 1 or data.dtype.kind not in "fiu":
+        return _raw(np.ascontiguousarray(data.flat[:max(1, RAW // max(1, data.dtype.itemsize))]))
+    return tuple(float(v) for v in data.flat[:HEAD])  # .flat: no copy of the whole array
+
+
+def _spec_head(buf) -> tuple | str | None:
+    """A message spec's first values: [data, type], [data, count(, type)] from data's start; [data, (count,
+    displ), type] and [data, count, displ, type] from the displacement, where the type is data's own item."""
+    if not buf or isinstance(buf[0], (list, tuple)):
+        return None
+    count, displ = None, 0
+    if len(buf) in (2, 3) and isinstance(buf[1], tuple) and len(buf[1]) == 2:
+        count, displ = buf[1]
+    elif len(buf) == 4:
+        count, displ = buf[1], buf[2]
+    elif len(buf) == 3:
+        count = buf[1]
+    elif len(buf) != 2 or isinstance(buf[1], list):
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (count or 0, displ)):
+        return None
+    if displ:
+        dtype = _spec_type(buf)  # none given: data's own
+        if dtype is not None and dtype.Get_size() != _itemsize(buf[0]) or not hasattr(buf[0], "flat"):
+            return None
+        head = _head(buf[0].flat[displ:displ + max(HEAD, RAW)])
+    else:
+        head = _head(buf[0])
+    return head[:count] if isinstance(head, tuple) and count is not None else head
+
+
+def _raw(data) -> str | None:
+    try:
+        return bytes(memoryview(data).cast("B")[:RAW]).hex()
+    except (TypeError, ValueError):
+        return None
+
+
+def _plain_number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def _largest_array(obj, depth: int = 0):
@@ -755,9 +814,10 @@ def _started_persistent(request, frame) -> None:
     if entry is None:
         return
     index = entry["index"]
-    if entry["starts"] and entry["call"] is not None:
-        c = entry["call"]
-        recorder.add(Call(c.name, c.dest, c.source, c.count, c.nbytes))
+    if entry["starts"] and entry["call"] is not None:  # what the buffer holds now (its first values) goes out
+        c, buf = entry["call"], entry["buf"]
+        recorder.add(Call(c.name, c.dest, c.source, c.count, c.nbytes,
+                          _head(buf) if buf is not None and recorder.sized else None))
         index = len(recorder.calls) - 1
     if not recorder.synchronous and index is not None:  # for rendezvous.py: where this start completes
         recorder.requested[request.handle] = index
@@ -775,7 +835,7 @@ def _persistent(name: str, request, buf, noted, label: str) -> None:
         index = len(recorder.calls) - 1 if noted is not None and recorder.calls and recorder.calls[-1] is noted \
             else None
         recorder.persistent[request.handle] = {"call": noted, "label": label, "view": view, "starts": 0,
-                                               "index": index}
+                                               "index": index, "buf": buf if view is not None else None}
 
 
 def _patch_starts() -> None:
@@ -806,12 +866,46 @@ def _patch_starts() -> None:
     ctypes.pythonapi.PyType_Modified(ctypes.py_object(MPI.Prequest))
 
 
+def _mine(name: str, buf) -> Call:
+    """What this rank gets of a reduce-scatter: its values, and its bytes where sends' bytes are noted."""
+    return Call(f"{name}:mine", None, None, _count(buf), _nbytes(name, buf) if recorder.sized else None)
+
+
+def _compacted(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The object a pickling call sends, each torch view in it a copy of its own values: pickle takes a view's
+    whole storage (a shard sent by comm.allgather(new[lo:hi]) moved all n values, counted as its shard's, and
+    scored 0/18), room for values no count sees. The values received are the same."""
+    if args:
+        args = (_compact(args[0]),) + tuple(args[1:])
+    for key in ("obj", "sendobj"):
+        if key in kwargs:
+            kwargs = {**kwargs, key: _compact(kwargs[key])}
+    return args, kwargs
+
+
+def _compact(obj, depth: int = 0):
+    if callable(getattr(obj, "untyped_storage", None)) and callable(getattr(obj, "clone", None)):
+        try:
+            wider = obj.untyped_storage().nbytes() > obj.numel() * obj.element_size()
+            return obj.detach().clone() if wider and not obj.requires_grad else obj
+        except Exception:  # noqa: BLE001 - not a tensor after all: sent as it is
+            return obj
+    if depth >= 4 or type(obj) not in (list, tuple, dict) or len(obj) > 4096:
+        return obj
+    items = obj.items() if type(obj) is dict else enumerate(obj)
+    new = {k: _compact(v, depth + 1) for k, v in items}
+    if all(new[k] is v for k, v in (obj.items() if type(obj) is dict else enumerate(obj))):
+        return obj
+    return new if type(obj) is dict else type(obj)(new[i] for i in range(len(obj)))
+
+
 def _message(name: str, buf, dest, frame) -> tuple[str, int | None, int | None, tuple | None]:
     """What a call is noted as: (its name, the values it sends, its bytes, its first values). A message
     mpi4py.util.pkl5 makes of an object is noted as the object's pickled send (_pkl5_part)."""
     pickled = name[0].islower()
     count = _count(buf, pickled=pickled) if buf is not None else None
-    nbytes = _nbytes(name, buf) if dest is not None and recorder.sized else None
+    sized = dest is not None or "llgather" in name  # an all-gather's part too: what it brings each rank
+    nbytes = _nbytes(name, buf) if sized and buf is not None and recorder.sized else None
     head = _head(buf, pickled=pickled) if dest is not None and recorder.sized else None
     if dest is not None and not pickled and not _PKL5 and "mpi4py.util.pkl5" in sys.modules:
         _pkl5_capture()  # once the learner's code has imported it (at install, a ZeRO-3 rank's memory count moved)
@@ -894,15 +988,17 @@ def _sent_buffer(args, kwargs, dest) -> tuple:
 def _wrap(cls_name: str, name: str, base, synchronous=None):
     dpos, spos = _P2P.get(name, (None, None))
     nonblocking = name[0] in "Ii" and not name.endswith("_init") and "probe" not in name.lower()
+    pickles = name[:1].islower()
 
     def method(self, *args, **kwargs):
         if recorder.paused_now:
             return base(self, *args, **kwargs)
+        args, kwargs = _compacted(args, kwargs) if pickles else (args, kwargs)
         dest, source = _peer(args, kwargs, dpos, "dest"), _peer(args, kwargs, spos, "source")
         buf, in_place = _sent_buffer(args, kwargs, dest)
         noted_as, count, nbytes, head = _message(name, buf, dest, sys._getframe(1))
         if in_place and name in _GATHERS_IN_PLACE and isinstance(count, int):  # this rank's part of the whole
-            count = -(-count // max(1, _size(self)))
+            count, nbytes = (-(-v // max(1, _size(self))) if isinstance(v, int) else None for v in (count, nbytes))
         status = None
         if name in _STATUS_AT and source is None:  # from any source: recorded once it is known
             args, kwargs, status = _with_status(args, kwargs, _STATUS_AT[name])
@@ -912,7 +1008,7 @@ def _wrap(cls_name: str, name: str, base, synchronous=None):
                               head=head) if status is None and not wildcard else None
         mine = args[1] if len(args) > 1 else kwargs.get("recvbuf")
         if name in _SCATTERS_TO_EACH and not in_place and mine is not None and not recorder.paused_now:
-            recorder.add(Call(f"{name}:mine", None, None, _count(mine), None))  # what this rank gets
+            recorder.add(_mine(name, mine))
         peer = f" to rank {dest}" if dest is not None else ""
         peer += f" from rank {source}" if source is not None else ""
         recorder.current = f"comm.{name}(){peer}"
@@ -1372,15 +1468,31 @@ class _TorchHook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             sys.meta_path.remove(self)
 
 
+INSTALLED: dict[str, str] = {}  # the calls forbidden as installed: each case starts from these (Recorder.intact)
+
+
 def install(forbidden: dict[str, str], sized: bool = False, synchronous: bool = True) -> None:
     """Once per learner process, before the learner's code is unpacked. `sized`: note each send's
     bytes too (a METERED check compares them with what the kernel saw). `synchronous`: a blocking Send
     waits for its receive (SYNCHRONOUS)."""
     recorder.sized, recorder.synchronous = sized, synchronous
-    if recorder.installed:
-        recorder.reset(forbidden)
-        return
     recorder.reset(forbidden)
+    forbid_windows = _forbid_routes(forbidden)
+    if not recorder.installed:
+        _patch_mpi(forbid_windows)
+        _patch_ctypes()
+        c10d = sys.modules.get(_TorchHook.TARGET)
+        if c10d is not None:
+            _patch_c10d(c10d)
+        else:
+            sys.meta_path.insert(0, _TorchHook())
+        recorder.installed = True
+    INSTALLED.clear()
+    INSTALLED.update(recorder.forbidden)
+
+
+def _forbid_routes(forbidden: dict[str, str]) -> bool:
+    """The routes around the calls `forbidden` names, forbidden too; whether windows are among them."""
     forbid_windows = any(n in forbidden for n in ("Allreduce", "Reduce", "Bcast", "Allgather"))
     if forbid_windows:
         for name in ONE_SIDED:
@@ -1396,14 +1508,7 @@ def install(forbidden: dict[str, str], sized: bool = False, synchronous: bool = 
     recorder.forbidden.setdefault(C_MPI, "MPI's C functions called by hand (ctypes, cffi) are calls no check "
                                          "can follow: call MPI through mpi4py (point-to-point messages, or the "
                                          "collective the exercise asks for)")
-    _patch_mpi(forbid_windows)
-    _patch_ctypes()
-    c10d = sys.modules.get(_TorchHook.TARGET)
-    if c10d is not None:
-        _patch_c10d(c10d)
-    else:
-        sys.meta_path.insert(0, _TorchHook())
-    recorder.installed = True
+    return forbid_windows
 
 
 def sends(calls: list[Any]) -> list[int]:

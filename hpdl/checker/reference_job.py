@@ -142,9 +142,15 @@ def _call(Call, raw):
     def num(x):
         return x if isinstance(x, int) and not isinstance(x, bool) else None
 
-    if not (isinstance(head, (list, tuple)) and len(head) <= 64 and all(type(v) is float for v in head)):
+    if isinstance(head, str):  # bytes sent, as hex (recording.RAW of them)
+        head = head if len(head) <= 256 and len(head) % 2 == 0 and all(c in _HEX for c in head) else None
+    elif not (isinstance(head, (list, tuple)) and len(head) <= 64 and all(type(v) is float for v in head)):
         head = None
-    return Call(str(name)[:80], num(dest), num(source), num(count), num(nbytes), tuple(head) if head else None)
+    head = (head if isinstance(head, str) else tuple(head)) if head else None
+    return Call(str(name)[:80], num(dest), num(source), num(count), num(nbytes), head)
+
+
+_HEX = frozenset("0123456789abcdef")
 
 
 if __name__ == "__main__":

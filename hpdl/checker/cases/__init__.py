@@ -177,7 +177,7 @@ class Call:
     source: int | None = None
     count: int | None = None  # elements sent (point-to-point sends), when known
     nbytes: int | None = None  # bytes of the message sent, when known (a pickled object: its pickle)
-    head: tuple | None = None  # a send's first values (recording.HEAD), where it sends an array whole: what it carried
+    head: tuple | str | None = None  # a send's first values (recording.HEAD): what it carried; bytes as hex (RAW)
 
 
 class Context:

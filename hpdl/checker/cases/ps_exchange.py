@@ -100,10 +100,11 @@ def _sends_the_new_parameters(ctx):
     if ctx.rank != 0 or n <= METADATA:
         return None
     for worker in range(1, ctx.size):
-        heads = [c.head for c in ctx.calls if c.dest == worker and c.head and (c.count or 0) > METADATA]
-        if heads and not np.allclose(heads[0], ctx.expected[:len(heads[0])], rtol=1e-4, atol=1e-6):
+        heads = [hooks.readings(c.head) for c in ctx.calls if c.dest == worker and c.head and (c.count or 0) > METADATA]
+        heads = [h for h in heads if h]
+        if heads and not any(np.allclose(h, ctx.expected[:len(h)], rtol=1e-4, atol=1e-6) for h in heads[0]):
             return Wrong(f"the server sent worker {worker} values that are not the new parameters (its message "
-                         f"began {_shown(heads[0])}; the new parameters begin {_shown(ctx.expected)})",
+                         f"began {_shown(heads[0][-1])}; the new parameters begin {_shown(ctx.expected)})",
                          hint="the server takes the step itself (params - lr * average) and sends the result: the "
                               "workers do not step on their own.")
     return None

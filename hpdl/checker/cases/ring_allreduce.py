@@ -91,6 +91,8 @@ def chunked(ctx):
                           "passing the whole vector around costs p times the bandwidth. Send each chunk in x's own "
                           "dtype: a float64 copy of a float32 chunk moves twice its bytes.")
     budget = ring_allowance(n, p)
+    if n >= p and (p - 1) * -(-n // p) < n:  # x padded to p chunks of ⌈n/p⌉ (2(p-1) full chunks), short of 2n
+        budget = max(budget, 2 * (p - 1) * -(-n // p))
     if sum(moved) > budget:
         return Wrong(f"rank {r} sent {sum(moved)} values in {len(moved)} messages; the ring's 2(p-1) = {2 * (p - 1)} "
                      f"steps pass on one chunk each, at most {budget} values",

@@ -245,20 +245,33 @@ def _another_algorithm(ctx, n: int, least: int | None) -> Wrong | None:
     may load some ranks more than others (mpi4py's pickled comm.reduce reduces along a tree to rank 0 and then
     forwards to the root: rank 0 receives about a shard more per owner) and still leave one under the bound."""
     p = ctx.size
-    bound = int(TELLS * 2 * (p - 1) / p * n * 4) + 65536
+    bound = int(TELLS * max(2 * (p - 1) / p * n * 4, _brought(ctx))) + 65536
     if least is None or least <= bound:
         return None
     w = hooks.received_at_most(ctx, bound, "a reduce-scatter of the gradients and an all-gather of the updated shards",
                                hint="ZeRO-1 reduce-scatters the gradients (each rank gets the average of its own "
                                     "shard only), never all-reduces or gathers them whole: that is plain data "
-                                    "parallelism's traffic, and its optimizer state on every rank. Send them in "
-                                    "their own dtype (float32): reduce-scattered in float64 they move as many bytes "
-                                    "as an all-reduce. And a torch slice sent by mpi4py's lower-case calls (pickled) "
-                                    "carries its whole buffer: send shard.clone(), or use the upper-case calls.")
+                                    "parallelism's traffic, and its optimizer state on every rank.")
     if w is not None:
         w.message += f" (and every rank received {least} bytes or more)"
         w.telling = True
     return w
+
+
+def _brought(ctx) -> int:
+    """Bytes this rank's recorded reduce-scatters and all-gathers bring it (each call already held to a shard by
+    _beyond_a_shard): a shard's worth from each other rank, in the dtype the call sent. A reduce-scatter of a
+    float64 copy, right, moves twice the bytes ZeRO-1 needs in float32, and scored 0/18. Sized by what a rank
+    receives, never by a send buffer, which could claim room for traffic no call accounts for."""
+    p = ctx.size
+    total = 0
+    for c in ctx.calls:
+        gets = c.name.endswith(":mine") or c.name in hooks.ALL_GATHERS
+        if not gets or not isinstance(c.count, int) or c.count <= 0:
+            continue
+        typed = c.name[:1].isupper() and isinstance(c.nbytes, int) and c.nbytes > 0
+        total += (p - 1) * c.count * (c.nbytes // c.count if typed else 4)
+    return total
 
 
 def diagnose(case, ctx):
