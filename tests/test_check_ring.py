@@ -112,6 +112,31 @@ def test_a_send_freed_in_flight_is_held_to_its_buffer(no_strays):
                          and c.line["line"] == line_of("# FREED") for c in large), result
 
 
+def test_a_job_that_ends_before_its_ranks_are_ready_is_started_again_once(monkeypatch, no_strays):
+    """No learner's code has run before every rank is ready: a job that ended before then ended by the host's doing
+    (a busy grading host cost an honest check 2 points: "The ranks did not start"). Started again once, it says so;
+    ended again, the case is an ERROR, as before."""
+    from hpdl.checker import jobs
+
+    real, ended = jobs.Job.__init__, []
+
+    def launch(self, kind, *args, **kwargs):
+        real(self, kind, *args, **kwargs)
+        if kind == "learner" and len(ended) < kills:
+            ended.append(self.dir)
+            self.side.end(now=True)  # as the host's OOM killer, or a launcher that failed, would
+
+    monkeypatch.setattr(jobs.Job, "__init__", launch)
+    kills = 1
+    result = hpdl.check("ring_allreduce", L.ring_ok, ranks=[2])
+    assert ended and result.score == result.max_score, result
+    assert any("ended before its ranks were ready and was started again" in h for h in result.hints), result
+    ended.clear()
+    kills = 2
+    result = hpdl.check("ring_allreduce", L.ring_ok, ranks=[2])
+    assert len(ended) == 2 and result.cases[0].verdict == "ERROR" and "did not start" in result.cases[0].message
+
+
 def test_chunks_padded_to_equal_widths_pass_where_the_padding_is_not_a_second_vector(no_strays):
     """p chunks of ⌈n/p⌉, the last padded with zeros, is the ring cut otherwise (20/27: the padding counted over
     the budget of the exercise's cut). Where the padding would make the values passed on 2n (n < p, or n = 9 at 4

@@ -551,6 +551,7 @@ class SizeRun:
                 runner.notes[job.through_batch] = None
         self.verifying: dict[int, float] = {}  # case index -> when its outputs went to the reference job
         self.broken: dict | None = None  # the reference job failed: the checker's own fault
+        self.restarted = False  # a learner job that ended before any rank was ready is started again, once
 
     def _learner(self, todo: list[Planned]) -> Job:
         job = Job("learner", self.runner.spec, self.size, todo, self.tmp, sandboxed=self.runner.sandboxed,
@@ -612,7 +613,7 @@ class SizeRun:
                 decided.append((cur, result))
                 self.todo.pop(0)
                 continue
-            result = self._stopped(cur, job, ends, exited)
+            result = None if exited and self._started_again(job) else self._stopped(cur, job, ends, exited)
             if result is None:
                 break
             decided.append((cur, result))
@@ -625,6 +626,20 @@ class SizeRun:
             self._after_stop(job, decided)
             break
         return decided
+
+    def _started_again(self, job: Job) -> bool:
+        """The learner job ended before any of its ranks was ready, so before any learner's code ran: the host's
+        doing (a busy grading host's, where an honest check lost 2 points to "The ranks did not start"). Once."""
+        if job.ready or job.crash is not None or self.restarted:
+            return False
+        self.restarted = True
+        job.end()
+        said = _text(job.output_tail(1), 200) or "none"
+        safefiles.remove_tree(job.dir)
+        self.learner = self._learner(self.todo)
+        self.runner.notes[f"Note: the job of {self.size} ranks ended before its ranks were ready and was started "
+                          f"again (its last output: {said})."] = None
+        return True
 
     def _read_jobs(self) -> None:
         """The jobs' new events: the learner's at every step too, as its ranks meet at barriers through this
