@@ -1,6 +1,6 @@
 """Right answers written otherwise than the model solutions score full marks, graded: each was failed once
 by a check that read a way of writing it as a wrong algorithm or a forged record (tests/fixtures/
-honest_variants.py). And one that moves more than the statement asks is told exactly why."""
+honest_variants.py)."""
 from __future__ import annotations
 
 import sys
@@ -35,6 +35,9 @@ WRITTEN_OTHERWISE = [
     ("pipeline_step", H.pipeline_with_shapes_first_in_two_parts, [3]),  # one message a micro-batch: 0/18
     ("zero1_step", H.zero1_shards_by_count_and_displacement, [2, 3]),
     ("zero1_step", H.zero1_summed_in_float64, [2]),  # the large hidden case reads the bytes its calls bring
+    # a float64 copy of float32 values: each still one value (recording._exact), twice the bytes
+    ("ring_allreduce", H.ring_summed_in_float64, [2, 3]),
+    ("recursive_doubling", H.recursive_doubling_summed_in_float64, [3, 4]),
     ("zero1_step", H.zero1_gathering_a_torch_slice_pickled, [2]),
     ("ps_exchange", H.ps_with_what_it_sends, [2, 3]),
     # a buffer viewed as bytes is counted in values, not bytes
@@ -62,10 +65,3 @@ WRITTEN_OTHERWISE = [
 def test_right_answers_written_otherwise_get_full_marks(exercise, fn, ranks, no_strays):
     result = hpdl.check(exercise, fn, ranks=ranks, grade=True)
     assert passed(result) and result.score == result.max_score, result
-
-
-def test_a_ring_that_sends_float64_chunks_of_a_float32_vector_is_told_so(no_strays):
-    result = hpdl.check("ring_allreduce", H.ring_summed_in_float64, ranks=[2])
-    wrong = [c for c in result.cases if c.verdict == "WRONG"]
-    assert wrong and all("float32" in c.message and "float64 copy" in (c.hint or "") for c in wrong), result
-    assert all(c.verdict.earns_points for c in result.cases if "float64" in c.name), result

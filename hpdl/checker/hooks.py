@@ -438,6 +438,8 @@ def typed_values(c, item: int) -> int | None:
     as it has bytes, 4 or 8 times its values, and failed right code. None for a pickled object (lowercase
     calls), whose bytes are a pickle's, or where the bytes are unknown."""
     if c.name[:1].isupper() and isinstance(c.nbytes, int) and c.nbytes > 0:
+        if isinstance(c.exact, int) and 0 < c.exact <= item and isinstance(c.count, int):
+            return c.count  # a float64 copy of float32 values: each one value still (recording._exact)
         return c.nbytes // item
     return None
 

@@ -433,7 +433,7 @@ class LearnerJob(RankJob):
         refused = self.unfinished(recorder.unfinished()) or self.overwritten(recorder.overwritten_at_return())
         if refused:
             return refused
-        calls = [(c.name, c.dest, c.source, c.count, c.nbytes, c.head) for c in recorder.calls]
+        calls = [(c.name, c.dest, c.source, c.count, c.nbytes, c.head, c.exact) for c in recorder.calls]
         try:
             data = pack(recorder, got, calls)
         except Exception as exc:

@@ -193,7 +193,7 @@ class _Recorder:
         return _intact(self.calls) and kept
 
     def note(self, name: str, dest=None, source=None, count=None, kind: str = "mpi", nbytes=None,
-             head=None) -> Call | None:
+             head=None, exact=None) -> Call | None:
         """Record one call, or refuse it (ForbiddenCall) when the exercise forbids it."""
         if self.paused_now:
             return None
@@ -202,7 +202,7 @@ class _Recorder:
         if reason:
             self.rejected.append(key)
             raise ForbiddenCall(key, reason)
-        call = Call(key, dest, source, count, nbytes, head)
+        call = Call(key, dest, source, count, nbytes, head, exact)
         self.add(call)
         return call
 
@@ -899,9 +899,10 @@ def _compact(obj, depth: int = 0):
     return new if type(obj) is dict else type(obj)(new[i] for i in range(len(obj)))
 
 
-def _message(name: str, buf, dest, frame) -> tuple[str, int | None, int | None, tuple | None]:
-    """What a call is noted as: (its name, the values it sends, its bytes, its first values). A message
-    mpi4py.util.pkl5 makes of an object is noted as the object's pickled send (_pkl5_part)."""
+def _message(name: str, buf, dest, frame) -> tuple[str, int | None, int | None, tuple | None, int | None]:
+    """What a call is noted as: (its name, the values it sends, its bytes, its first values, the bytes a value
+    needs where fewer than its own: _exact). A message mpi4py.util.pkl5 makes of an object is noted as the
+    object's pickled send (_pkl5_part)."""
     pickled = name[0].islower()
     count = _count(buf, pickled=pickled) if buf is not None else None
     sized = dest is not None or "llgather" in name  # an all-gather's part too: what it brings each rank
@@ -912,8 +913,26 @@ def _message(name: str, buf, dest, frame) -> tuple[str, int | None, int | None, 
     part = _pkl5_part(frame, buf) if dest is not None and _PKL5 and not pickled else None
     if part is not None:
         values, first = part
-        return name.lower(), values, nbytes, first if recorder.sized else None
-    return name, count, nbytes, head
+        return name.lower(), values, nbytes, first if recorder.sized else None, None
+    exact = _exact(buf) if dest is not None and not pickled and recorder.sized else None
+    return name, count, nbytes, head, exact
+
+
+def _exact(buf) -> int | None:
+    """4 where a typed send's buffer is float64 and every value in it is a float32's exactly (a float32 vector
+    summed in a float64 copy: right, twice the bytes, and read as twice the values: 18/27); None otherwise. Such
+    a value carries no more than a float32 does, so nothing is packed in the other half."""
+    data = buf[0] if isinstance(buf, (list, tuple)) and buf else buf
+    try:
+        import numpy as np
+
+        if callable(getattr(data, "detach", None)):
+            data = data.detach().cpu().numpy()
+        if not isinstance(data, np.ndarray) or data.dtype != np.float64 or data.size > 1 << 24:
+            return None
+        return 4 if np.array_equal(data.astype(np.float32).astype(np.float64), data, equal_nan=True) else None
+    except Exception:  # noqa: BLE001 - unread: counted by its bytes
+        return None
 
 
 # -- mpi4py.util.pkl5 ------------------------------------------------------------------------
@@ -996,7 +1015,7 @@ def _wrap(cls_name: str, name: str, base, synchronous=None):
         args, kwargs = _compacted(args, kwargs) if pickles else (args, kwargs)
         dest, source = _peer(args, kwargs, dpos, "dest"), _peer(args, kwargs, spos, "source")
         buf, in_place = _sent_buffer(args, kwargs, dest)
-        noted_as, count, nbytes, head = _message(name, buf, dest, sys._getframe(1))
+        noted_as, count, nbytes, head, exact = _message(name, buf, dest, sys._getframe(1))
         if in_place and name in _GATHERS_IN_PLACE and isinstance(count, int):  # this rank's part of the whole
             count, nbytes = (-(-v // max(1, _size(self))) if isinstance(v, int) else None for v in (count, nbytes))
         status = None
@@ -1004,20 +1023,20 @@ def _wrap(cls_name: str, name: str, base, synchronous=None):
             args, kwargs, status = _with_status(args, kwargs, _STATUS_AT[name])
         # a receive from any source in flight: noted when a completion says where it came from (_sourced)
         wildcard = name in _WILDCARD_RECEIVES and source is None and not recorder.forbidden.get(name)
-        noted = recorder.note(noted_as, *_in_world(self, dest, source), count, nbytes=nbytes,
-                              head=head) if status is None and not wildcard else None
+        noted = recorder.note(noted_as, *_in_world(self, dest, source), count, nbytes=nbytes, head=head,
+                              exact=exact) if status is None and not wildcard else None
         mine = args[1] if len(args) > 1 else kwargs.get("recvbuf")
         if name in _SCATTERS_TO_EACH and not in_place and mine is not None and not recorder.paused_now:
             recorder.add(_mine(name, mine))
-        peer = f" to rank {dest}" if dest is not None else ""
-        peer += f" from rank {source}" if source is not None else ""
+        peer = (f" to rank {dest}" if dest is not None else "") + (f" from rank {source}" if source is not None else "")
         recorder.current = f"comm.{name}(){peer}"
         try:
             result = (synchronous if synchronous is not None and recorder.synchronous else base)(self, *args, **kwargs)
         finally:
             recorder.current = None
         if status is not None:
-            noted = recorder.note(name, *_in_world(self, dest, _source_of(status)), count, nbytes=nbytes, head=head)
+            noted = recorder.note(name, *_in_world(self, dest, _source_of(status)), count, nbytes=nbytes, head=head,
+                                  exact=exact)
         if name.endswith("_init"):
             _persistent(name, result, buf, noted, f"comm.{name}(){peer}")
         if nonblocking and _open_request(result):

@@ -137,7 +137,7 @@ def _waits(raw, calls: int) -> list[tuple[int, int]]:
 
 def _call(Call, raw):
     """One recorded call from the learner's rank, validated: a name, integer peers and sizes."""
-    name, dest, source, count, nbytes, head = (list(raw) + [None, None])[:6]
+    name, dest, source, count, nbytes, head, exact = (list(raw) + [None, None, None])[:7]
 
     def num(x):
         return x if isinstance(x, int) and not isinstance(x, bool) else None
@@ -147,7 +147,7 @@ def _call(Call, raw):
     elif not (isinstance(head, (list, tuple)) and len(head) <= 64 and all(type(v) is float for v in head)):
         head = None
     head = (head if isinstance(head, str) else tuple(head)) if head else None
-    return Call(str(name)[:80], num(dest), num(source), num(count), num(nbytes), head)
+    return Call(str(name)[:80], num(dest), num(source), num(count), num(nbytes), head, num(exact))
 
 
 _HEX = frozenset("0123456789abcdef")

@@ -178,6 +178,7 @@ class Call:
     count: int | None = None  # elements sent (point-to-point sends), when known
     nbytes: int | None = None  # bytes of the message sent, when known (a pickled object: its pickle)
     head: tuple | str | None = None  # a send's first values (recording.HEAD): what it carried; bytes as hex (RAW)
+    exact: int | None = None  # bytes each value sent needs, where fewer than its own (recording._exact)
 
 
 class Context:

@@ -113,8 +113,7 @@ def exchanges(ctx, p2: int):
             return Wrong(f"rank {r} sent {values} values (of x's dtype, {ctx.expected.dtype}) to rank {peer}; "
                          f"recursive doubling swaps the vector ({n} values) with each partner once",
                          hint="one Sendrecv per round, with partner r ^ 2**k in round k: passing the vector around "
-                              "a ring sends it to the same rank p-1 times. Send the vector in x's own dtype: a "
-                              "float64 copy of a float32 vector moves twice its bytes.")
+                              "a ring sends it to the same rank p-1 times.")
     named = all(isinstance(c.source, int) and 0 <= c.source < ctx.size for c in receives)  # no wildcard source
     if named and set(per) - {r} != received - {r}:
         return Wrong(f"rank {r} sent to rank(s) {sorted(set(per) - {r})} and received from {sorted(received - {r})}; "

@@ -88,8 +88,7 @@ def chunked(ctx):
         return Wrong(f"rank {r} sent a message of {largest} values (of x's dtype, {ctx.expected.dtype}); the ring "
                      f"sends one chunk per message, at most {widest} values when x has {n} and there are {p} ranks",
                      hint="cut x into p chunks and pass one chunk per step (reduce-scatter, then allgather); "
-                          "passing the whole vector around costs p times the bandwidth. Send each chunk in x's own "
-                          "dtype: a float64 copy of a float32 chunk moves twice its bytes.")
+                          "passing the whole vector around costs p times the bandwidth.")
     budget = ring_allowance(n, p)
     if n >= p and (p - 1) * -(-n // p) < n:  # x padded to p chunks of ⌈n/p⌉ (2(p-1) full chunks), short of 2n
         budget = max(budget, 2 * (p - 1) * -(-n // p))
