@@ -306,7 +306,7 @@ def passed_on(ctx, vectors: list[np.ndarray], algorithm: str, apart: int | None 
         return None
     totals = [(mask, np.sum([vectors[i] for i in range(ctx.size) if mask >> i & 1], axis=0))
               for mask in range(1, 1 << ctx.size)]
-    starts, peers, unread = [], set(), 0
+    starts, peers, in_no_sum = [], set(), 0  # own values alone at these places; values in no sum
     for c in ctx.calls:
         if c.dest in (None, r) or not (c.head or c.nbytes):
             continue
@@ -318,11 +318,11 @@ def passed_on(ctx, vectors: list[np.ndarray], algorithm: str, apart: int | None 
         if found:
             starts.append(found[0][1])
         else:
-            unread += 1
+            in_no_sum += 1  # zeros, noise, text, or what could not be read
     spread = max(starts, default=0) - min(starts, default=0)
-    if len(starts) + unread < 2 or (len(peers) < 2 if apart is None else not unread and spread < max(1, apart)):
+    if len(starts) + in_no_sum < 2 or (len(peers) < 2 if apart is None else not in_no_sum and spread < max(1, apart)):
         return None
-    return Wrong(f"rank {r} sent {len(starts) + unread} messages and none carried a sum: in {algorithm} a rank "
+    return Wrong(f"rank {r} sent {len(starts) + in_no_sum} messages and none carried a sum: in {algorithm} a rank "
                  "passes on partial sums (its own values plus what it received) after its first message, so the "
                  "sum it returned was made some other way than these messages", forged=True)
 
