@@ -83,9 +83,10 @@ def test_cases_runs_again_only_the_cases_named_and_says_so(no_strays):
     every = hpdl.check("ring_allreduce", L.ring_bad_chunks, ranks=[3])
     wrong = [c.name for c in every.cases if not c.verdict.earns_points]
     assert wrong and len(wrong) < len(every.cases), every
+    assert f"ranks=3, cases={wrong[0]!r}) runs that case alone" in " ".join(every.hints), every.hints
     again = hpdl.check("ring_allreduce", L.ring_bad_chunks, ranks=[3], cases=[wrong[0]])
     assert [c.name for c in again.cases] == [wrong[0]] and not again.passed
-    assert f"{len(every.cases) - 1} others did not" in " ".join(again.hints)
+    assert f"{len(every.cases) - 1} others did not" in " ".join(again.hints) and "Tip" not in " ".join(again.hints)
     with pytest.raises(HpdlError, match=r"named like 'n=0'\. Its cases: .*n=9 float64"):
         hpdl.check("ring_allreduce", L.ring_bad_chunks, ranks=[3], cases="n=0")
     with pytest.raises(HpdlError, match="Grading runs every case"):

@@ -65,9 +65,7 @@ def check_code(name: str, module, code: dict, *, ranks=None, grading: bool = Fal
             bar.close()
     ordered = [results[i] for i in sorted(results)]
     hints = list(runner.notes)  # how the jobs ran, where it differs from the usual (no local mpiexec)
-    if left_out:
-        hints.append(f"Note: only the cases named like {only!r} ran; {left_out} other{'s' if left_out > 1 else ''} "
-                     "did not. Run the check without cases= to see every one.")
+    hints += _case_notes(name, ordered, only, left_out, grading)
     explain = getattr(module, "explain", None)
     if explain is not None:
         try:
@@ -281,6 +279,20 @@ def _chosen(name: str, plan: dict[int, list[Planned]], only, grading: bool) -> t
         names = sorted({p.case.name for todo in plan.values() for p in todo})
         raise HpdlError(f"No case of {name!r} is named like {only!r}. Its cases: {'; '.join(names)}.")
     return chosen, total - index
+
+
+def _case_notes(name: str, ordered: list, only, left_out: int, grading: bool) -> list[str]:
+    """What the result says of the cases run: those cases= left out; and, where one failed, how to run it alone
+    while mending it (not when grading, which runs every case)."""
+    notes = []
+    if left_out:
+        notes.append(f"Note: only the cases named like {only!r} ran; {left_out} other{'s' if left_out > 1 else ''} "
+                     "did not. Run the check without cases= to see every one.")
+    failed = next((c for c in ordered if not c.verdict.earns_points), None)
+    if failed is not None and not grading and not left_out and len(ordered) > 1:
+        notes.append(f"Tip: hpdl.check({name!r}, ..., ranks={failed.ranks}, cases={failed.name!r}) runs that case "
+                     "alone while you mend it.")
+    return notes
 
 
 def _forbidden(module) -> dict[str, str]:
