@@ -875,6 +875,8 @@ def _compacted(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The object a pickling call sends, each torch view in it a copy of its own values: pickle takes a view's
     whole storage (a shard sent by comm.allgather(new[lo:hi]) moved all n values, counted as its shard's, and
     scored 0/18), room for values no count sees. The values received are the same."""
+    if "torch" not in sys.modules:  # no tensor to send: nothing to walk
+        return args, kwargs
     if args:
         args = (_compact(args[0]),) + tuple(args[1:])
     for key in ("obj", "sendobj"):
@@ -892,11 +894,11 @@ def _compact(obj, depth: int = 0):
             return obj
     if depth >= 4 or type(obj) not in (list, tuple, dict) or len(obj) > 4096:
         return obj
-    items = obj.items() if type(obj) is dict else enumerate(obj)
-    new = {k: _compact(v, depth + 1) for k, v in items}
-    if all(new[k] is v for k, v in (obj.items() if type(obj) is dict else enumerate(obj))):
+    pairs = list(obj.items()) if type(obj) is dict else list(enumerate(obj))
+    new = [(k, _compact(v, depth + 1)) for k, v in pairs]
+    if all(n is v for (_, n), (_, v) in zip(new, pairs)):
         return obj
-    return new if type(obj) is dict else type(obj)(new[i] for i in range(len(obj)))
+    return dict(new) if type(obj) is dict else type(obj)(n for _, n in new)
 
 
 def _message(name: str, buf, dest, frame) -> tuple[str, int | None, int | None, tuple | None, int | None]:
@@ -926,7 +928,9 @@ def _exact(buf) -> int | None:
     try:
         import numpy as np
 
-        if callable(getattr(data, "detach", None)):
+        if callable(getattr(data, "detach", None)):  # a tensor: to the CPU only where it is float64
+            if str(getattr(data, "dtype", "")) != "torch.float64":
+                return None
             data = data.detach().cpu().numpy()
         if not isinstance(data, np.ndarray) or data.dtype != np.float64 or data.size > 1 << 24:
             return None
