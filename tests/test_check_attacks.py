@@ -114,6 +114,7 @@ def test_decoy_messages_that_pass_nothing_on_are_forged(exercise, attack, ranks,
 
 @pytest.mark.parametrize("exercise, attack", [
     ("ps_exchange", A.ps_by_gather_and_bcast_once_the_forbidden_list_is_emptied),
+    ("ps_exchange", A.ps_by_gather_and_bcast_once_the_installed_list_is_emptied_too),
     ("ring_allreduce", A.ring_by_allreduce_with_a_rings_calls_made_up_as_it_is_packed),
 ])
 def test_a_record_rewritten_in_the_learners_process_is_not_counted(exercise, attack, no_strays):

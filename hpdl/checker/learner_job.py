@@ -294,8 +294,9 @@ class LearnerJob(RankJob):
 
             oracle.start(os.path.join(self.dir, f"oracle-{self.rank}.bin"), funcs["serve"])
             self.barrier("oracle")  # every rank's secrets file gone before any learner's code runs
-        # as they are before the learner's code: wire.pack rebound there packed made-up calls, marked unaltered
-        pack = functools.partial(_sealed, wire.pack, type(recording.recorder).intact)
+        # as before the learner's code: wire.pack rebound there packed made-up calls; the lists emptied, forbade nothing
+        installed = tuple(recording.INSTALLED.items())
+        pack = functools.partial(_sealed, wire.pack, type(recording.recorder).intact, installed)
         fn, unpack_error = self.unpack(code)
         for index, case_dict in spec["cases"]:
             case = Case(**case_dict)
@@ -304,7 +305,7 @@ class LearnerJob(RankJob):
             if fn is None:
                 result = {"status": "error", "message": unpack_error}
             else:
-                result = self.run_case(funcs, case, index, fn, recording, pack)
+                result = self.run_case(funcs, case, index, fn, recording, pack, installed)
             state["phase"] = "waiting"
             self.emit(ev="end", case=index, **result)
             self.barrier(str(index))
@@ -388,7 +389,7 @@ class LearnerJob(RankJob):
         self.barrier("inputs")
         return data
 
-    def run_case(self, funcs: dict, case, index: int, fn, recording, pack) -> dict:
+    def run_case(self, funcs: dict, case, index: int, fn, recording, pack, installed: tuple) -> dict:
         if self.private is not None:
             args = tuple(self.private.pop(index))
         else:
@@ -397,7 +398,7 @@ class LearnerJob(RankJob):
         if self.spec["code"].get("from_engines"):
             self.rebind(fn, comm)
         recorder = recording.recorder
-        recorder.reset(dict(recording.INSTALLED))  # what the last case's code did to it does not carry over
+        recorder.reset(dict(installed))  # what the last case's code did to it does not carry over
         metered, last = bool(self.spec.get("metered")), self.rank == self.size - 1
         if case.params.get("hold") is True and metered and last:
             self.hold(index)
@@ -489,9 +490,9 @@ class LearnerJob(RankJob):
                 g[name] = value
 
 
-def _sealed(pack, intact, recorder, got, calls: list) -> bytes:
+def _sealed(pack, intact, installed: tuple, recorder, got, calls: list) -> bytes:
     """What one case sends back: the answer, the recorded calls, and whether the record was altered."""
-    return pack({"got": got, "calls": calls, "altered": not intact(recorder),
+    return pack({"got": got, "calls": calls, "altered": not intact(recorder, installed),
                  "waits": [list(w) for w in recorder.waits[:MAX_WAITS]]})
 
 

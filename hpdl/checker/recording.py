@@ -185,11 +185,11 @@ class _Recorder:
         self.heard_from(None)
         return self.overwritten
 
-    def intact(self) -> bool:
-        """Whether the calls and pauses are the recorder's own since reset() (see _tally), and the calls the
-        exercise forbids are all still forbidden: a parameter server that emptied the recorder's list, then
-        gathered and broadcast, scored 9/12."""
-        kept = type(self.forbidden) is dict and all(self.forbidden.get(k) == v for k, v in INSTALLED.items())
+    def intact(self, installed: tuple = ()) -> bool:
+        """Whether the calls and pauses are the recorder's own since reset() (see _tally), and the calls forbidden
+        as `installed` (their items, as the learner job took them before any learner's code) are all still
+        forbidden: a parameter server that emptied the recorder's list, then gathered and broadcast, scored 9/12."""
+        kept = type(self.forbidden) is dict and all(self.forbidden.get(k) == v for k, v in installed)
         return _intact(self.calls) and kept
 
     def note(self, name: str, dest=None, source=None, count=None, kind: str = "mpi", nbytes=None,
@@ -1491,7 +1491,7 @@ class _TorchHook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             sys.meta_path.remove(self)
 
 
-INSTALLED: dict[str, str] = {}  # the calls forbidden as installed: each case starts from these (Recorder.intact)
+INSTALLED: dict[str, str] = {}  # the calls forbidden as installed: the learner job takes them before any learner's code
 
 
 def install(forbidden: dict[str, str], sized: bool = False, synchronous: bool = True) -> None:
