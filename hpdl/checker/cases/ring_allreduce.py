@@ -79,7 +79,9 @@ def chunked(ctx):
     chunks in all. A chunk is at most n//p + n%p values (the last one taking the remainder; ⌈n/p⌉ with even
     cuts), and the 2(p-1) chunks a rank passes on are all of x but one chunk, twice (ring_budget).
     Counted in values moved (hooks.values_sent), not messages. With n < p the last chunk is all of x:
-    there the ring moves what passing x around does, and only longer cases tell them apart."""
+    there the ring moves what passing x around does, and only longer cases tell them apart. x padded to p
+    chunks of ⌈n/p⌉ passes on 2(p-1) of them, its padding too: where that comes to 2n or more (n < p, n = 9
+    at 4 ranks) a chain passing x twice in chunk-sized messages fits it as well, and fails the long cases."""
     p, n, r = ctx.size, case_n(ctx), ctx.rank
     widest = n // p + n % p
     moved = [v for messages in hooks.values_sent(ctx).values() for v in messages]
@@ -90,7 +92,7 @@ def chunked(ctx):
                      hint="cut x into p chunks and pass one chunk per step (reduce-scatter, then allgather); "
                           "passing the whole vector around costs p times the bandwidth.")
     budget = ring_allowance(n, p)
-    if n >= p and (p - 1) * -(-n // p) < n:  # x padded to p chunks of ⌈n/p⌉ (2(p-1) full chunks), short of 2n
+    if largest <= -(-n // p):  # x padded to p chunks of ⌈n/p⌉: 2(p-1) full chunks, however short x is
         budget = max(budget, 2 * (p - 1) * -(-n // p))
     if sum(moved) > budget:
         return Wrong(f"rank {r} sent {sum(moved)} values in {len(moved)} messages; the ring's 2(p-1) = {2 * (p - 1)} "
