@@ -37,7 +37,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from hpdl import safefiles, scratch, settings
@@ -557,7 +557,7 @@ class Running:
         self.status = work / "status.json"
         self.executed_here = work / "executed.ipynb"
         self.executed = out / "executed" / sub.name
-        self.service = Service(work / "checks", hidden=hidden, memory=caps.check_memory)
+        self.service = Service(work / "checks", hidden=hidden, memory=caps.check_memory, at_once=caps.at_once)
         env = dict(os.environ, IPP_NONINTERACTIVE="1", MPLBACKEND="Agg", PYTHONUNBUFFERED="1", HOME=str(work),
                    JUPYTER_RUNTIME_DIR=str(work / "runtime"), IPYTHONDIR=str(work / "ipython"))
         env.update({settings.GRADE.name: "1", settings.GRADE_SERVICE.name: str(work / "checks"),
@@ -730,6 +730,9 @@ class Caps:
     disk: int = DISK_BYTES  # what its folder holds on the host's disk (sandbox.DiskWatch), as a check's
     # the check under way (one at a time): all its ranks, the learner's and the reference's, in a cgroup of its own
     check_memory: int = field(default_factory=default_memory)
+    # submissions graded at once (--jobs): as many checks may run together, and their time limits stretch with the
+    # ranks all of them start on this machine's cores (checking.crowding)
+    at_once: int = 1
 
 
 MIN_CHECK_MEMORY = 3 * 2**30  # a check's ranks at its heaviest (zero3_unit graded, 1-4 ranks at once) held 2.9 GiB
@@ -871,6 +874,7 @@ def _batch(folder: Path, out: Path, limit: float, jobs: int, progress: bool, exe
     from hpdl.checker import sandbox
 
     subs = find_submissions(folder)
+    caps = replace(caps, at_once=jobs)
     sandbox.sweep_cgroups()  # those left by graders that are gone
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)

@@ -195,3 +195,24 @@ def test_function_defined_under_px_is_fetched_from_rank_0(no_strays):
             hpdl.check("bcast_binomial")
     finally:
         hpdl.stop(quiet=True)
+
+
+def test_a_cases_time_limit_stretches_where_its_ranks_outnumber_the_cores():
+    """Ranks that outnumber the cores take turns: right code at 7 ranks on 2 cores (pickled sends of the large
+    case's 100 003 values) was cut off at the exercise's 5 s as a hang. A learner's own timeout= stays as given."""
+    import os
+
+    from hpdl.checker import cases, checking
+
+    module = cases.load("recursive_doubling")
+    cores = len(os.sched_getaffinity(0))
+    plan, _ = checking._plan(module, [1, 7], True, None)
+    for size, todo in plan.items():
+        for planned in todo:
+            own = planned.case.timeout or module.TIMEOUT
+            assert planned.timeout == own * max(1.0, size / cores), (size, planned.case.name, planned.timeout)
+    assert [p.case.timeout for p in plan[7] if "large" in p.case.name] == [15.0]
+    assert {p.timeout for todo in checking._plan(module, [7], True, 3)[0].values() for p in todo} == {3.0}
+    # the grader's --jobs 4: four checks' ranks may share the cores
+    at_once = checking._plan(module, [2], True, None, at_once=4)[0][2]
+    assert {p.timeout / (p.case.timeout or module.TIMEOUT) for p in at_once} == {max(1.0, 8 / cores)}

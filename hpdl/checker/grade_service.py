@@ -126,10 +126,11 @@ class Service:
 
     `folder` is the inbox the submission writes; `answers` (folder/answers) is the grader's."""
 
-    def __init__(self, folder: Path, hidden: list[str], memory: int | None = None):
+    def __init__(self, folder: Path, hidden: list[str], memory: int | None = None, at_once: int = 1):
         self.folder = folder
         self.hidden = hidden
         self.memory = memory  # what each check's jobs may hold together (None: sandbox.default_memory())
+        self.at_once = at_once  # submissions graded at once, each maybe with a check under way (checking.crowding)
         folder.mkdir(parents=True, exist_ok=True)
         self.answers = folder / ANSWERS
         self.answers.mkdir(mode=0o755)  # made before the submission starts: never one it planted
@@ -204,7 +205,7 @@ class Service:
             code = _code_from(req.get("code"))
             module = cases.load(name)
             result = check_code(name, module, code, grading=True, progress=False, hidden=self.hidden,
-                                stop=self.stop, memory=self.memory)
+                                stop=self.stop, memory=self.memory, at_once=self.at_once)
         except Stopped:  # answered all the same: every request the grader took up gets its answer
             self._problem(f"the check of {name} under way when the notebook ended was stopped (no result)")
             self._answer(rid, {"error": "the notebook ended while this check ran; it was stopped (no result)"})
