@@ -13,7 +13,7 @@ import pytest
 
 import hpdl
 from hpdl.checker import sandbox
-from hpdl.checker.jobs import FORGED
+from hpdl.checker.jobs import FORGED, TELLING
 from hpdl.errors import HpdlError
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -108,7 +108,8 @@ def test_decoy_messages_that_pass_nothing_on_are_forged(exercise, attack, ranks,
     cut from the rank's own x; then, once that was told, of zeros (18/18 at 3 and 4 ranks), the rank's own x as
     bytes, or text: a message that carries no sum is no sum passed on, whatever it is."""
     result = hpdl.check(exercise, attack, ranks=ranks, grade=grade)
-    assert result.score == 0 and FORGED in {c.rejected for c in result.cases}, result
+    # each of the rank's own x: another algorithm's messages, or a show of this one; either way nothing counts
+    assert result.score == 0 and {FORGED, TELLING} & {c.rejected for c in result.cases}, result
     assert any("none carried a sum" in (c.message or "") for c in result.cases), result
 
 

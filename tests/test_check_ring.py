@@ -374,6 +374,16 @@ def test_whole_vectors_packed_along_a_chain_do_not_fit_the_rings_budget(no_stray
     assert longer and all(c.verdict == "WRONG" and "values" in c.message for c in longer), result
 
 
+def test_a_chain_is_told_as_another_algorithm_not_as_a_forged_record(no_strays):
+    """A chain's first rank sends only its own values: no sum passed on, as in a show of the ring's pattern beside
+    a sum made another way. The check still earns nothing, but the learner reads that the algorithm is another,
+    not that their record was contradicted or rewritten (which every case but one said)."""
+    result = hpdl.check("ring_allreduce", L.chain_in_chunks, ranks=[3])
+    assert result.score == 0 and {c.verdict for c in result.cases} == {"WRONG"}, result
+    assert any("each of its own values only" in c.message for c in result.cases), result
+    assert not any("contradicted" in c.message or "rewritten" in c.message for c in result.cases), result
+
+
 def _bidirectional_ring_sends(n: int, p: int) -> int:
     """The most values a rank passes on in NCCL's bidirectional ring: x's two halves each all-reduced round
     the ring its own way, each cut in p (cut i at i*h//p), one chunk per step, p - 1 steps of each phase."""

@@ -289,7 +289,7 @@ def vectors_to_read(ctx) -> list[np.ndarray]:
 
 
 def passed_on(ctx, vectors: list[np.ndarray], algorithm: str, apart: int | None = None) -> Wrong | None:
-    """WRONG (forged) when no message this rank sent carried a sum, where the algorithm has every rank pass on
+    """WRONG when no message this rank sent carried a sum, where the algorithm has every rank pass on
     partial sums (its values plus what it received): two or more messages, each carrying the rank's own values
     alone or values in no sum of the ranks' vectors (zeros, noise, text), to more than one partner (recursive
     doubling), or, with `apart` (the ring: a chunk's width, n // p), from places in its vector that far apart or
@@ -300,7 +300,9 @@ def passed_on(ctx, vectors: list[np.ndarray], algorithm: str, apart: int | None 
     (MPI_Allreduce called by address through a CFUNCTYPE prototype, no Python lookup to refuse, within the
     wire's slack) scored 36/36 and 18/18: each message cut from the rank's own x, then each of zeros. One message
     that carries a sum, or another rank's values passed along (another algorithm, which the other checks name),
-    clears the rank."""
+    clears the rank. Forged where a message carried no values found in any sum (zeros, noise, text); where each
+    carried the rank's own values, another algorithm (telling: a chain's first rank sends only its own values
+    on), which voids the check all the same."""
     r = ctx.rank
     if not vectors:
         return None
@@ -322,9 +324,13 @@ def passed_on(ctx, vectors: list[np.ndarray], algorithm: str, apart: int | None 
     spread = max(starts, default=0) - min(starts, default=0)
     if len(starts) + in_no_sum < 2 or (len(peers) < 2 if apart is None else not in_no_sum and spread < max(1, apart)):
         return None
-    return Wrong(f"rank {r} sent {len(starts) + in_no_sum} messages and none carried a sum: in {algorithm} a rank "
-                 "passes on partial sums (its own values plus what it received) after its first message, so the "
-                 "sum it returned was made some other way than these messages", forged=True)
+    why = f"in {algorithm} a rank passes on partial sums (its own values plus what it received) after its first message"
+    if not in_no_sum:  # its own values, each: another algorithm (a chain's first rank), or a show of this one
+        return Wrong(f"rank {r} sent {len(starts)} messages, each of its own values only, and none carried a sum: "
+                     f"{why}. These are another algorithm's (a chain or a tree sends a rank's own values on), or a "
+                     "show of its pattern beside a sum made some other way", telling=True)
+    return Wrong(f"rank {r} sent {len(starts) + in_no_sum} messages and none carried a sum: {why}, so the sum it "
+                 "returned was made some other way than these messages", forged=True)
 
 
 def readings(head) -> list[tuple]:

@@ -969,7 +969,7 @@ SENT_FIRST_HINT = (
     "two ranks each Send to the other before they Recv, both wait forever, whatever the size: exchange with "
     "comm.Sendrecv, or post Irecv/Isend first and Wait after (lesson 03: eager and rendezvous).")
 FORGED = "the recorded MPI calls (contradicted by the network, or rewritten)"
-TELLING = "the algorithm (seen in a case large enough to tell)"
+TELLING = "the algorithm (seen in a case that tells it)"
 
 
 def void_if_forged(results: dict[int, CaseResult]) -> dict[int, CaseResult]:
@@ -988,8 +988,8 @@ def void_if_forged(results: dict[int, CaseResult]) -> dict[int, CaseResult]:
             r.message = (f"Not counted: on {forged.ranks} ranks, case {forged.name}, what was recorded in your "
                          "processes was contradicted by what the checker saw outside them (on the network, or in "
                          "memory), or was rewritten by your code (see that case)." if forged else
-                         f"Not counted: on {telling.ranks} ranks, case {telling.name}, large enough to tell, shows "
-                         "an algorithm other than the one asked (see that case); smaller cases cannot tell them apart.")
+                         f"Not counted: on {telling.ranks} ranks, case {telling.name} shows an algorithm other than "
+                         "the one asked (see that case); the cases that cannot tell them apart earn nothing either.")
     return results
 
 
