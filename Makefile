@@ -39,7 +39,8 @@ lab: setup
 # TEST_WORKERS=N (N >= 1): two parts (tests/conftest.py says why): the tests not marked `alone` on N pytest-xdist
 # workers at once, then those marked `alone` one at a time; both run, and the first failure's code is make's (5 is
 # pytest's "no test selected": PYTEST_ARGS naming tests of one part only). The default, 0, is one process, in order:
-# on 2 cores two workers took 1623 s for what one does in ~1880 s, and the load failed two tests' timing.
+# on 2 cores two workers took 2835 s for what one does in ~3210 s (12%), and failed three tests that saw the other
+# worker's emulated nodes or Slurm job (since fixed in those tests).
 TEST_WORKERS ?= 0
 test: setup-dev
 	$(VENV)/bin/ruff check .

@@ -184,6 +184,7 @@ def test_side_jobs_end_with_the_process_that_started_them(no_strays, tmp_path):
     procs.remove_shared_memory(left)
 
 
+@pytest.mark.alone  # every emulated node on the machine is compared: another test's would count
 @pytest.mark.parametrize("ended_by", ["its limit", "an interrupt"])
 def test_a_lessons_job_ends_with_its_emulated_nodes_and_says_so(ended_by, no_strays):
     """hpdl.run_job, as lesson 06 runs a job on emulated nodes: at the limit the learner reads what
