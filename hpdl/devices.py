@@ -124,6 +124,16 @@ def node_gpus() -> int:
         return 0
 
 
+def usable_cores() -> set[int]:
+    """The cores this process may run on (its own share under `srun --cpu-bind`, a Slurm job's cpuset)."""
+    import os
+
+    try:
+        return os.sched_getaffinity(0)
+    except AttributeError:  # pragma: no cover - not Linux
+        return set(range(os.cpu_count() or 1))
+
+
 def threads_for(my_cores: set[int] | frozenset[int], node_cores: Sequence[set[int] | frozenset[int]]) -> int:
     """Torch threads for a rank: its usable cores, shared only with the ranks whose cores overlap them.
 

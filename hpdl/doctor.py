@@ -405,10 +405,9 @@ def check_horovod(p: Probes) -> list[dict]:
 
 
 def check_hardware(p: Probes) -> list[dict]:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
+    from hpdl import devices
+
+    cores = len(devices.usable_cores())
     gpus = (p.torch or {}).get("gpus", 0)
     names = sorted(set((p.torch or {}).get("gpu_names", [])))
     p.info["hardware"] = {"cores": cores, "cpu_count": os.cpu_count(), "gpus": gpus, "gpu_names": names}

@@ -18,14 +18,6 @@ from hpdl.sites import outward_address
 log = logging.getLogger(__name__)
 
 
-def _cores() -> set[int]:
-    """The cores this process may run on (its own share under `srun --cpu-bind`)."""
-    try:
-        return os.sched_getaffinity(0)
-    except AttributeError:  # pragma: no cover - not Linux
-        return set(range(os.cpu_count() or 1))
-
-
 def world() -> dict[str, Any]:
     """Rank, local rank and sizes from MPI, the one source of truth for who is who."""
     from mpi4py import MPI
@@ -78,7 +70,7 @@ def place(allgather: Callable[[Any], list] | None = None, policy: str | None = N
         allgather = MPI.COMM_WORLD.allgather
     policy = policy or settings.DEVICE.get()
     visible, cuda_build = _visible_gpus()
-    cores = frozenset(_cores())
+    cores = frozenset(devices.usable_cores())
     me = (socket.gethostname(), os.getpid())
     everyone = allgather((me, visible, cores))
     node = [(who, seen, cs) for who, seen, cs in everyone if who[0] == me[0]]  # in rank order

@@ -263,11 +263,9 @@ def crowding(size: int, at_once: int = 1) -> float:
     ranks running together (the grader's --jobs): a case's own time limit stretches by it (the learner's
     timeout= does not), for ranks that outnumber the cores take turns (7 ranks on 2 cores: 3.5×; honest
     pickled sends of 100 003 values at 7 ranks were cut off at 5 s)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1.0, size * max(1, at_once) / max(1, cores))
+    from hpdl import devices
+
+    return max(1.0, size * max(1, at_once) / max(1, len(devices.usable_cores())))
 
 
 def _chosen(name: str, plan: dict[int, list[Planned]], only, grading: bool) -> tuple[dict[int, list[Planned]], int]:

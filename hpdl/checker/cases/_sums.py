@@ -18,6 +18,7 @@ from hpdl.checker.cases import Case, Wrong, one_rank_points
 # right, took 3.5–4.8 s at 2–4 ranks on a busy 2-core machine
 LARGE_TIMEOUT = 15.0
 
+
 def sum_cases(size: int) -> list[Case]:
     """Lengths divisible by the rank count, not divisible, shorter than it, and larger."""
     p = size
