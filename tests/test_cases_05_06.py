@@ -169,7 +169,7 @@ def shards_by_torchs_elastic_sampler(comm, n, epoch, seed=0):
     (shards_rank_seeded, ["more than one rank", "same seed"]),
     (shards_ignore_epoch, ["same order", "set_epoch"]),
     (shards_unpadded, ["different numbers", "pad"]),
-    (shards_unshuffled, ["not shuffled"]),
+    (shards_unshuffled, ["not shuffled", "g.manual_seed(seed + epoch)"]),  # the sampler's shuffle, not another
     (shards_in_blocks, ["DistributedSampler", "spread over the whole shuffle"]),
     (shards_rotated, ["DistributedSampler", "torch.randperm"]),
     (shards_by_the_global_generator, ["global random state", "generator of its own"]),

@@ -167,8 +167,8 @@ def verify(case, ctx):
     unpadded = n // len(everyone)  # padding may wrap around to the start: look before it
     if n >= 10 and all(r[0][:unpadded] == sorted(r[0][:unpadded]) for r in everyone):
         return Wrong("epoch 0 is not shuffled: every rank's indices are in increasing order",
-                     hint="shuffle range(n) first (e.g. torch.randperm(n, generator=g) or "
-                          "np.random.default_rng(seed + epoch).permutation(n)), then split it.")
+                     hint="shuffle range(n) first, as DistributedSampler does (g = torch.Generator(); "
+                          "g.manual_seed(seed + epoch); torch.randperm(n, generator=g)), then split it.")
     if n >= 10 and (everyone_same(everyone, 0, 2) or everyone_same(everyone, 2, 3)):
         return Wrong("two different epochs gave the same order",
                      hint="seed the shuffle with seed + epoch (that is what sampler.set_epoch(epoch) is for): "
