@@ -271,7 +271,7 @@ def zero3_layers_reversed(comm, shards, shapes, x):
 @pytest.mark.parametrize("bad", [zero3_never_freed, zero3_all_gathered_first])
 def test_zero3_layers_never_freed_rejected(bad, no_strays):
     result = hpdl.check("zero3_unit", bad, ranks=[2])
-    rejected(result, "never freed", "layers' worth")
+    rejected(result, "never freed", "layers' worth", "not before the next was gathered")
     right = [c for c in result.cases if c.verdict.earns_points]
     assert right, "the small case (memory not measured) should pass: the output itself is right"
 

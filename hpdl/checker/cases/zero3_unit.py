@@ -312,9 +312,12 @@ def verify(case, ctx):
                                                               "given (comm.Allgatherv), not another communicator.")
     if measured and got["peak"] > LAYERS_AT_ONCE * layer:
         return Wrong(f"rank {ctx.rank} held {got['peak'] / 2**10:.0f} KiB at once, {got['peak'] / layer:.1f} layers' "
-                     f"worth ({layer / 2**10:.0f} KiB each, {len(widths) - 1} layers): the gathered layers were never "
-                     "freed", hint="drop the gathered layer (del it, and the views W and b taken from it) before "
-                     "gathering the next one: ZeRO-3 holds one whole layer at a time, never the whole model.")
+                     f"worth ({layer / 2**10:.0f} KiB each, {len(widths) - 1} layers, at most {LAYERS_AT_ONCE:g} "
+                     "at once): the gathered layers were never freed, or not before the next was gathered",
+                     hint="drop the gathered layer (del it, and the views W and b taken from it) before "
+                     "gathering the next one: ZeRO-3 holds one whole layer at a time, never the whole model. A "
+                     "pickled comm.allgather holds copies of its own while it runs (the pickles and the shards "
+                     "unpickled): free the last layer first, or gather into one buffer with comm.Allgatherv.")
     shards, shapes, _ = ctx.args
     w = _held_outside(ctx, layer, [4 * (o * i + o) for o, i in shapes])
     if w is not None:
