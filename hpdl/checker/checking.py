@@ -246,13 +246,13 @@ def _plan(module, sizes, grading: bool, timeout, at_once: int = 1) -> tuple[dict
     default = float(getattr(module, "TIMEOUT", DEFAULT_TIMEOUT))
     plan, index, hidden = {}, 0, 0
     for size in sizes:
-        todo = []
+        todo, stretch = [], crowding(size, at_once)
         for case in module.cases(size):
             case.size = size
             if case.hidden and not grading:
                 hidden += 1
                 continue
-            todo.append(Planned(index, case, timeout or (case.timeout or default) * crowding(size, at_once)))
+            todo.append(Planned(index, case, timeout or (case.timeout or default) * stretch))
             index += 1
         plan[size] = todo
     return plan, hidden
