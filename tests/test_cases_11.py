@@ -221,6 +221,10 @@ def test_zero3_numpy_index_arrays_are_no_layers(no_strays):
     full_marks(hpdl.check("zero3_unit", V.zero3_numpy_index_kept, ranks=[2, 3], grade=True))
 
 
+def test_zero3_pickles_in_flight_are_no_layers(no_strays):
+    full_marks(hpdl.check("zero3_unit", V.zero3_pickled_gather_rebound, ranks=[2, 3]))
+
+
 def zero3_never_freed(comm, shards, shapes, x):
     """Right output, but every gathered layer is kept: the whole model ends up on every rank."""
     size = comm.Get_size()
@@ -247,6 +251,17 @@ def zero3_all_gathered_first(comm, shards, shapes, x):
     return x
 
 
+def zero3_pickled_all_at_once(comm, shards, shapes, x):
+    """One pickled comm.allgather of every layer's shards, then the layers in turn: the whole model returned at
+    once (what Python allocates inside an MPI call is not counted; the tensors it returns are)."""
+    every = comm.allgather(list(shards))
+    for layer, (o, i) in enumerate(shapes):
+        full = torch.cat([theirs[layer] for theirs in every])
+        x = torch.tanh(x @ full[:o * i].view(o, i).T + full[o * i:])
+        del full
+    return x
+
+
 def zero3_reversed_ranks(comm, shards, shapes, x):
     """Puts the gathered shards together in the wrong order (last rank's first)."""
     for shard, (o, i) in zip(shards, shapes):
@@ -268,7 +283,7 @@ def zero3_layers_reversed(comm, shards, shapes, x):
     return x
 
 
-@pytest.mark.parametrize("bad", [zero3_never_freed, zero3_all_gathered_first])
+@pytest.mark.parametrize("bad", [zero3_never_freed, zero3_all_gathered_first, zero3_pickled_all_at_once])
 def test_zero3_layers_never_freed_rejected(bad, no_strays):
     result = hpdl.check("zero3_unit", bad, ranks=[2])
     rejected(result, "never freed", "layers' worth", "not before the next was gathered")

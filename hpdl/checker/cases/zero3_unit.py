@@ -12,8 +12,8 @@
 
 Compared on every rank, 1–4 ranks, with the layers run on one device. While the learner's
 function runs, what it holds is followed (the torch tensors it makes, through weak references,
-and what Python and numpy allocate, through tracemalloc; sampled at every torch operation and
-every MPI call): a rank that keeps the gathered layers alive holds the whole model and is
+and what Python and numpy allocate, through tracemalloc, but for MPI's pickles in flight inside an MPI call; sampled at
+every torch operation and every MPI call): a rank that keeps the gathered layers alive holds the whole model and is
 rejected, whatever its output. In a hidden case (grading) of 4 MiB layers the kernel counts it
 too, outside the learner's processes: the most each rank's own memory cgroup held at once during
 the case (reset while every rank waits before it; jobs.Job.memory_held_by), over what it held then;
@@ -112,6 +112,8 @@ class _Held:
         import torch
 
         self.tensors, self.peak, self.mpi, self.samples, self.tampered = [], 0, 0, 0, False
+        self.python = 0  # what Python and numpy held at the last sample
+        self.calling = None  # while a communicator call runs: what Python held as it began (see _Peak)
         # the storages handed in (the shards, x): an op that returns its input (.contiguous(), .cpu() on a tensor
         # that already is) made nothing, and a learner's code that grows one (resize_, set_) has moved it
         self.given = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -146,6 +148,9 @@ class _Held:
                     storages[s.data_ptr()] = s.nbytes()
         self.tensors = [ref for ref in self.tensors if ref() is not None]
         python = tracemalloc.get_traced_memory()[0] - self.base - ints
+        if self.calling is not None:  # MPI's pickles in flight are its buffers, not the learner's: not counted
+            python = min(python, self.calling)
+        self.python = python
         self.peak = max(self.peak, sum(storages.values()) + python + self.mpi)
 
     def stop(self) -> int:
@@ -191,10 +196,23 @@ def _integer_arrays() -> int:
 
 
 class _Peak:
-    """The learner's communicator, noting what is held before and after every MPI call."""
+    """The learner's communicator, noting what is held before and after every MPI call. While a call runs, what
+    Python allocates is MPI's, not the learner's: a pickled comm.allgather holds the pickles it sent and
+    received, a layer's worth, until it returns (a loop holding one gathered layer read 4.1-4.9 layers at once
+    with them, 3 without). Tensors the call unpickles are counted, in it and after it: they are what it
+    returns. A rank holding the whole model inside one call is counted in a hidden case outside its processes
+    (_held_outside)."""
 
-    def __init__(self, comm, note):
-        self._comm, self._note = comm, note
+    def __init__(self, comm, held: _Held):
+        self._comm, self._held = comm, held
+
+    def _call(self, attr, args, kwargs):
+        held, before = self._held, self._held.calling
+        held.calling = held.python if before is None else before
+        try:
+            return attr(*args, **kwargs)
+        finally:
+            held.calling = before
 
     def __getattr__(self, name):
         attr = getattr(self._comm, name)
@@ -202,11 +220,11 @@ class _Peak:
             return attr
 
         def sampled(*args, **kwargs):
-            self._note()
+            self._held.note()
             try:
-                return attr(*args, **kwargs)
+                return self._call(attr, args, kwargs)
             finally:
-                self._note()
+                self._held.note()
 
         return sampled
 
@@ -255,7 +273,7 @@ def call(fn, comm, args):
 
     try:
         with Sampling(), _MpiMemory(held):
-            y = fn(_Peak(comm, held.note), *args)
+            y = fn(_Peak(comm, held), *args)
         samples = held.samples
     finally:
         peak = held.stop()
@@ -316,8 +334,9 @@ def verify(case, ctx):
                      "at once): the gathered layers were never freed, or not before the next was gathered",
                      hint="drop the gathered layer (del it, and the views W and b taken from it) before "
                      "gathering the next one: ZeRO-3 holds one whole layer at a time, never the whole model. A "
-                     "pickled comm.allgather holds copies of its own while it runs (the pickles and the shards "
-                     "unpickled): free the last layer first, or gather into one buffer with comm.Allgatherv.")
+                     "pickled comm.allgather returns each shard as a tensor of its own, a layer's worth beside "
+                     "the one torch.cat makes of them: free the last layer first, or gather into one buffer with "
+                     "comm.Allgatherv.")
     shards, shapes, _ = ctx.args
     w = _held_outside(ctx, layer, [4 * (o * i + o) for o, i in shapes])
     if w is not None:
