@@ -361,8 +361,9 @@ def test_a_bucket_cap_read_in_megabytes_fails_the_hidden_case():
 
 # -- 06: resume_horovod --------------------------------------------------------------------------
 
-def _resume(broadcast=True, optimizer_state=True, rescale=True, continue_epoch=True, wrap=True, fp16=False):
-    """A resume at another rank count, right or with one known slip."""
+def _resume(broadcast=True, optimizer_state=True, rescale=True, continue_epoch=True, wrap=True, fp16=False,
+            settings=None):
+    """A resume at another rank count, right or with one known slip (`settings`: SGD's, changed after loading)."""
     def resume_horovod(comm, checkpoint, model):
         import horovod.torch as hvd
 
@@ -374,6 +375,8 @@ def _resume(broadcast=True, optimizer_state=True, rescale=True, continue_epoch=T
         if state is not None:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
+        for group in opt.param_groups:
+            group.update(settings or {})
         if broadcast:
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         if optimizer_state:
@@ -395,13 +398,21 @@ def test_resume_horovod_right_answer_passes():
     assert passed(result), hints(result)
 
 
+def test_resume_horovod_with_gradients_sent_in_16_bits_passes():
+    """compression=hvd.Compression.fp16, which lesson 06 teaches, rounds each average: training ended 4.6e-5 to
+    1.3e-4 from the exact reference and every case with more than one rank failed (3/9). It is compared as near
+    as that rounding leaves it now; a slip in the optimizer's settings is still told (below)."""
+    result = hpdl.check("resume_horovod", _resume(fp16=True), ranks=[2, 3])
+    assert passed(result) and result.score == result.max_score, hints(result)
+
+
 @pytest.mark.parametrize("bad, words", [
     (_resume(broadcast=False), ["different parameters", "broadcast_parameters"]),
     (_resume(optimizer_state=False), ["momentum", "broadcast_optimizer_state"]),
     (_resume(rescale=False), ["not rescaled", "hvd.size()"]),
     (_resume(continue_epoch=False), ["restarts from scratch", "set_epoch"]),
     (_resume(wrap=False), ["not horovod's", "distributedoptimizer"]),
-    (_resume(fp16=True), ["near the reference", "compression.none"]),  # wrong by 1e-4 once, with no word why
+    (_resume(settings={"weight_decay": 5e-4}), ["weight_decay", "load_state_dict"]),
 ])
 def test_resume_horovod_known_bad_rejected(bad, words):
     rejected(hpdl.check("resume_horovod", bad, ranks=[2]), *words)
