@@ -374,19 +374,24 @@ def _wire_in_backward(case, ctx) -> Wrong | None:
     if isinstance(claimed, int) and at_end < LOW * step * min(claimed, total) / total:  # MPI's, launched: not moved
         return Wrong(f"in step {s + 1} your MPI all-reduces of {claimed} gradient values started while backward "
                      f"ran, but when it returned rank {r} had received {at_end} of the step's {step} bytes: they "
-                     "had not moved", hint="MPI moves a nonblocking collective's data only inside MPI calls here "
-                     "(no progress thread): launched from a hook, it waits for finish(). torch.distributed's "
-                     "all_reduce(async_op=True) runs on a thread of its own while backward goes on.")
+                     "had not moved", hint=_MPI_WAITS)
     most = max(e["made_at_cut"] / total, e["buckets_at_cut"] / e["buckets"])
     if at_cut > HIGH * most * step + SLACK:
         return Wrong(f"{where}, rank {r} had received {at_cut} of the step's {step} bytes: more than the "
                      f"{e['made_at_cut']} gradient values made by then carry", forged=True)
     if at_cut < LOW * step * e["complete_at_cut"] / total:
+        mpi = isinstance(claimed, int) and isinstance(in_torch, int) and claimed > in_torch  # MPI's launched
         return Wrong(f"{where}, rank {r} had received {at_cut} of the step's {step} bytes; the buckets complete by "
                      f"then ({e['complete_at_cut']} of the {total} gradient values) had not crossed",
-                     hint="launch a bucket's all-reduce from the hook that completes it, while backward goes on; "
-                          "not all at the end of backward.")
+                     hint=_MPI_WAITS if mpi else "launch a bucket's all-reduce from the hook that completes it, while "
+                                                 "backward goes on; not all at the end of backward.")
     return None
+
+
+# why MPI's nonblocking all-reduces launched from backward's hooks overlap nothing here
+_MPI_WAITS = ("MPI moves a nonblocking collective's data only inside MPI calls here (no progress thread): launched "
+              "from a hook, it waits for finish(). torch.distributed's all_reduce(async_op=True) runs on a thread "
+              "of its own while backward goes on.")
 
 
 def _received(reading: dict) -> int:
