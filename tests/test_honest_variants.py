@@ -58,6 +58,8 @@ WRITTEN_OTHERWISE = [
     # mpi4py.util.pkl5: a header of lengths, the pickle, its out-of-band buffers, read as the object's values
     ("ring_allreduce", H.ring_through_pkl5, [3]),
     ("ps_exchange", H.ps_through_pkl5, [3]),
+    ("ring_allreduce", H.ring_by_numpy_counts_and_displacements, [3]),  # numpy's integers in a message spec
+    ("ring_allreduce", H.ring_of_interleaved_chunks, [3]),  # chunks of every p-th value
 ]
 
 

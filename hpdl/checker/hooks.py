@@ -295,10 +295,11 @@ def passed_on(ctx, vectors: list[np.ndarray], algorithm: str, apart: int | None 
     doubling), or, with `apart` (the ring: a chunk's width, n // p), from places in its vector that far apart or
     not read at all (its own chunk goes out once, in the first step; every later message carries a sum).
     Read by the first values each send carried as it started (recording.HEAD; bytes read as values, readings),
-    looked for in the sums of every subset of the ranks' vectors, exact in the sum cases (_sums.vector). A show
-    of the pattern (right partners, right sizes, nothing received used) beside a sum got some other way
-    (MPI_Allreduce called by address through a CFUNCTYPE prototype, no Python lookup to refuse, within the
-    wire's slack) scored 36/36 and 18/18: each message cut from the rank's own x, then each of zeros. One message
+    looked for (consecutive, or every k-th up to p) in the sums of every subset of the ranks' vectors, exact in
+    the sum cases (_sums.vector). A show of the pattern (right partners, right sizes, nothing received used)
+    beside a sum got some other way (MPI_Allreduce called by address through a CFUNCTYPE prototype, no Python
+    lookup to refuse, within the wire's slack) scored 36/36 and 18/18: each message cut from the rank's own x,
+    then each of zeros. One message
     that carries a sum, or another rank's values passed along (another algorithm, which the other checks name),
     clears the rank. Forged where a message carried no values found in any sum (zeros, noise, text); where each
     carried the rank's own values, another algorithm (telling: a chain's first rank sends only its own values
@@ -313,7 +314,7 @@ def passed_on(ctx, vectors: list[np.ndarray], algorithm: str, apart: int | None 
         if c.dest in (None, r) or not (c.head or c.nbytes):
             continue
         found = [(mask, at) for head in readings(c.head) for mask, total in totals
-                 for at in [_carries(total, head)] if at is not None]
+                 for at in [_carries(total, head, ctx.size)] if at is not None]
         if any(mask != 1 << r for mask, _ in found):
             return None  # a sum, or another rank's values
         peers.add(c.dest)
@@ -345,13 +346,16 @@ def readings(head) -> list[tuple]:
             for dtype, k in ((np.float64, 8), (np.float32, 4)) if len(raw) >= k]
 
 
-def _carries(total: np.ndarray, head) -> int | None:
-    """Where `head` (a message's first values) starts as a run of consecutive values of `total`, if it does."""
+def _carries(total: np.ndarray, head, strides: int = 1) -> int | None:
+    """Where `head` (a message's first values) starts as a run of values of `total`, consecutive or every k-th
+    for k up to `strides` (chunks cut as x[i::p], every p-th value, are chunks too: an honest ring of them read
+    as no sum carried, 0/27), if it does."""
     h = len(head)
     if h > total.size:
         return None
-    starts = np.flatnonzero(total[:total.size - h + 1] == head[0])
-    return next((int(s) for s in starts[:64] if np.array_equal(total[s:s + h], head)), None)
+    starts = np.flatnonzero(total == head[0])
+    return next((int(s) for s in starts[:64] for k in range(1, max(1, strides) + 1)
+                 if s + k * (h - 1) < total.size and np.array_equal(total[s:s + k * (h - 1) + 1:k], head)), None)
 
 
 def received_at_least(ctx, nbytes: int, what: str) -> Wrong | None:

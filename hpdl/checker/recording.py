@@ -1008,6 +1008,24 @@ def _sent_buffer(args, kwargs, dest) -> tuple:
     return buf, in_place
 
 
+def _plain_spec(buf):
+    """A buffer call's message spec as it is read here (a pickled call's object is left as it is): its counts
+    and displacements numpy's integers (np.array_split's lengths, a cumsum) as Python's, which mpi4py takes
+    alike. [x, (np.int64 count, displ), type] was read as the whole of x, every message a ring sent too long
+    (0/27). Anything else as it is; MPI is handed the learner's own spec."""
+    if not isinstance(buf, (list, tuple)) or len(buf) < 2 or type(buf) not in (list, tuple):
+        return buf
+
+    def plain(v):
+        if isinstance(v, (tuple, list)) and type(v) in (tuple, list) and len(v) <= 2:
+            return type(v)(plain(u) for u in v)
+        if isinstance(v, (bool, int)) or not isinstance(v, numbers.Integral):
+            return v
+        return operator.index(v)
+
+    return type(buf)([buf[0], *(plain(v) for v in buf[1:])])
+
+
 def _wrap(cls_name: str, name: str, base, synchronous=None):
     dpos, spos = _P2P.get(name, (None, None))
     nonblocking = name[0] in "Ii" and not name.endswith("_init") and "probe" not in name.lower()
@@ -1019,6 +1037,7 @@ def _wrap(cls_name: str, name: str, base, synchronous=None):
         args, kwargs = _compacted(args, kwargs) if pickles else (args, kwargs)
         dest, source = _peer(args, kwargs, dpos, "dest"), _peer(args, kwargs, spos, "source")
         buf, in_place = _sent_buffer(args, kwargs, dest)
+        buf = buf if pickles else _plain_spec(buf)
         noted_as, count, nbytes, head, exact = _message(name, buf, dest, sys._getframe(1))
         if in_place and name in _GATHERS_IN_PLACE and isinstance(count, int):  # this rank's part of the whole
             count, nbytes = (-(-v // max(1, _size(self))) if isinstance(v, int) else None for v in (count, nbytes))
