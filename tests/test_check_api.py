@@ -216,3 +216,25 @@ def test_a_cases_time_limit_stretches_where_its_ranks_outnumber_the_cores():
     # the grader's --jobs 4: four checks' ranks may share the cores
     at_once = checking._plan(module, [2], True, None, at_once=4)[0][2]
     assert {p.timeout / (p.case.timeout or module.TIMEOUT) for p in at_once} == {max(1.0, 8 / cores)}
+
+
+def _ps_by_pickled_irecvs(comm, grads, params, lr):
+    """A parameter server whose pickled irecv()s have no buffer: mpi4py gives each room for 32 KiB."""
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if rank == 0:
+        got = MPI.Request.waitall([comm.irecv(source=w, tag=7) for w in range(1, size)])
+        new = params - lr * sum(got) / (size - 1)
+        for w in range(1, size):
+            comm.send(new, dest=w, tag=8)
+        return new
+    comm.send(grads, dest=0, tag=7)
+    return comm.recv(source=0, tag=8)
+
+
+def test_a_message_longer_than_its_receive_buffer_is_named_with_what_to_do(no_strays):
+    """From a waitall, MPI says only 'see the MPI_ERROR field in MPI_Status': the hint says what it was."""
+    result = hpdl.check("ps_exchange", _ps_by_pickled_irecvs, ranks=[2], grade=True)  # its large case: hidden
+    errors = [c for c in result.cases if c.verdict == "ERROR"]
+    assert errors and all("MPI_ERROR" in c.message and "32 KiB" in (c.hint or "") for c in errors), result

@@ -869,7 +869,8 @@ class Runner:
             msg = f"{who} raised {_text(first.get('message'))}{at}.{waiting}"
             details = "\n".join(_text(t, 300) for t in (first.get("traceback") or [])[:30])
             return self._result(planned, size, Verdict.ERROR, msg, error_ranks=by["error"], line=where,
-                                seconds=seconds, details=details, stuck=_stuck_text(left_waiting))
+                                seconds=seconds, details=details, stuck=_stuck_text(left_waiting),
+                                hint=_mpi_error_hint(str(first.get("message") or "")))
         first = ends[by["forbidden"][0]]
         where = _where(first.get("where"))
         at = f" ({where_text(where)})" if where else ""
@@ -999,6 +1000,17 @@ def _num(x) -> float:
 
 def _text(x, limit: int = 400) -> str:
     return "" if x is None else str(x)[:limit]
+
+
+TRUNCATED = ("A message arrived longer than the buffer it was received into (MPI's 'message truncated'; from a "
+             "waitall MPI says only 'see the MPI_ERROR field'). mpi4py's pickled irecv() has room for 32 KiB unless "
+             "it is given a buffer: comm.irecv(bytearray(nbytes), source=...), nbytes at least the pickled "
+             "message's size; or receive an array with comm.Irecv into an array of its size.")
+
+
+def _mpi_error_hint(message: str) -> str | None:
+    """What to do about an MPI error whose own words do not say it (a request's error, read from a waitall)."""
+    return TRUNCATED if "truncated" in message.lower() or "MPI_ERROR field" in message else None
 
 
 def _where(w) -> dict | None:
