@@ -998,14 +998,15 @@ def _caller(frame) -> tuple[str, int, str]:
     return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
 
 
-def _sent_buffer(args, kwargs, dest) -> tuple:
+def _sent_buffer(args, kwargs, dest, pickles: bool) -> tuple:
     """What a call sends, and whether it is a collective in place (its data is then the receive buffer); by
-    position or keyword: sendrecv(sendobj=...), Allreduce(sendbuf=MPI.IN_PLACE, recvbuf=...) were noted as None."""
+    position or keyword: sendrecv(sendobj=...), Allreduce(sendbuf=MPI.IN_PLACE, recvbuf=...) were noted as None.
+    A buffer call's spec as _plain_spec reads it."""
     buf = args[0] if args else next((kwargs[k] for k in ("buf", "obj", "sendobj", "sendbuf") if k in kwargs), None)
     in_place = dest is None and buf is not None and _is_in_place(buf)
     if in_place:
         buf = args[1] if len(args) > 1 else kwargs.get("recvbuf")
-    return buf, in_place
+    return (buf if pickles else _plain_spec(buf)), in_place
 
 
 def _plain_spec(buf):
@@ -1036,8 +1037,7 @@ def _wrap(cls_name: str, name: str, base, synchronous=None):
             return base(self, *args, **kwargs)
         args, kwargs = _compacted(args, kwargs) if pickles else (args, kwargs)
         dest, source = _peer(args, kwargs, dpos, "dest"), _peer(args, kwargs, spos, "source")
-        buf, in_place = _sent_buffer(args, kwargs, dest)
-        buf = buf if pickles else _plain_spec(buf)
+        buf, in_place = _sent_buffer(args, kwargs, dest, pickles)
         noted_as, count, nbytes, head, exact = _message(name, buf, dest, sys._getframe(1))
         if in_place and name in _GATHERS_IN_PLACE and isinstance(count, int):  # this rank's part of the whole
             count, nbytes = (-(-v // max(1, _size(self))) if isinstance(v, int) else None for v in (count, nbytes))
