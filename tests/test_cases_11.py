@@ -53,6 +53,11 @@ def test_zero1_gathered_by_one_bcast_per_shard_scores_full_marks(no_strays):
     full_marks(hpdl.check("zero1_step", V.zero1_gathered_by_bcasts, ranks=[2, 3], grade=True))
 
 
+@pytest.mark.parametrize("fn, ranks", [(V.zero1_gathered_as_a_list, [2]), (V.zero1_bounds_gathered, [2, 3])])
+def test_zero1_other_ways_to_gather_score_full_marks(fn, ranks, no_strays):
+    full_marks(hpdl.check("zero1_step", fn, ranks=ranks, grade=True))
+
+
 def zero1_whole_model(comm, params, grad, momentum, lr, beta):
     """Every rank all-reduces the gradient and updates the whole model: no sharding at all."""
     g = grad.clone()

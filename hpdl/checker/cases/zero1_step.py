@@ -191,7 +191,7 @@ def _beyond_a_shard(ctx, n: int) -> Wrong | None:
     all-reduce by hand sends half as much again."""
     p = ctx.size
     shard = -(-n // p)  # the largest
-    for c in ctx.calls:
+    for c in _counted(ctx.calls):
         kind = _kind(c.name) if c.dest is None else None
         if kind is not None and isinstance(c.count, int) and c.count > shard:
             message, hint = _BEYOND_A_SHARD[kind]
@@ -212,6 +212,20 @@ def _beyond_a_shard(ctx, n: int) -> Wrong | None:
 
 
 METADATA = 16  # values a call may carry beside a shard: a shape, a length
+BOUNDS_GATHERS = 2  # pickled all-gathers of a value or two each that are a rank's bounds or count, not weights
+
+
+def _counted(calls: list) -> list:
+    """The calls the shard counts hold, less the first BOUNDS_GATHERS pickled all-gathers of at most two values:
+    comm.allgather((lo, hi)) tells every rank where each shard starts and ends (two values a rank, more than a
+    shard of n = 3 and beyond the all-gathered model's count: 6/18)."""
+    out, left = [], BOUNDS_GATHERS
+    for c in calls:
+        if left and c.name == "allgather" and isinstance(c.count, int) and c.count <= 2:
+            left -= 1
+            continue
+        out.append(c)
+    return out
 
 
 def _gathered_once(ctx, n: int) -> Wrong | None:
@@ -220,7 +234,7 @@ def _gathered_once(ctx, n: int) -> Wrong | None:
     and a value or two a rank beside them (a length). Each call held to a shard, the averaged gradient's shards
     all-gathered and then the momentum's, every rank stepping the whole model, scored 18/18."""
     p = ctx.size
-    counted = [c for c in ctx.calls if c.dest is None and isinstance(c.count, int)]
+    counted = [c for c in _counted(ctx.calls) if c.dest is None and isinstance(c.count, int)]
     parts = sum(c.count for c in counted if c.name in hooks.ALL_GATHERS)
     whole = sum(c.count for c in counted if c.name in hooks.BROADCASTS)
     if p < 2 or p * parts + whole <= n + 2 * p:
@@ -261,7 +275,8 @@ def _another_algorithm(ctx, n: int, least: int | None) -> Wrong | None:
 def _brought(ctx) -> int:
     """Bytes this rank's recorded reduce-scatters and all-gathers bring it (each call already held to a shard by
     _beyond_a_shard): a shard's worth from each other rank, in the dtype the call sent. A reduce-scatter of a
-    float64 copy, right, moves twice the bytes ZeRO-1 needs in float32, and scored 0/18. Sized by what a rank
+    float64 copy, right, moves twice the bytes ZeRO-1 needs in float32, and scored 0/18; so did a pickled all-gather
+    of the shard as a list or in float64. Sized by what a rank
     receives, never by a send buffer, which could claim room for traffic no call accounts for."""
     p = ctx.size
     total = 0
@@ -269,9 +284,18 @@ def _brought(ctx) -> int:
         gets = c.name.endswith(":mine") or c.name in hooks.ALL_GATHERS
         if not gets or not isinstance(c.count, int) or c.count <= 0:
             continue
-        typed = c.name[:1].isupper() and isinstance(c.nbytes, int) and c.nbytes > 0
-        total += (p - 1) * c.count * (c.nbytes // c.count if typed else 4)
+        sized = isinstance(c.nbytes, int) and c.nbytes > 0
+        if c.name[:1].isupper():
+            each = c.nbytes // c.count if sized else 4
+        else:  # a pickle's bytes a value, its header aside, at most a list's (float64, or a Python float's 9)
+            each = min(PICKLED_VALUE, max(4, (c.nbytes - hooks.PICKLE_SLACK) // c.count)) if sized else 4
+        total += (p - 1) * c.count * each
     return total
+
+
+# bytes a value of a pickled all-gather may take: a Python float in a list (shard.tolist()), 9; a float64 array's 8.
+# At 4 (float32's), right code gathering either scored 0/18: over the large case's bound, which voids every case
+PICKLED_VALUE = 9
 
 
 def diagnose(case, ctx):
