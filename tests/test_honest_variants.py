@@ -60,6 +60,7 @@ WRITTEN_OTHERWISE = [
     ("ps_exchange", H.ps_through_pkl5, [3]),
     ("ring_allreduce", H.ring_by_numpy_counts_and_displacements, [3]),  # numpy's integers in a message spec
     ("ring_allreduce", H.ring_of_interleaved_chunks, [3]),  # chunks of every p-th value
+    ("ring_allreduce", H.ring_with_each_chunks_length_sent_first, [3]),  # a header of one value a step
 ]
 
 
