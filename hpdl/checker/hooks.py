@@ -299,11 +299,10 @@ def passed_on(ctx, vectors: list[np.ndarray], algorithm: str, apart: int | None 
     the sum cases (_sums.vector). A show of the pattern (right partners, right sizes, nothing received used)
     beside a sum got some other way (MPI_Allreduce called by address through a CFUNCTYPE prototype, no Python
     lookup to refuse, within the wire's slack) scored 36/36 and 18/18: each message cut from the rank's own x,
-    then each of zeros. One message
-    that carries a sum, or another rank's values passed along (another algorithm, which the other checks name),
-    clears the rank. Forged where a message carried no values found in any sum (zeros, noise, text); where each
-    carried the rank's own values, another algorithm (telling: a chain's first rank sends only its own values
-    on), which voids the check all the same."""
+    then each of zeros. One message that carries a sum, or another rank's values passed along (another
+    algorithm, which the other checks name), clears the rank. Forged where a message carried no values found
+    in any sum (zeros, noise, text); where each carried the rank's own values, another algorithm (telling: a
+    chain's first rank sends only its own values on), which voids the check all the same."""
     r = ctx.rank
     if not vectors:
         return None

@@ -272,12 +272,17 @@ def _another_algorithm(ctx, n: int, least: int | None) -> Wrong | None:
     return w
 
 
+# bytes a value of a pickled all-gather may take: a Python float in a list (shard.tolist()), 9; a float64 array's 8.
+# At 4 (float32's), right code gathering either scored 0/18: over the large case's bound, which voids every case
+PICKLED_VALUE = 9
+
+
 def _brought(ctx) -> int:
     """Bytes this rank's recorded reduce-scatters and all-gathers bring it (each call already held to a shard by
     _beyond_a_shard): a shard's worth from each other rank, in the dtype the call sent. A reduce-scatter of a
     float64 copy, right, moves twice the bytes ZeRO-1 needs in float32, and scored 0/18; so did a pickled all-gather
-    of the shard as a list or in float64. Sized by what a rank
-    receives, never by a send buffer, which could claim room for traffic no call accounts for."""
+    of the shard as a list or in float64. Sized by what a rank receives, never by a send buffer, which could claim
+    room for traffic no call accounts for."""
     p = ctx.size
     total = 0
     for c in ctx.calls:
@@ -291,11 +296,6 @@ def _brought(ctx) -> int:
             each = min(PICKLED_VALUE, max(4, (c.nbytes - hooks.PICKLE_SLACK) // c.count)) if sized else 4
         total += (p - 1) * c.count * each
     return total
-
-
-# bytes a value of a pickled all-gather may take: a Python float in a list (shard.tolist()), 9; a float64 array's 8.
-# At 4 (float32's), right code gathering either scored 0/18: over the large case's bound, which voids every case
-PICKLED_VALUE = 9
 
 
 def diagnose(case, ctx):

@@ -10,21 +10,20 @@
         # a rank must never hold the whole model at once.
         # Return the output of the last layer (the same on every rank).
 
-Compared on every rank, 1–4 ranks, with the layers run on one device. While the learner's
-function runs, what it holds is followed (the torch tensors it makes, through weak references,
-and what Python and numpy allocate, through tracemalloc, but for MPI's pickles in flight inside an MPI call; sampled at
-every torch operation and every MPI call): a rank that keeps the gathered layers alive holds the whole model and is
-rejected, whatever its output. In a hidden case (grading) of 4 MiB layers the kernel counts it
-too, outside the learner's processes: the most each rank's own memory cgroup held at once during
-the case (reset while every rank waits before it; jobs.Job.memory_held_by), over what it held then;
-where ranks cannot have cgroups of their own (cgroup v2), the check job's, for all ranks together. That
-case is its job's first, counted from before the learner's code is unpacked: memory kept from an earlier
-case (an arena made there, the whole model's worth) would be in what a later one counts from.
-Beyond its shards, more than OUTSIDE_LAYERS layers' worth on a rank (the whole model is 16) while
-the count in the learner's process saw less is memory hidden from it: the check scores nothing.
-The layers are drawn with the check's nonce, and the kernel counts what reaches each rank (the
-other ranks' shards of every layer at least): layers drawn again, or shards read from files the
-ranks share, score nothing.
+Compared on every rank, 1–4 ranks, with the layers run on one device. While the learner's function runs,
+what it holds is followed (the torch tensors it makes, through weak references, and what Python and
+numpy allocate, through tracemalloc, but for MPI's pickles in flight inside an MPI call; sampled at
+every torch operation and every MPI call): a rank that keeps the gathered layers alive holds the whole
+model and is rejected, whatever its output. In a hidden case (grading) of 4 MiB layers the kernel counts
+it too, outside the learner's processes: the most each rank's own memory cgroup held at once during the
+case (reset while every rank waits before it; jobs.Job.memory_held_by), over what it held then; where
+ranks cannot have cgroups of their own (cgroup v2), the check job's, for all ranks together. That case
+is its job's first, counted from before the learner's code is unpacked: memory kept from an earlier case
+(an arena made there, the whole model's worth) would be in what a later one counts from. Beyond its
+shards, more than OUTSIDE_LAYERS layers' worth on a rank (the whole model is 16) while the count in the
+learner's process saw less is memory hidden from it: the check scores nothing. The layers are drawn with
+the check's nonce, and the kernel counts what reaches each rank (the other ranks' shards of every layer
+at least): layers drawn again, or shards read from files the ranks share, score nothing.
 """
 from __future__ import annotations
 
