@@ -39,8 +39,9 @@ lab: setup
 # TEST_WORKERS=N (N >= 1): two parts (tests/conftest.py says why): the tests not marked `alone` on N pytest-xdist
 # workers at once, then those marked `alone` one at a time; both run, and the first failure's code is make's (5 is
 # pytest's "no test selected": PYTEST_ARGS naming tests of one part only). The default, 0, is one process, in order:
-# on 2 cores two workers took 2835 s for what one does in ~3210 s (12%), and failed three tests that saw the other
-# worker's emulated nodes or Slurm job (since fixed in those tests).
+# on 2 cores two workers took 2950 s for what one does in 3382 s (13%: each test then takes about twice as long,
+# the two cores being busy), and the last such run still failed one test that passes alone (test_sidejob's
+# interrupt of emulated nodes, whose job printed nothing in 120 s).
 TEST_WORKERS ?= 0
 test: setup-dev
 	$(VENV)/bin/ruff check .
