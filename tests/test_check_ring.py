@@ -412,3 +412,35 @@ def test_a_bidirectional_ring_passes_on_no_more_than_the_check_allows(n, p):
     assert _bidirectional_ring_sends(n, p) <= ring_allowance(n, p)
     if n >= 2 * p:
         assert 2 * (p - 1) * n > ring_allowance(n, p)
+
+
+def ring_through_staging_buffers_one_too_wide(comm, x):
+    """Each chunk copied into a staging buffer of n // p + 1 values and the whole buffer sent: one value past the
+    chunk where p divides n (against the ring's size rule), a value the buffer held before. Every message of a
+    rank then started with values found in no sum, and the check read the ring as forged: 0/27, every case void."""
+    import numpy as np
+
+    p, r = comm.Get_size(), comm.Get_rank()
+    out = x.copy()
+    bounds = [i * len(out) // p for i in range(p + 1)]
+    send, receive = np.zeros(len(out) // p + 1, out.dtype), np.zeros(len(out) // p + 1, out.dtype)
+    for step in range(2 * (p - 1)):
+        k = step - (p - 1)  # the all-gather's steps
+        mine, into = ((r - step) % p, (r - step - 1) % p) if k < 0 else ((r + 1 - k) % p, (r - k) % p)
+        chunk = out[bounds[mine]:bounds[mine + 1]]
+        send[:len(chunk)] = chunk
+        comm.Sendrecv(send, dest=(r + 1) % p, recvbuf=receive, source=(r - 1) % p)
+        width = bounds[into + 1] - bounds[into]
+        if step < p - 1:
+            out[bounds[into]:bounds[into + 1]] += receive[:width]
+        else:
+            out[bounds[into]:bounds[into + 1]] = receive[:width]
+    return out
+
+
+def test_a_message_one_value_too_wide_is_too_wide_not_forged(no_strays):
+    result = hpdl.check("ring_allreduce", ring_through_staging_buffers_one_too_wide, ranks=[3], grade=True)
+    divisible = [c for c in result.cases if c.params["n"] % 3 == 0 and c.params["n"] >= 3]
+    assert divisible and all(c.verdict == "WRONG" and "one chunk per message" in c.message for c in divisible), result
+    assert not any(c.rejected for c in result.cases), result  # neither forged nor another algorithm: no case void
+    assert any(c.verdict == "PASS" for c in result.cases), result

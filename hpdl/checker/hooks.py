@@ -346,15 +346,18 @@ def readings(head) -> list[tuple]:
 
 
 def _carries(total: np.ndarray, head, strides: int = 1) -> int | None:
-    """Where `head` (a message's first values) starts as a run of values of `total`, consecutive or every k-th
-    for k up to `strides` (chunks cut as x[i::p], every p-th value, are chunks too: an honest ring of them read
-    as no sum carried, 0/27), if it does."""
-    h = len(head)
-    if h > total.size:
-        return None
-    starts = np.flatnonzero(total == head[0])
-    return next((int(s) for s in starts[:64] for k in range(1, max(1, strides) + 1)
-                 if s + k * (h - 1) < total.size and np.array_equal(total[s:s + k * (h - 1) + 1:k], head)), None)
+    """Where `head` (a message's first values), or its first half at least, starts as a run of values of `total`,
+    consecutive or every k-th for k up to `strides` (chunks cut as x[i::p], every p-th value, are chunks too: an
+    honest ring of them read as no sum carried, 0/27), if it does. Its first half: a staging buffer of the widest
+    chunk sends a shorter chunk with what its tail held before, and such a ring was read as forged."""
+    starts = np.flatnonzero(total == head[0]) if len(head) else []
+    for h in range(min(len(head), total.size), (len(head) + 1) // 2 - 1, -1):
+        part = np.asarray(head[:h], dtype=total.dtype)
+        at = next((int(s) for s in starts[:64] for k in range(1, max(1, strides) + 1)
+                   if s + k * (h - 1) < total.size and np.array_equal(total[s:s + k * (h - 1) + 1:k], part)), None)
+        if at is not None:
+            return at
+    return None
 
 
 def received_at_least(ctx, nbytes: int, what: str) -> Wrong | None:
