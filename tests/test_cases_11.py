@@ -267,6 +267,31 @@ def zero3_pickled_all_at_once(comm, shards, shapes, x):
     return x
 
 
+def zero3_every_layer_inside_one_call(comm, shards, shapes, x):
+    """Every layer gathered, kept and run inside one pickled comm.allgather, in the __reduce__ of the object it
+    sends, in numpy: what Python allocates inside an MPI call is MPI's up to a layer and a half, and none of it
+    once the learner's code calls the communicator in there (it scored 15/15 with all of it left out)."""
+    import numpy as np
+
+    out = {}
+
+    class Forward:
+        def __reduce__(self):
+            h, model = x.numpy(), []
+            for shard, (o, i) in zip(shards, shapes):
+                full = np.empty(o * i + o, np.float32)
+                counts = [len(part) for part in np.array_split(np.arange(o * i + o), comm.Get_size())]
+                comm.Allgatherv(shard.numpy(), [full, counts])
+                model.append(full)
+            for full, (o, i) in zip(model, shapes):
+                h = np.tanh(h @ full[:o * i].reshape(o, i).T + full[o * i:]).astype(np.float32)
+            out["y"] = h
+            return (int, (0,))
+
+    comm.allgather(Forward())
+    return torch.from_numpy(out["y"])
+
+
 def zero3_reversed_ranks(comm, shards, shapes, x):
     """Puts the gathered shards together in the wrong order (last rank's first)."""
     for shard, (o, i) in zip(shards, shapes):
@@ -288,7 +313,8 @@ def zero3_layers_reversed(comm, shards, shapes, x):
     return x
 
 
-@pytest.mark.parametrize("bad", [zero3_never_freed, zero3_all_gathered_first, zero3_pickled_all_at_once])
+@pytest.mark.parametrize("bad", [zero3_never_freed, zero3_all_gathered_first, zero3_pickled_all_at_once,
+                                 zero3_every_layer_inside_one_call])
 def test_zero3_layers_never_freed_rejected(bad, no_strays):
     result = hpdl.check("zero3_unit", bad, ranks=[2])
     rejected(result, "never freed", "layers' worth", "not before the next was gathered")

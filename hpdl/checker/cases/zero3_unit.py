@@ -46,6 +46,7 @@ MEASURED_FROM = 64 * 1024   # layers of at least this many bytes: their memory i
 # tensor_split's counts is int64, two layers' worth, and the last layer's index alive while the next is
 # made put a rank holding one gathered layer at 4.0-4.2
 LAYERS_AT_ONCE = 4.0
+IN_FLIGHT = 1.5  # layers' worth of Python's growth inside one MPI call taken for its pickles (_Peak)
 OUTSIDE_FROM = 2**20  # layers of at least this many bytes: what all ranks held at once is read outside them too
 # layers' worth each rank may hold at once by that count, beyond its shards (the model has 16): an honest rank
 # held 1-5 (counted a rank apart; the model solution 1; a pickled allgather of tensors and torch.cat 3.7-4.5; the
@@ -113,6 +114,8 @@ class _Held:
         self.tensors, self.peak, self.mpi, self.samples, self.tampered = [], 0, 0, 0, False
         self.python = 0  # what Python and numpy held at the last sample
         self.calling = None  # while a communicator call runs: what Python held as it began (see _Peak)
+        self.in_flight = 0  # and what of Python's growth in it is MPI's pickles, at most (set by call())
+        self.nested = False  # a communicator call made inside that one: the learner's code runs in it
         # the storages handed in (the shards, x): an op that returns its input (.contiguous(), .cpu() on a tensor
         # that already is) made nothing, and a learner's code that grows one (resize_, set_) has moved it
         self.given = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -147,8 +150,8 @@ class _Held:
                     storages[s.data_ptr()] = s.nbytes()
         self.tensors = [ref for ref in self.tensors if ref() is not None]
         python = tracemalloc.get_traced_memory()[0] - self.base - ints
-        if self.calling is not None:  # MPI's pickles in flight are its buffers, not the learner's: not counted
-            python = min(python, self.calling)
+        if self.calling is not None and not self.nested:  # MPI's pickles in flight are its buffers, not counted
+            python = max(min(python, self.calling), python - self.in_flight)
         self.python = python
         self.peak = max(self.peak, sum(storages.values()) + python + self.mpi)
 
@@ -195,23 +198,27 @@ def _integer_arrays() -> int:
 
 
 class _Peak:
-    """The learner's communicator, noting what is held before and after every MPI call. While a call runs, what
-    Python allocates is MPI's, not the learner's: a pickled comm.allgather holds the pickles it sent and
-    received, a layer's worth, until it returns (a loop holding one gathered layer read 4.1-4.9 layers at once
-    with them, 3 without). Tensors the call unpickles are counted, in it and after it: they are what it
-    returns. A rank holding the whole model inside one call is counted in a hidden case outside its processes
-    (_held_outside)."""
+    """The learner's communicator, noting what is held before and after every MPI call. While a call runs, up to
+    IN_FLIGHT layers of what Python allocates are MPI's, not the learner's: a pickled comm.allgather holds the
+    pickles it sent and received, a layer's worth and a shard, until it returns (a loop holding one gathered
+    layer read 4.1-4.9 layers at once with them, 3.8 without). More is the learner's: code run inside the call
+    (an object's __reduce__) that held the whole model there, in numpy, scored 15/15 while all of it was
+    left out; and none of it once the learner's code makes a call inside the call. Tensors the call unpickles
+    are counted, in it and after it: they are what it returns."""
 
     def __init__(self, comm, held: _Held):
         self._comm, self._held = comm, held
 
     def _call(self, attr, args, kwargs):
-        held, before = self._held, self._held.calling
-        held.calling = held.python if before is None else before
+        held = self._held
+        if held.calling is not None:  # a call inside a call: the learner's code runs in the outer one
+            held.nested = True
+            return attr(*args, **kwargs)
+        held.calling, held.nested = held.python, False
         try:
             return attr(*args, **kwargs)
         finally:
-            held.calling = before
+            held.calling = None
 
     def __getattr__(self, name):
         attr = getattr(self._comm, name)
@@ -262,6 +269,8 @@ def call(fn, comm, args):
     from torch.overrides import TorchFunctionMode
 
     held = _Held(given=args)
+    shapes = args[1] if len(args) > 1 else []
+    held.in_flight = int(IN_FLIGHT * max((4 * (o * i + o) for o, i in shapes), default=0))
 
     class Sampling(TorchFunctionMode):
         def __torch_function__(self, func, types, fargs=(), kwargs=None):
