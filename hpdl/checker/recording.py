@@ -361,19 +361,20 @@ def _spec_type(buf):
 
 
 def _elements(obj, depth: int = 0) -> int:
-    """Values in a Python object: an array's or tensor's elements, a string's characters, a whole number's
-    32-bit words (a vector packed into one big int is its values: a naive ring sent so scored 27/27), the sum
-    over a container's items (to a depth of 8, its first 10**6 items), 1 for anything else; but beside an array
-    or a tensor in a message (a tuple, list or dict), up to METADATA small whole numbers are its metadata
-    (a chunk's index, a step, a shape), not values: (i, chunk) moves one chunk."""
+    """Values in a Python object: an array's or tensor's elements (a numpy array or scalar of raw bytes, text or
+    records: its 32-bit words), a string's characters, a whole number's 32-bit words (a vector packed into one
+    big int is its values: a naive ring sent so scored 27/27), the sum over a container's items (to a depth of
+    8, its first 10**6 items), 1 for anything else; but beside an array or a tensor in a message (a tuple, list
+    or dict), up to METADATA small whole numbers are its metadata (a chunk's index, a step, a shape), not
+    values: (i, chunk) moves one chunk."""
     if depth == 0 and isinstance(obj, (list, tuple, dict)) and len(obj) <= 2 * METADATA:
         items = list(obj.values() if isinstance(obj, dict) else obj)
         small = sum(map(_is_metadata, items))
         if 0 < small <= METADATA and any(_is_array(v) for v in items):
             return sum(_elements(v, 1) for v in items if not _is_metadata(v))
     size = getattr(obj, "size", None) if _is_numpy(obj) else None  # not any object's own `size` (1 once)
-    if isinstance(size, int):
-        return size
+    if isinstance(size, int):  # raw bytes, text or records (a void scalar of a whole gradient's bytes was 1 value)
+        return max(size, -(-int(obj.nbytes) // 4)) if obj.dtype.kind in "VSU" else size
     if isinstance(obj, int) and not isinstance(obj, bool):  # a whole number of many bits holds many values
         return max(1, -(-obj.bit_length() // 32))
     if isinstance(obj, (str, bytes, bytearray, memoryview)):
