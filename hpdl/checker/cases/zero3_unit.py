@@ -270,7 +270,7 @@ def call(fn, comm, args):
 
     held = _Held(given=args)
     shapes = args[1] if len(args) > 1 else []
-    held.in_flight = int(IN_FLIGHT * max((4 * (o * i + o) for o, i in shapes), default=0))
+    held.in_flight = int(IN_FLIGHT * max(_sizes(shapes), default=0))
 
     class Sampling(TorchFunctionMode):
         def __torch_function__(self, func, types, fargs=(), kwargs=None):
@@ -314,9 +314,14 @@ def model_solution(comm, shards, shapes, x):
     return x
 
 
+def _sizes(shapes) -> list[int]:
+    """Each layer's bytes, W and b in float32, from its (out, in)."""
+    return [4 * (o * i + o) for o, i in shapes]
+
+
 def _layer_bytes(case) -> int:
     widths = case.params["widths"]
-    return max(4 * (i * o + o) for i, o in zip(widths[:-1], widths[1:]))
+    return max(_sizes(zip(widths[1:], widths[:-1])))
 
 
 def verify(case, ctx):
@@ -346,7 +351,7 @@ def verify(case, ctx):
                      "the one torch.cat makes of them: free the last layer first, or gather into one buffer with "
                      "comm.Allgatherv.")
     shards, shapes, _ = ctx.args
-    w = _held_outside(ctx, layer, [4 * (o * i + o) for o, i in shapes])
+    w = _held_outside(ctx, layer, _sizes(shapes))
     if w is not None:
         return w
     others = sum(o * i + o - shard.numel() for shard, (o, i) in zip(shards, shapes))
