@@ -340,6 +340,16 @@ def test_a_hidden_collective_recorded_as_a_ring_is_seen_on_the_wire(fn, no_stray
     assert any("outside your process" in c.message for c in result.cases)
 
 
+def test_persistent_sends_never_started_move_nothing_and_buy_nothing(no_strays):
+    """A persistent request is recorded at each start, not where it is made: sends made and never started were
+    the ring's messages to the recorder, and MPI's all-reduce called by its address moved the same bytes."""
+    result = hpdl.check("ring_allreduce", E.ring_sends_made_never_started, ranks=[2])
+    no_points(result)
+    assert FORGED in {c.rejected for c in result.cases}, result
+    assert all("moved some other way" in c.message or "outside your process" in c.message
+               for c in result.cases), result
+
+
 def test_a_send_the_recorder_cannot_size_buys_no_room_on_the_wire(no_strays):
     """An object that pickles on the second try only: the recorder's pickle fails, mpi4py's works, so its send
     was recorded with no size, and any bytes to that peer passed: MPI's Allreduce, taken from behind the

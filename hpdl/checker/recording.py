@@ -195,6 +195,15 @@ class _Recorder:
     def note(self, name: str, dest=None, source=None, count=None, kind: str = "mpi", nbytes=None,
              head=None, exact=None) -> Call | None:
         """Record one call, or refuse it (ForbiddenCall) when the exercise forbids it."""
+        call = self.prepared(name, dest, source, count, kind, nbytes, head, exact)
+        if call is not None:
+            self.add(call)
+        return call
+
+    def prepared(self, name: str, dest=None, source=None, count=None, kind: str = "mpi", nbytes=None,
+                 head=None, exact=None) -> Call | None:
+        """The call as note() would record it, not recorded (a persistent request's: recorded at each start), or
+        refused (ForbiddenCall) when the exercise forbids it."""
         if self.paused_now:
             return None
         key = name if kind == "mpi" else f"{kind}.{name}"
@@ -202,9 +211,7 @@ class _Recorder:
         if reason:
             self.rejected.append(key)
             raise ForbiddenCall(key, reason)
-        call = Call(key, dest, source, count, nbytes, head, exact)
-        self.add(call)
-        return call
+        return Call(key, dest, source, count, nbytes, head, exact)
 
 
 recorder = _Recorder()
@@ -808,18 +815,21 @@ def _mpi_open(request) -> bool:
 
 
 def _started_persistent(request, frame) -> None:
-    """A start of a persistent request moves its message again: the first start is the message its _init call
-    recorded, each later one is recorded anew (a pair restarted every step was read as traffic the recording
-    hid: 0/27). Each start is a request to complete, its send buffer checksummed as an Isend's."""
+    """Each start of a persistent request moves its message, and is recorded (a pair restarted every step, recorded
+    at its _init calls only, was read as traffic the recording hid: 0/27); its _init call moves nothing and is
+    not (a ring's sends made with Send_init and never started, beside MPI's all-reduce called unrecorded, scored
+    9/9). Each start is a request to complete, its send buffer checksummed as an Isend's."""
     entry = recorder.persistent.get(getattr(request, "handle", None))
     if entry is None:
         return
-    index = entry["index"]
-    if entry["starts"] and entry["call"] is not None:  # what the buffer holds now (its first values) goes out
+    index = None
+    if entry["call"] is not None:  # what the buffer holds now (its first values) goes out
         c, buf = entry["call"], entry["buf"]
         recorder.add(Call(c.name, c.dest, c.source, c.count, c.nbytes,
-                          _head(buf) if buf is not None and recorder.sized else None))
+                          _head(buf) if buf is not None and recorder.sized else c.head, c.exact))
         index = len(recorder.calls) - 1
+    if entry["share"] is not None:  # a reduce-scatter's: this rank's part of what it receives
+        recorder.add(entry["share"])
     if not recorder.synchronous and index is not None:  # for rendezvous.py: where this start completes
         recorder.requested[request.handle] = index
     entry["starts"] += 1
@@ -829,14 +839,12 @@ def _started_persistent(request, frame) -> None:
         recorder.sending.append((request, entry["view"], _checksum(entry["view"]), entry["label"], where))
 
 
-def _persistent(name: str, request, buf, noted, label: str) -> None:
+def _persistent(name: str, request, buf, noted: tuple, label: str) -> None:
     """A persistent request made (Send_init, Recv_init, ...): what each of its starts moves (_started_persistent)."""
     if getattr(request, "handle", None) is not None:  # (the wrapped call returned early while paused)
         view = _send_view(buf) if name in _SEND_INITS else None
-        index = len(recorder.calls) - 1 if noted is not None and recorder.calls and recorder.calls[-1] is noted \
-            else None
-        recorder.persistent[request.handle] = {"call": noted, "label": label, "view": view, "starts": 0,
-                                               "index": index, "buf": buf if view is not None else None}
+        recorder.persistent[request.handle] = {"call": noted[0], "share": noted[1], "label": label, "view": view,
+                                               "starts": 0, "buf": buf if view is not None else None}
 
 
 def _patch_starts() -> None:
@@ -865,6 +873,16 @@ def _patch_starts() -> None:
         Startall._hpdl_recorded = True
         d["Startall"] = classmethod(Startall)
     ctypes.pythonapi.PyType_Modified(ctypes.py_object(MPI.Prequest))
+
+
+def _share_received(name: str, in_place: bool, mine) -> Call | None:
+    """A reduce-scatter's share of this rank (_mine), recorded; a persistent one's is recorded at each start."""
+    if name not in _SCATTERS_TO_EACH or in_place or mine is None or recorder.paused_now:
+        return None
+    share = _mine(name, mine)
+    if not name.endswith("_init"):
+        recorder.add(share)
+    return share
 
 
 def _mine(name: str, buf) -> Call:
@@ -1047,11 +1065,11 @@ def _wrap(cls_name: str, name: str, base, synchronous=None):
             args, kwargs, status = _with_status(args, kwargs, _STATUS_AT[name])
         # a receive from any source in flight: noted when a completion says where it came from (_sourced)
         wildcard = name in _WILDCARD_RECEIVES and source is None and not recorder.forbidden.get(name)
-        noted = recorder.note(noted_as, *_in_world(self, dest, source), count, nbytes=nbytes, head=head,
-                              exact=exact) if status is None and not wildcard else None
+        record = recorder.prepared if name.endswith("_init") else recorder.note  # a persistent one: at each start
+        noted = record(noted_as, *_in_world(self, dest, source), count, nbytes=nbytes, head=head,
+                       exact=exact) if status is None and not wildcard else None
         mine = args[1] if len(args) > 1 else kwargs.get("recvbuf")
-        if name in _SCATTERS_TO_EACH and not in_place and mine is not None and not recorder.paused_now:
-            recorder.add(_mine(name, mine))
+        share = _share_received(name, in_place, mine)
         peer = (f" to rank {dest}" if dest is not None else "") + (f" from rank {source}" if source is not None else "")
         recorder.current = f"comm.{name}(){peer}"
         try:
@@ -1062,7 +1080,7 @@ def _wrap(cls_name: str, name: str, base, synchronous=None):
             noted = recorder.note(name, *_in_world(self, dest, _source_of(status)), count, nbytes=nbytes, head=head,
                                   exact=exact)
         if name.endswith("_init"):
-            _persistent(name, result, buf, noted, f"comm.{name}(){peer}")
+            _persistent(name, result, buf, (noted, share), f"comm.{name}(){peer}")
         if nonblocking and _open_request(result):
             recorder.completed.discard(result.handle)  # a handle MPI gives again is a new request, open
             where = _caller(sys._getframe(1))
