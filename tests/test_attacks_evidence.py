@@ -415,6 +415,15 @@ def test_an_algorithm_a_large_case_tells_apart_scores_nothing(no_strays):
     assert any("all-reduces" in (c.hint or "") for c in result.cases), result
 
 
+def test_float64_reduces_and_bcasts_buy_no_room_for_a_hidden_all_reduce(no_strays):
+    """Reduces and Bcasts in float64 bring twice float32's bytes, and right code sent so passes
+    (test_honest_variants); beside them, an all-reduce no record shows is still more than they bring."""
+    result = hpdl.check("zero1_step", E.zero1_allreduced_by_address_beside_float64_reduces_and_bcasts, ranks=[2],
+                        grade=True)
+    no_points(result)
+    assert {c.rejected for c in result.cases} == {TELLING}, result
+
+
 @pytest.fixture
 def shared_files(monkeypatch):
     """A node where a check's ranks cannot each have a view of their own (a bubblewrap that cannot nest user

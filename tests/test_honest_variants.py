@@ -35,6 +35,8 @@ WRITTEN_OTHERWISE = [
     ("pipeline_step", H.pipeline_with_shapes_first_in_two_parts, [3]),  # one message a micro-batch: 0/18
     ("zero1_step", H.zero1_shards_by_count_and_displacement, [2, 3]),
     ("zero1_step", H.zero1_summed_in_float64, [2]),  # the large hidden case reads the bytes its calls bring
+    ("zero1_step", H.zero1_reduces_and_bcasts_in_float64, [2]),  # so too a Reduce's, a Bcast's, a send's
+    ("zero1_step", H.zero1_by_hand_in_float64, [2]),
     # a float64 copy of float32 values: each still one value (recording._exact), twice the bytes
     ("ring_allreduce", H.ring_summed_in_float64, [2, 3]),
     ("recursive_doubling", H.recursive_doubling_summed_in_float64, [3, 4]),

@@ -591,6 +591,7 @@ _SENDS_IN_FLIGHT = ("Isend", "Issend", "Ibsend", "Irsend", "Isendrecv")
 _STATUS_AT = {"Recv": 3, "recv": 3, "Sendrecv": 6, "sendrecv": 6, "Sendrecv_replace": 5}
 _RECEIVES_IN_FLIGHT = ("Irecv", "irecv", "Isendrecv", "Isendrecv_replace")
 _WILDCARD_RECEIVES = ("Irecv", "irecv")  # from any source, their source is read from their completion's status
+_SIZED_COLLECTIVES = ("Reduce", "Ireduce", "Reduce_init", "reduce", "Bcast", "Ibcast", "Bcast_init", "bcast")
 _SEND_INITS = ("Send_init", "Ssend_init", "Bsend_init", "Rsend_init", "Psend_init")
 _COMPLETIONS = ("Wait", "Test", "Free", "Waitall", "Testall", "Waitany", "Testany", "Waitsome", "Testsome",
                 "wait", "test", "waitall", "testall", "waitany", "testany", "waitsome", "testsome")
@@ -926,7 +927,8 @@ def _message(name: str, buf, dest, frame) -> tuple[str, int | None, int | None, 
     object's pickled send (_pkl5_part)."""
     pickled = name[0].islower()
     count = _count(buf, pickled=pickled) if buf is not None else None
-    sized = dest is not None or "llgather" in name  # an all-gather's part too: what it brings each rank
+    # an all-gather's part too, a reduce's or a broadcast's: what they bring each rank (zero1_step sizes them)
+    sized = dest is not None or "llgather" in name or name in _SIZED_COLLECTIVES
     nbytes = _nbytes(name, buf) if sized and buf is not None and recorder.sized else None
     head = _head(buf, pickled=pickled) if dest is not None and recorder.sized else None
     if dest is not None and not pickled and not _PKL5 and "mpi4py.util.pkl5" in sys.modules:
