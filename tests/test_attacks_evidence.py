@@ -350,6 +350,20 @@ def test_persistent_sends_never_started_move_nothing_and_buy_nothing(no_strays):
                for c in result.cases), result
 
 
+@pytest.mark.parametrize("attack", [
+    E.ring_decoys_of_a_count_that_reads_zero, E.ring_decoys_of_a_type_as_wide_as_the_chunk, E.ring_decoys_mpi_refused,
+    E.ring_decoys_to_itself_on_a_communicator_that_says_inter, E.ring_decoys_pickled_to_nothing,
+    E.ring_decoys_pickled_otherwise_for_mpi])
+def test_sends_recorded_bigger_than_they_moved_cover_no_hidden_all_reduce(attack, no_strays):
+    """A send is recorded as MPI moves it: its count read once, as mpi4py reads it, and handed to MPI so; a type's
+    items by its extent; a call MPI refused, not at all; its peers by MPI's own numbering; a pickled one by the
+    bytes mpi4py pickled. Each of these decoys was a ring's message to the record, and MPI's all-reduce called by
+    its address moved the bytes (27/27 at 2-4 ranks with MPICH switched to its ring through MPI_T)."""
+    result = hpdl.check("ring_allreduce", attack, ranks=[2])
+    no_points(result)
+    assert FORGED in {c.rejected for c in result.cases}, result
+
+
 def test_a_send_the_recorder_cannot_size_buys_no_room_on_the_wire(no_strays):
     """An object that pickles on the second try only: the recorder's pickle fails, mpi4py's works, so its send
     was recorded with no size, and any bytes to that peer passed: MPI's Allreduce, taken from behind the

@@ -62,6 +62,16 @@ def _tally():
             calls.append(call)
             state["digest"] = hash((state["digest"], tuple(call.__dict__.values())))
 
+    def withdraw(calls: list, call) -> None:
+        with lock:  # the call's own entry (the last of it), and the digest of the calls left
+            at = next((i for i in range(len(calls) - 1, -1, -1) if calls[i] is call), None)
+            if at is None:
+                return
+            before = intact(calls)
+            del calls[at]
+            if before:
+                state["digest"] = digest_of(calls)
+
     def clear() -> None:
         state["digest"], state["altered"] = hash(()), False
 
@@ -73,16 +83,19 @@ def _tally():
             state["altered"] = True
         return getattr(depth, "n", 0) > 0
 
-    def intact(calls: list) -> bool:
+    def digest_of(calls: list) -> int:
         digest = hash(())
         for call in calls:
             digest = hash((digest, tuple(getattr(call, "__dict__", {"": call}).values())))
-        return not state["altered"] and digest == state["digest"]
+        return digest
 
-    return add, clear, pause, paused, intact
+    def intact(calls: list) -> bool:
+        return not state["altered"] and digest_of(calls) == state["digest"]
+
+    return add, withdraw, clear, pause, paused, intact
 
 
-_add, _clear, _pause, _paused_by_kit, _intact = _tally()
+_add, _withdraw, _clear, _pause, _paused_by_kit, _intact = _tally()
 
 
 class _Recorder:
@@ -127,6 +140,12 @@ class _Recorder:
 
     def add(self, call: Call) -> None:
         _add(self.calls, call)
+
+    def withdraw(self, call: Call | None) -> None:
+        """A call MPI refused (it raised): it moved nothing, so it is no longer recorded (a send of a view mpi4py
+        refused as not contiguous, the error caught, was a ring's message beside a hidden all-reduce: 27/27)."""
+        if call is not None:
+            _withdraw(self.calls, call)
 
     def unfinished(self) -> list[tuple[str, Any]]:
         """The non-blocking calls (Isend, Irecv, Iallreduce, ...) whose request is still open: neither waited
@@ -297,18 +316,22 @@ def _source_of(status) -> int | None:
     return source if isinstance(source, int) and source >= 0 else None
 
 
+_COMM_BASE: dict[str, Any] = {}  # MPI's own Comm.Is_inter, Comm.Get_group, Intercomm.Get_remote_group (_patch_mpi)
+
+
 def _in_world(comm, dest, source):
     """Peers as ranks of MPI.COMM_WORLD (whose numbering the communicator handed in shares): a
     learner's own Split/Create/Cart communicator numbers ranks its own way, and the checks compare
-    peers with neighbours in the world. An intercommunicator's peers are left as they are."""
+    peers with neighbours in the world; an intercommunicator's, its remote group's."""
     if dest is None and source is None:
         return dest, source
     from mpi4py import MPI
 
     try:
-        if comm.Is_inter():
-            return dest, source
-        group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        # MPI's own answers, not a method of the learner's subclass (an Is_inter() that said True left sends to
+        # the rank itself recorded as sends to a neighbour); an intercommunicator's peers are its remote group's
+        group = (_COMM_BASE["remote"] if _COMM_BASE["inter"](comm) else _COMM_BASE["group"])(comm)
+        world = MPI.COMM_WORLD.Get_group()
         try:
             peers = [p for p in (dest, source) if p is not None]
             mapped = iter(MPI.Group.Translate_ranks(group, peers, world))
@@ -562,7 +585,11 @@ def _nbytes(name: str, buf) -> int | None:
             return count * (dtype.Get_size() if dtype is not None else _itemsize(buf[0]))
         if isinstance(buf, (list, tuple)) and buf:
             buf = buf[0]
-        return memoryview(buf).nbytes
+        whole = memoryview(buf).nbytes
+        extent = dtype.Get_extent()[1] if dtype is not None else 0
+        # [data, type]: as many items of the type as data's bytes hold at its extent (mpi4py's count): a type
+        # resized to the whole chunk moved one value and was recorded as the chunk, beside a hidden all-reduce
+        return whole // extent * dtype.Get_size() if extent > 0 else whole
     except Exception:
         nbytes = getattr(buf, "nbytes", None)
         return nbytes if isinstance(nbytes, int) else None
@@ -1021,29 +1048,40 @@ def _caller(frame) -> tuple[str, int, str]:
 
 def _sent_buffer(args, kwargs, dest, pickles: bool) -> tuple:
     """What a call sends, and whether it is a collective in place (its data is then the receive buffer); by
-    position or keyword: sendrecv(sendobj=...), Allreduce(sendbuf=MPI.IN_PLACE, recvbuf=...) were noted as None.
-    A buffer call's spec as _plain_spec reads it."""
+    position or keyword: sendrecv(sendobj=...), Allreduce(sendbuf=MPI.IN_PLACE, recvbuf=...) were noted as None."""
     buf = args[0] if args else next((kwargs[k] for k in ("buf", "obj", "sendobj", "sendbuf") if k in kwargs), None)
     in_place = dest is None and buf is not None and _is_in_place(buf)
     if in_place:
         buf = args[1] if len(args) > 1 else kwargs.get("recvbuf")
-    return (buf if pickles else _plain_spec(buf)), in_place
+    return buf, in_place
+
+
+def _plain_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A buffer call's arguments with its message specs made plain (_plain_spec): the send buffer's, and the
+    receive buffer's of a collective in place; what is recorded is what MPI gets."""
+    args = tuple(_plain_spec(a) if i < 2 else a for i, a in enumerate(args))
+    return args, {k: _plain_spec(v) if k in ("buf", "sendbuf", "recvbuf") else v for k, v in kwargs.items()}
 
 
 def _plain_spec(buf):
-    """A buffer call's message spec as it is read here (a pickled call's object is left as it is): its counts
-    and displacements numpy's integers (np.array_split's lengths, a cumsum) as Python's, which mpi4py takes
-    alike. [x, (np.int64 count, displ), type] was read as the whole of x, every message a ring sent too long
-    (0/27). Anything else as it is; MPI is handed the learner's own spec."""
+    """A buffer call's message spec as it is read here and handed to MPI (a pickled call's object is left as it
+    is): its counts and displacements, anything mpi4py reads through __index__ (numpy's integers from
+    np.array_split or a cumsum, a bool, an object of the learner's), as Python's ints. [x, (np.int64 count,
+    displ), type] was read as the whole of x, every message a ring sent too long (0/27); a count whose __index__
+    said 0 was read as the whole chunk too, while MPI sent nothing (beside a hidden all-reduce, 27/27): each is
+    read once, here, and MPI gets what was read."""
     if not isinstance(buf, (list, tuple)) or len(buf) < 2 or type(buf) not in (list, tuple):
         return buf
 
     def plain(v):
         if isinstance(v, (tuple, list)) and type(v) in (tuple, list) and len(v) <= 2:
             return type(v)(plain(u) for u in v)
-        if isinstance(v, (bool, int)) or not isinstance(v, numbers.Integral):
+        if type(v) is int or not hasattr(type(v), "__index__"):
             return v
-        return operator.index(v)
+        try:
+            return operator.index(v)
+        except Exception:  # noqa: BLE001 - an array of counts: mpi4py reads it as it is
+            return v
 
     return type(buf)([buf[0], *(plain(v) for v in buf[1:])])
 
@@ -1056,7 +1094,7 @@ def _wrap(cls_name: str, name: str, base, synchronous=None):
     def method(self, *args, **kwargs):
         if recorder.paused_now:
             return base(self, *args, **kwargs)
-        args, kwargs = _compacted(args, kwargs) if pickles else (args, kwargs)
+        args, kwargs = _compacted(args, kwargs) if pickles else _plain_args(args, kwargs)
         dest, source = _peer(args, kwargs, dpos, "dest"), _peer(args, kwargs, spos, "source")
         buf, in_place = _sent_buffer(args, kwargs, dest, pickles)
         noted_as, count, nbytes, head, exact = _message(name, buf, dest, sys._getframe(1))
@@ -1073,14 +1111,12 @@ def _wrap(cls_name: str, name: str, base, synchronous=None):
         mine = args[1] if len(args) > 1 else kwargs.get("recvbuf")
         share = _share_received(name, in_place, mine)
         peer = (f" to rank {dest}" if dest is not None else "") + (f" from rank {source}" if source is not None else "")
-        recorder.current = f"comm.{name}(){peer}"
-        try:
-            result = (synchronous if synchronous is not None and recorder.synchronous else base)(self, *args, **kwargs)
-        finally:
-            recorder.current = None
+        result, pickled = _call_mpi(synchronous if synchronous is not None and recorder.synchronous else base, self,
+                                    args, kwargs, (noted, share), pickles, f"comm.{name}(){peer}")
         if status is not None:
             noted = recorder.note(name, *_in_world(self, dest, _source_of(status)), count, nbytes=nbytes, head=head,
                                   exact=exact)
+        noted = _as_pickled(noted, pickled)
         if name.endswith("_init"):
             _persistent(name, result, buf, (noted, share), f"comm.{name}(){peer}")
         if nonblocking and _open_request(result):
@@ -1109,6 +1145,85 @@ def _wrap(cls_name: str, name: str, base, synchronous=None):
     return method
 
 
+def _call_mpi(call, comm, args: tuple, kwargs: dict, noted: tuple, pickles: bool, label: str) -> tuple:
+    """MPI's own call, as the learner made it: (its result, the bytes mpi4py pickled in it, or None). A call MPI
+    refused (it raised) moved nothing and is withdrawn from the record, with a reduce-scatter's share (`noted`:
+    both)."""
+    recorder.current = label
+    sizes = _pickling_begins() if pickles else None
+    try:
+        result = call(comm, *args, **kwargs)
+    except BaseException:
+        for c in noted:
+            recorder.withdraw(c)
+        raise
+    finally:
+        recorder.current = None
+        pickled = _pickling_ends(sizes) if sizes is not None else None
+    return result, pickled
+
+
+# -- pickled messages: what mpi4py pickled -------------------------------------------------------------------
+
+PICKLE_TOLERANCE = 256  # bytes between the recorder's pickle of an object and mpi4py's: none, measured
+_PICKLING = threading.local()  # a stack: the sizes of what mpi4py pickled in each call in progress on this thread
+_PICKLE_SETTINGS: dict[str, Any] = {}  # mpi4py's protocol and threshold as the recording found them
+
+
+def _kit_dumps(obj, *args, **kwargs) -> bytes:
+    """mpi4py's pickler while the recording runs: pickle's own, the size of each message noted for the call in
+    progress (_call_mpi); not of a pickle made inside another (an object's __reduce_ex__ pickling more)."""
+    import pickle
+
+    _PICKLING.depth = getattr(_PICKLING, "depth", 0) + 1
+    try:
+        data = pickle.dumps(obj, *args, **kwargs)
+    finally:
+        _PICKLING.depth -= 1
+    stack = getattr(_PICKLING, "stack", None)
+    if stack and _PICKLING.depth == 0:
+        stack[-1].append(len(data))
+    return data
+
+
+def _pickling_begins() -> list[int]:
+    """The kit's pickler installed in mpi4py again (a learner's MPI.pickle.__init__ is undone: a pickler that
+    sent 5 bytes of any object, the recorder pickling the object itself, made a ring's messages of decoys beside
+    a hidden all-reduce: 27/27), and a list for the sizes of what this call pickles."""
+    import pickle
+
+    from mpi4py import MPI
+
+    if not _PICKLE_SETTINGS:
+        _PICKLE_SETTINGS.update(protocol=MPI.pickle.PROTOCOL, threshold=MPI.pickle.THRESHOLD)
+    MPI.pickle.__init__(_kit_dumps, pickle.loads, _PICKLE_SETTINGS["protocol"], _PICKLE_SETTINGS["threshold"])
+    sizes: list[int] = []
+    _PICKLING.stack = [*getattr(_PICKLING, "stack", []), sizes]
+    return sizes
+
+
+def _pickling_ends(sizes: list[int]) -> int | None:
+    """The bytes of the first message mpi4py pickled in this call, the one a send sends (what is pickled after
+    it, while the call goes on, is not: the object a sendrecv receives, unpickled, could pickle more); None
+    where it pickled nothing (a receive)."""
+    stack = getattr(_PICKLING, "stack", [])
+    _PICKLING.stack = [s for s in stack if s is not sizes]
+    return sizes[0] if sizes else None
+
+
+def _as_pickled(noted: Call | None, pickled: int | None) -> Call | None:
+    """A pickled send as recorded, by the bytes mpi4py pickled where the recorder's pickle of the object made
+    others: an object whose __reduce_ex__ answered the recorder with its chunk and mpi4py with 0 was a ring's
+    message of a whole chunk that moved nothing (27/27 beside a hidden all-reduce)."""
+    if noted is None or noted.dest is None or pickled is None or not isinstance(noted.nbytes, int) \
+            or abs(pickled - noted.nbytes) <= PICKLE_TOLERANCE:
+        return noted
+    recorder.withdraw(noted)
+    measured = Call(**{**noted.__dict__, "nbytes": pickled})
+    recorder.add(measured)
+    return measured
+
+
 def _type_dict(cls) -> dict:
     """The writable dict behind an extension type's read-only mappingproxy."""
     return gc.get_referents(cls.__dict__)[0]
@@ -1117,6 +1232,7 @@ def _type_dict(cls) -> dict:
 def _patch_mpi(forbid_windows: bool) -> None:
     from mpi4py import MPI
 
+    _COMM_BASE.update(inter=MPI.Comm.Is_inter, group=MPI.Comm.Get_group, remote=MPI.Intercomm.Get_remote_group)
     names = set(_P2P) | set(COLLECTIVES) | set(COMMUNICATOR_MAKERS)
     for cls_name in ("Comm", "Intracomm", "Intercomm", "Topocomm", "Cartcomm", "Graphcomm", "Distgraphcomm"):
         cls = getattr(MPI, cls_name, None)
