@@ -353,7 +353,8 @@ def test_persistent_sends_never_started_move_nothing_and_buy_nothing(no_strays):
 @pytest.mark.parametrize("attack", [
     E.ring_decoys_of_a_count_that_reads_zero, E.ring_decoys_of_a_type_as_wide_as_the_chunk, E.ring_decoys_mpi_refused,
     E.ring_decoys_to_itself_on_a_communicator_that_says_inter, E.ring_decoys_pickled_to_nothing,
-    E.ring_decoys_pickled_otherwise_for_mpi])
+    E.ring_decoys_pickled_otherwise_for_mpi, E.ring_decoys_to_a_peer_read_two_ways, E.ring_decoys_of_a_spec_subclass,
+    E.ring_decoys_exported_empty, E.ring_decoys_pickled_uncounted])
 def test_sends_recorded_bigger_than_they_moved_cover_no_hidden_all_reduce(attack, no_strays):
     """A send is recorded as MPI moves it: its count read once, as mpi4py reads it, and handed to MPI so; a type's
     items by its extent; a call MPI refused, not at all; its peers by MPI's own numbering; a pickled one by the

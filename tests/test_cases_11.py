@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -192,6 +193,31 @@ def test_zero1_momentum_kept_whole_is_wrong_and_told(no_strays):
 
 def test_zero1_missing_allgather_rejected(no_strays):
     rejected(hpdl.check("zero1_step", zero1_no_allgather, ranks=[2]), "all-gather")
+
+
+def zero1_all_reduced_by_hand(comm, params, grad, momentum, lr, beta):
+    """Data parallelism's all-reduce by hand (a ring of Sendrecvs over the whole gradient), then each rank steps
+    its shard and all-gathers: 18/18 while sends by hand were credited with the bytes they moved."""
+    p, r, n = comm.Get_size(), comm.Get_rank(), params.numel()
+    total, parts = grad.numpy().copy(), np.array_split(np.arange(n), p)
+    for step in range(2 * (p - 1)):
+        mine, theirs = parts[(r - step) % p], parts[(r - step - 1) % p]
+        got = np.empty(len(theirs), np.float32)
+        comm.Sendrecv(np.ascontiguousarray(total[mine]), dest=(r + 1) % p, recvbuf=got, source=(r - 1) % p)
+        total[theirs] = total[theirs] + got if step < p - 1 else got
+    counts = [len(c) for c in torch.arange(n).tensor_split(p)]
+    lo = sum(counts[:r])
+    m = momentum[lo:lo + counts[r]]
+    m.mul_(beta).add_(torch.from_numpy(total[lo:lo + counts[r]]) / p)
+    new = torch.empty_like(params)
+    comm.Allgatherv((params[lo:lo + counts[r]] - lr * m).contiguous().numpy(), [new.numpy(), counts])
+    return new, momentum
+
+
+def test_zero1_all_reduced_by_hand_scores_nothing(no_strays):
+    """The large case tells an all-reduce by hand from ZeRO-1's traffic, as it tells MPI's own."""
+    result = hpdl.check("zero1_step", zero1_all_reduced_by_hand, ranks=[2], grade=True)
+    assert result.score == 0 and any("received" in c.message for c in result.cases), result
 
 
 # -- exercise 2: zero3_unit -------------------------------------------------------------------------

@@ -20,6 +20,7 @@ WRITTEN_OTHERWISE = [
     # (i, chunk) pickled: the index is the message's metadata, not a value of x (recording._elements)
     ("ring_allreduce", H.ring_chunks_with_their_index, [3]),
     ("ring_allreduce", H.ring_with_a_memoised_plan, [3]),  # a helper memoised with lru_cache goes with the function
+    ("ring_allreduce", H.ring_sent_as_lists_of_numpy_scalars, [3]),  # each numpy scalar 11 bytes beside its value
     ("ring_allreduce", H.ring_by_count_and_displacement, [3]),  # only the part of x a send names is checksummed
     ("ring_allreduce", H.ring_waiting_on_copies_of_its_requests, [3]),  # "not finished": the copies were waited on
     ("recursive_doubling", H.recursive_doubling_freed_then_acknowledged, [2, 3]),  # the reply acknowledges
@@ -35,8 +36,6 @@ WRITTEN_OTHERWISE = [
     ("pipeline_step", H.pipeline_with_shapes_first_in_two_parts, [3]),  # one message a micro-batch: 0/18
     ("zero1_step", H.zero1_shards_by_count_and_displacement, [2, 3]),
     ("zero1_step", H.zero1_summed_in_float64, [2]),  # the large hidden case reads the bytes its calls bring
-    ("zero1_step", H.zero1_reduces_and_bcasts_in_float64, [2]),  # so too a Reduce's, a Bcast's, a send's
-    ("zero1_step", H.zero1_by_hand_in_float64, [2]),
     # a float64 copy of float32 values: each still one value (recording._exact), twice the bytes
     ("ring_allreduce", H.ring_summed_in_float64, [2, 3]),
     ("recursive_doubling", H.recursive_doubling_summed_in_float64, [3, 4]),
@@ -69,4 +68,14 @@ WRITTEN_OTHERWISE = [
 @pytest.mark.parametrize("exercise, fn, ranks", WRITTEN_OTHERWISE, ids=[f[1].__name__ for f in WRITTEN_OTHERWISE])
 def test_right_answers_written_otherwise_get_full_marks(exercise, fn, ranks, no_strays):
     result = hpdl.check(exercise, fn, ranks=ranks, grade=True)
+    assert passed(result) and result.score == result.max_score, result
+
+
+@pytest.mark.xfail(strict=True, reason="zero1's bound counts the bytes reduce-scatters and all-gathers bring; a "
+                                       "Reduce's, a Bcast's or a send's credited so bought room for an all-reduce "
+                                       "(by hand, or hidden on COMM_SELF): held to float32 until a rank's traffic is "
+                                       "told per communicator")
+@pytest.mark.parametrize("fn", [H.zero1_reduces_and_bcasts_in_float64, H.zero1_by_hand_in_float64])
+def test_zero1_in_float64_by_reduces_or_by_hand_gets_full_marks(fn, no_strays):
+    result = hpdl.check("zero1_step", fn, ranks=[2], grade=True)
     assert passed(result) and result.score == result.max_score, result

@@ -439,7 +439,9 @@ def values_sent(ctx) -> dict[int, list[int]]:
         typed = typed_values(c, item)
         # a pickled list spends one byte more a value than the value's own (a Python float: 9 bytes): x.tolist()
         # sent by comm.sendrecv read as 1.125 times the vector and failed right code
-        data = (c.nbytes or 0) - PICKLE_SLACK - (c.count or 0)
+        # and a numpy scalar's 11 (list(chunk): recording._framing)
+        framing = c.exact if c.name[:1].islower() and isinstance(c.exact, int) else 1
+        data = (c.nbytes or 0) - PICKLE_SLACK - (c.count or 0) * framing
         out.setdefault(int(c.dest), []).append(typed if typed is not None else max(c.count or 0, data // item))
     return out
 

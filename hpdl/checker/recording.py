@@ -280,6 +280,28 @@ _P2P = {
 ONE_SIDED = ["Create", "Allocate", "Allocate_shared", "Create_dynamic"]
 
 
+def _plain_peers(args: tuple, kwargs: dict, dpos, spos) -> tuple[tuple, dict]:
+    """A call's dest and source as Python ints, read once through __index__, and handed to MPI so: mpi4py reads
+    an object's __int__, the recorder its __index__, and a send recorded to a neighbour went to PROC_NULL or to
+    the rank itself (27/27 beside a hidden all-reduce); nor does the learner's code run again inside the call."""
+    args = list(args)
+    for pos, key in ((dpos, "dest"), (spos, "source")):
+        if key in kwargs:
+            kwargs = {**kwargs, key: _plain_int(kwargs[key])}
+        elif pos is not None and len(args) > pos:
+            args[pos] = _plain_int(args[pos])
+    return tuple(args), kwargs
+
+
+def _plain_int(value):
+    if type(value) is int:
+        return value
+    try:
+        return operator.index(value)
+    except Exception:  # noqa: BLE001 - MPI refuses it, and the call is withdrawn
+        return value
+
+
 def _peer(args, kwargs, pos, key):
     if key in kwargs:
         value = kwargs[key]
@@ -590,9 +612,11 @@ def _nbytes(name: str, buf) -> int | None:
         # [data, type]: as many items of the type as data's bytes hold at its extent (mpi4py's count): a type
         # resized to the whole chunk moved one value and was recorded as the chunk, beside a hidden all-reduce
         return whole // extent * dtype.Get_size() if extent > 0 else whole
-    except Exception:
-        nbytes = getattr(buf, "nbytes", None)
-        return nbytes if isinstance(nbytes, int) else None
+    except Exception:  # no buffer: a torch tensor's bytes by torch's own methods; nothing else's attribute (an
+        torch = sys.modules.get("torch")  # object of the learner's whose nbytes said a chunk, MPI sending 0 by DLPack)
+        if torch is not None and isinstance(buf, torch.Tensor):
+            return torch.Tensor.numel(buf) * torch.Tensor.element_size(buf)
+        return None
 
 
 #: a reduce-scatter is recorded twice: by its send buffer, and as "<name>:mine", by what this rank receives
@@ -618,7 +642,6 @@ _SENDS_IN_FLIGHT = ("Isend", "Issend", "Ibsend", "Irsend", "Isendrecv")
 _STATUS_AT = {"Recv": 3, "recv": 3, "Sendrecv": 6, "sendrecv": 6, "Sendrecv_replace": 5}
 _RECEIVES_IN_FLIGHT = ("Irecv", "irecv", "Isendrecv", "Isendrecv_replace")
 _WILDCARD_RECEIVES = ("Irecv", "irecv")  # from any source, their source is read from their completion's status
-_SIZED_COLLECTIVES = ("Reduce", "Ireduce", "Reduce_init", "reduce", "Bcast", "Ibcast", "Bcast_init", "bcast")
 _SEND_INITS = ("Send_init", "Ssend_init", "Bsend_init", "Rsend_init", "Psend_init")
 _COMPLETIONS = ("Wait", "Test", "Free", "Waitall", "Testall", "Waitany", "Testany", "Waitsome", "Testsome",
                 "wait", "test", "waitall", "testall", "waitany", "testany", "waitsome", "testsome")
@@ -954,8 +977,7 @@ def _message(name: str, buf, dest, frame) -> tuple[str, int | None, int | None, 
     object's pickled send (_pkl5_part)."""
     pickled = name[0].islower()
     count = _count(buf, pickled=pickled) if buf is not None else None
-    # an all-gather's part too, a reduce's or a broadcast's: what they bring each rank (zero1_step sizes them)
-    sized = dest is not None or "llgather" in name or name in _SIZED_COLLECTIVES
+    sized = dest is not None or "llgather" in name  # an all-gather's part too: what it brings each rank
     nbytes = _nbytes(name, buf) if sized and buf is not None and recorder.sized else None
     head = _head(buf, pickled=pickled) if dest is not None and recorder.sized else None
     if dest is not None and not pickled and not _PKL5 and "mpi4py.util.pkl5" in sys.modules:
@@ -964,8 +986,23 @@ def _message(name: str, buf, dest, frame) -> tuple[str, int | None, int | None, 
     if part is not None:
         values, first = part
         return name.lower(), values, nbytes, first if recorder.sized else None, None
-    exact = _exact(buf) if dest is not None and not pickled and recorder.sized else None
+    exact = _framing(buf) if pickled and sized and recorder.sized else \
+        _exact(buf) if dest is not None and not pickled and recorder.sized else None
     return name, count, nbytes, head, exact
+
+
+NUMPY_SCALAR_FRAMING = 11  # bytes a numpy scalar's pickle in a list takes beside its own value (measured: 19 a float64)
+
+
+def _framing(obj) -> int | None:
+    """NUMPY_SCALAR_FRAMING where a pickled message is a list or tuple of numpy numbers (list(chunk)), each one
+    value: read by its bytes at a Python float's framing (1), such a message counted 2.4 times its values and a
+    ring sent so failed its size rule (21/27). None otherwise."""
+    np = sys.modules.get("numpy")
+    if np is None or type(obj) not in (list, tuple) or not 0 < len(obj) <= 10**6:
+        return None
+    ok = all(isinstance(v, np.generic) and v.dtype.kind in "biufc" for v in obj)
+    return NUMPY_SCALAR_FRAMING if ok else None
 
 
 def _exact(buf) -> int | None:
@@ -1070,12 +1107,15 @@ def _plain_spec(buf):
     displ), type] was read as the whole of x, every message a ring sent too long (0/27); a count whose __index__
     said 0 was read as the whole chunk too, while MPI sent nothing (beside a hidden all-reduce, 27/27): each is
     read once, here, and MPI gets what was read."""
-    if not isinstance(buf, (list, tuple)) or len(buf) < 2 or type(buf) not in (list, tuple):
+    if not isinstance(buf, (list, tuple)):
+        return buf
+    buf = (list if isinstance(buf, list) else tuple)(buf)  # a subclass's items read once (a namedtuple too)
+    if len(buf) < 2:
         return buf
 
     def plain(v):
-        if isinstance(v, (tuple, list)) and type(v) in (tuple, list) and len(v) <= 2:
-            return type(v)(plain(u) for u in v)
+        if isinstance(v, (tuple, list)) and len(v) <= 2:
+            return (list if isinstance(v, list) else tuple)(plain(u) for u in v)
         if type(v) is int or not hasattr(type(v), "__index__"):
             return v
         try:
@@ -1094,7 +1134,7 @@ def _wrap(cls_name: str, name: str, base, synchronous=None):
     def method(self, *args, **kwargs):
         if recorder.paused_now:
             return base(self, *args, **kwargs)
-        args, kwargs = _compacted(args, kwargs) if pickles else _plain_args(args, kwargs)
+        args, kwargs = _plain_peers(*(_compacted(args, kwargs) if pickles else _plain_args(args, kwargs)), dpos, spos)
         dest, source = _peer(args, kwargs, dpos, "dest"), _peer(args, kwargs, spos, "source")
         buf, in_place = _sent_buffer(args, kwargs, dest, pickles)
         noted_as, count, nbytes, head, exact = _message(name, buf, dest, sys._getframe(1))
@@ -1116,7 +1156,7 @@ def _wrap(cls_name: str, name: str, base, synchronous=None):
         if status is not None:
             noted = recorder.note(name, *_in_world(self, dest, _source_of(status)), count, nbytes=nbytes, head=head,
                                   exact=exact)
-        noted = _as_pickled(noted, pickled)
+        noted = _as_pickled(noted, pickled) if pickles else noted
         if name.endswith("_init"):
             _persistent(name, result, buf, (noted, share), f"comm.{name}(){peer}")
         if nonblocking and _open_request(result):
@@ -1212,13 +1252,15 @@ def _pickling_ends(sizes: list[int]) -> int | None:
 
 
 def _as_pickled(noted: Call | None, pickled: int | None) -> Call | None:
-    """A pickled send as recorded, by the bytes mpi4py pickled where the recorder's pickle of the object made
-    others: an object whose __reduce_ex__ answered the recorder with its chunk and mpi4py with 0 was a ring's
-    message of a whole chunk that moved nothing (27/27 beside a hidden all-reduce)."""
-    if noted is None or noted.dest is None or pickled is None or not isinstance(noted.nbytes, int) \
-            or abs(pickled - noted.nbytes) <= PICKLE_TOLERANCE:
+    """A pickled call's send as recorded, by the bytes mpi4py pickled where the recorder's pickle of the object
+    made others: an object whose __reduce_ex__ answered the recorder with its chunk and mpi4py with 0 was a ring's
+    message of a whole chunk that moved nothing (27/27 beside a hidden all-reduce). For pickled calls only."""
+    if noted is None or noted.dest is None or isinstance(pickled, int) and (
+            not isinstance(noted.nbytes, int) or abs(pickled - noted.nbytes) <= PICKLE_TOLERANCE):
         return noted
     recorder.withdraw(noted)
+    if pickled is None:  # no pickle seen (the kit's pickler undone, or its count stopped): counted as nothing
+        return None
     measured = Call(**{**noted.__dict__, "nbytes": pickled})
     recorder.add(measured)
     return measured

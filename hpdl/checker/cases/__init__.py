@@ -178,7 +178,8 @@ class Call:
     count: int | None = None  # elements sent (point-to-point sends), when known
     nbytes: int | None = None  # bytes of the message sent, when known (a pickled object: its pickle)
     head: tuple | str | None = None  # a send's first values (recording.HEAD): what it carried; bytes as hex (RAW)
-    exact: int | None = None  # bytes each value sent needs, where fewer than its own (recording._exact)
+    exact: int | None = None  # bytes each value sent needs, where fewer than its own (recording._exact); of a
+    #                           pickled message, the bytes each value takes beside its own, where not 1 (_framing)
 
 
 class Context:

@@ -259,7 +259,7 @@ def _another_algorithm(ctx, n: int, least: int | None) -> Wrong | None:
     may load some ranks more than others (mpi4py's pickled comm.reduce reduces along a tree to rank 0 and then
     forwards to the root: rank 0 receives about a shard more per owner) and still leave one under the bound."""
     p = ctx.size
-    bound = int(TELLS * max(2 * (p - 1) / p * n * 4, _brought(ctx, n))) + 65536
+    bound = int(TELLS * max(2 * (p - 1) / p * n * 4, _brought(ctx))) + 65536
     if least is None or least <= bound:
         return None
     w = hooks.received_at_most(ctx, bound, "a reduce-scatter of the gradients and an all-gather of the updated shards",
@@ -277,40 +277,28 @@ def _another_algorithm(ctx, n: int, least: int | None) -> Wrong | None:
 PICKLED_VALUE = 9
 
 
-def _brought(ctx, n: int) -> int:
-    """Bytes this rank's recorded calls bring it, in the dtype each call sent: a shard from each other rank by a
-    reduce-scatter or an all-gather (each call already held to a shard by _beyond_a_shard); its share, (p-1)/p, of a
-    Reduce or a Bcast; by hand, what it sends (each rank sends the others what it gets from them). A reduce-scatter
-    of a float64 copy, right, moves twice the bytes ZeRO-1 needs in float32, and scored 0/18; so did a pickled
-    all-gather of the shard as a list or in float64, and a Reduce and a Bcast per shard in float64, or the same by
-    hand. Reduces and broadcasts count up to n values each, as sends are held to theirs (_beyond_a_shard): calls of
-    no use cannot buy room for an all-reduce hidden from the recorder (beside float64 Reduces and Bcasts, 2 ranks
-    received 1.2 times what a whole Bcast each allowed them)."""
-    p, r = ctx.size, ctx.rank
-    total, left = 0, {"reduce": n, "bcast": n}
+def _brought(ctx) -> int:
+    """Bytes this rank's recorded reduce-scatters and all-gathers bring it (each call already held to a shard by
+    _beyond_a_shard): a shard's worth from each other rank, in the dtype the call sent. A reduce-scatter of a
+    float64 copy, right, moves twice the bytes ZeRO-1 needs in float32, and scored 0/18; so did a pickled all-gather
+    of the shard as a list or in float64. Sized by what a rank receives, never by a send buffer, which could claim
+    room for traffic no call accounts for."""
+    p = ctx.size
+    total = 0
     for c in ctx.calls:
-        if not isinstance(c.count, int) or c.count <= 0:
+        gets = c.name.endswith(":mine") or c.name in hooks.ALL_GATHERS
+        if not gets or not isinstance(c.count, int) or c.count <= 0:
             continue
-        each, kind = _bytes_a_value(c), _kind(c.name) if c.dest is None else None
-        if c.name.endswith(":mine") or c.name in hooks.ALL_GATHERS:
-            total += (p - 1) * c.count * each
-        elif kind in left:
-            counted = min(c.count, left[kind])
-            left[kind] -= counted
-            total += (p - 1) * counted * each // p
-        elif c.dest is not None and c.dest != r and isinstance(c.nbytes, int):
-            total += c.nbytes  # on the wire, by wire_agrees
+        sized = isinstance(c.nbytes, int) and c.nbytes > 0
+        if c.name[:1].isupper():
+            each = min(8, c.nbytes // c.count) if sized else 4  # a value: a float64's at most (a derived type of
+            #                                                     n floats, count 1, bought room for an all-reduce)
+        else:  # a pickle's bytes a value, its header aside, at most a list's (float64, a Python float's 9, a numpy
+            #    scalar's 19: recording._framing)
+            most = PICKLED_VALUE if not isinstance(c.exact, int) else c.exact + 8  # numpy scalars' framing beside
+            each = min(most, max(4, (c.nbytes - hooks.PICKLE_SLACK) // c.count)) if sized else 4
+        total += (p - 1) * c.count * each
     return total
-
-
-def _bytes_a_value(c) -> int:
-    """Bytes a value of this call moves: a buffer's own; a pickle's, its header aside, at most a list's (float64,
-    or a Python float's 9); float32's 4 where the bytes are unknown."""
-    if not (isinstance(c.nbytes, int) and c.nbytes > 0):
-        return 4
-    if c.name[:1].isupper():
-        return c.nbytes // c.count
-    return min(PICKLED_VALUE, max(4, (c.nbytes - hooks.PICKLE_SLACK) // c.count))
 
 
 def diagnose(case, ctx):
