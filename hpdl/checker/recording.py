@@ -294,6 +294,7 @@ def _plain_peers(args: tuple, kwargs: dict, dpos, spos) -> tuple[tuple, dict]:
 
 
 def _plain_int(value):
+    """A rank as a Python int where __index__ gives one; anything else as it is (MPI refuses it)."""
     if type(value) is int:
         return value
     try:
@@ -612,8 +613,10 @@ def _nbytes(name: str, buf) -> int | None:
         # [data, type]: as many items of the type as data's bytes hold at its extent (mpi4py's count): a type
         # resized to the whole chunk moved one value and was recorded as the chunk, beside a hidden all-reduce
         return whole // extent * dtype.Get_size() if extent > 0 else whole
-    except Exception:  # no buffer: a torch tensor's bytes by torch's own methods; nothing else's attribute (an
-        torch = sys.modules.get("torch")  # object of the learner's whose nbytes said a chunk, MPI sending 0 by DLPack)
+    except Exception:
+        # no buffer: a torch tensor's bytes, by torch's own methods; no other object's nbytes (one of the learner's
+        # said a chunk while MPI sent 0 by DLPack, beside a hidden all-reduce: 27/27)
+        torch = sys.modules.get("torch")
         if torch is not None and isinstance(buf, torch.Tensor):
             return torch.Tensor.numel(buf) * torch.Tensor.element_size(buf)
         return None
