@@ -1097,8 +1097,9 @@ def _sent_buffer(args, kwargs, dest, pickles: bool) -> tuple:
 
 
 def _plain_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A buffer call's arguments with its message specs made plain (_plain_spec): the send buffer's, and the
-    receive buffer's of a collective in place; what is recorded is what MPI gets."""
+    """A buffer call's arguments with its message specs made plain (_plain_spec): the first two by position (the
+    send buffer, and a collective's receive buffer; a rank there is no spec and stays as it is) and buf, sendbuf,
+    recvbuf by keyword; what is recorded is what MPI gets."""
     args = tuple(_plain_spec(a) if i < 2 else a for i, a in enumerate(args))
     return args, {k: _plain_spec(v) if k in ("buf", "sendbuf", "recvbuf") else v for k, v in kwargs.items()}
 
@@ -1210,7 +1211,7 @@ def _call_mpi(call, comm, args: tuple, kwargs: dict, noted: tuple, pickles: bool
 
 PICKLE_TOLERANCE = 256  # bytes between the recorder's pickle of an object and mpi4py's: none, measured
 _PICKLING = threading.local()  # a stack: the sizes of what mpi4py pickled in each call in progress on this thread
-_PICKLE_SETTINGS: dict[str, Any] = {}  # mpi4py's protocol and threshold as the recording found them
+_PICKLE_SETTINGS: dict[str, Any] = {}  # mpi4py's pickle protocol and threshold, as the recording found them
 
 
 def _kit_dumps(obj, *args, **kwargs) -> bytes:
@@ -1237,9 +1238,10 @@ def _pickling_begins() -> list[int]:
 
     from mpi4py import MPI
 
-    if not _PICKLE_SETTINGS:
-        _PICKLE_SETTINGS.update(protocol=MPI.pickle.PROTOCOL, threshold=MPI.pickle.THRESHOLD)
-    MPI.pickle.__init__(_kit_dumps, pickle.loads, _PICKLE_SETTINGS["protocol"], _PICKLE_SETTINGS["threshold"])
+    if not _PICKLE_SETTINGS:  # as the recording found them (an mpi4py with no THRESHOLD takes three arguments)
+        _PICKLE_SETTINGS["args"] = tuple(getattr(MPI.pickle, a) for a in ("PROTOCOL", "THRESHOLD")
+                                         if hasattr(MPI.pickle, a))
+    MPI.pickle.__init__(_kit_dumps, pickle.loads, *_PICKLE_SETTINGS["args"])
     sizes: list[int] = []
     _PICKLING.stack = [*getattr(_PICKLING, "stack", []), sizes]
     return sizes
