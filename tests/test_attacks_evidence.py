@@ -63,7 +63,7 @@ import pytest
 
 import hpdl
 from hpdl.checker import sandbox
-from hpdl.checker.jobs import FORGED, TELLING
+from hpdl.checker.jobs import FORGED, TELLING, UNWITNESSED
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ALONE = "decided on the MPI calls recorded in them alone"  # the check's note when the wire was not read
@@ -348,6 +348,66 @@ def test_persistent_sends_never_started_move_nothing_and_buy_nothing(no_strays):
     assert FORGED in {c.rejected for c in result.cases}, result
     assert all("moved some other way" in c.message or "outside your process" in c.message
                for c in result.cases), result
+
+
+def test_small_cases_count_only_beside_a_large_case_that_passes(no_strays):
+    """A case too small to show a hidden collective on the wire earns points only if its rank count's large case,
+    which would show one, passes: a ring shown beside MPI's all-reduce called by its address passed every small
+    case while its large case raised on purpose."""
+    result = hpdl.check("ring_allreduce", E.ring_beside_a_large_case_that_raises, ranks=[2])
+    no_points(result)
+    large = [c for c in result.cases if c.params["n"] > 4096]
+    assert [c.verdict for c in large] == ["ERROR"], result
+    small = [c for c in result.cases if c not in large]
+    assert {c.rejected for c in small} == {UNWITNESSED}, result
+    assert all(f"once case {large[0].name} at 2 ranks" in c.message for c in small), result
+
+
+def test_memory_unseen_in_the_small_cases_counts_only_beside_the_case_counted_outside(no_strays):
+    """zero3_unit's smaller cases follow memory in the learner's process, where memory mapped apart is unseen; the
+    case of 16 layers counts it outside the ranks, and raised on purpose (12/15)."""
+    result = hpdl.check("zero3_unit", E.zero3_unseen_where_the_large_case_raises, ranks=[2], grade=True)
+    no_points(result)
+    assert {c.rejected for c in result.cases if c.verdict != "ERROR"} == {UNWITNESSED}, result
+    assert all("counted in their own processes" in c.message for c in result.cases if c.verdict != "ERROR"), result
+
+
+@pytest.mark.parametrize("attack", [E.column_parallel_grad_x_gathered_by_address,
+                                    E.column_parallel_with_no_call_recorded])
+def test_a_column_parallel_layers_values_come_by_its_recorded_collectives(attack, no_strays):
+    """MPI_Allgather called at its address in MPI's library: grad_x's parts gathered so and summed, beside y's
+    recorded all-gather, or every value moved so with no call recorded (15/15 each). What the right results
+    need from the other ranks must be what the recorded collectives could bring."""
+    result = hpdl.check("column_parallel_linear", attack, ranks=[2])
+    no_points(result)
+    assert FORGED in {c.rejected for c in result.cases}, result
+    assert any("moved some other way than your MPI calls" in c.message for c in result.cases), result
+
+
+def test_zero1s_step_comes_by_its_recorded_calls_where_the_bytes_cannot_tell(no_strays):
+    """At 3 ranks a ZeRO-1 step's bytes are too close to data parallelism's to judge: MPI's all-reduce called at
+    its address, beside the recorded all-gather of the updated shards, scored 6/6. The shard's sum must come
+    by a recorded call."""
+    result = hpdl.check("zero1_step", E.zero1_all_reduced_by_address, ranks=[3])
+    no_points(result)
+    assert FORGED in {c.rejected for c in result.cases}, result
+
+
+def test_the_broadcast_arrays_pack_into_nothing_much_smaller():
+    """bcast_binomial's arrays were whole numbers in ±1000 plus a half: packed to 11 bits a value, a linear
+    broadcast called at MPI_Send's address hid its copies within the wire's slack beside a tree of zeros
+    (20/24). Each array now keeps most of its bytes under compression, above the slack in every case."""
+    import zlib
+
+    from hpdl.checker.cases import bcast_binomial, with_nonce
+    from hpdl.checker.hooks import WIRE_SLACK
+
+    for p in (2, 3, 4, 8):
+        for case in bcast_binomial.cases(p):
+            case = with_nonce(case, 20261208)
+            x, root = bcast_binomial.inputs(case, case.params["root"], p)
+            packed = len(zlib.compress(x.tobytes(), 9))
+            assert packed > 0.9 * x.nbytes and packed > 2 * WIRE_SLACK, (case.name, packed, x.nbytes)
 
 
 @pytest.mark.parametrize("attack", [

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 import hpdl
+from hpdl.checker.jobs import UNWITNESSED
 from hpdl.procs import shared_memory_of
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -77,7 +78,9 @@ def test_grade_mode_runs_every_case_after_a_hang(no_strays):
 def test_wrong_chunk_boundaries_are_wrong_only_for_uneven_lengths(no_strays):
     result = hpdl.check("ring_allreduce", L.ring_bad_chunks, ranks=[3, 4])
     for c in result.cases:
-        assert c.verdict == ("WRONG" if c.params["uneven"] else "PASS"), c
+        assert c.verdict == "WRONG", c
+        # right where the length divides evenly, but not counted while the large case (uneven) is wrong
+        assert c.params["uneven"] != (c.rejected == UNWITNESSED), c
     uneven = [c for c in result.cases if c.params["uneven"] and not c.params["short"]]
     assert all("same chunk boundaries" in (c.hint or "") for c in uneven)
     assert any("divides evenly" in h for h in result.hints)

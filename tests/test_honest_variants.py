@@ -62,6 +62,13 @@ WRITTEN_OTHERWISE = [
     ("ring_allreduce", H.ring_by_numpy_counts_and_displacements, [3]),  # numpy's integers in a message spec
     ("ring_allreduce", H.ring_of_interleaved_chunks, [3]),  # chunks of every p-th value
     ("ring_allreduce", H.ring_with_each_chunks_length_sent_first, [3]),  # a header of one value a step
+    # pickled bytes (tobytes) are counted in values of x's dtype by their bytes, pickle's few around them aside
+    ("ring_allreduce", H.ring_pickled_as_bytes, [3]),  # 0/27: "a message of 24 values" for 3 float64
+    ("recursive_doubling", H.recursive_doubling_pickled_as_bytes, [3]),
+    ("ps_exchange", H.ps_pickled_as_bytes, [3]),  # 0/12: "the server sent worker 1 40 values"
+    # a worker may receive what the server's messages to it were recorded to carry: 19 bytes a numpy scalar
+    ("ps_exchange", H.ps_new_parameters_as_numpy_scalars, [3]),  # 0/12 with the large case's 1.9 MB
+    ("pipeline_step", H.pipeline_receives_sized_by_probe, [2, 3]),  # a probe counted as a message received: 0/18
 ]
 
 

@@ -789,7 +789,7 @@ class Runner:
                 self.group.remove()  # its jobs' cgroups first (an exiting one: sandbox.sweep_cgroups retries)
             if not settings.CHECK_KEEP.get():
                 safefiles.remove_tree(tmp)
-        return void_if_forged(results)
+        return void_unwitnessed(void_if_forged(results), self.plan, getattr(self.module, "UNSEEN_IN_SMALL", None))
 
     def _serve(self, tmp: str) -> sidejob.SideJob | None:
         """One fork server for every reference job of the check, where they preload torch and there are
@@ -991,6 +991,33 @@ def void_if_forged(results: dict[int, CaseResult]) -> dict[int, CaseResult]:
                          "memory), or was rewritten by your code (see that case)." if forged else
                          f"Not counted: on {telling.ranks} ranks, case {telling.name} shows an algorithm other than "
                          "the one asked (see that case); the cases that cannot tell them apart earn nothing either.")
+    return results
+
+
+UNWITNESSED = "the larger case that shows what this one cannot (counted once that one passes)"
+# what a case too small cannot show, where a module does not say (its UNSEEN_IN_SMALL)
+UNSEEN_IN_SMALL = "how its values moved (a few bytes hide in MPI's own traffic)"
+
+
+def void_unwitnessed(results: dict[int, CaseResult], plan: dict[int, list[Planned]],
+                     unseen: str | None = None) -> dict[int, CaseResult]:
+    """A rank count whose witness case (Case.witness: too large for a collective to hide in the wire's slack,
+    say) ran and did not pass earns nothing from its other cases: their bytes hide in MPI's own traffic, so a
+    collective called where the recorder cannot see it passed them beside a show of the asked messages, while
+    the one case that would have shown it raised on purpose (6/27 on the ring). Right code passes its witness;
+    code wrong there is told which case to fix first. `unseen`: what the smaller cases cannot show."""
+    for size, todo in plan.items():
+        witnessed = [results[p.index] for p in todo if p.case.witness and p.index in results]
+        if size < 2 or not witnessed or any(w.verdict.earns_points for w in witnessed):
+            continue
+        w = witnessed[0]
+        for p in todo:
+            r = results.get(p.index)
+            if r is not None and not p.case.witness and r.verdict.earns_points:
+                r.verdict, r.points, r.rejected = Verdict.WRONG, 0.0, UNWITNESSED
+                r.message = (f"Not counted yet: your result was right, but at {size} ranks this case cannot show "
+                             f"{unseen or UNSEEN_IN_SMALL}. It counts once case {w.name} at {size} ranks, which can, "
+                             f"passes (it ended {w.verdict}: see that case).")
     return results
 
 

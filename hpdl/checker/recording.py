@@ -339,7 +339,21 @@ def _source_of(status) -> int | None:
     return source if isinstance(source, int) and source >= 0 else None
 
 
-_COMM_BASE: dict[str, Any] = {}  # MPI's own Comm.Is_inter, Comm.Get_group, Intercomm.Get_remote_group (_patch_mpi)
+_COMM_BASE: dict[str, Any] = {}  # MPI's own Is_inter, Get_group, Get_size, Intercomm.Get_remote_group (_patch_mpi)
+
+
+def _alone(comm) -> bool:
+    """Whether `comm` holds this rank alone (COMM_SELF, a split of one) while the job has others, by MPI's own
+    answers: a collective on it moves nothing to or from another rank, so it is recorded as carrying nothing.
+    float64 Reduces of a shard each on COMM_SELF counted a shard's worth each (room for MPI's all-reduce called
+    at its address: zero1_step 12/12)."""
+    from mpi4py import MPI
+
+    try:
+        return (not _COMM_BASE["inter"](comm) and _COMM_BASE["size"](comm) == 1
+                and _COMM_BASE["size"](MPI.COMM_WORLD) > 1)
+    except Exception:  # noqa: BLE001 - not MPI's communicator: counted as it says
+        return False
 
 
 def _in_world(comm, dest, source):
@@ -1144,6 +1158,8 @@ def _wrap(cls_name: str, name: str, base, synchronous=None):
         noted_as, count, nbytes, head, exact = _message(name, buf, dest, sys._getframe(1))
         if in_place and name in _GATHERS_IN_PLACE and isinstance(count, int):  # this rank's part of the whole
             count, nbytes = (-(-v // max(1, _size(self))) if isinstance(v, int) else None for v in (count, nbytes))
+        if dest is None and name in COLLECTIVES and _alone(self):
+            count, nbytes = 0, 0
         status = None
         if name in _STATUS_AT and source is None:  # from any source: recorded once it is known
             args, kwargs, status = _with_status(args, kwargs, _STATUS_AT[name])
@@ -1279,7 +1295,8 @@ def _type_dict(cls) -> dict:
 def _patch_mpi(forbid_windows: bool) -> None:
     from mpi4py import MPI
 
-    _COMM_BASE.update(inter=MPI.Comm.Is_inter, group=MPI.Comm.Get_group, remote=MPI.Intercomm.Get_remote_group)
+    _COMM_BASE.update(inter=MPI.Comm.Is_inter, group=MPI.Comm.Get_group, remote=MPI.Intercomm.Get_remote_group,
+                      size=MPI.Comm.Get_size)
     names = set(_P2P) | set(COLLECTIVES) | set(COMMUNICATOR_MAKERS)
     for cls_name in ("Comm", "Intracomm", "Intercomm", "Topocomm", "Cartcomm", "Graphcomm", "Distgraphcomm"):
         cls = getattr(MPI, cls_name, None)

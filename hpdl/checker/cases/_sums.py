@@ -44,7 +44,7 @@ def sum_cases(size: int) -> list[Case]:
             kind = "divisible"
         cases.append(Case(f"n={n} {dtype} ({kind})", {"n": n, "dtype": dtype, "seed": seed, "uneven": n % p != 0,
                                                         "short": n < p}, hidden=hidden, points=one_rank_points(p),
-                          timeout=LARGE_TIMEOUT if kind == "large" else None))
+                          timeout=LARGE_TIMEOUT if kind == "large" else None, witness=kind == "large"))
     return cases
 
 

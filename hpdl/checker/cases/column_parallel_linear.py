@@ -145,7 +145,27 @@ def verify(case, ctx):
                              "grad_x, never the weight itself, which is what tensor parallelism keeps apart.")
     if w is not None and case.params["out"] * case.params["fan_in"] >= TELLING_WEIGHT:
         w.telling = True  # the weight gathered shows here; in the small cases it hides among the activations
-    return w or _grad_x_not_gathered(case, ctx)
+    return w or _moved_by_its_calls(case, ctx) or _grad_x_not_gathered(case, ctx)
+
+
+def _moved_by_its_calls(case, ctx) -> Wrong | None:
+    """WRONG (forged: no case counts) when this rank's recorded collectives could not have brought what its right
+    results need from the other ranks: their columns of y, and grad_x's sum (a reduce-scatter's share from each,
+    at the least). MPI's collectives called at their address in its library have no Python name to record:
+    every value all-gathered so (15/15 with no call recorded), or grad_x's parts gathered so and summed here
+    beside y's recorded all-gather (15/15)."""
+    p = ctx.size
+    if p < 2 or ctx.wire is None:  # unmetered: the calls' sizes were not noted
+        return None
+    batch, fan_in, out = case.params["batch"], case.params["fan_in"], case.params["out"]
+    lo, hi = rows_of(ctx.rank, p, out)
+    needed = batch * (out - (hi - lo)) + batch * fan_in * (p - 1) // p
+    moved = hooks.brought_by_collectives(ctx.calls, p, part_slack=batch)  # another rank's part: a row more
+    if moved >= needed:
+        return None
+    return Wrong(f"rank {ctx.rank}'s recorded MPI calls could bring it at most {moved} values from the other ranks, "
+                 f"but its right y and grad_x need at least {needed} of theirs: the values moved some other way "
+                 "than your MPI calls", forged=True)
 
 
 _GATHERS = hooks.ALL_GATHERS  # every rank receives every rank's part

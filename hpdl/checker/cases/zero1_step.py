@@ -66,7 +66,7 @@ def cases(size):
         Case("n = 3: fewer elements than ranks", {"n": 3, "seed": 4}, hidden=True, slow_factor=slow, points=points),
         Case("n = 4099", {"n": 4099, "seed": 5}, hidden=True, slow_factor=slow, points=points),
         Case(f"n = {LARGE}: what reaches a rank tells the algorithm", {"n": LARGE, "seed": 6}, hidden=True,
-             slow_factor=slow, points=points),
+             slow_factor=slow, points=points, witness=True),
     ]
 
 
@@ -143,6 +143,7 @@ def verify(case, ctx):
     n, p = case.params["n"], ctx.size
     tells = n >= LARGE and p > 1 and p & (p - 1) == 0  # at 3 ranks, p Reduces along trees take 1.75×: too close
     least = _least_received(ctx) if tells else None  # collective: on every rank, before any early return
+    everyone = hooks.gather_calls(ctx) if p > 1 and ctx.wire is not None else None  # and this one
     got = ctx.got
     if not isinstance(got, (list, tuple)) or len(got) != 2:
         return Wrong(f"returned {hooks._describe(got)}; expected a tuple (params, momentum)")
@@ -153,7 +154,26 @@ def verify(case, ctx):
     lo, hi = shard_of(ctx.rank, p, n)
     return (_beyond_a_shard(ctx, n) or _gathered_once(ctx, n)
             or hooks.received_at_least(ctx, (n - (hi - lo)) * 4, "the other ranks' updated shards")
-            or _another_algorithm(ctx, n, least))
+            or _moved_by_its_calls(ctx, n, everyone) or _another_algorithm(ctx, n, least))
+
+
+def _moved_by_its_calls(ctx, n: int, everyone: list[list] | None) -> Wrong | None:
+    """WRONG (forged: no case counts) when this rank's recorded calls could not have brought what its right step
+    needs from the other ranks: its shard's sum over their gradients (a reduce-scatter's share, at the least) and
+    their updated shards. MPI's all-reduce called at its address in its library, beside a recorded all-gather,
+    scored 6/6 at 3 ranks, where the bytes on the wire are too close to tell (_another_algorithm). Counted by the
+    recorder's counts, generously (hooks.brought_by_collectives), and by what the other ranks' recorded sends to
+    this rank carried (a reduce-scatter by hand)."""
+    if everyone is None:  # one rank, or unmetered: no send's bytes noted
+        return None
+    lo, hi = shard_of(ctx.rank, ctx.size, n)
+    needed = (hi - lo) + (n - (hi - lo))
+    moved = hooks.brought_by_collectives(ctx.calls, ctx.size) + hooks.brought_by_sends(everyone, ctx.rank, 4)
+    if moved >= needed:
+        return None
+    return Wrong(f"rank {ctx.rank}'s recorded MPI calls could bring it at most {moved} values from the other ranks, "
+                 f"but its right step needs at least {needed} (its shard's sum of their gradients, and their updated "
+                 "shards): the values moved some other way than your MPI calls", forged=True)
 
 
 # what each kind of collective call says when it carries more than a shard (the recorder's count): (message, hint)
