@@ -343,7 +343,7 @@ def _messages(ctx) -> Wrong | None:
     return None
 
 
-PROBES = ("Probe", "Iprobe")
+PROBES = ("Probe", "Iprobe", "probe", "iprobe")
 # values: a message this small is a header (a micro-batch's shape sent first), never a micro-batch (WIDTH a row)
 HEADER = 4
 
