@@ -444,6 +444,17 @@ def brought_by_collectives(calls, size: int, part_slack: int = 1) -> int:
     return moved
 
 
+def brought_too_little(ctx, moved: int, needed: int, what: str) -> Wrong | None:
+    """WRONG (forged: no case counts) when the values this rank's recorded calls could bring it (`moved`:
+    brought_by_collectives, brought_by_sends) are fewer than its right result needs from the other ranks (`what`:
+    the result and its verb, "its right y needs")."""
+    if moved >= needed:
+        return None
+    return Wrong(f"rank {ctx.rank}'s recorded MPI calls could bring it at most {moved} values from the other ranks, "
+                 f"but {what} at least {needed} of theirs: the values moved some other way than your MPI calls",
+                 forged=True)
+
+
 def brought_by_sends(everyone: list[list], rank: int, item: int) -> int:
     """Values of `item` bytes the other ranks' recorded point-to-point sends to this rank carried (everyone:
     gather_calls)."""

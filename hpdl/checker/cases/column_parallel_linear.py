@@ -161,11 +161,7 @@ def _moved_by_its_calls(case, ctx) -> Wrong | None:
     lo, hi = rows_of(ctx.rank, p, out)
     needed = batch * (out - (hi - lo)) + batch * fan_in * (p - 1) // p
     moved = hooks.brought_by_collectives(ctx.calls, p, part_slack=batch)  # another rank's part: a row more
-    if moved >= needed:
-        return None
-    return Wrong(f"rank {ctx.rank}'s recorded MPI calls could bring it at most {moved} values from the other ranks, "
-                 f"but its right y and grad_x need at least {needed} of theirs: the values moved some other way "
-                 "than your MPI calls", forged=True)
+    return hooks.brought_too_little(ctx, moved, needed, "its right y and grad_x need")
 
 
 _GATHERS = hooks.ALL_GATHERS  # every rank receives every rank's part

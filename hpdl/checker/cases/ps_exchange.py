@@ -138,9 +138,8 @@ def _one_vector_each_way(ctx, everyone: list[list]):
                              hint="the server averages the gradients and takes the step itself, then sends each "
                                   "worker the new parameters: one vector, not the workers' gradients.")
         return None
-    # room for the n values in float64 whatever their dtype (the server's messages are held to n values above,
-    # and to what the kernel saw it send: wire_agrees)
-    # those messages were held to n values at the server (above) and to the bytes it sent (wire_agrees)
+    # room for the n values in float64 whatever their dtype, or for what the server's messages to this worker
+    # carried (held to n values above, and to what the kernel saw it send: wire_agrees)
     recorded = hooks.recorded_with_peers(everyone[0], 0).get(ctx.rank, [0, 0])[0] if everyone else 0
     return hooks.received_at_most(ctx, max(int(1.25 * ctx.expected.size * 8), recorded) + hooks.WIRE_SLACK,
                                   "the new parameters from the server",

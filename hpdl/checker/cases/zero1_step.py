@@ -166,14 +166,10 @@ def _moved_by_its_calls(ctx, n: int, everyone: list[list] | None) -> Wrong | Non
     this rank carried (a reduce-scatter by hand)."""
     if everyone is None:  # one rank, or unmetered: no send's bytes noted
         return None
-    lo, hi = shard_of(ctx.rank, ctx.size, n)
-    needed = (hi - lo) + (n - (hi - lo))
+    # its shard's sum (a share from each other rank) and their updated shards: n values; float32 sends
     moved = hooks.brought_by_collectives(ctx.calls, ctx.size) + hooks.brought_by_sends(everyone, ctx.rank, 4)
-    if moved >= needed:
-        return None
-    return Wrong(f"rank {ctx.rank}'s recorded MPI calls could bring it at most {moved} values from the other ranks, "
-                 f"but its right step needs at least {needed} (its shard's sum of their gradients, and their updated "
-                 "shards): the values moved some other way than your MPI calls", forged=True)
+    return hooks.brought_too_little(ctx, moved, n, "its right step (its shard's sum of their gradients, and their "
+                                                    "updated shards) needs")
 
 
 # what each kind of collective call says when it carries more than a shard (the recorder's count): (message, hint)
