@@ -141,8 +141,12 @@ _NAMES = ("params", "momentum")
 
 def verify(case, ctx):
     n, p = case.params["n"], ctx.size
-    tells = n >= LARGE and p > 1 and p & (p - 1) == 0  # at 3 ranks, p Reduces along trees take 1.75×: too close
-    least = _least_received(ctx) if tells else None  # collective: on every rank, before any early return
+    large = n >= LARGE and p > 1
+    least = _least_received(ctx) if large else None  # collective: on every rank, before any early return
+    # at 3 ranks p Reduces along trees take 1.75× what ZeRO-1 needs, an all-reduce 2.0×: too close, so there a rank
+    # that reduced by Reduce calls is not judged by its bytes (one with a Reduce_scatter, 1.0×, is: an all-reduce
+    # by MPI's address beside it scored 6/6 at 3 ranks)
+    tells = large and (p & (p - 1) == 0 or not any(c.name in REDUCES and (c.count or 0) > 0 for c in ctx.calls))
     everyone = hooks.gather_calls(ctx) if p > 1 and ctx.wire is not None else None  # and this one
     got = ctx.got
     if not isinstance(got, (list, tuple)) or len(got) != 2:
@@ -154,7 +158,7 @@ def verify(case, ctx):
     lo, hi = shard_of(ctx.rank, p, n)
     return (_beyond_a_shard(ctx, n) or _gathered_once(ctx, n)
             or hooks.received_at_least(ctx, (n - (hi - lo)) * 4, "the other ranks' updated shards")
-            or _moved_by_its_calls(ctx, n, everyone) or _another_algorithm(ctx, n, least))
+            or _moved_by_its_calls(ctx, n, everyone) or _another_algorithm(ctx, n, least if tells else None))
 
 
 def _moved_by_its_calls(ctx, n: int, everyone: list[list] | None) -> Wrong | None:
