@@ -7,6 +7,7 @@ and adds the hints. Client side: nothing here runs on a rank.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import re
@@ -309,8 +310,6 @@ def _case_notes(name: str, ordered: list, only, left_out: int, grading: bool) ->
 def right_by_their_values(ordered: list) -> list:
     """The results as a module's explain() reads them: a case not counted only because its rank count's witness
     did not pass (jobs.void_unwitnessed) was right, and a pattern of right and wrong cases tells the mistake."""
-    import dataclasses
-
     return [dataclasses.replace(c, verdict=Verdict.PASS) if c.rejected == UNWITNESSED else c for c in ordered]
 
 

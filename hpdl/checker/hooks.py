@@ -476,15 +476,15 @@ def values_sent(ctx) -> dict[int, list[int]]:
     for c in ctx.calls:
         if c.dest is None or c.dest == ctx.rank:
             continue
-        typed = typed_values(c, item)
-        if typed is None:
-            typed = pickled_bytes_values(c, item)
+        by_bytes = typed_values(c, item)  # a buffer's values, or pickled bytes' (x.tobytes()), read by their bytes
+        if by_bytes is None:
+            by_bytes = pickled_bytes_values(c, item)
         # a pickled list spends one byte more a value than the value's own (a Python float: 9 bytes): x.tolist()
         # sent by comm.sendrecv read as 1.125 times the vector and failed right code
         # and a numpy scalar's 11 (list(chunk): recording._framing)
         framing = c.exact if c.name[:1].islower() and isinstance(c.exact, int) else 1
         data = (c.nbytes or 0) - PICKLE_SLACK - (c.count or 0) * framing
-        out.setdefault(int(c.dest), []).append(typed if typed is not None else max(c.count or 0, data // item))
+        out.setdefault(int(c.dest), []).append(by_bytes if by_bytes is not None else max(c.count or 0, data // item))
     return out
 
 
